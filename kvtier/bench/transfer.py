@@ -1,0 +1,82 @@
+"""Pool <-> mirror transfer throughput against one contiguous copy_ of the same bytes.
+
+Geometry: Llama-3-8B-like, scaled to fit (8 layers, 8 KV heads, head_dim 128, fp16, page 64),
+~1 GiB of pages in random order. Run: python benchmarks/transfer.py [--gib 1.0]  (or: tierctl bench transfer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvtier.tiers.mirror import HostMirror, MirrorConfig
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+
+
+def best_of(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, float]:
+    layers, heads, dim = 8, 8, 128
+    token_bytes = layers * 2 * heads * dim * 2
+    pages = max(2, int(gib * (1 << 30)) // (token_bytes * page_size))
+    size = pages * page_size
+    pool = DeviceKVPool(PoolConfig(size=size, num_layers=layers, page_size=page_size,
+                                   num_kv_heads=heads, head_dim=dim, dtype="float16"))
+    for layer in pool.buffers:
+        for b in layer:
+            b.normal_()
+    nbytes = size * token_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.fill_(0)
+    memcpy = nbytes / best_of(lambda: dst.copy_(src), repeat) / 1e9
+    del src, dst
+    g = torch.Generator().manual_seed(0)
+    dev_pages = torch.randperm(pages, generator=g) + 1
+    offsets = torch.arange(page_size)
+    dev = (dev_pages[:, None] * page_size + offsets).flatten()
+    print(f"{pages} pages of {page_size} tokens, {nbytes / 2**30:.2f} GiB; memcpy {memcpy:.2f} GB/s")
+    results = {"memcpy": memcpy}
+    for layout in ("page_first", "layer_first"):
+        for io in ("direct", "kernel"):
+            mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout, io=io))
+            host_pages = torch.randperm(pages, generator=g) + 1
+            host = (host_pages[:, None] * page_size + offsets).flatten()
+            backup = nbytes / best_of(lambda: mirror.backup(pool, dev, host), repeat) / 1e9
+            def load_all_layers():
+                for layer in range(layers):
+                    mirror.load_layer(pool, host, dev, layer)
+            load = nbytes / best_of(load_all_layers, repeat) / 1e9
+            path = io if mirror.io == io else f"{io}->{mirror.io}"
+            print(f"{layout:12s} {path:16s} backup {backup:6.2f} GB/s ({backup / memcpy:.2f}x)  "
+                  f"load {load:6.2f} GB/s ({load / memcpy:.2f}x)")
+            results[f"{layout}/{io}/backup"] = backup / memcpy
+            results[f"{layout}/{io}/load"] = load / memcpy
+            del mirror
+    best_backup = max(v for k, v in results.items() if k.endswith("/backup"))
+    best_load = max(v for k, v in results.items() if k.endswith("/load"))
+    print(f"transfer: best backup {best_backup:.2f}x memcpy, best load {best_load:.2f}x memcpy")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    run(args.gib, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

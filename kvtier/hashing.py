@@ -1,0 +1,126 @@
+"""Page hash chains, namespace ids and L3 keys (DESIGN §5).
+
+    page_hash[i] = H(page_hash[i-1] ‖ namespace id ‖ extra key ‖ tokens of page i)
+
+`page_hash[-1]` is a fixed seed. Every input is a tagged, length-prefixed field, so two
+different (extra key, tokens) pairs can never encode to the same bytes. Hashes are a pure
+function of their inputs: never Python's `hash()`, never seeded per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import KvtierConfigError, StoreKeyError
+
+HashAlgo = Literal["sha256", "xxh3_128"]
+HASH_ALGOS: tuple[str, ...] = ("sha256", "xxh3_128")
+KEY_FORMAT_VERSION = 1
+SEED = b"kvtier/page-hash-chain/v1"
+NAMESPACE_ID_HEX = 32
+
+_KEY_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*)/(?P<ns>[0-9a-f]{32})/(?P<hash>[0-9a-f]{32}|[0-9a-f]{64})$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*$")
+
+
+def _field(tag: bytes, value: bytes) -> bytes:
+    return tag + struct.pack("<I", len(value)) + value
+
+
+def token_bytes(tokens: np.ndarray) -> bytes:
+    """Canonical encoding of token ids: little-endian uint32."""
+    return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+
+
+@dataclass(slots=True, frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a page. Two caches share pages only if equal."""
+
+    model_id: str
+    dtype: str
+    layout: str
+    page_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant_salt: str | None = None
+    key_format_version: int = KEY_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise KvtierConfigError(f"namespace.page_size={self.page_size!r}: must be an integer >= 1")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise KvtierConfigError(f"namespace.tp_rank={self.tp_rank!r}: must be in [0, tp_size={self.tp_size})")
+
+    @property
+    def id(self) -> str:
+        """32 hex digits naming this namespace in keys and page frames."""
+        h = hashlib.sha256(b"kvtier/namespace")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            h.update(_field(f.name.encode(), b"\x00" if value is None else b"\x01" + str(value).encode()))
+        return h.hexdigest()[:NAMESPACE_ID_HEX]
+
+
+def _hasher(algo: str):
+    if algo == "sha256":
+        return hashlib.sha256
+    if algo == "xxh3_128":
+        return xxhash.xxh3_128
+    raise KvtierConfigError(f"hash_algo={algo!r}: allowed values are {', '.join(HASH_ALGOS)}")
+
+
+def page_hashes(
+    tokens: np.ndarray,
+    page_size: int,
+    namespace_id: str,
+    extra_key: str | None = None,
+    prev: bytes | None = None,
+    algo: str = "sha256",
+) -> list[bytes]:
+    """Hash chain of the *whole* pages of `tokens`, continuing from `prev` (None = seed)."""
+    new = _hasher(algo)
+    ns = _field(b"ns", namespace_id.encode())
+    extra = _field(b"ek", b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
+    data = token_bytes(tokens)
+    step = 4 * page_size
+    out: list[bytes] = []
+    h_prev = SEED if prev is None else prev
+    for start in range(0, (len(tokens) // page_size) * step, step):
+        h = new()
+        h.update(_field(b"pv", h_prev) + ns + extra)
+        h.update(_field(b"tk", data[start:start + step]))
+        h_prev = h.digest()
+        out.append(h_prev)
+    return out
+
+
+def make_key(prefix: str, namespace_id: str, page_hash: bytes) -> str:
+    """`<prefix>/<namespace id>/<hex page hash>`, validated."""
+    if not _PREFIX_RE.match(prefix):
+        raise KvtierConfigError(
+            f"key prefix={prefix!r}: allowed are path segments of [A-Za-z0-9_.-] separated by '/'"
+        )
+    return validate_key(f"{prefix}/{namespace_id}/{page_hash.hex()}")
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it has the L3 key form; raise StoreKeyError naming it otherwise."""
+    if not isinstance(key, str) or not _KEY_RE.match(key) or any(seg in (".", "..") for seg in key.split("/")):
+        raise StoreKeyError(
+            f"key={key!r}: expected '<prefix>/<32 hex namespace id>/<32 or 64 hex page hash>'"
+        )
+    return key
+
+
+def split_key(key: str) -> tuple[str, str, bytes]:
+    """(prefix, namespace id, page hash) of a validated key."""
+    m = _KEY_RE.match(validate_key(key))
+    assert m is not None
+    return m["prefix"], m["ns"], bytes.fromhex(m["hash"])

@@ -1,0 +1,195 @@
+"""Slot allocators. Slot 0 is padding and never handed out.
+
+Contracts shared by both allocators:
+- `alloc` returns a 1-D int64 tensor, or None on shortage with no side effect.
+- `free` takes back what `alloc` gave; released slots are merged lazily (one concat +
+  sort when the free list runs short), so frees on the hot path cost one list append.
+- `available_size()` is exact at every moment.
+- Debug mode (constructor flag or env KVTIER_DEBUG_POOL=1) raises on a double free, on
+  freeing slot 0 and on an index out of range.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from kvtier.tiers.indices import check_indices, check_size
+
+
+def _debug_default() -> bool:
+    return os.environ.get("KVTIER_DEBUG_POOL", "") not in ("", "0")
+
+
+class _FreeList:
+    """Free units (slots or pages) 1..n as a sorted tensor plus lazily merged releases."""
+
+    def __init__(self, n: int, debug: bool) -> None:
+        self.n = n
+        self.debug = debug
+        self.free = torch.arange(1, n + 1, dtype=torch.int64)
+        self.released: list[torch.Tensor] = []
+        self.released_count = 0
+        self.group: list[torch.Tensor] | None = None
+        self.held = torch.zeros(n + 1, dtype=torch.bool) if debug else None
+
+    def available(self) -> int:
+        return self.free.numel() + self.released_count
+
+    def take(self, k: int) -> torch.Tensor | None:
+        if k > self.available():
+            return None
+        if k > self.free.numel():
+            self.merge()
+        out, self.free = self.free[:k], self.free[k:]
+        if self.held is not None:
+            self.held[out] = True
+        return out
+
+    def give(self, units: torch.Tensor, what: str) -> None:
+        if units.numel() == 0:
+            return
+        if self.held is not None:
+            self._check(units, what)
+            self.held[units] = False
+        if self.group is not None:
+            self.group.append(units)
+            return
+        self.released.append(units)
+        self.released_count += units.numel()
+
+    def _check(self, units: torch.Tensor, what: str) -> None:
+        bad = units[(units < 1) | (units > self.n)]
+        if bad.numel():
+            raise ValueError(f"free: {what} {bad[:8].tolist()} out of range 1..{self.n} (0 is padding)")
+        if torch.unique(units).numel() != units.numel():
+            raise ValueError(f"free: {what} listed twice in one call (double free)")
+        not_held = units[~self.held[units]]
+        if not_held.numel():
+            raise ValueError(f"free: {what} {not_held[:8].tolist()} are not allocated (double free?)")
+
+    def merge(self) -> None:
+        if self.released:
+            self.free = torch.sort(torch.cat([self.free, *self.released])).values
+            self.released.clear()
+            self.released_count = 0
+
+    @contextmanager
+    def grouped(self) -> Iterator[None]:
+        outer = self.group
+        self.group = [] if outer is None else outer
+        try:
+            yield
+        finally:
+            if outer is None:
+                batch, self.group = self.group, None
+                if batch:
+                    merged = torch.cat(batch)
+                    self.released.append(merged)
+                    self.released_count += merged.numel()
+
+
+class TokenAllocator:
+    """Token-granular slots 1..size."""
+
+    def __init__(self, size: int, debug: bool | None = None) -> None:
+        self.size = check_size("size", size)
+        self._free = _FreeList(size, _debug_default() if debug is None else debug)
+
+    def available_size(self) -> int:
+        return self._free.available()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        check_size("n", n, minimum=0)
+        return self._free.take(n)
+
+    def free(self, indices: torch.Tensor) -> None:
+        self._free.give(check_indices("indices", indices), "slots")
+
+    def free_group(self):
+        """`with alloc.free_group(): ...` batches every free inside into one concat."""
+        return self._free.grouped()
+
+    def clear(self) -> None:
+        self._free = _FreeList(self.size, self._free.debug)
+
+
+class PagedAllocator:
+    """Page-granular slots: page p holds slots [p*page_size, (p+1)*page_size); page 0 is padding.
+
+    A request's tokens fill its last partial page before a new page is taken, so the KV of
+    one page is always contiguous in the pool.
+    """
+
+    def __init__(self, size: int, page_size: int, debug: bool | None = None) -> None:
+        check_size("size", size)
+        self.page_size = check_size("page_size", page_size)
+        if size % page_size:
+            raise ValueError(f"size={size}: must be a multiple of page_size={page_size}")
+        self.size = size
+        self.num_pages = size // page_size
+        self._free = _FreeList(self.num_pages, _debug_default() if debug is None else debug)
+
+    def available_size(self) -> int:
+        return self._free.available() * self.page_size
+
+    def _slots(self, pages: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages[:, None] * self.page_size + offsets).flatten()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` slots (a multiple of page_size) as whole pages."""
+        check_size("n", n, minimum=0)
+        if n % self.page_size:
+            raise ValueError(f"alloc: n={n} must be a multiple of page_size={self.page_size}")
+        pages = self._free.take(n // self.page_size)
+        return None if pages is None else self._slots(pages)
+
+    def alloc_extend(
+        self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for tokens [prefix_len, seq_len) of each request, concatenated.
+
+        `last_loc[i]` is the slot of request i's last prefix token (ignored when its prefix
+        ends on a page boundary). Tokens continue in that page, then take whole new pages.
+        """
+        ps = self.page_size
+        if not len(prefix_lens) == len(seq_lens) == len(last_loc):
+            raise ValueError(
+                f"alloc_extend: prefix_lens, seq_lens, last_loc differ in length "
+                f"({len(prefix_lens)}, {len(seq_lens)}, {len(last_loc)})"
+            )
+        for i, (p, s) in enumerate(zip(prefix_lens, seq_lens)):
+            if not 0 <= p <= s:
+                raise ValueError(f"alloc_extend: request {i} has prefix_len={p} > seq_len={s}")
+        need = sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix_lens, seq_lens))
+        pages = self._free.take(need)
+        if pages is None:
+            return None
+        out, cursor = [], 0
+        for p, s, last in zip(prefix_lens, seq_lens, last_loc):
+            in_page = min(s, -(-p // ps) * ps) - p  # tokens that fit the partial last page
+            if in_page:
+                out.append(torch.arange(last + 1, last + 1 + in_page, dtype=torch.int64))
+            k = -(-s // ps) - -(-p // ps)
+            out.append(self._slots(pages[cursor:cursor + k])[: s - p - in_page])
+            cursor += k
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+
+    def alloc_decode(self, seq_lens: list[int], last_loc: list[int]) -> torch.Tensor | None:
+        """One slot per request for token seq_len-1 (seq_lens include the new token)."""
+        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_loc)
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free the pages that `indices` touch (a partial tail page frees its whole page)."""
+        check_indices("indices", indices)
+        self._free.give(torch.unique(indices // self.page_size), "pages")
+
+    def free_group(self):
+        return self._free.grouped()
+
+    def clear(self) -> None:
+        self._free = _FreeList(self.num_pages, self._free.debug)

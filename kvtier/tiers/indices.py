@@ -1,0 +1,42 @@
+"""The one join type: a 1-D int64 tensor of slot indices (DESIGN §2)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_indices(name: str, indices: object, length: int | None = None) -> torch.Tensor:
+    """Return `indices` if it is a 1-D int64 tensor (of `length`, when given); else ValueError."""
+    if not isinstance(indices, torch.Tensor):
+        raise ValueError(f"{name}: expected a 1-D torch.int64 tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int64 or indices.dim() != 1:
+        raise ValueError(
+            f"{name}: expected a 1-D torch.int64 tensor, got dtype={indices.dtype} shape={tuple(indices.shape)}"
+        )
+    if length is not None and indices.numel() != length:
+        raise ValueError(f"{name}: expected {length} indices, got {indices.numel()}")
+    return indices
+
+
+def check_size(name: str, value: object, minimum: int = 1) -> int:
+    """Return `value` if it is an int >= minimum (bools refused); else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tuple[int, int, int]]:
+    """Merge index pairs into runs `(src_start, dst_start, length)` where both advance by 1.
+
+    With `split_every` > 0, a run never crosses a multiple of it in `dst` (page boundaries
+    of a page-first mirror, where consecutive slots of two pages are not adjacent in memory).
+    """
+    n = src.numel()
+    if n == 0:
+        return []
+    breaks = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)
+    if split_every > 1:
+        breaks |= dst[1:] % split_every == 0
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks).flatten() + 1])
+    lengths = torch.diff(starts, append=torch.tensor([n]))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))

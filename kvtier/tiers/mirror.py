@@ -1,0 +1,188 @@
+"""The host mirror: a copy of device KV in host memory, page-granular.
+
+Layouts (each `(layer, part)` is exposed as a `[pages, page_size, width]` view):
+- `layer_first`: per part one `[layers, slots, width]` tensor — cheap per-layer loads.
+- `page_first`: one `[pages, layers * page_size * sum(widths)]` tensor — a page's bytes for
+  all layers are contiguous, so L3 reads and writes a page without copying.
+Page 0 (slots 0..page_size-1) is padding, as in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvtier.tiers.allocator import PagedAllocator
+from kvtier.tiers.indices import check_indices, runs
+from kvtier.tiers.pool import DeviceKVPool
+
+log = logging.getLogger(__name__)
+
+Layout = Literal["layer_first", "page_first"]
+IoPath = Literal["direct", "kernel"]
+
+
+@dataclass(slots=True, frozen=True)
+class MirrorConfig:
+    ratio: float = 2.0
+    size_bytes: int | None = None
+    layout: Layout = "page_first"
+    io: IoPath = "direct"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("layer_first", "page_first"):
+            raise ValueError(f"layout={self.layout!r}: allowed values are layer_first, page_first")
+        if self.io not in ("direct", "kernel"):
+            raise ValueError(f"io={self.io!r}: allowed values are direct, kernel")
+        if self.size_bytes is None and not (isinstance(self.ratio, (int, float)) and self.ratio > 0):
+            raise ValueError(f"ratio={self.ratio!r}: must be a number > 0")
+        if self.size_bytes is not None and (not isinstance(self.size_bytes, int) or self.size_bytes <= 0):
+            raise ValueError(f"size_bytes={self.size_bytes!r}: must be an integer > 0")
+
+
+def available_memory() -> int:
+    """Bytes the OS says a new allocation can take (MemAvailable), or physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class HostMirror:
+    """Host copy of the pool's KV. Owns its page allocator; transfers take slot-index pairs."""
+
+    def __init__(self, pool: DeviceKVPool, config: MirrorConfig = MirrorConfig()) -> None:
+        self.config = config
+        self.pool_config = pc = pool.config
+        self.page_size = ps = pc.page_size
+        self.widths = pc.part_widths
+        self.num_layers = pc.num_layers
+        self.dtype = pool.dtype
+        self.page_bytes = ps * sum(self.widths) * self.num_layers * self.dtype.itemsize
+        if config.size_bytes is not None:
+            pages = config.size_bytes // self.page_bytes
+        else:
+            pages = int(pc.size * config.ratio) // ps
+        if pages < 1:
+            raise ValueError(f"mirror size: {config.size_bytes or config.ratio} gives 0 pages of {self.page_bytes} bytes")
+        self.size = pages * ps
+        asked, avail = (pages + 1) * self.page_bytes, available_memory()
+        if asked > avail:
+            raise MemoryError(f"host mirror needs {asked} bytes but only {avail} bytes are available")
+        self.allocator = PagedAllocator(self.size, ps)
+        self.pinned = torch.cuda.is_available()
+        if not self.pinned:
+            log.info("host mirror in plain memory: CUDA is not available, so it is not pinned")
+        self._views = self._allocate(pages + 1)
+        self.io = config.io
+        if self.io == "kernel" and pool.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            # Triton has no CPU backend; its interpreter (tests) is the one way to run it here.
+            log.info("io=kernel needs a GPU device; the CPU pool uses the direct path")
+            self.io = "direct"
+
+    def _allocate(self, pages: int) -> list[list[torch.Tensor]]:
+        """views[layer][part] -> `[pages, page_size, width]`."""
+        ps, widths = self.page_size, self.widths
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=self.dtype, pin_memory=self.pinned)
+        if self.config.layout == "layer_first":
+            self.parts = [empty(self.num_layers, pages * ps, w) for w in widths]
+            return [[p[layer].view(pages, ps, w) for p, w in zip(self.parts, widths)] for layer in range(self.num_layers)]
+        per_layer = ps * sum(widths)
+        self.data = empty(pages, self.num_layers * per_layer)
+        views = []
+        for layer in range(self.num_layers):
+            offset, row = layer * per_layer, []
+            for w in widths:
+                row.append(self.data[:, offset:offset + ps * w].view(pages, ps, w))
+                offset += ps * w
+            views.append(row)
+        return views
+
+    def view(self, layer: int, part: int) -> torch.Tensor:
+        return self._views[layer][part]
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def backup(self, pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        """Copy all layers of `device_indices` (pool) to `host_indices` (mirror)."""
+        check_indices("device_indices", device_indices)
+        check_indices("host_indices", host_indices, device_indices.numel())
+        for layer in range(self.num_layers):
+            self._copy(pool, layer, device_indices, host_indices, to_host=True)
+
+    def load_layer(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int) -> None:
+        """Copy one layer of `host_indices` (mirror) to `device_indices` (pool)."""
+        check_indices("host_indices", host_indices)
+        check_indices("device_indices", device_indices, host_indices.numel())
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer}: must be in [0, {self.num_layers})")
+        self._copy(pool, layer, device_indices, host_indices, to_host=False)
+
+    def load(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        for layer in range(self.num_layers):
+            self.load_layer(pool, host_indices, device_indices, layer)
+
+    def _copy(self, pool: DeviceKVPool, layer: int, dev: torch.Tensor, host: torch.Tensor, to_host: bool) -> None:
+        if self.io == "kernel":
+            from kvtier.tiers.kernels import copy_rows
+            for d_rows, h_rows in zip(pool.rows(layer), self._views[layer]):
+                if to_host:
+                    copy_rows(d_rows, h_rows, dev.to(d_rows.device), host.to(d_rows.device))
+                else:
+                    copy_rows(h_rows, d_rows, host.to(d_rows.device), dev.to(d_rows.device))
+            return
+        split = self.page_size if self.config.layout == "page_first" else 0
+        pieces = runs(dev, host, split)
+        dsts, srcs = [], []
+        for d_rows, h_view in zip(pool.rows(layer), self._views[layer]):
+            h_rows = h_view.view(-1, h_view.shape[-1]) if not split else None
+            for d0, h0, n in pieces:
+                d = d_rows[d0:d0 + n]
+                if h_rows is not None:
+                    h = h_rows[h0:h0 + n]
+                else:
+                    page, off = divmod(h0, self.page_size)
+                    h = h_view[page, off:off + n]
+                dsts.append(h if to_host else d)
+                srcs.append(d if to_host else h)
+        torch._foreach_copy_(dsts, srcs)
+
+    # -- pages for L3 ------------------------------------------------------------------------
+
+    def page_view(self, host_page: int) -> torch.Tensor:
+        """The bytes of one page, all layers, as uint8: a view (zero copy) in page_first."""
+        self._check_page(host_page)
+        if self.config.layout == "page_first":
+            return self.data[host_page].view(torch.uint8)
+        blocks = [self._views[l][p][host_page].reshape(-1) for l in range(self.num_layers) for p in range(len(self.widths))]
+        return torch.cat(blocks).view(torch.uint8)
+
+    def write_page(self, host_page: int, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
+        """Overwrite one page with `page_bytes` bytes (as laid out by `page_view`)."""
+        self._check_page(host_page)
+        src = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if src.numel() != self.page_bytes:
+            raise ValueError(f"write_page: got {src.numel()} bytes, a page is {self.page_bytes}")
+        if self.config.layout == "page_first":
+            self.data[host_page].view(torch.uint8).copy_(src)
+            return
+        offset = 0
+        for layer in range(self.num_layers):
+            for view in self._views[layer]:
+                dst = view[host_page]
+                nbytes = dst.numel() * self.dtype.itemsize
+                dst.copy_(src[offset:offset + nbytes].view(self.dtype).view(dst.shape))
+                offset += nbytes
+
+    def _check_page(self, host_page: int) -> None:
+        if not 1 <= host_page <= self.size // self.page_size:
+            raise ValueError(f"host_page={host_page}: must be in [1, {self.size // self.page_size}] (0 is padding)")

@@ -1,0 +1,168 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.tiers.allocator import PagedAllocator, TokenAllocator
+
+
+def test_token_allocator_exact_ids_and_lazy_merge():
+    a = TokenAllocator(8)
+    assert a.alloc(3).tolist() == [1, 2, 3]
+    x = a.alloc(5)
+    assert x.tolist() == [4, 5, 6, 7, 8] and a.available_size() == 0
+    assert a.alloc(1) is None
+    a.free(torch.tensor([7, 2]))
+    assert a.available_size() == 2
+    assert a.alloc(2).tolist() == [2, 7]
+
+
+def test_free_group_batches_into_one_release():
+    a = TokenAllocator(8)
+    x = a.alloc(8)
+    with a.free_group():
+        a.free(x[:2])
+        a.free(x[5:])
+        assert a.available_size() == 0  # nothing released until the group closes
+    assert a.available_size() == 5
+    assert len(a._free.released) == 1
+
+
+def test_shortage_has_no_side_effect():
+    a = PagedAllocator(16, 4)
+    a.alloc(8)
+    assert a.alloc(12) is None
+    assert a.available_size() == 8
+    assert a.alloc_extend([0, 0], [5, 4], [0, 0]) is None
+    assert a.available_size() == 8
+
+
+@pytest.mark.parametrize("debug_env", [False, True])
+def test_debug_mode_catches_double_free_slot0_and_range(monkeypatch, debug_env):
+    if debug_env:
+        monkeypatch.setenv("KVTIER_DEBUG_POOL", "1")
+        a = TokenAllocator(4)
+    else:
+        a = TokenAllocator(4, debug=True)
+    x = a.alloc(2)
+    a.free(x)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(x)
+    with pytest.raises(ValueError, match="out of range"):
+        a.free(torch.tensor([0]))
+    with pytest.raises(ValueError, match="out of range"):
+        a.free(torch.tensor([5]))
+    assert a.available_size() == 4
+
+
+def test_paged_alloc_extend_continues_last_page():
+    a = PagedAllocator(32, 4)
+    first = a.alloc_extend([0], [6], [0])
+    assert first.tolist() == [4, 5, 6, 7, 8, 9]
+    # request continues from slot 9 (page 2 has slots 8..11): 2 fit, then a new page
+    more = a.alloc_extend([6], [11], [9])
+    assert more.tolist() == [10, 11, 12, 13, 14]
+    dec = a.alloc_decode([12], [14])
+    assert dec.tolist() == [15]
+    dec = a.alloc_decode([13], [15])
+    assert dec.tolist() == [16]
+    assert a.available_size() == 32 - 16
+
+
+def test_paged_alloc_extend_several_requests():
+    a = PagedAllocator(64, 4)
+    out = a.alloc_extend([0, 4, 2], [3, 9, 4], [0, 7, 21])
+    # req0: new page 1 (4..6); req1: prefix ends on boundary, 5 tokens -> pages 2,3; req2: 2 in page of slot 21
+    assert out.tolist() == [4, 5, 6, 8, 9, 10, 11, 12, 22, 23]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_bad_sizes_name_the_argument(bad):
+    with pytest.raises(ValueError, match="size"):
+        TokenAllocator(bad)
+    with pytest.raises(ValueError, match="page_size"):
+        PagedAllocator(16, bad)
+
+
+def test_bad_index_dtype():
+    a = TokenAllocator(4)
+    with pytest.raises(ValueError, match="indices.*int64"):
+        a.free(torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        PagedAllocator(16, 4).alloc(3)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Both allocators against a set-based reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.page_size = 4
+        self.token = TokenAllocator(40, debug=True)
+        self.paged = PagedAllocator(40, self.page_size, debug=True)
+        self.held_tok: list[list[int]] = []
+        self.held_pages: list[list[int]] = []
+
+    @rule(n=st.integers(0, 15))
+    def alloc_token(self, n):
+        before = self.token.available_size()
+        out = self.token.alloc(n)
+        if n > before:
+            assert out is None and self.token.available_size() == before
+            return
+        got = out.tolist()
+        held = {s for g in self.held_tok for s in g}
+        assert 0 not in got and not held & set(got) and len(set(got)) == n
+        assert all(1 <= s <= 40 for s in got)
+        self.held_tok.append(got)
+
+    @precondition(lambda self: self.held_tok)
+    @rule(i=st.integers(0, 100), grouped=st.booleans())
+    def free_token(self, i, grouped):
+        got = self.held_tok.pop(i % len(self.held_tok))
+        if grouped:
+            with self.token.free_group():
+                self.token.free(torch.tensor(got, dtype=torch.int64))
+        else:
+            self.token.free(torch.tensor(got, dtype=torch.int64))
+
+    @rule(pages=st.integers(0, 4))
+    def alloc_paged(self, pages):
+        before = self.paged.available_size()
+        out = self.paged.alloc(pages * self.page_size)
+        if pages * self.page_size > before:
+            assert out is None and self.paged.available_size() == before
+            return
+        got = out.tolist()
+        held = {s for g in self.held_pages for s in g}
+        assert all(s >= self.page_size for s in got) and not held & set(got)
+        for k in range(0, len(got), self.page_size):
+            page = got[k:k + self.page_size]
+            assert page == list(range(page[0], page[0] + self.page_size)) and page[0] % self.page_size == 0
+        self.held_pages.append(got)
+
+    @precondition(lambda self: self.held_pages)
+    @rule(i=st.integers(0, 100))
+    def free_paged(self, i):
+        got = self.held_pages.pop(i % len(self.held_pages))
+        self.paged.free(torch.tensor(got, dtype=torch.int64))
+
+    @precondition(lambda self: self.held_tok)
+    @rule()
+    def double_free_is_caught(self):
+        got = self.held_tok[0]
+        if not got:
+            return
+        self.token.free(torch.tensor(got, dtype=torch.int64))
+        with pytest.raises(ValueError, match="double free"):
+            self.token.free(torch.tensor(got, dtype=torch.int64))
+        self.held_tok.pop(0)
+
+    @invariant()
+    def available_is_exact(self):
+        assert self.token.available_size() == 40 - sum(len(g) for g in self.held_tok)
+        assert self.paged.available_size() == 40 - sum(len(g) for g in self.held_pages)
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

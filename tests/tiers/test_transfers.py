@@ -1,0 +1,141 @@
+import logging
+
+import pytest
+import torch
+
+from kvtier.tiers.mirror import HostMirror, MirrorConfig
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+from kvtier.tiers.req_to_token import ReqToTokenPool
+
+
+def filled_pool(attention, page_size, seed=0):
+    cfg = PoolConfig(size=4 * page_size * 2, num_layers=2, page_size=page_size, attention=attention,
+                     num_kv_heads=2, head_dim=8, v_head_dim=4, kv_lora_rank=8, rope_dim=4, dtype="float16")
+    pool = DeviceKVPool(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.buffers:
+        for b in layer:
+            b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+    return pool
+
+
+def layer_bytes(pool, layer, idx):
+    return [b[idx] for b in pool.buffers[layer]]
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("io", ["direct", "kernel"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_round_trip_is_bitwise(attention, layout, io, page_size):
+    pool = filled_pool(attention, page_size)
+    mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout, io=io))
+    assert mirror.io == io  # the interpreter runs the kernel path on CPU
+    ps = page_size
+    # two device pages in reverse order, to two host pages in another order
+    dev = torch.cat([torch.arange(3 * ps, 4 * ps), torch.arange(1 * ps, 2 * ps)])
+    host = mirror.allocator.alloc(2 * ps)
+    host = torch.cat([host[ps:], host[:ps]])
+    mirror.backup(pool, dev, host)
+    target = DeviceKVPool(pool.config)
+    dst = torch.arange(5 * ps, 7 * ps)
+    for layer in range(pool.num_layers):
+        mirror.load_layer(target, host, dst, layer)
+        for a, b in zip(layer_bytes(pool, layer, dev), layer_bytes(target, layer, dst)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # nothing else on the target was written
+    untouched = torch.ones(target.buffers[0][0].shape[0], dtype=torch.bool)
+    untouched[dst] = False
+    assert not target.buffers[1][0][untouched].any()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_page_view_round_trip(layout):
+    pool = filled_pool("mha", 4)
+    mirror = HostMirror(pool, MirrorConfig(layout=layout))
+    host = mirror.allocator.alloc(8)
+    mirror.backup(pool, torch.arange(4, 12), host)
+    pages = [int(host[0]) // 4, int(host[4]) // 4]
+    blobs = [bytes(mirror.page_view(p).numpy()) for p in pages]
+    assert len(blobs[0]) == mirror.page_bytes
+    other = HostMirror(pool, MirrorConfig(layout=layout))
+    dst = other.allocator.alloc(8)
+    for p, blob in zip([int(dst[0]) // 4, int(dst[4]) // 4], blobs):
+        other.write_page(p, blob)
+    target = DeviceKVPool(pool.config)
+    other.load(target, dst, torch.arange(4, 12))
+    for layer in range(2):
+        for a, b in zip(pool.buffers[layer], target.buffers[layer]):
+            assert torch.equal(a[4:12], b[4:12])
+
+
+def test_page_first_view_is_zero_copy():
+    pool = filled_pool("mha", 4)
+    mirror = HostMirror(pool, MirrorConfig(layout="page_first"))
+    view = mirror.page_view(1)
+    view.zero_()
+    assert not mirror.view(0, 0)[1].any() and not mirror.view(1, 1)[1].any()
+
+
+def test_kernel_falls_back_to_direct_on_cpu_without_interpreter(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with caplog.at_level(logging.INFO):
+        mirror = HostMirror(filled_pool("mha", 1), MirrorConfig(io="kernel"))
+    assert mirror.io == "direct"
+    assert "direct path" in caplog.text
+
+
+def test_triton_kernel_copies_rows_between_paged_and_flat():
+    from kvtier.tiers.kernels import copy_rows
+
+    src = torch.arange(40, dtype=torch.float32).view(10, 4)
+    dst = torch.zeros(3, 2, 4)  # 3 pages of 2 rows
+    copy_rows(src, dst, torch.tensor([7, 2, 9]), torch.tensor([5, 0, 2]))
+    assert torch.equal(dst.view(6, 4)[[5, 0, 2]], src[[7, 2, 9]])
+    assert not dst.view(6, 4)[[1, 3, 4]].any()
+
+
+def test_mirror_sized_by_bytes_and_refuses_too_much():
+    pool = filled_pool("mha", 4)
+    mirror = HostMirror(pool, MirrorConfig(size_bytes=3 * 4 * pool.bytes_per_token))
+    assert mirror.size == 12 and mirror.allocator.available_size() == 12
+    with pytest.raises(MemoryError, match="needs .* bytes but only .* bytes are available"):
+        HostMirror(pool, MirrorConfig(size_bytes=1 << 60))
+
+
+@pytest.mark.parametrize("field,value", [("layout", "rows"), ("io", "dma"), ("ratio", -1), ("size_bytes", 0)])
+def test_bad_mirror_config(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        MirrorConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("page_size", 0), ("size", -4), ("num_layers", 1.5)])
+def test_bad_pool_config(field, value):
+    kwargs = dict(size=16, num_layers=1, page_size=1)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=field):
+        PoolConfig(**kwargs)
+
+
+def test_wrong_index_dtype_or_length():
+    pool = filled_pool("mha", 1)
+    mirror = HostMirror(pool)
+    with pytest.raises(ValueError, match="device_indices.*int64"):
+        mirror.backup(pool, torch.tensor([1], dtype=torch.int32), torch.tensor([1]))
+    with pytest.raises(ValueError, match="host_indices: expected 1 indices, got 2"):
+        mirror.backup(pool, torch.tensor([1]), torch.tensor([1, 2]))
+
+
+def test_set_kv_and_req_to_token():
+    pool = filled_pool("mha", 1)
+    loc = torch.tensor([3, 5])
+    pool.set_kv(0, loc, torch.ones(2, 2, 8), torch.full((2, 2, 4), 2.0))
+    assert (pool.k_buffer(0)[loc] == 1).all() and (pool.v_buffer(0)[loc] == 2).all()
+    assert pool.bytes_per_token == 2 * (16 + 8) * 2
+    rows = ReqToTokenPool(4, 16)
+    r = rows.alloc(1)
+    assert r.tolist() == [1]
+    rows.write(1, 2, loc)
+    assert rows.read(1, 4).tolist() == [0, 0, 3, 5]
+    with pytest.raises(ValueError, match="max_context_len"):
+        rows.write(1, 15, loc)
