@@ -1,0 +1,13 @@
+"""What is worth keeping: a radix tree over page-aligned token keys, per tier."""
+
+from kvtier.tree.key import RadixKey
+from kvtier.tree.node import Tier, TreeNode
+from kvtier.tree.policy import EvictionPolicy
+from kvtier.tree.radix import (
+    DeviceEviction, HostEviction, HostInsertResult, InsertResult, MatchResult, RadixTree,
+)
+
+__all__ = [
+    "DeviceEviction", "EvictionPolicy", "HostEviction", "HostInsertResult", "InsertResult",
+    "MatchResult", "RadixKey", "RadixTree", "Tier", "TreeNode",
+]

@@ -1,0 +1,100 @@
+"""Tree invariants recomputed from scratch (used by `RadixTree.sanity_check`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.tree.node import Tier, TreeNode
+
+if TYPE_CHECKING:
+    from kvtier.tree.radix import RadixTree
+
+
+def walk(root: TreeNode) -> list[TreeNode]:
+    """Every node but the root, parents before children, children in id order."""
+    out, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        if node is not root:
+            out.append(node)
+        stack.extend(sorted(node.children.values(), key=lambda c: -c.id))
+    return out
+
+
+def check_tree(tree: "RadixTree") -> list[str]:
+    from kvtier.tree.radix import is_evictable_leaf
+
+    ps, root, problems = tree.page_size, tree.root, []
+    if root.locks != [1, 1]:
+        problems.append(f"root locks are {root.locks}, expected [1, 1]")
+    nodes = walk(root)
+    evictable, protected = [0, 0], [0, 0]
+    held: list[list[torch.Tensor]] = [[], []]
+    for node in nodes:
+        problems += _check_node(node, ps, root)
+        for tier in Tier:
+            value = node.values[tier]
+            if value is not None:
+                (protected if node.locks[tier] else evictable)[tier] += len(node)
+                held[tier].append(value)
+            expected = is_evictable_leaf(node, tier)
+            if expected != (node.id in tree._leaves[tier]):
+                problems.append(f"{node}: {tier.name} leaf-set membership is {not expected}, predicate says {expected}")
+    live = {n.id for n in nodes}
+    for tier in Tier:
+        name = tier.name.lower()
+        if evictable[tier] != tree._evictable[tier] or protected[tier] != tree._protected[tier]:
+            problems.append(
+                f"{name} sizes: tracked evictable={tree._evictable[tier]} protected={tree._protected[tier]}, "
+                f"recomputed evictable={evictable[tier]} protected={protected[tier]}"
+            )
+        stale = set(tree._leaves[tier]) - live
+        if stale:
+            problems.append(f"{name} leaf set holds removed nodes {sorted(stale)}")
+        if held[tier]:
+            slots = torch.cat(held[tier])
+            if torch.unique(slots).numel() != slots.numel():
+                problems.append(f"{name}: some slot is held by two tokens of the tree")
+            if (slots < ps).any():
+                problems.append(f"{name}: the tree holds padding slots (< page_size={ps})")
+    return problems
+
+
+def _check_node(node: TreeNode, ps: int, root: TreeNode) -> list[str]:
+    out = []
+    parent = node.parent
+    if parent is None or parent.children.get(node.key.child_key(ps)) is not node:
+        out.append(f"{node}: parent does not list it under its child key")
+    if len(node) == 0 or len(node) % ps:
+        out.append(f"{node}: key length {len(node)} is not a positive multiple of page_size={ps}")
+    if node.values == [None, None]:
+        out.append(f"{node}: holds no data on any tier")
+    for tier in Tier:
+        value = node.values[tier]
+        name = tier.name.lower()
+        if value is not None and (value.dtype != torch.int64 or value.numel() != len(node)):
+            out.append(f"{node}: {name} value has dtype {value.dtype} and {value.numel()} slots for {len(node)} tokens")
+        if value is not None and parent is not root and parent.values[tier] is None:
+            out.append(f"{node}: on {name} but its parent {parent} is not (a hole)")
+        if node.locks[tier] < 0 or (node.locks[tier] and value is None):
+            out.append(f"{node}: {name} lock {node.locks[tier]} on a node {'not ' if value is None else ''}on {name}")
+        if parent is not root and parent.locks[tier] < node.locks[tier]:
+            out.append(f"{node}: {name} lock {node.locks[tier]} exceeds its parent's {parent.locks[tier]}")
+    if node.hashes is not None and len(node.hashes) != len(node) // ps:
+        out.append(f"{node}: {len(node.hashes)} page hashes for {len(node) // ps} pages")
+    return out
+
+
+def render(root: TreeNode, max_lines: int = 200) -> str:
+    lines, stack = [], [(root, 0)]
+    while stack:
+        if len(lines) == max_lines:
+            lines.append(f"... ({len(stack)} more subtrees not shown)")
+            break
+        node, depth = stack.pop()
+        head = node.key.tokens[:4].tolist()
+        lines.append(f"{'  ' * depth}{node!r} key={head}{'...' if len(node) > 4 else ''}")
+        stack.extend((c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id))
+    return "\n".join(lines)

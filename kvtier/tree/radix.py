@@ -1,0 +1,471 @@
+"""The radix tree over device and host tiers (DESIGN §4).
+
+The tree decides what is worth keeping; it never allocates, frees or copies memory.
+Mutations return what the caller must do (free these slots, back up these nodes).
+Only the scheduler thread calls it.
+
+Per tier, every token the tree holds is either *evictable* (its node's lock count is 0)
+or *protected*; the two sizes move at the statement that changes a lock count. Leaves
+that may be evicted are kept in a set per tier, updated wherever a node's predicate can
+change (`_refresh`), and heapified per eviction pass by the policy key.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.hashing import page_hashes
+from kvtier.tree.check import check_tree, render
+from kvtier.tree.key import RadixKey
+from kvtier.tree.node import Tier, TreeNode
+from kvtier.tree.policy import EvictionPolicy, policy_key
+
+D, H = Tier.DEVICE, Tier.HOST
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(slots=True, frozen=True)
+class MatchResult:
+    """`device_indices` cover exactly the path root..`last_device_node`.
+
+    `last_host_node` is the deepest matched node on any tier (the load-back target);
+    `host_hit_length` the tokens between the two. `best_match_node` anchors L3 prefetch:
+    the deepest node the tree knows for this key (nodes exist only while they hold data,
+    so it is `last_host_node`).
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    best_match_node: TreeNode
+    host_hit_length: int
+
+
+@dataclass(slots=True, frozen=True)
+class InsertResult:
+    """The first `prefix_len` tokens were already on device: the caller frees its slots for
+    them. Slots past `prefix_len` now belong to the tree. `added` are new device nodes
+    (not backed up) in root-to-leaf order."""
+
+    prefix_len: int
+    last_node: TreeNode
+    added: list[TreeNode] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class HostInsertResult:
+    """Of the host slots given, the first `prefix_len` tokens were already on host (the
+    caller frees them); the rest now belong to the tree."""
+
+    prefix_len: int
+    last_node: TreeNode
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceEviction:
+    """Free `device_indices`. `demoted` nodes stay on host; `removed` left the tree.
+    `needs_backup` (write-back only): unlocked leaves that must be backed up before they
+    can be evicted."""
+
+    device_indices: torch.Tensor
+    evicted_tokens: int
+    demoted: list[TreeNode]
+    removed: list[TreeNode]
+    needs_backup: list[TreeNode]
+
+
+@dataclass(slots=True, frozen=True)
+class HostEviction:
+    """Free `host_indices`; `removed` nodes left the tree."""
+
+    host_indices: torch.Tensor
+    evicted_tokens: int
+    removed: list[TreeNode]
+
+
+class RadixTree:
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: str | EvictionPolicy = "lru",
+        slru_threshold: int = 2,
+        namespace_id: str = "",
+        hash_algo: str = "sha256",
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size={page_size!r}: must be an integer >= 1")
+        self.page_size = page_size
+        self.policy = EvictionPolicy.parse(eviction_policy)
+        self._key = policy_key(self.policy, slru_threshold)
+        self.namespace_id = namespace_id
+        self.hash_algo = hash_algo
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the caller frees the slots it handed over)."""
+        self._next_id = 0
+        self.clock = 0
+        self.root = self._new_node(RadixKey([]), None)
+        self.root.values = [_EMPTY, _EMPTY]
+        self.root.locks = [1, 1]
+        self._evictable = [0, 0]
+        self._protected = [0, 0]
+        self._leaves: list[dict[int, TreeNode]] = [{}, {}]
+
+    # -- sizes -------------------------------------------------------------------------------
+
+    def evictable_size(self, tier: Tier = D) -> int:
+        return self._evictable[tier]
+
+    def protected_size(self, tier: Tier = D) -> int:
+        return self._protected[tier]
+
+    def total_size(self, tier: Tier = D) -> int:
+        return self._evictable[tier] + self._protected[tier]
+
+    # -- match / insert ----------------------------------------------------------------------
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`; splits an edge that diverges mid-way.
+
+        Lock `last_device_node` before using `device_indices`: they stay valid only while
+        the node is locked.
+        """
+        self.clock += 1
+        path = self._walk(key)
+        last_device, device_values, host_hit = self.root, [], 0
+        for node in path:
+            node.hit_count += 1
+            node.last_access = self.clock
+            if node.on_device:
+                last_device = node
+                device_values.append(node.values[D])
+            else:
+                host_hit += len(node)
+        indices = torch.cat(device_values) if device_values else _EMPTY
+        deepest = path[-1] if path else self.root
+        return MatchResult(indices, last_device, deepest, deepest, host_hit)
+
+    def _walk(self, key: RadixKey) -> list[TreeNode]:
+        """Matched nodes root-down; the last one is split so the match ends on its end."""
+        node, offset, path = self.root, 0, []
+        usable = len(key) - len(key) % self.page_size
+        while offset < usable:
+            child = node.children.get(key[offset:].child_key(self.page_size))
+            if child is None:
+                break
+            k = child.key.match(key[offset:usable], self.page_size)
+            diverged = k < len(child)
+            if diverged:
+                child = self._split(child, k)
+            path.append(child)
+            node, offset = child, offset + k
+            if diverged:
+                break
+        return path
+
+    def insert(self, key: RadixKey, device_indices: torch.Tensor, priority: int = 0) -> InsertResult:
+        """Cache `key` -> `device_indices` (cloned). See InsertResult for slot ownership.
+
+        A host-only node on the path takes the given slots (the KV was just recomputed);
+        its host copy stays.
+        """
+        self._check_aligned("insert", key)
+        self._check_indices("device_indices", device_indices, len(key))
+        self.clock += 1
+        node, offset, prefix_len, added = self.root, 0, 0, []
+        while offset < len(key):
+            rest = key[offset:]
+            child = node.children.get(rest.child_key(self.page_size))
+            if child is None:
+                child = self._add_child(node, rest, D, device_indices[offset:])
+                added.append(child)
+                offset = len(key)
+            else:
+                k = child.key.match(rest, self.page_size)
+                if k < len(child):
+                    child = self._split(child, k)
+                if child.on_device:
+                    assert prefix_len == offset, f"{child}: device node below a host-only node (hole)"
+                    prefix_len += k
+                else:
+                    self._set_value(child, D, device_indices[offset:offset + k].clone())
+                offset += k
+            child.last_access = self.clock
+            child.priority = max(child.priority, priority)
+            node = child
+        return InsertResult(prefix_len, node, added)
+
+    def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor) -> HostInsertResult:
+        """Host-only nodes for `key` (continuing below `anchor`) from slots filled by L3.
+
+        `anchor` must be on host (or the root): backed-up nodes form a prefix from the root.
+        """
+        self._check_aligned("insert_host", key)
+        self._check_indices("host_indices", host_indices, len(key))
+        if anchor is not self.root and not anchor.backed_up:
+            raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
+        self.clock += 1
+        node, offset, prefix_len = anchor, 0, 0
+        while offset < len(key):
+            rest = key[offset:]
+            child = node.children.get(rest.child_key(self.page_size))
+            if child is None:
+                child = self._add_child(node, rest, H, host_indices[offset:])
+                offset = len(key)
+            else:
+                k = child.key.match(rest, self.page_size)
+                if k < len(child):
+                    child = self._split(child, k)
+                if child.backed_up:
+                    assert prefix_len == offset, f"{child}: host node below a node not on host (hole)"
+                    prefix_len += k
+                else:
+                    self._set_value(child, H, host_indices[offset:offset + k].clone())
+                offset += k
+            child.last_access = self.clock
+            node = child
+        return HostInsertResult(prefix_len, node)
+
+    # -- tier moves ---------------------------------------------------------------------------
+
+    def mark_backed_up(self, node: TreeNode, host_indices: torch.Tensor) -> None:
+        """`node`'s KV is now also at `host_indices`.
+
+        If `node` was split while its write was in flight, `host_indices` also covers the
+        split-off ancestors: they take the leading part, deepest last.
+        """
+        self._check_indices("host_indices", host_indices)
+        chain, end, n = [], host_indices.numel(), node
+        while end > 0:  # validate first: nothing changes on bad input
+            if n is self.root or n.backed_up or len(n) > end:
+                raise ValueError(f"mark_backed_up: {end} host slots left over at {n}; not a written node")
+            chain.append((n, end))
+            end -= len(n)
+            n = n.parent
+        if n is not self.root and not n.backed_up:
+            raise ValueError(f"mark_backed_up: parent {n} of {node} is not backed up; back up root-down")
+        for n, end in reversed(chain):
+            self._set_value(n, H, host_indices[end - len(n):end].clone())
+
+    def nodes_to_load(self, node: TreeNode) -> list[TreeNode]:
+        """Host-only nodes from the deepest device ancestor down to `node`, root-down."""
+        chain = []
+        while node is not self.root and not node.on_device:
+            assert node.backed_up, f"{node} holds no data"
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def mark_loaded(self, node: TreeNode, device_indices: torch.Tensor) -> None:
+        """`node` (host-only, parent on device) is on device at `device_indices` from now."""
+        self._check_indices("device_indices", device_indices, len(node))
+        if node.on_device:
+            raise ValueError(f"mark_loaded: {node} is already on device")
+        if node.parent is not self.root and not node.parent.on_device:
+            raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
+        self._set_value(node, D, device_indices.clone())
+
+    # -- locks --------------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect the device path root..node from eviction until `unlock(node)`."""
+        self._lock(node, D, +1)
+
+    def unlock(self, node: TreeNode) -> None:
+        self._lock(node, D, -1)
+
+    def protect_host(self, node: TreeNode) -> None:
+        """Protect the host path root..node (a host read is in flight) until `release_host`."""
+        self._lock(node, H, +1)
+
+    def release_host(self, node: TreeNode) -> None:
+        self._lock(node, H, -1)
+
+    def _lock(self, node: TreeNode, tier: Tier, delta: int) -> None:
+        what = ("lock", "unlock", "protect_host", "release_host")[2 * tier + (delta < 0)]
+        n = node
+        while n is not self.root:  # validate the whole path before changing anything
+            if n.values[tier] is None:
+                raise ValueError(f"{what}: {n} on the path of {node} is not on {tier.name.lower()}")
+            if delta < 0 and n.locks[tier] == 0:
+                raise ValueError(f"{what}: {n} is not locked ({what} without a matching lock)")
+            n = n.parent
+        while node is not self.root:
+            before = node.locks[tier]
+            if (before == 0) != (before + delta == 0):
+                moved = len(node) if delta > 0 else -len(node)
+                self._evictable[tier] -= moved
+                self._protected[tier] += moved
+            node.locks[tier] = before + delta
+            self._refresh(node)
+            node = node.parent
+
+    # -- eviction -----------------------------------------------------------------------------
+
+    def evict_device(self, num_tokens: int, backup_first: bool = False) -> DeviceEviction:
+        """Evict at least `num_tokens` device tokens if that many are evictable.
+
+        A backed-up leaf is demoted to host; one that is not is removed, or, with
+        `backup_first` (write-back), listed in `needs_backup` and kept.
+        """
+        freed, demoted, removed, needs_backup = [], [], [], []
+        evicted = 0
+        for node in self._eviction_order(D):
+            if evicted >= num_tokens:
+                break
+            if node.backed_up:
+                demoted.append(node)
+            elif backup_first:
+                needs_backup.append(node)
+                continue
+            else:
+                removed.append(node)
+            freed.append(node.values[D])
+            evicted += len(node)
+            self._set_value(node, D, None)
+            if not node.backed_up:
+                self._remove(node)
+        indices = torch.cat(freed) if freed else _EMPTY
+        return DeviceEviction(indices, evicted, demoted, removed, needs_backup)
+
+    def evict_host(self, num_tokens: int) -> HostEviction:
+        """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
+        freed, removed, evicted = [], [], 0
+        for node in self._eviction_order(H):
+            if evicted >= num_tokens:
+                break
+            freed.append(node.values[H])
+            evicted += len(node)
+            self._set_value(node, H, None)
+            self._remove(node)
+            removed.append(node)
+        indices = torch.cat(freed) if freed else _EMPTY
+        return HostEviction(indices, evicted, removed)
+
+    def _eviction_order(self, tier: Tier):
+        """Evictable leaves, smallest policy key first; a parent joins when it becomes a leaf.
+
+        The consumer must evict (or skip) each yielded node before asking for the next.
+        """
+        heap = [(self._key(n), n.id, n) for n in self._leaves[tier].values()]
+        heapq.heapify(heap)
+        queued = {n.id for n in self._leaves[tier].values()}
+        while heap:
+            _, _, node = heapq.heappop(heap)
+            if node.id not in self._leaves[tier]:
+                continue  # stale entry
+            parent = node.parent
+            yield node
+            if parent.id in self._leaves[tier] and parent.id not in queued:
+                queued.add(parent.id)  # cascade: the parent just became a leaf
+                heapq.heappush(heap, (self._key(parent), parent.id, parent))
+
+    # -- hashes -------------------------------------------------------------------------------
+
+    def page_hashes(self, node: TreeNode) -> list[bytes]:
+        """Hash chain of `node`'s pages (chained through its ancestors), computed lazily."""
+        pending = []
+        n = node
+        while n is not self.root and n.hashes is None:
+            pending.append(n)
+            n = n.parent
+        for n in reversed(pending):
+            prev = n.parent.hashes[-1] if n.parent is not self.root and n.parent.hashes else None
+            n.hashes = page_hashes(n.key.tokens, self.page_size, self.namespace_id,
+                                   n.key.extra_key, prev, self.hash_algo)
+        return node.hashes if node is not self.root else []
+
+    # -- structure ----------------------------------------------------------------------------
+
+    def _new_node(self, key: RadixKey, parent: TreeNode | None) -> TreeNode:
+        node = TreeNode(self._next_id, key, parent, self.clock)
+        self._next_id += 1
+        return node
+
+    def _add_child(self, parent: TreeNode, key: RadixKey, tier: Tier, indices: torch.Tensor) -> TreeNode:
+        child = self._new_node(key, parent)
+        parent.children[key.child_key(self.page_size)] = child
+        self._set_value(child, tier, indices.clone())
+        return child
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut `child`'s edge after `k` tokens; the new upper node is returned and `child`
+        (the deeper half) keeps its identity, locks, counts and leaf-set membership."""
+        assert 0 < k < len(child) and k % self.page_size == 0, f"bad split of {child} at {k}"
+        upper = self._new_node(child.key[:k], child.parent)
+        upper.values = [None if v is None else v[:k] for v in child.values]
+        upper.locks = list(child.locks)
+        upper.hit_count, upper.last_access = child.hit_count, child.last_access
+        upper.created, upper.priority = child.created, child.priority
+        if child.hashes is not None:
+            pages = k // self.page_size
+            upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
+        child.parent.children[child.key.child_key(self.page_size)] = upper
+        child.key = child.key[k:]
+        child.values = [None if v is None else v[k:] for v in child.values]
+        child.parent = upper
+        upper.children[child.key.child_key(self.page_size)] = child
+        return upper
+
+    def _set_value(self, node: TreeNode, tier: Tier, value: torch.Tensor | None) -> None:
+        """The one place a node's tier value changes: sizes and leaf sets follow it."""
+        sign = (value is not None) - (node.values[tier] is not None)
+        if node.locks[tier]:
+            self._protected[tier] += sign * len(node)
+        else:
+            self._evictable[tier] += sign * len(node)
+        node.values[tier] = value
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    def _remove(self, node: TreeNode) -> None:
+        assert not node.children and node.values == [None, None], f"removing {node} which holds data"
+        del node.parent.children[node.key.child_key(self.page_size)]
+        for leaves in self._leaves:
+            leaves.pop(node.id, None)
+        self._refresh(node.parent)
+
+    def _refresh(self, node: TreeNode) -> None:
+        for tier in (D, H):
+            if node is not self.root and is_evictable_leaf(node, tier):
+                self._leaves[tier][node.id] = node
+            else:
+                self._leaves[tier].pop(node.id, None)
+
+    def _check_aligned(self, what: str, key: RadixKey) -> None:
+        if len(key) % self.page_size:
+            raise ValueError(f"{what}: key length {len(key)} is not a multiple of page_size={self.page_size}")
+
+    @staticmethod
+    def _check_indices(name: str, indices: object, length: int | None = None) -> None:
+        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64 or indices.dim() != 1:
+            got = f"dtype={indices.dtype} shape={tuple(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise ValueError(f"{name}: expected a 1-D torch.int64 tensor, got {got}")
+        if length is not None and indices.numel() != length:
+            raise ValueError(f"{name}: expected {length} indices (the key's length), got {indices.numel()}")
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def sanity_check(self) -> None:
+        """Recompute every invariant from a full walk; raise one error listing all violations."""
+        problems = check_tree(self)
+        if problems:
+            raise AssertionError(
+                "radix tree invariants violated:\n  " + "\n  ".join(problems) + "\n" + self.pretty_print()
+            )
+
+    def pretty_print(self) -> str:
+        return render(self.root)
+
+
+def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:
+    """May `node` be evicted from `tier` now? (The leaf-set predicate, recomputed by checks.)"""
+    if node.values[tier] is None or node.locks[tier]:
+        return False
+    if tier == H and node.on_device:
+        return False  # host eviction only takes nodes that are not on device
+    return all(c.values[tier] is None for c in node.children.values())
