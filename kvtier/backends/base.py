@@ -1,0 +1,232 @@
+"""The L3 store interface (DESIGN §6): async bytes keyed by page hash, framed and verified.
+
+A store subclass implements the raw operations (`_exists`, `_get`, `_set`, `_delete`,
+`_inventory`, `_close`) on whole frames. This base validates keys, frames and verifies
+pages, applies the timeout to every call, counts, and maps client errors onto kvtier's
+exceptions at the boundary — no redis, botocore or OS error escapes unmapped.
+
+Threading: a store is used from one asyncio event loop (the controller's storage thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from kvtier.backends import frame
+from kvtier.backends.frame import Buffer, FrameError
+from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
+from kvtier.hashing import split_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    exists_calls: int = 0
+    sets: int = 0
+    set_failures: int = 0
+    set_bytes: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    frame_failures: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    evictions: int = 0
+    deletes: int = 0
+
+
+# A raw read result for one key: absent, verified into the caller's buffer, or a bad frame.
+IntoResult = bool | FrameError | None
+
+
+class Store(ABC):
+    name = "store"
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.timeout_s = timeout_s
+        self.counters = StoreCounters()
+
+    # -- public API ------------------------------------------------------------------------
+
+    async def batch_exists(self, keys: Sequence[str]) -> int:
+        """Length of the leading run of `keys` that the store holds."""
+        self._check(keys)
+        self.counters.exists_calls += 1
+        if not keys:
+            return 0
+        present = await self._call("batch_exists", self._exists(list(keys)))
+        run = 0
+        for p in present:
+            if not p:
+                break
+            run += 1
+        return run
+
+    async def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Verified payloads; None for a missing page or one whose frame does not verify."""
+        parsed = self._check(keys)
+        if not keys:
+            return []
+        blobs = await self._call("batch_get", self._get(list(keys)))
+        out: list[bytes | None] = []
+        for key, (_, ns, h), blob in zip(keys, parsed, blobs):
+            if blob is None:
+                out.append(self._count_read(key, None))
+                continue
+            try:
+                payload = frame.decode(blob, ns, h)
+            except FrameError as exc:
+                out.append(self._count_read(key, exc))
+                continue
+            self._count_read(key, True, len(payload))
+            out.append(bytes(payload))
+        return out
+
+    async def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Read each page's payload into the caller's writable buffer (a host page view).
+
+        True where the buffer now holds the verified page; False for a miss. A False buffer
+        may hold garbage: the caller must not use it.
+        """
+        parsed = self._check(keys)
+        if len(buffers) != len(keys):
+            raise ValueError(f"batch_get_into: {len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        views = [memoryview(b).cast("B") for b in buffers]
+        results = await self._call("batch_get_into", self._get_into(list(keys), parsed, views))
+        return [self._count_read(k, r, len(v)) is not None for k, r, v in zip(keys, results, views)]
+
+    async def batch_set(self, keys: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
+        """Store each page; True only where the page is durable and visible."""
+        parsed = self._check(keys)
+        if len(pages) != len(keys):
+            raise ValueError(f"batch_set: {len(keys)} keys but {len(pages)} pages")
+        if not keys:
+            return []
+        views = [memoryview(p).cast("B") for p in pages]
+        frames = [(frame.encode_header(ns, h, v), v) for (_, ns, h), v in zip(parsed, views)]
+        ok = await self._call("batch_set", self._set(list(keys), frames))
+        for good, v in zip(ok, views):
+            self.counters.sets += 1
+            if good:
+                self.counters.set_bytes += len(v)
+            else:
+                self.counters.set_failures += 1
+        return list(ok)
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove `keys`; returns how many were present."""
+        self._check(keys)
+        if not keys:
+            return 0
+        n = await self._call("delete", self._delete(list(keys)))
+        self.counters.deletes += n
+        return n
+
+    async def inventory(self) -> dict:
+        """What the store holds: {'pages', 'bytes', 'namespaces': {id: pages}}."""
+        return await self._call("inventory", self._inventory())
+
+    def stats(self) -> dict:
+        return {"store": self.name, **asdict(self.counters), **self._extra_stats()}
+
+    async def close(self) -> None:
+        try:
+            await self._close()
+        except KvtierError:
+            raise
+        except Exception as exc:  # closing a broken connection must not raise a client error
+            raise self._map_error("close", exc) from exc
+
+    # -- for subclasses --------------------------------------------------------------------
+
+    @abstractmethod
+    async def _exists(self, keys: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    async def _get(self, keys: list[str]) -> list[Buffer | None]: ...
+
+    @abstractmethod
+    async def _set(self, keys: list[str], frames: list[tuple[bytes, memoryview]]) -> list[bool]: ...
+
+    @abstractmethod
+    async def _delete(self, keys: list[str]) -> int: ...
+
+    @abstractmethod
+    async def _inventory(self) -> dict: ...
+
+    async def _close(self) -> None:
+        return None
+
+    def _extra_stats(self) -> dict:
+        return {}
+
+    async def _get_into(self, keys: list[str], parsed: list, views: list[memoryview]) -> list[IntoResult]:
+        """Default: read whole frames, verify, copy. Stores that can read in place override."""
+        blobs = await self._get(keys)
+        out: list[IntoResult] = []
+        for (_, ns, h), blob, view in zip(parsed, blobs, views):
+            if blob is None:
+                out.append(None)
+                continue
+            try:
+                payload = frame.decode(blob, ns, h)
+                if len(payload) != len(view):
+                    raise FrameError(f"page is {len(payload)} bytes, the buffer {len(view)}")
+            except FrameError as exc:
+                out.append(exc)
+                continue
+            view[:] = payload
+            out.append(True)
+        return out
+
+    def _map_error(self, op: str, exc: BaseException) -> StoreError:
+        """Client error -> kvtier error. Subclasses extend for their client's exceptions."""
+        if isinstance(exc, (ConnectionError, EOFError)):
+            return StoreUnavailable(f"{self.name}.{op}: {type(exc).__name__}: {exc}")
+        return StoreError(f"{self.name}.{op}: {type(exc).__name__}: {exc}")
+
+    # -- internals -------------------------------------------------------------------------
+
+    async def _call(self, op: str, coro):
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s)
+        except KvtierError:
+            raise
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            self.counters.timeouts += 1
+            raise StoreTimeout(f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}") from exc
+        except (ValueError, TypeError, AssertionError):
+            raise  # our caller's mistake or our bug: not a store failure
+        except Exception as exc:
+            self.counters.errors += 1
+            mapped = self._map_error(op, exc)
+            if isinstance(mapped, StoreTimeout):
+                self.counters.timeouts += 1
+            raise mapped from exc
+
+    def _check(self, keys: Sequence[str]) -> list[tuple[str, str, bytes]]:
+        if isinstance(keys, str):
+            raise ValueError("keys: expected a sequence of keys, got one string")
+        return [split_key(k) for k in keys]
+
+    def _count_read(self, key: str, result: IntoResult, nbytes: int = 0):
+        self.counters.gets += 1
+        if result is None:
+            self.counters.misses += 1
+            return None
+        if isinstance(result, FrameError):
+            self.counters.frame_failures += 1
+            self.counters.misses += 1
+            log.warning("%s: page %s does not verify (%s): counted as a miss", self.name, key, result)
+            return None
+        self.counters.hits += 1
+        self.counters.get_bytes += nbytes
+        return True

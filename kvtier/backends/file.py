@@ -1,0 +1,237 @@
+"""`file`: pages as files under a root directory.
+
+Layout: `<root>/<prefix>/<namespace id>/<hash[0:2]>/<hash[2:4]>/<hash>`. A page is written
+to a temp file in its final directory, optionally fsynced, then renamed: a crash or a
+concurrent reader never sees half a page, and a failed write is never visible.
+Capacity is enforced in bytes (LRU by access order; on reopen, by modification time).
+Reopening rebuilds the index from the directory without reading payloads.
+
+A batch is split into `max_concurrency` groups; each group is one job on a bounded thread
+pool that does open/read/verify (or open/write/rename) for its pages in one go. An
+async-file library hops to a thread once per call (open, read, read, close...), which
+measured 5x slower than raw `readinto` for 1 MiB pages; one hop per page was still 0.6x.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.backends import frame
+from kvtier.backends.base import IntoResult, Store
+from kvtier.backends.frame import FrameError
+from kvtier.errors import StoreError, StoreUnavailable
+from kvtier.hashing import split_key, validate_key
+
+_TMP = ".tmp-"
+
+
+def default_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvtier")
+
+
+@dataclass(slots=True, frozen=True)
+class FileStoreConfig:
+    root: str = ""  # empty: $XDG_CACHE_HOME/kvtier or ~/.cache/kvtier
+    capacity_bytes: int = 16 << 30
+    fsync: bool = False
+    max_concurrency: int = 4
+
+
+class FileStore(Store):
+    config_class = FileStoreConfig
+    name = "file"
+
+    def __init__(self, config: FileStoreConfig = FileStoreConfig(), timeout_s: float = 30.0) -> None:
+        super().__init__(timeout_s)
+        if config.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={config.capacity_bytes}: must be > 0")
+        self.config = config
+        self.root = Path(os.path.expanduser(config.root or default_root())).resolve()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreUnavailable(f"file store root={str(self.root)!r}: {exc}") from exc
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
+        self.used_bytes = 0
+        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file")
+        self._rebuild_index()
+
+    def path(self, key: str) -> Path:
+        prefix, ns, h = split_key(key)
+        hx = h.hex()
+        return self.root.joinpath(*prefix.split("/"), ns, hx[:2], hx[2:4], hx)
+
+    def _rebuild_index(self) -> None:
+        found = []
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                if name.startswith(_TMP):
+                    os.unlink(full)  # a write that never finished: never visible
+                    continue
+                key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                parts = key.split("/")
+                if len(parts) < 5:
+                    continue
+                key = "/".join(parts[:-3] + [parts[-1]])  # drop the fan-out directories
+                try:
+                    validate_key(key)
+                except ValueError:
+                    continue  # not ours
+                st = os.stat(full)
+                found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found):
+            self._sizes[key] = size
+            self.used_bytes += size
+
+    async def _exists(self, keys):
+        return [k in self._sizes for k in keys]
+
+    async def _batch(self, fn, items: list[tuple]) -> list:
+        """`fn(*item)` for every item, in `max_concurrency` thread jobs; results in order."""
+        groups = min(self.config.max_concurrency, len(items))
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self._pool, _run_all, fn, items[g::groups]) for g in range(groups)]
+        done = await asyncio.gather(*jobs)
+        out: list = [None] * len(items)
+        for g, results in enumerate(done):
+            out[g::groups] = results
+        return out
+
+    async def _get(self, keys):
+        known = [k for k in keys if k in self._sizes]
+        blobs = dict(zip(known, await self._batch(_read_file, [(self.path(k),) for k in known])))
+        return [self._after_read(k, blobs.get(k)) for k in keys]
+
+    async def _get_into(self, keys, parsed, views):
+        items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
+        got = await self._batch(_read_page_into, [(self.path(k), ns, h, v) for k, ns, h, v in items])
+        results = dict(zip([it[0] for it in items], got))
+        return [self._after_read(k, results.get(k)) for k in keys]
+
+    def _after_read(self, key: str, result):
+        if isinstance(result, FileNotFoundError):  # deleted behind our back: forget it
+            self._forget(key)
+            return None
+        if isinstance(result, OSError):
+            raise StoreError(f"file: reading {key}: {result}") from result
+        if result is not None and not isinstance(result, FrameError):
+            self._touch(key)
+        return result
+
+    async def _set(self, keys, frames):
+        fits = [len(h) + len(p) <= self.config.capacity_bytes for h, p in frames]
+        items = [(self.path(k), h, p, self.config.fsync) for k, (h, p), ok in zip(keys, frames, fits) if ok]
+        for k, err in zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)):
+            if err is not None:
+                raise StoreError(f"file.batch_set: writing {k}: {err}") from err
+        for key, (header, payload), ok in zip(keys, frames, fits):  # index in batch order
+            if ok:
+                self._forget(key)
+                self._sizes[key] = len(header) + len(payload)
+                self.used_bytes += len(header) + len(payload)
+        await self._enforce_capacity()
+        return fits
+
+    async def _enforce_capacity(self) -> None:
+        while self.used_bytes > self.config.capacity_bytes and self._sizes:
+            victim = next(iter(self._sizes))
+            self._forget(victim)
+            self.counters.evictions += 1
+            await self._batch(_unlink_quietly, [(self.path(victim),)])
+
+    async def _delete(self, keys):
+        n = 0
+        for k in keys:
+            if k in self._sizes:
+                self._forget(k)
+                await self._batch(_unlink_quietly, [(self.path(k),)])
+                n += 1
+        return n
+
+    async def _close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _touch(self, key: str) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+
+    def _forget(self, key: str) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+
+    async def _inventory(self):
+        namespaces: dict[str, int] = {}
+        for k in self._sizes:
+            ns = split_key(k)[1]
+            namespaces[ns] = namespaces.get(ns, 0) + 1
+        return {"pages": len(self._sizes), "bytes": self.used_bytes, "namespaces": namespaces}
+
+    def _extra_stats(self):
+        return {"pages": len(self._sizes), "used_bytes": self.used_bytes,
+                "capacity_bytes": self.config.capacity_bytes, "root": str(self.root)}
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _run_all(fn, items: list[tuple]) -> list:
+    """One thread job: `fn` over items; an OSError is returned in its place, not raised."""
+    out = []
+    for item in items:
+        try:
+            out.append(fn(*item))
+        except OSError as exc:
+            out.append(exc)
+    return out
+
+
+def _read_file(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_page_into(path: Path, ns: str, h: bytes, view: memoryview) -> IntoResult:
+    """Header check, then the payload straight into the caller's buffer, then checksum."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            header = f.read(frame.HEADER_SIZE)
+            length, checksum = frame.check_header(header, ns, h)
+            if length != len(view):
+                raise FrameError(f"page is {length} bytes, the buffer {len(view)}")
+            n = f.readinto(view)
+            if f.read(1):
+                raise FrameError("trailing bytes after the payload")
+        frame.check_payload(view[:n], length, checksum)
+    except FrameError as exc:
+        return exc
+    return True
+
+
+def _write_atomically(final: Path, header: bytes, payload: memoryview, fsync: bool) -> None:
+    """Returns None on success; raises OSError (collected by `_run_all`) on failure."""
+    tmp = final.with_name(f"{_TMP}{final.name}-{uuid.uuid4().hex}")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError:
+        _unlink_quietly(tmp)
+        raise

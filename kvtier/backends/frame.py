@@ -1,0 +1,68 @@
+"""The L3 page frame: every stored page is `header ‖ payload`.
+
+    magic 'KVTP' | version u16 | reserved u16 | namespace id 16 B | hash len u8 |
+    page hash 32 B (zero padded) | payload length u64 | xxh3-64 of payload u64 | pad 7 B
+
+A frame that does not verify (magic, version, namespace, page hash, length, checksum)
+is a miss, never data.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import xxhash
+
+MAGIC = b"KVTP"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH16sB32sQQ7x")
+HEADER_SIZE = _HEADER.size  # 80
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class FrameError(Exception):
+    """Why a stored blob is not the page asked for (turned into a miss by the store)."""
+
+
+def encode_header(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
+    checksum = xxhash.xxh3_64_intdigest(payload)
+    return _HEADER.pack(MAGIC, VERSION, 0, bytes.fromhex(namespace_id), len(page_hash),
+                        page_hash.ljust(32, b"\0"), len(memoryview(payload).cast("B")), checksum)
+
+
+def encode(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
+    return encode_header(namespace_id, page_hash, payload) + bytes(payload)
+
+
+def check_header(header: Buffer, namespace_id: str, page_hash: bytes) -> tuple[int, int]:
+    """(payload length, checksum) of a header that names this namespace and page; else FrameError."""
+    if len(header) < HEADER_SIZE:
+        raise FrameError(f"truncated header ({len(header)} < {HEADER_SIZE} bytes)")
+    magic, version, _, ns, hlen, h, length, checksum = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise FrameError(f"frame version {version}, this build reads {VERSION}")
+    if ns != bytes.fromhex(namespace_id):
+        raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
+    if h[:hlen] != page_hash or hlen != len(page_hash):
+        raise FrameError("page hash in the frame differs from the key's")
+    return length, checksum
+
+
+def check_payload(payload: Buffer, length: int, checksum: int) -> None:
+    if len(payload) != length:
+        raise FrameError(f"payload is {len(payload)} bytes, the frame says {length}")
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        raise FrameError("checksum mismatch")
+
+
+def decode(blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
+    """The verified payload of `blob` (a view, no copy); FrameError if it does not verify."""
+    view = memoryview(blob)
+    length, checksum = check_header(view[:HEADER_SIZE], namespace_id, page_hash)
+    payload = view[HEADER_SIZE:]
+    check_payload(payload, length, checksum)
+    return payload

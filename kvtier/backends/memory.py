@@ -1,0 +1,75 @@
+"""`memory`: an in-process store with a byte capacity and LRU eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvtier.backends.base import Store
+from kvtier.hashing import split_key
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryStoreConfig:
+    capacity_bytes: int = 1 << 30
+
+
+class MemoryStore(Store):
+    config_class = MemoryStoreConfig
+    name = "memory"
+
+    def __init__(self, config: MemoryStoreConfig = MemoryStoreConfig(), timeout_s: float = 5.0) -> None:
+        super().__init__(timeout_s)
+        if config.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={config.capacity_bytes}: must be > 0")
+        self.capacity_bytes = config.capacity_bytes
+        self._pages: OrderedDict[str, bytes] = OrderedDict()
+        self.used_bytes = 0
+
+    async def _exists(self, keys):
+        return [k in self._pages for k in keys]
+
+    async def _get(self, keys):
+        out = []
+        for k in keys:
+            blob = self._pages.get(k)
+            if blob is not None:
+                self._pages.move_to_end(k)
+            out.append(blob)
+        return out
+
+    async def _set(self, keys, frames):
+        ok = []
+        for key, (header, payload) in zip(keys, frames):
+            blob = header + payload
+            if len(blob) > self.capacity_bytes:
+                ok.append(False)
+                continue
+            self._drop(key)
+            while self.used_bytes + len(blob) > self.capacity_bytes:
+                self._drop(next(iter(self._pages)))
+                self.counters.evictions += 1
+            self._pages[key] = blob
+            self.used_bytes += len(blob)
+            ok.append(True)
+        return ok
+
+    async def _delete(self, keys):
+        return sum(self._drop(k) for k in keys)
+
+    def _drop(self, key: str) -> bool:
+        blob = self._pages.pop(key, None)
+        if blob is None:
+            return False
+        self.used_bytes -= len(blob)
+        return True
+
+    async def _inventory(self):
+        namespaces: dict[str, int] = {}
+        for k in self._pages:
+            ns = split_key(k)[1]
+            namespaces[ns] = namespaces.get(ns, 0) + 1
+        return {"pages": len(self._pages), "bytes": self.used_bytes, "namespaces": namespaces}
+
+    def _extra_stats(self):
+        return {"pages": len(self._pages), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes}

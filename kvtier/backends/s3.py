@@ -1,0 +1,179 @@
+"""`s3`: pages as S3 objects (boto3 in a bounded thread pool).
+
+`endpoint_url` points at any S3-compatible server. With `skip_existing` a put is
+conditional (`If-None-Match: *`): a page already stored is not written again. Retries and
+timeouts come from config; credentials come from boto3's default chain (or config) and
+are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvtier.backends.base import Store
+from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
+from kvtier.hashing import split_key
+
+_MISSING = ("404", "NoSuchKey", "NotFound")
+
+
+@dataclass(slots=True, frozen=True)
+class S3StoreConfig:
+    bucket: str = "kvtier"
+    prefix: str = ""  # object key prefix inside the bucket, before the kvtier key
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    max_workers: int = 16
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    skip_existing: bool = True
+    create_bucket: bool = False
+
+    def __repr__(self) -> str:  # never print credentials
+        return f"S3StoreConfig(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint_url={self.endpoint_url!r})"
+
+
+class S3Store(Store):
+    config_class = S3StoreConfig
+    name = "s3"
+
+    def __init__(self, config: S3StoreConfig = S3StoreConfig(), timeout_s: float = 30.0) -> None:
+        super().__init__(timeout_s)
+        import boto3
+        from botocore.config import Config
+
+        self.config = config
+        session = boto3.session.Session(
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            region_name=config.region,
+        )
+        self.client = session.client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            config=Config(
+                retries={"max_attempts": config.max_attempts, "mode": "standard"},
+                connect_timeout=config.connect_timeout_s,
+                read_timeout=config.read_timeout_s,
+                max_pool_connections=config.max_workers,
+            ),
+        )
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="kvtier-s3")
+        if config.create_bucket:
+            self._create_bucket()
+
+    def _create_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.create_bucket(Bucket=self.config.bucket)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise self._map_error("create_bucket", exc) from exc
+        except Exception as exc:
+            raise self._map_error("create_bucket", exc) from exc
+
+    def _object(self, key: str) -> str:
+        return f"{self.config.prefix}{key}"
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _head(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.config.bucket, Key=self._object(key))
+            return True
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return False
+            raise
+
+    def _fetch(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.config.bucket, Key=self._object(key))["Body"].read()
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return None
+            raise
+
+    def _put(self, key: str, header: bytes, payload: memoryview) -> bool:
+        from botocore.exceptions import ClientError
+
+        extra = {"IfNoneMatch": "*"} if self.config.skip_existing else {}
+        try:
+            self.client.put_object(Bucket=self.config.bucket, Key=self._object(key), Body=header + payload, **extra)
+        except ClientError as exc:
+            if _code(exc) in ("PreconditionFailed", "412"):
+                return True  # already stored (keys are content hashes)
+            raise
+        return True
+
+    async def _exists(self, keys):
+        return list(await asyncio.gather(*(self._run(self._head, k) for k in keys)))
+
+    async def _get(self, keys):
+        return list(await asyncio.gather(*(self._run(self._fetch, k) for k in keys)))
+
+    async def _set(self, keys, frames):
+        return list(await asyncio.gather(*(self._run(self._put, k, h, p) for k, (h, p) in zip(keys, frames))))
+
+    def _remove(self, keys: list[str]) -> int:
+        present = [k for k in keys if self._head(k)]
+        for start in range(0, len(present), 1000):
+            chunk = present[start:start + 1000]
+            self.client.delete_objects(Bucket=self.config.bucket,
+                                       Delete={"Objects": [{"Key": self._object(k)} for k in chunk], "Quiet": True})
+        return len(present)
+
+    async def _delete(self, keys):
+        return await self._run(self._remove, keys)
+
+    def _list(self) -> dict:
+        pages, nbytes, namespaces = 0, 0, {}
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=self.config.prefix):
+            for obj in page.get("Contents", []):
+                try:
+                    ns = split_key(obj["Key"][len(self.config.prefix):])[1]
+                except ValueError:
+                    continue
+                pages += 1
+                nbytes += obj["Size"]
+                namespaces[ns] = namespaces.get(ns, 0) + 1
+        return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
+
+    async def _inventory(self):
+        return await self._run(self._list)
+
+    async def _close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    def _map_error(self, op, exc):
+        from botocore import exceptions as bex
+
+        if isinstance(exc, (bex.ConnectTimeoutError, bex.ReadTimeoutError)):
+            return StoreTimeout(f"s3.{op}: {type(exc).__name__}")
+        if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectionClosedError)):
+            return StoreUnavailable(f"s3.{op}: {type(exc).__name__}: cannot reach {self.config.endpoint_url or 'AWS'}")
+        if isinstance(exc, bex.ClientError):
+            return StoreError(f"s3.{op}: {_code(exc)}: {exc}")
+        if isinstance(exc, bex.BotoCoreError):
+            return StoreError(f"s3.{op}: {type(exc).__name__}: {exc}")
+        return super()._map_error(op, exc)
+
+    def _extra_stats(self):
+        return {"bucket": self.config.bucket, "endpoint_url": self.config.endpoint_url}
+
+
+def _code(exc) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))

@@ -1,0 +1,256 @@
+"""One YAML file configures a cache; each section maps onto a frozen dataclass.
+
+Precedence: explicit arguments > environment (`KVTIER_<SECTION>_<KEY>`) > file > defaults.
+Unknown sections or keys and bad values raise KvtierConfigError naming the field, the
+value and what is allowed. `explain(config)` prints where every value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from kvtier.controller.config import ControllerConfig
+from kvtier.errors import KvtierConfigError
+from kvtier.hashing import HASH_ALGOS
+from kvtier.tiers.mirror import MirrorConfig
+from kvtier.tiers.pool import PoolConfig
+from kvtier.tree.policy import EvictionPolicy
+
+ENV_PREFIX = "KVTIER_"
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceConfig:
+    model_id: str = "default"
+    tenant_salt: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class TreeConfig:
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    slru_threshold: int = 2
+    hash_algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo={self.hash_algo!r}: allowed values are {', '.join(HASH_ALGOS)}")
+
+
+@dataclass(slots=True, frozen=True)
+class StoreConfig:
+    """`backend`: none, a built-in name, an entry-point name or `module:Class`.
+    `options`: the backend's own settings (validated against its config class)."""
+
+    backend: str = "none"
+    key_prefix: str = "kvtier"
+    timeout_s: float = 5.0
+    options: Any = None
+
+
+@dataclass(slots=True, frozen=True)
+class KvtierConfig:
+    namespace: NamespaceConfig = NamespaceConfig()
+    pool: PoolConfig = PoolConfig(size=4096, num_layers=4)
+    mirror: MirrorConfig | None = MirrorConfig()
+    tree: TreeConfig = TreeConfig()
+    controller: ControllerConfig = ControllerConfig()
+    store: StoreConfig = StoreConfig()
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+
+_SECTIONS: dict[str, type] = {
+    "namespace": NamespaceConfig, "pool": PoolConfig, "mirror": MirrorConfig,
+    "tree": TreeConfig, "controller": ControllerConfig, "store": StoreConfig,
+}
+_STORE_COMMON = ("backend", "key_prefix", "timeout_s")
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> KvtierConfig:
+    """Build a KvtierConfig from defaults, a YAML file, the environment and `overrides`."""
+    env = os.environ if env is None else env
+    layers: list[tuple[str, dict]] = []
+    if path is not None:
+        layers.append((f"file {path}", _read_yaml(path)))
+    layers.append(("env", _from_env(env)))
+    layers.append(("arg", {s: dict(v) for s, v in (overrides or {}).items()}))
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    for origin, layer in layers:
+        for section, values in layer.items():
+            if section not in _SECTIONS:
+                raise KvtierConfigError(f"{section!r}: unknown section; allowed: {', '.join(_SECTIONS)}")
+            if values is None and section == "mirror":  # `mirror: null`: no host tier
+                merged[section] = None
+                sources["mirror"] = origin
+                continue
+            if not isinstance(values, Mapping):
+                raise KvtierConfigError(f"{section}: expected a mapping of keys, got {values!r}")
+            target = merged.get(section)
+            if target is None:
+                target = merged[section] = {}
+            for key, value in values.items():
+                target[key] = value
+                sources[f"{section}.{key}"] = origin if origin != "env" else f"env {ENV_PREFIX}{section.upper()}_{key.upper()}"
+    built = {name: _build_section(name, merged.get(name, {})) for name in _SECTIONS if name in merged}
+    return KvtierConfig(**built, sources=sources)
+
+
+def explain(config: KvtierConfig) -> str:
+    """One line per setting: `section.key = value  (origin)`."""
+    lines = []
+    for name in _SECTIONS:
+        section = getattr(config, name)
+        if section is None:
+            lines.append(f"{name} = null  ({config.sources.get(name, 'default')})")
+            continue
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if name == "store" and f.name == "options":
+                for k, v in _options_items(value):
+                    lines.append(f"store.{k} = {_show(k, v)}  ({config.sources.get(f'store.{k}', 'default')})")
+                continue
+            lines.append(f"{name}.{f.name} = {_show(f.name, value)}  ({config.sources.get(f'{name}.{f.name}', 'default')})")
+    return "\n".join(lines)
+
+
+def _show(key: str, value: Any) -> str:
+    if value is not None and any(s in key for s in ("password", "secret", "access_key")):
+        return "***"
+    return value.value if isinstance(value, Enum) else repr(value)
+
+
+def _options_items(options: Any) -> list[tuple[str, Any]]:
+    if options is None:
+        return []
+    if dataclasses.is_dataclass(options):
+        return [(f.name, getattr(options, f.name)) for f in dataclasses.fields(options)]
+    return sorted(dict(options).items())
+
+
+def _read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise KvtierConfigError(f"config file {str(p)!r}: not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise KvtierConfigError(f"config file {str(p)!r}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise KvtierConfigError(f"config file {str(p)!r}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict:
+    out: dict[str, dict[str, str]] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section, _, key = rest.partition("_")
+        if section in _SECTIONS and key:
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def _build_section(name: str, values: dict | None) -> Any:
+    if values is None:
+        return None
+    cls = _SECTIONS[name]
+    if name == "store":
+        return _build_store(values)
+    return _make(name, cls, values)
+
+
+def _build_store(values: dict) -> StoreConfig:
+    from kvtier.backends.registry import resolve
+
+    common = {k: values[k] for k in _STORE_COMMON if k in values}
+    base = _make("store", StoreConfig, common)
+    rest = {k: v for k, v in values.items() if k not in _STORE_COMMON}
+    if base.backend == "none":
+        if rest:
+            raise KvtierConfigError(f"store.{next(iter(rest))}: not allowed with store.backend='none'")
+        return base
+    _, options_cls = resolve(base.backend)
+    options = _make("store", options_cls, rest) if options_cls is not None else dict(rest)
+    return dataclasses.replace(base, options=options)
+
+
+def _make(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in allowed:
+            raise KvtierConfigError(f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}")
+        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+    try:
+        return cls(**kwargs)
+    except KvtierConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise KvtierConfigError(f"{section}: {exc}") from exc
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """Check (YAML) or convert (env strings) `value` to `hint`; error names field and value."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, inner[0], value) if len(inner) == 1 else value
+    if origin is Literal:
+        if value not in args:
+            raise KvtierConfigError(f"{name}={value!r}: allowed values are {', '.join(map(str, args))}")
+        return value
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise KvtierConfigError(f"{name}={value!r}: allowed values are {', '.join(e.value for e in hint)}") from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise KvtierConfigError(f"{name}={value!r}: expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""), 0)
+            except ValueError:
+                pass
+        raise KvtierConfigError(f"{name}={value!r}: expected an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise KvtierConfigError(f"{name}={value!r}: expected a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise KvtierConfigError(f"{name}={value!r}: expected a string")
+    return value

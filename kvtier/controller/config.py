@@ -1,0 +1,45 @@
+"""Controller policies and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class WritePolicy(str, Enum):
+    WRITE_THROUGH = "write_through"  # back up on insert
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # back up once hit_count >= threshold
+    WRITE_BACK = "write_back"  # back up when evicted from device
+
+
+class PrefetchPolicy(str, Enum):
+    BEST_EFFORT = "best_effort"  # take what has landed when the request is scheduled
+    WAIT_COMPLETE = "wait_complete"  # wait for the whole prefetch
+    TIMEOUT = "timeout"  # wait up to base + per-1k-token budget (capped)
+
+
+@dataclass(slots=True, frozen=True)
+class ControllerConfig:
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_threshold: int = 2
+    storage_backup: bool = True  # back host pages up to the store
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch_timeout_base_s: float = 0.2
+    prefetch_timeout_per_1k_tokens_s: float = 0.1
+    prefetch_timeout_max_s: float = 2.0
+    prefetch_min_tokens: int = 1
+    max_inflight_prefetch_bytes: int = 256 << 20
+    load_back_min_tokens: int = 1
+    consensus_check: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("write_threshold", "prefetch_min_tokens", "max_inflight_prefetch_bytes", "load_back_min_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        return min(self.prefetch_timeout_max_s,
+                   self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_tokens_s * tokens / 1000)

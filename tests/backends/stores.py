@@ -1,0 +1,72 @@
+"""Store factories for the conformance suite, each with raw access for fault injection."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
+from kvtier.backends.s3 import S3Store, S3StoreConfig
+from kvtier.hashing import make_key
+
+NS = "0123456789abcdef0123456789abcdef"
+OTHER_NS = "fedcba9876543210fedcba9876543210"
+
+
+def new_key(ns: str = NS) -> str:
+    return make_key("kvtier/test", ns, os.urandom(32))
+
+
+@dataclass
+class Harness:
+    name: str
+    make: Callable[[], object]  # a new store over the same data
+    raw_get: Callable[[str], bytes]
+    raw_put: Callable[[str, bytes], None]
+    persistent: bool
+    overwrites: bool
+    capacity: bool
+
+
+def memory_harness(_) -> Harness:
+    store = MemoryStore(MemoryStoreConfig(capacity_bytes=64 << 20))
+    return Harness("memory", lambda: store, lambda k: store._pages[k],
+                   lambda k, b: store._pages.__setitem__(k, b), persistent=False, overwrites=True, capacity=True)
+
+
+def file_harness(tmp_path) -> Harness:
+    cfg = FileStoreConfig(root=str(tmp_path / "l3"), capacity_bytes=64 << 20)
+    first = FileStore(cfg)
+
+    def raw_put(k: str, b: bytes) -> None:
+        first.path(k).write_bytes(b)
+
+    return Harness("file", lambda: FileStore(cfg), lambda k: first.path(k).read_bytes(), raw_put,
+                   persistent=True, overwrites=True, capacity=True)
+
+
+def redis_harness(url: str, cluster: bool, name: str) -> Harness:
+    import redis
+    from redis.cluster import RedisCluster
+
+    raw = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    cfg = RedisStoreConfig(url=url, cluster=cluster)
+    return Harness(name, lambda: RedisStore(cfg), raw.get, raw.set, persistent=True, overwrites=True, capacity=False)
+
+
+def s3_harness(url: str) -> Harness:
+    import boto3
+
+    bucket = f"kvtier-{uuid.uuid4().hex[:12]}"
+    cfg = S3StoreConfig(bucket=bucket, endpoint_url=url, create_bucket=True, access_key_id="testing",
+                        secret_access_key="testing")
+    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    return Harness("s3", lambda: S3Store(cfg),
+                   lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(),
+                   lambda k, b: client.put_object(Bucket=bucket, Key=k, Body=b),
+                   persistent=True, overwrites=False, capacity=False)

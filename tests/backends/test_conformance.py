@@ -1,0 +1,160 @@
+"""One conformance suite, run against every store."""
+
+import asyncio
+import os
+
+import pytest
+
+from kvtier.backends import frame
+from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+from kvtier.hashing import split_key
+from tests.backends.stores import OTHER_NS, file_harness, memory_harness, new_key, redis_harness, s3_harness
+
+STORES = ["memory", "file", "redis", "redis_cluster", "s3"]
+
+
+@pytest.fixture(params=STORES)
+def harness(request, tmp_path):
+    name = request.param
+    if name == "memory":
+        return memory_harness(tmp_path)
+    if name == "file":
+        return file_harness(tmp_path)
+    if name == "redis":
+        return redis_harness(request.getfixturevalue("redis_server").url, False, name)
+    if name == "redis_cluster":
+        return redis_harness(request.getfixturevalue("redis_cluster")[0].url, True, name)
+    return s3_harness(request.getfixturevalue("s3_server").url)
+
+
+@pytest.fixture
+async def store(harness):
+    s = harness.make()
+    yield s
+    await s.close()
+
+
+def page(n: int = 4096, seed: int = 0) -> bytes:
+    return bytes((i * 31 + seed) & 0xFF for i in range(256)) * (n // 256)
+
+
+async def test_leading_run_exists(store):
+    keys = [new_key() for _ in range(4)]
+    assert await store.batch_set([keys[0], keys[1], keys[3]], [page(), page(), page()]) == [True] * 3
+    assert await store.batch_exists(keys) == 2
+    assert await store.batch_exists(keys[2:]) == 0
+    assert await store.batch_exists(keys[:2]) == 2
+
+
+async def test_missing_keys_are_misses(store):
+    keys = [new_key(), new_key()]
+    assert await store.batch_get(keys) == [None, None]
+    buf = bytearray(4096)
+    assert await store.batch_get_into(keys[:1], [buf]) == [False]
+    assert store.stats()["misses"] == 3
+
+
+async def test_round_trip_and_read_into_buffer(store):
+    keys = [new_key() for _ in range(3)]
+    pages = [page(seed=i) for i in range(3)]
+    assert await store.batch_set(keys, pages) == [True] * 3
+    assert await store.batch_get(keys) == pages
+    bufs = [bytearray(4096) for _ in keys]
+    assert await store.batch_get_into(keys, bufs) == [True] * 3
+    assert [bytes(b) for b in bufs] == pages
+
+
+async def test_overwrite_or_skip(store, harness):
+    k = new_key()
+    await store.batch_set([k], [page(seed=1)])
+    assert await store.batch_set([k], [page(seed=2)]) == [True]
+    expected = page(seed=2) if harness.overwrites else page(seed=1)
+    assert await store.batch_get([k]) == [expected]
+
+
+async def test_8_mib_pages(store):
+    keys = [new_key(), new_key()]
+    big = [os.urandom(8 << 20), os.urandom(8 << 20)]
+    assert await store.batch_set(keys, big) == [True, True]
+    assert await store.batch_get(keys) == big
+    buf = bytearray(8 << 20)
+    assert await store.batch_get_into(keys[1:], [buf]) == [True] and bytes(buf) == big[1]
+
+
+async def test_empty_batches(store):
+    assert await store.batch_exists([]) == 0
+    assert await store.batch_get([]) == []
+    assert await store.batch_set([], []) == []
+    assert await store.batch_get_into([], []) == []
+    assert await store.delete([]) == 0
+
+
+async def test_two_tasks_writing_the_same_key(store):
+    k = new_key()
+    a, b = page(seed=3), page(seed=4)
+    results = await asyncio.gather(store.batch_set([k], [a]), store.batch_set([k], [b]))
+    assert results == [[True], [True]]
+    assert (await store.batch_get([k]))[0] in (a, b)  # one whole page, never a mix
+
+
+async def test_delete(store):
+    keys = [new_key(), new_key()]
+    await store.batch_set(keys, [page(), page()])
+    assert await store.delete(keys + [new_key()]) == 2
+    assert await store.batch_exists(keys) == 0
+
+
+async def test_close_and_reopen(store, harness):
+    k = new_key()
+    await store.batch_set([k], [page(seed=5)])
+    await store.close()
+    again = harness.make()
+    try:
+        expected = [page(seed=5)] if harness.persistent else [None]
+        if harness.persistent:
+            assert await again.batch_exists([k]) == 1
+            assert await again.batch_get([k]) == expected
+    finally:
+        await again.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_namespace", "other_hash", "garbage"])
+async def test_damaged_page_is_a_miss(store, harness, damage):
+    k = new_key()
+    payload = page(seed=6)
+    await store.batch_set([k], [payload])
+    blob = bytearray(harness.raw_get(k))
+    _, ns, h = split_key(k)
+    if damage == "flip":
+        blob[frame.HEADER_SIZE + 100] ^= 0x01
+    elif damage == "truncate":
+        blob = blob[:-17]
+    elif damage == "foreign_namespace":
+        blob = bytearray(frame.encode(OTHER_NS, h, payload))
+    elif damage == "other_hash":
+        blob = bytearray(frame.encode(ns, os.urandom(32), payload))
+    else:
+        blob = bytearray(b"not a frame")
+    harness.raw_put(k, bytes(blob))
+    assert await store.batch_get([k]) == [None]
+    buf = bytearray(len(payload))
+    assert await store.batch_get_into([k], [buf]) == [False]
+    assert store.stats()["frame_failures"] == 2
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_capacity_is_enforced_lru(kind, tmp_path):
+    cap = 3 * (4096 + frame.HEADER_SIZE)
+    store = MemoryStore(MemoryStoreConfig(capacity_bytes=cap)) if kind == "memory" else \
+        FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=cap))
+    keys = [new_key() for _ in range(4)]
+    await store.batch_set(keys[:3], [page()] * 3)
+    await store.batch_get([keys[0]])  # keys[0] is now most recent; keys[1] is the LRU page
+    await store.batch_set([keys[3]], [page()])
+    assert [await store.batch_exists([k]) for k in keys] == [1, 0, 1, 1]
+    assert store.stats()["evictions"] == 1 and store.used_bytes <= cap
+    if kind == "file":
+        files = [p for p in tmp_path.rglob("*") if p.is_file()]
+        assert len(files) == 3 and sum(p.stat().st_size for p in files) <= cap
+    await store.close()

@@ -1,0 +1,92 @@
+"""A dead or stalled server ends in a mapped kvtier error within the timeout, never a hang."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
+from kvtier.backends.s3 import S3Store, S3StoreConfig
+from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
+from tests.backends.stores import new_key
+from tests.servers import RedisServer, free_port
+
+
+async def test_redis_killed_mid_batch_then_restarted(tmp_path):
+    server = RedisServer(tmp_path).start()
+    store = RedisStore(RedisStoreConfig(url=server.url, socket_timeout_s=2.0, connect_timeout_s=1.0), timeout_s=3.0)
+    try:
+        keys = [new_key() for _ in range(48)]
+        pages = [os.urandom(1 << 20) for _ in keys]
+
+        async def kill_soon():
+            await asyncio.sleep(0.02)
+            server.stop()
+
+        start = time.monotonic()
+        killer = asyncio.create_task(kill_soon())
+        with pytest.raises(StoreError) as err:
+            for _ in range(50):  # keep batches in flight until the kill lands
+                await store.batch_set(keys, pages)
+        await killer
+        assert time.monotonic() - start < 3.0 + 2.0
+        assert isinstance(err.value, (StoreUnavailable, StoreTimeout))
+        assert not isinstance(err.value.__cause__, StoreError)  # the client's error is chained
+
+        server.start()  # same port: the store reconnects by itself
+        assert await store.batch_set(keys[:2], pages[:2]) == [True, True]
+        assert await store.batch_get(keys[:2]) == pages[:2]
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_s3_endpoint_down_is_mapped_within_timeout():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    store = S3Store(S3StoreConfig(endpoint_url=url, max_attempts=1, connect_timeout_s=0.5,
+                                  access_key_id="x", secret_access_key="y"), timeout_s=2.0)
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="cannot reach"):
+        await store.batch_get([new_key()])
+    with pytest.raises(StoreUnavailable):
+        await store.batch_set([new_key()], [b"x" * 64])
+    assert time.monotonic() - start < 4.0
+    assert store.stats()["errors"] == 2
+    await store.close()
+
+
+async def test_stalled_store_times_out(redis_server):
+    """A server that accepts but never answers: StoreTimeout at timeout_s."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    port = sock.getsockname()[1]
+    store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{port}/0", socket_timeout_s=30,
+                                        connect_timeout_s=30), timeout_s=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreTimeout, match="timeout_s=0.5"):
+            await store.batch_exists([new_key()])
+        assert time.monotonic() - start < 2.0
+        assert store.stats()["timeouts"] == 1
+    finally:
+        sock.close()
+        await store.close()
+
+
+async def test_no_client_error_escapes_unmapped(tmp_path):
+    """Every client failure surfaces as a StoreError subclass with the original chained."""
+    from kvtier.backends.file import FileStore, FileStoreConfig
+
+    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
+    k = new_key()
+    store.path(k).parent.mkdir(parents=True)
+    store.path(k).mkdir()  # a directory where the page file should go: rename fails
+    with pytest.raises(StoreError) as err:
+        await store.batch_set([k], [b"x" * 16])
+    assert isinstance(err.value.__cause__, OSError)
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))  # no half page left
+    assert await store.batch_exists([k]) == 0  # a failed write is never visible

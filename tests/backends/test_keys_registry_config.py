@@ -1,0 +1,143 @@
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.backends.registry import build_store, known_names, resolve
+from kvtier.config import explain, load_config
+from kvtier.errors import KvtierConfigError, StoreKeyError
+from kvtier.hashing import Namespace, make_key, page_hashes, split_key, validate_key
+from tests.backends.stores import NS, new_key
+
+
+def test_hash_chain_is_pure_and_covers_every_input():
+    toks = np.arange(64)
+    a = page_hashes(toks, 16, NS)
+    assert len(a) == 4 and a == page_hashes(toks, 16, NS)
+    assert page_hashes(toks[:48], 16, NS) == a[:3]  # a chain: prefixes share hashes
+    assert page_hashes(toks[32:], 16, NS, prev=a[1]) == a[2:]
+    assert page_hashes(toks, 16, NS, extra_key="lora-1") != a
+    assert page_hashes(toks, 16, "f" * 32) != a
+    assert page_hashes(toks, 16, NS, algo="xxh3_128") != a and len(page_hashes(toks, 16, NS, algo="xxh3_128")[0]) == 16
+    # tagged fields: moving a token into the extra key changes the hash
+    assert page_hashes(np.array([1, 2]), 2, NS, extra_key="") != page_hashes(np.array([1, 2]), 2, NS, extra_key=None)
+
+
+def test_namespace_covers_what_changes_bytes():
+    base = Namespace("m", "float16", "page_first", 16)
+    ids = {base.id}
+    for change in [dict(dtype="bfloat16"), dict(layout="layer_first"), dict(page_size=32), dict(model_id="n"),
+                   dict(tp_rank=1, tp_size=2), dict(tenant_salt="t"), dict(key_format_version=2)]:
+        fields = dict(model_id="m", dtype="float16", layout="page_first", page_size=16)
+        fields.update(change)
+        ids.add(Namespace(**fields).id)
+    assert len(ids) == 8 and all(len(i) == 32 for i in ids)
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "kvtier/" + NS + "/xyz", "kvtier/../" + NS + "/" + "a" * 64,
+                                 "/abs/" + NS + "/" + "a" * 64, NS + "/" + "a" * 64, "kvtier/" + NS + "/" + "A" * 64])
+def test_bad_keys_are_refused(bad, tmp_path):
+    with pytest.raises(StoreKeyError, match="expected '<prefix>/<32 hex namespace id>"):
+        validate_key(bad)
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    with pytest.raises(ValueError):
+        store.path(bad)
+
+
+def test_key_round_trip():
+    k = make_key("kvtier/a", NS, b"\x01" * 32)
+    assert split_key(k) == ("kvtier/a", NS, b"\x01" * 32)
+    with pytest.raises(KvtierConfigError, match="key prefix='a b'"):
+        make_key("a b", NS, b"\x01" * 32)
+
+
+async def test_file_store_rebuilds_index_on_reopen_without_reading(tmp_path):
+    cfg = FileStoreConfig(root=str(tmp_path))
+    store = FileStore(cfg)
+    keys = [new_key() for _ in range(3)]
+    await store.batch_set(keys, [b"a" * 100, b"b" * 100, b"c" * 100])
+    (store.path(keys[0]).parent / ".tmp-leftover").write_bytes(b"half")  # a crashed write
+    reopened = FileStore(cfg)
+    assert reopened.stats()["pages"] == 3 and reopened.used_bytes == store.used_bytes
+    assert await reopened.batch_exists(keys) == 3
+    assert not list(tmp_path.rglob(".tmp-*"))
+    inv = await reopened.inventory()
+    assert inv["pages"] == 3 and list(inv["namespaces"]) == [NS]
+
+
+def test_registry_unknown_name_lists_known_ones():
+    with pytest.raises(KvtierConfigError, match=r"store.backend='nope': unknown store; known: none, file, memory, redis, s3"):
+        resolve("nope")
+    assert {"memory", "file", "redis", "s3"} <= set(known_names())
+
+
+def test_registry_module_class_and_failing_plugin():
+    cls, cfg = resolve("kvtier.backends.memory:MemoryStore")
+    assert cls.__name__ == "MemoryStore" and cfg.__name__ == "MemoryStoreConfig"
+    with pytest.raises(KvtierConfigError, match="cannot import 'no_such_module_kv'"):
+        resolve("no_such_module_kv:Store")
+    with pytest.raises(KvtierConfigError, match="has no attribute 'Nope'"):
+        resolve("kvtier.backends.memory:Nope")
+    assert type(build_store("memory", {"capacity_bytes": 1024})).__name__ == "MemoryStore"
+
+
+def test_every_shipped_config_loads():
+    import glob
+
+    files = sorted(glob.glob("configs/*.yaml"))
+    assert {"configs/default.yaml", "configs/memory.yaml", "configs/redis.yaml",
+            "configs/redis-cluster.yaml", "configs/s3.yaml"} <= set(files)
+    for f in files:
+        cfg = load_config(f, env={})
+        assert cfg.store.backend in ("file", "memory", "redis", "s3")
+
+
+def test_precedence_args_over_env_over_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("pool: {size: 1024, num_layers: 2}\nstore: {backend: memory, capacity_bytes: 4096}\n")
+    cfg = load_config(p, env={"KVTIER_POOL_SIZE": "2048", "KVTIER_STORE_CAPACITY_BYTES": "8192"},
+                      overrides={"pool": {"size": 512}})
+    assert cfg.pool.size == 512 and cfg.pool.num_layers == 2 and cfg.store.options.capacity_bytes == 8192
+    text = explain(cfg)
+    assert "pool.size = 512  (arg)" in text and "store.capacity_bytes = 8192  (env KVTIER_STORE_CAPACITY_BYTES)" in text
+    assert "pool.num_layers = 2  (file" in text and "tree.slru_threshold = 2  (default)" in text
+
+
+def test_secrets_are_not_printed(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("store: {backend: redis, password: hunter2}\n")
+    assert "hunter2" not in explain(load_config(p, env={}))
+
+
+BAD = {
+    "unknown section": ("poool: {size: 1}", "'poool': unknown section; allowed: namespace, pool"),
+    "unknown key": ("pool: {size: 16, num_layers: 1, sise: 3}", "pool.sise: unknown key; allowed: size, num_layers"),
+    "bad type": ("pool: {size: lots, num_layers: 1}", "pool.size='lots': expected an integer"),
+    "bad enum": ("controller: {write_policy: sometimes}", "controller.write_policy='sometimes': allowed values are write_through"),
+    "bad literal": ("mirror: {layout: diagonal}", "mirror.layout='diagonal': allowed values are layer_first, page_first"),
+    "bad value": ("pool: {size: 16, num_layers: 1, page_size: 0}", "page_size=0: must be an integer >= 1"),
+    "bad backend": ("store: {backend: floppy}", "store.backend='floppy': unknown store"),
+    "bad store key": ("store: {backend: file, rooot: /tmp}", "store.rooot: unknown key; allowed: root, capacity_bytes"),
+    "options without backend": ("store: {root: /tmp}", "store.root: not allowed with store.backend='none'"),
+    "bad redis url": ("store: {backend: redis, url: 'http://x'}", "url='http://x': must start with redis://"),
+    "not a mapping": ("- a\n- b", "expected a mapping of sections, got list"),
+    "bad yaml": ("pool: {size: [", "not valid YAML"),
+    "bad policy": ("tree: {eviction_policy: random}", "tree.eviction_policy='random': allowed values are lru"),
+    "bad bool": ("store: {backend: file, fsync: maybe}", "store.fsync='maybe': expected true or false"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_yaml_fails_with_the_right_message(name, tmp_path):
+    text, message = BAD[name]
+    p = tmp_path / "bad.yaml"
+    p.write_text(textwrap.dedent(text))
+    with pytest.raises(KvtierConfigError) as err:
+        load_config(p, env={})
+    assert message in str(err.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(KvtierConfigError, match="config file 'nope.yaml': not found"):
+        load_config("nope.yaml")
