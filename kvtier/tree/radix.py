@@ -269,6 +269,18 @@ class RadixTree:
             raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
         self._set_value(node, D, device_indices.clone())
 
+    def demote(self, node: TreeNode) -> torch.Tensor:
+        """Take `node` off device (a load that failed): returns the device slots to free.
+
+        `node` must be backed up, unlocked, and have no child on device."""
+        if not node.on_device or not node.backed_up or node.locks[D]:
+            raise ValueError(f"demote: {node} must be on device, backed up and unlocked")
+        if any(c.on_device for c in node.children.values()):
+            raise ValueError(f"demote: {node} has a child on device; demote bottom-up")
+        slots = node.values[D]
+        self._set_value(node, D, None)
+        return slots
+
     # -- locks --------------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:

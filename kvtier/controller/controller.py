@@ -1,0 +1,213 @@
+"""The cache controller: moves KV between the pool, the mirror and the store.
+
+It owns every asynchronous thing — the write and load streams, the storage thread, the
+op queues — and never touches the tree. Ops carry an opaque `tag` (the cache's node);
+the scheduler thread asks how many ops are finished (`ready()`), agrees on the counts
+across ranks, and pops exactly that many, in submission order.
+
+Slot ownership (device / host):
+
+| state                               | held by                          |
+|-------------------------------------|----------------------------------|
+| free                                | the allocator                    |
+| reserved for a write / a prefetch   | the op, until the cache pops it  |
+| in the tree                         | the tree (the cache frees them)  |
+| handed to a request                 | the request, via the cache       |
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.backends.base import Store
+from kvtier.controller.config import ControllerConfig
+from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
+from kvtier.controller.streams import Handle, make_stream
+from kvtier.tiers.allocator import PagedAllocator
+from kvtier.tiers.mirror import HostMirror
+from kvtier.tiers.pool import DeviceKVPool
+
+
+@dataclass(eq=False)
+class WriteOp:
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+    tag: Any
+    handle: Handle | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class LoadOp:
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    tag: Any
+    handle: Handle
+    started: float = field(default_factory=time.perf_counter)
+
+
+class CacheController:
+    def __init__(self, pool: DeviceKVPool, mirror: HostMirror | None, store: Store | None,
+                 config: ControllerConfig) -> None:
+        self.pool = pool
+        self.mirror = mirror
+        self.config = config
+        self.page_size = pool.config.page_size
+        self.device_alloc = PagedAllocator(pool.config.size, self.page_size)
+        self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
+        self.write_stream = make_stream("write", pool.device)
+        self.load_stream = make_stream("load", pool.device)
+        self.storage = None
+        if store is not None and mirror is not None:
+            self.storage = StorageWorker(store, mirror, self._reserve_pages, config.max_inflight_prefetch_bytes)
+        self._queued_writes: list[WriteOp] = []
+        self.writes: deque[WriteOp] = deque()
+        self.loads: deque[LoadOp] = deque()
+        self.backups: deque[BackupOp] = deque()
+        self.prefetches: dict[str, PrefetchOp] = {}  # in submission order
+
+    @property
+    def store(self) -> Store | None:
+        return self.storage.store if self.storage else None
+
+    # -- host slots (locked: the storage thread reserves pages too) ----------------------------
+
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        with self.host_lock:
+            return self.mirror.allocator.alloc(n)
+
+    def free_host(self, indices: torch.Tensor) -> None:
+        if indices.numel():
+            with self.host_lock:
+                self.mirror.allocator.free(indices)
+
+    def host_available(self) -> int:
+        with self.host_lock:
+            return self.mirror.allocator.available_size()
+
+    def _reserve_pages(self, op: PrefetchOp, pages: int) -> int:
+        """Give `op` up to `pages` free host pages; never evicts (that is the tree's job).
+
+        Allocation and hand-over happen under the lock, so accounting never sees a page
+        that is neither free nor held by an op."""
+        ps = self.page_size
+        with self.host_lock:
+            take = min(pages, self.mirror.allocator.available_size() // ps)
+            if take:
+                op.host_pages = self.mirror.allocator.alloc(take * ps)[::ps] // ps
+        return take
+
+    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+
+    # -- device -> host -----------------------------------------------------------------------
+
+    def write(self, device_indices: torch.Tensor, tag: Any) -> torch.Tensor | None:
+        """Reserve host slots and queue a device->host copy; None if the mirror is full."""
+        host = self.alloc_host(device_indices.numel())
+        if host is None:
+            return None
+        self._queued_writes.append(WriteOp(device_indices, host, tag))
+        return host
+
+    def flush_writes(self) -> None:
+        """Submit every queued write as one merged transfer."""
+        if not self._queued_writes:
+            return
+        ops, self._queued_writes = self._queued_writes, []
+        dev = torch.cat([op.device_indices for op in ops])
+        host = torch.cat([op.host_indices for op in ops])
+        mirror, pool = self.mirror, self.pool
+        handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle())
+        for op in ops:
+            op.handle = handle
+            self.writes.append(op)
+
+    # -- host -> device -----------------------------------------------------------------------
+
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, tag: Any) -> LoadOp:
+        """Copy host slots into (already allocated) device slots, one layer at a time."""
+        mirror, pool = self.mirror, self.pool
+
+        def job(h: Handle) -> None:
+            for layer in range(pool.num_layers):
+                mirror.load_layer(pool, host_indices, device_indices, layer)
+                h.layer_done(layer)
+
+        handle = self.load_stream.submit(job, Handle(pool.num_layers))
+        op = LoadOp(host_indices, device_indices, tag, handle)
+        self.loads.append(op)
+        return op
+
+    # -- host <-> store -----------------------------------------------------------------------
+
+    def backup(self, keys: list[str], host_pages: torch.Tensor, tag: Any) -> BackupOp | None:
+        if self.storage is None:
+            return None
+        op = BackupOp(keys, host_pages, tag)
+        self.backups.append(op)
+        self.storage.submit_backup(op)
+        return op
+
+    def prefetch(self, op: PrefetchOp) -> None:
+        if op.request_id in self.prefetches:
+            raise ValueError(f"prefetch: request_id={op.request_id!r} already has a prefetch in flight")
+        self.prefetches[op.request_id] = op
+        self.storage.submit_prefetch(op)
+
+    # -- completion ---------------------------------------------------------------------------
+
+    def ready(self) -> list[int]:
+        """Leading finished counts [writes, loads, backups] (snapshots; only grow)."""
+        return [_leading(self.writes, lambda op: op.handle.is_done()),
+                _leading(self.loads, lambda op: op.handle.is_done()),
+                _leading(self.backups, lambda op: op.finished)]
+
+    def pop(self, queue: deque, n: int) -> list:
+        return [queue.popleft() for _ in range(n)]
+
+    def host_accounting(self) -> tuple[int, int]:
+        """(free host slots, host slots reserved by ops not applied yet), one consistent snapshot."""
+        with self.host_lock:
+            return self.mirror.allocator.available_size(), self._in_flight_host_slots()
+
+    def _in_flight_host_slots(self) -> int:
+        n = sum(op.host_indices.numel() for op in self._queued_writes)
+        n += sum(op.host_indices.numel() for op in self.writes)
+        for op in self.prefetches.values():
+            if op.host_pages is not None:
+                n += (op.host_pages.numel() - op.inserted) * self.page_size
+        return n
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Block until every submitted transfer and store op has finished."""
+        self.flush_writes()
+        deadline = time.monotonic() + timeout
+        for op in list(self.writes) + list(self.loads):
+            op.handle.finished.wait(max(0.0, deadline - time.monotonic()))
+        if self.storage is not None:
+            self.storage.drain(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for op in self.prefetches.values():
+            op.stop.set()
+        self.wait_idle()
+        self.write_stream.close()
+        self.load_stream.close()
+        if self.storage is not None:
+            self.storage.close()
+
+
+def _leading(queue: deque, done) -> int:
+    n = 0
+    for op in queue:
+        if not done(op):
+            break
+        n += 1
+    return n

@@ -1,0 +1,167 @@
+"""The storage thread: one asyncio loop that runs every L3 call (prefetch and backup).
+
+Ops are plain objects shared with the scheduler thread. The storage thread writes an op's
+progress fields (`host_pages`, `landed`, `finished`, ...) in an order that makes every
+snapshot safe to read: `host_pages` is set before `landed` grows, a page below `landed`
+is verified and never written again, and nothing is touched after `finished`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvtier.backends.base import Store
+from kvtier.errors import KvtierError
+from kvtier.tiers.mirror import HostMirror
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    request_id: str
+    keys: list[str]
+    tag: Any  # the scheduler's anchor; opaque here
+    tokens: int  # tokens the keys cover
+    stop: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.perf_counter)
+    # written by the storage thread
+    host_pages: torch.Tensor | None = None
+    landed: int = 0
+    finished: bool = False
+    outcome: str = "running"  # done | partial | stopped | no_space | error
+    error: str | None = None
+    # the scheduler's side
+    inserted: int = 0
+    stop_reason: str | None = None
+
+
+@dataclass(eq=False)
+class BackupOp:
+    keys: list[str]
+    host_pages: torch.Tensor
+    tag: Any
+    started: float = field(default_factory=time.perf_counter)
+    ok: list[bool] | None = None
+    finished: bool = False
+    error: str | None = None
+
+
+class StorageWorker:
+    """Runs store coroutines on its own event loop thread; never blocks the scheduler."""
+
+    def __init__(self, store: Store, mirror: HostMirror, reserve_pages: Callable[[PrefetchOp, int], int],
+                 max_inflight_bytes: int) -> None:
+        self.store = store
+        self.mirror = mirror
+        self.reserve_pages = reserve_pages
+        pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
+        self.chunk = max(1, min(16, pages_in_flight))
+        self._slots_count = max(1, pages_in_flight // self.chunk)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-storage", daemon=True)
+        self._thread.start()
+        self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
+        self.futures: set[Future] = set()
+
+    def _call_soon(self, fn) -> Future:
+        async def wrap():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop)
+
+    def submit_prefetch(self, op: PrefetchOp) -> None:
+        self._track(asyncio.run_coroutine_threadsafe(self._prefetch(op), self.loop))
+
+    def submit_backup(self, op: BackupOp) -> None:
+        self._track(asyncio.run_coroutine_threadsafe(self._backup(op), self.loop))
+
+    def _track(self, fut: Future) -> None:
+        self.futures.add(fut)
+        fut.add_done_callback(self.futures.discard)
+
+    async def _prefetch(self, op: PrefetchOp) -> None:
+        try:
+            present = await self.store.batch_exists(op.keys)
+            if op.stop.is_set() or present == 0:
+                op.outcome = "stopped" if op.stop.is_set() else "done"
+                return
+            reserved = self.reserve_pages(op, present)  # host slots only for pages the store holds
+            if reserved == 0:
+                op.outcome = "no_space"
+                return
+            pages = op.host_pages
+            op.outcome = "done" if reserved == present else "partial"
+            for start in range(0, pages.numel(), self.chunk):
+                if op.stop.is_set():
+                    op.outcome = "stopped"
+                    return
+                chunk = pages[start:start + self.chunk]
+                async with self._slots:
+                    ok = await self._read(op.keys[start:start + chunk.numel()], chunk)
+                run = next((i for i, good in enumerate(ok) if not good), len(ok))
+                op.landed += run
+                if run < len(ok):
+                    op.outcome = "partial"  # a miss or a page that did not verify: stop at it
+                    return
+        except KvtierError as exc:
+            op.outcome, op.error = "error", str(exc)
+            log.warning("prefetch %s: %s (its pages are misses)", op.request_id, exc)
+        except Exception as exc:  # never leave an op unfinished
+            op.outcome, op.error = "error", f"{type(exc).__name__}: {exc}"
+            log.exception("prefetch %s failed", op.request_id)
+        finally:
+            op.finished = True
+
+    async def _read(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
+        mirror = self.mirror
+        if mirror.config.layout == "page_first":
+            views = [mirror.page_view(int(p)).numpy() for p in pages]
+            return await self.store.batch_get_into(keys, views)
+        temps = [bytearray(mirror.page_bytes) for _ in keys]
+        ok = await self.store.batch_get_into(keys, temps)
+        for p, t, good in zip(pages.tolist(), temps, ok):
+            if good:
+                mirror.write_page(p, t)
+        return ok
+
+    async def _backup(self, op: BackupOp) -> None:
+        try:
+            payloads = [self.mirror.page_view(int(p)).numpy() for p in op.host_pages]
+            op.ok = await self.store.batch_set(op.keys, payloads)
+        except KvtierError as exc:
+            op.error = str(exc)
+            op.ok = [False] * len(op.keys)
+            log.warning("backup of %d pages failed: %s", len(op.keys), exc)
+        except Exception as exc:
+            op.error = f"{type(exc).__name__}: {exc}"
+            op.ok = [False] * len(op.keys)
+            log.exception("backup failed")
+        finally:
+            op.finished = True
+
+    def drain(self, timeout: float) -> None:
+        """Wait for every submitted op to finish (they all end: each store call has a timeout)."""
+        deadline = time.monotonic() + timeout
+        for fut in list(self.futures):
+            try:
+                fut.result(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.drain(timeout)
+        try:
+            asyncio.run_coroutine_threadsafe(self.store.close(), self.loop).result(timeout)
+        except Exception as exc:
+            log.warning("closing store: %s", exc)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        self.loop.close()

@@ -1,0 +1,148 @@
+"""Transfer streams: where pool<->mirror copies run, and how their completion is signalled.
+
+`CpuTransferStream` runs jobs in order on one worker thread and signals with
+threading.Events (used when there is no GPU, and in every test). `CudaTransferStream`
+enqueues the same jobs on a side CUDA stream and signals with CUDA events. A job's
+completion is reported only by the copy that finished: an exception is stored on the
+handle and re-raised to whoever waits on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from kvtier.errors import KvtierError
+
+
+class TransferError(KvtierError):
+    """A pool<->mirror copy failed; the pages it was moving are not usable."""
+
+
+class Handle:
+    """Completion of one job: `done` overall and, for loads, one signal per layer."""
+
+    def __init__(self, num_layers: int = 0) -> None:
+        self.layers = [threading.Event() for _ in range(num_layers)]
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        self.cuda_events: list | None = None
+
+    def layer_done(self, layer: int) -> None:
+        if self.cuda_events is not None:
+            self.cuda_events[layer].record()  # on the side stream the job runs under
+        self.layers[layer].set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        for ev in self.layers:
+            ev.set()
+        self.finished.set()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        if self.cuda_events is not None:
+            torch.cuda.current_stream().wait_event(self.cuda_events[layer])
+        elif not self.layers[layer].wait(timeout):
+            raise TransferError(f"layer {layer} did not land within {timeout}s")
+        if self.error is not None:
+            raise TransferError(f"load failed: {self.error}") from self.error
+
+    def is_done(self) -> bool:
+        return self.finished.is_set()
+
+
+Job = Callable[[Handle], None]
+
+
+class TransferStream(ABC):
+    @abstractmethod
+    def submit(self, job: Job, handle: Handle) -> Handle:
+        """Run `job(handle)` after every job submitted before it; it signals `handle`."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class CpuTransferStream(TransferStream):
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job, handle: Handle) -> Handle:
+        self._jobs.put((job, handle))
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, handle = item
+            try:
+                job(handle)
+            except BaseException as exc:  # the waiter learns of it; the stream keeps going
+                handle.fail(exc)
+            else:
+                handle.finished.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class CudaTransferStream(TransferStream):
+    """Jobs enqueue their copies on a side stream; per-layer CUDA events mark landings.
+
+    The forward waits on a layer's event on its own stream (no host sync); a watcher
+    thread turns each job's final event into `handle.finished` for the scheduler's acks.
+    """
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._watch: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._watcher, name=f"kvtier-{name}-watch", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job, handle: Handle) -> Handle:
+        handle.cuda_events = [torch.cuda.Event() for _ in handle.layers]
+        done = torch.cuda.Event()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written before we copy it
+        with torch.cuda.stream(self.stream):
+            try:
+                job(handle)
+            except BaseException as exc:
+                handle.fail(exc)
+                return handle
+            done.record(self.stream)
+        self._watch.put((done, handle))
+        return handle
+
+    def _watcher(self) -> None:
+        while True:
+            item = self._watch.get()
+            if item is None:
+                return
+            event, handle = item
+            try:
+                event.synchronize()
+            except BaseException as exc:
+                handle.fail(exc)
+            else:
+                handle.finished.set()
+
+    def close(self) -> None:
+        self._watch.put(None)
+        self._thread.join()
+        self.stream.synchronize()
+
+
+def make_stream(name: str, device: torch.device) -> TransferStream:
+    if device.type == "cuda":
+        return CudaTransferStream(name, device)
+    return CpuTransferStream(name)

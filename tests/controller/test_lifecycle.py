@@ -1,0 +1,265 @@
+"""Bitwise lifecycles through every tier, and each write and prefetch policy."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.controller.helpers import (
+    CorruptingStore, FailingStore, StallingStore, compute, make_cache, read, same_kv, settle,
+)
+
+A = np.arange(100, 116)  # 16 tokens = 4 pages of 4
+
+
+def load_and_wait(cache, node):
+    n = cache.load_back(node)
+    waiter = cache.begin_forward()
+    for layer in range(cache.pool.num_layers):
+        waiter.wait_layer(layer)
+    return n
+
+
+def check(cache):
+    cache.tree.sanity_check()
+    cache.check_accounting()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_write_through_demote_load_back_is_bitwise(layout):
+    cache = make_cache(layout=layout)
+    kv = compute(cache, A, seed=1)
+    settle(cache)
+    node = cache.match_prefix(A).last_device_node
+    assert node.backed_up and cache.stats()["counters"]["writes"] == 1
+    assert cache.evict(16) == 16
+    m = cache.match_prefix(A)
+    assert m.device_indices.numel() == 0 and m.host_hit_length == 16 and m.last_host_node is node
+    cache.lock(m.last_device_node)
+    assert load_and_wait(cache, m.last_host_node) == 16
+    cache.unlock(m.last_device_node)
+    m = cache.match_prefix(A, count=False)
+    assert same_kv(read(cache, m.device_indices), kv)
+    settle(cache)
+    check(cache)
+    cache.close()
+    check(cache)
+
+
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_host_eviction_then_prefetch_from_store_is_bitwise(store, tmp_path):
+    cache = make_cache(tmp_path, store=store)
+    kv = compute(cache, A, seed=2)
+    settle(cache)
+    assert cache.stats()["counters"]["l3_write_pages"] == 4
+    cache.flush()
+    check(cache)
+    m = cache.match_prefix(A)
+    assert m.device_indices.numel() == 0 and m.host_hit_length == 0
+    assert cache.prefetch("r1", A, m)
+    assert cache.take_prefetch("r1") == 16
+    m = cache.match_prefix(A, count=False)
+    assert m.host_hit_length == 16
+    assert load_and_wait(cache, m.last_host_node) == 16
+    m = cache.match_prefix(A, count=False)
+    assert same_kv(read(cache, m.device_indices), kv)
+    c = cache.stats()["counters"]
+    assert c["storage_hit_tokens"] == 16 and c["l3_read_pages"] == 4
+    settle(cache)
+    check(cache)
+    cache.close()
+    check(cache)
+
+
+def test_prefetch_continues_beyond_a_host_prefix():
+    cache = make_cache()
+    B = np.arange(200, 232)
+    kv = compute(cache, B, seed=3)
+    settle(cache)
+    cache.flush()
+    half = B[:16]
+    m = cache.match_prefix(half)
+    cache.prefetch("a", half, m)
+    assert cache.take_prefetch("a") == 16
+    m = cache.match_prefix(B)
+    assert m.host_hit_length == 16
+    assert cache.prefetch("b", B, m)  # anchored at the host node: pages 5..8
+    assert cache.take_prefetch("b") == 16
+    m = cache.match_prefix(B, count=False)
+    assert m.host_hit_length == 32
+    load_and_wait(cache, m.last_host_node)
+    assert same_kv(read(cache, cache.match_prefix(B, count=False).device_indices), kv)
+    settle(cache)
+    check(cache)
+
+
+def test_write_through_selective_waits_for_hits():
+    cache = make_cache(write_policy="write_through_selective", write_threshold=2)
+    compute(cache, A, seed=4)
+    settle(cache)
+    node = cache.match_prefix(A, count=False).last_device_node  # hit 1
+    settle(cache)
+    assert not node.backed_up
+    cache.match_prefix(A, count=False)  # hit 2: now worth a host copy
+    settle(cache)
+    assert node.backed_up
+    check(cache)
+
+
+def test_write_back_backs_up_only_on_eviction():
+    cache = make_cache(write_policy="write_back", pool_size=32)
+    kv = compute(cache, A, seed=5)
+    settle(cache)
+    node = cache.match_prefix(A, count=False).last_device_node
+    assert not node.backed_up
+    assert cache.evict(16) == 16  # backs the path up, then demotes it
+    assert node.backed_up and not node.on_device
+    m = cache.match_prefix(A)
+    load_and_wait(cache, m.last_host_node)
+    assert same_kv(read(cache, cache.match_prefix(A, count=False).device_indices), kv)
+    settle(cache)
+    check(cache)
+
+
+def test_timeout_policy_stops_with_a_prefix_and_returns_host_slots():
+    store = StallingStore(fast_reads=1, stall_s=1.0)
+    cache = make_cache(prefetch_policy="timeout", prefetch_timeout_base_s=0.3, prefetch_timeout_per_1k_tokens_s=0.0,
+                       max_inflight_prefetch_bytes=2 * 2 * 2 * 8 * 4 * 4, store_obj=store)
+    assert cache.controller.storage.chunk == 2  # 2 pages per read: the second read stalls
+    B = np.arange(300, 332)
+    compute(cache, B, seed=6)
+    settle(cache)
+    cache.flush()
+    free_before = cache.controller.host_available()
+    m = cache.match_prefix(B)
+    cache.prefetch("t", B, m)
+    taken = cache.take_prefetch("t")
+    assert taken == 8  # the first chunk landed before the deadline
+    assert cache.stats()["counters"]["prefetch_timed_out"] == 0  # not finished yet: counted at the end
+    settle(cache)
+    assert cache.stats()["counters"]["prefetch_timed_out"] == 1
+    on_host = cache.match_prefix(B, count=False).host_hit_length
+    assert on_host in (8, 16)  # the chunk in flight at the stop may still land; no chunk after it
+    assert cache.controller.host_available() == free_before - on_host  # the unused pages came back
+    check(cache)
+    cache.close()
+
+
+def test_best_effort_takes_what_landed_and_the_rest_arrives_later():
+    store = StallingStore(fast_reads=0, stall_s=0.3)
+    cache = make_cache(prefetch_policy="best_effort", store_obj=store)
+    compute(cache, A, seed=7)
+    settle(cache)
+    cache.flush()
+    m = cache.match_prefix(A)
+    cache.prefetch("b", A, m)
+    assert cache.take_prefetch("b") == 0  # nothing landed yet: the request recomputes
+    settle(cache)
+    check(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("store_cls", ["failing", "corrupting"])
+def test_faulty_store_pages_are_misses_and_slots_return(store_cls):
+    store = FailingStore() if store_cls == "failing" else CorruptingStore(bad_key_index=2)
+    cache = make_cache(store_obj=store)
+    kv = compute(cache, A, seed=8)
+    settle(cache)
+    cache.flush()
+    m = cache.match_prefix(A)
+    cache.prefetch("f", A, m)
+    taken = cache.take_prefetch("f")
+    expected = 0 if store_cls == "failing" else 8  # pages before the damaged one
+    assert taken == expected
+    settle(cache)
+    assert cache.controller.host_available() == cache.mirror.size - expected
+    m = cache.match_prefix(A, count=False)
+    if expected:
+        load_and_wait(cache, m.last_host_node)
+        got = read(cache, cache.match_prefix(A, count=False).device_indices)
+        assert same_kv(got, [(k[:8], v[:8]) for k, v in kv])
+    stats = cache.stats()
+    if store_cls == "failing":
+        assert stats["counters"]["prefetch_errors"] == 1 and stats["store"]["errors"] == 1
+    else:
+        assert stats["store"]["frame_failures"] == 1
+    settle(cache)
+    check(cache)
+    cache.close()
+
+
+def test_stalled_store_never_blocks_longer_than_its_timeout():
+    import time
+
+    store = StallingStore(fast_reads=0, stall_s=30.0)
+    store.timeout_s = 0.5
+    cache = make_cache(store_obj=store)
+    compute(cache, A, seed=9)
+    settle(cache)
+    cache.flush()
+    m = cache.match_prefix(A)
+    cache.prefetch("s", A, m)
+    start = time.monotonic()
+    assert cache.take_prefetch("s") == 0  # wait_complete, but the store call times out
+    assert time.monotonic() - start < 3.0
+    assert cache.stats()["store"]["timeouts"] == 1
+    check(cache)
+    cache.close()
+
+
+def test_chunked_prefill_returns_canonical_indices():
+    cache = make_cache()
+    compute(cache, A[:8], seed=10)
+    settle(cache)
+    m = cache.match_prefix(A)
+    cache.lock(m.last_device_node)
+    cached = m.device_indices.numel()
+    assert cached == 8
+    mine = cache.alloc(len(A) - cached)
+    kv_rows = torch.cat([m.device_indices, mine])
+    canon, node, new_cached = cache.cache_unfinished(A[:14], kv_rows[:14], m.last_device_node, cached)
+    assert new_cached == 12 and torch.equal(canon, kv_rows[:12])
+    cache.cache_finished(A, kv_rows, node, new_cached)
+    settle(cache)
+    check(cache)
+
+
+def test_duplicate_compute_frees_the_copy():
+    cache = make_cache()
+    compute(cache, A, seed=11)
+    m = cache.match_prefix(np.arange(999, 1003))  # unrelated: nothing cached
+    cache.lock(m.last_device_node)
+    mine = cache.alloc(16)
+    free_before = cache.controller.device_alloc.available_size()
+    cache.cache_finished(A, mine, m.last_device_node, 0)  # computed A again without the cache
+    assert cache.controller.device_alloc.available_size() == free_before + 16
+    settle(cache)
+    check(cache)
+
+
+def test_stats_and_prometheus_metrics():
+    from prometheus_client import generate_latest
+
+    cache = make_cache()
+    compute(cache, A, seed=12)
+    settle(cache)
+    cache.match_prefix(A)
+    s = cache.stats()
+    assert s["counters"]["device_hit_tokens"] == 16 and s["counters"]["lookup_tokens"] == 32
+    assert s["counters"]["miss_tokens"] == 16 and s["tiers"]["host"]["evictable_tokens"] == 16
+    text = generate_latest(cache.metrics_registry()).decode()
+    assert "kvtier_device_hit_tokens_total 16.0" in text
+    assert 'kvtier_write_latency_seconds_bucket{le="+Inf"} 1.0' in text
+    assert "kvtier_store_l3" not in text and "kvtier_host_evictable_tokens 16.0" in text
+    cache.close()
+
+
+def test_start_log_line_names_every_component(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kvtier.cache"):
+        cache = make_cache()
+    line = caplog.text
+    for part in ("tree page_size=4 eviction=lru", "pool mha 2 layers 64 slots", "mirror page_first 128 slots",
+                 "write=write_through prefetch=wait_complete", "store memory", "namespace "):
+        assert part in line
+    cache.close()
