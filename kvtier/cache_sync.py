@@ -239,10 +239,8 @@ class Applier:
                 log.error("device->host write failed: %s; %s stays device-only", op.handle.error, node)
                 self.ctl.free_host(op.host_indices)
                 continue
-            if node.backed_up:  # a prefetch from the store got there first: same bytes
-                self.ctl.free_host(op.host_indices)
-                continue
-            self.tree.mark_backed_up(node, op.host_indices)
+            # a prefetch from the store may have given (part of) the path a host copy first
+            self.ctl.free_host(self.tree.mark_backed_up(node, op.host_indices))
             self.counters.writes += 1
             self.counters.d2h_bytes += op.host_indices.numel() * self.cache.pool.bytes_per_token
             self.latency["write"].observe(time.perf_counter() - op.started)

@@ -232,24 +232,31 @@ class RadixTree:
 
     # -- tier moves ---------------------------------------------------------------------------
 
-    def mark_backed_up(self, node: TreeNode, host_indices: torch.Tensor) -> None:
-        """`node`'s KV is now also at `host_indices`.
+    def mark_backed_up(self, node: TreeNode, host_indices: torch.Tensor) -> torch.Tensor:
+        """`node`'s KV is now also at `host_indices`; returns the slots the caller must free.
 
         If `node` was split while its write was in flight, `host_indices` also covers the
-        split-off ancestors: they take the leading part, deepest last.
+        split-off ancestors (leading part first). A part that got a host copy meanwhile (from
+        the store) keeps it, and its share of `host_indices` is returned to be freed.
         """
         self._check_indices("host_indices", host_indices)
         chain, end, n = [], host_indices.numel(), node
         while end > 0:  # validate first: nothing changes on bad input
-            if n is self.root or n.backed_up or len(n) > end:
+            if n is self.root or len(n) > end:
                 raise ValueError(f"mark_backed_up: {end} host slots left over at {n}; not a written node")
             chain.append((n, end))
             end -= len(n)
             n = n.parent
         if n is not self.root and not n.backed_up:
             raise ValueError(f"mark_backed_up: parent {n} of {node} is not backed up; back up root-down")
+        unused = []
         for n, end in reversed(chain):
-            self._set_value(n, H, host_indices[end - len(n):end].clone())
+            part = host_indices[end - len(n):end]
+            if n.backed_up:
+                unused.append(part)
+            else:
+                self._set_value(n, H, part.clone())
+        return torch.cat(unused) if unused else _EMPTY
 
     def nodes_to_load(self, node: TreeNode) -> list[TreeNode]:
         """Host-only nodes from the deepest device ancestor down to `node`, root-down."""

@@ -15,7 +15,7 @@ from kvtier.tree import RadixKey
 
 def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_size: int = 4, ratio: float = 2.0,
                layout: str = "page_first", write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
-               store_obj=None, **controller) -> TieredCache:
+               store_obj=None, tp_group=None, **controller) -> TieredCache:
     store_section = {"backend": store}
     if store == "file":
         store_section["root"] = str(tmp_path / "l3")
@@ -26,7 +26,7 @@ def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_s
         "controller": {"write_policy": write_policy, "prefetch_policy": prefetch_policy, **controller},
         "store": store_section,
     }
-    return TieredCache(load_config(None, overrides, env={}), store=store_obj)
+    return TieredCache(load_config(None, overrides, env={}), tp_group=tp_group, store=store_obj)
 
 
 def fill(cache: TieredCache, slots: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,70 @@
+"""One tensor-parallel rank of the TP test (run as a subprocess by test_tp.py).
+
+argv: rank world_size port out_file [diverge]
+"""
+
+import json
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvtier.controller.tp import Agreement
+from tests.controller.helpers import StallingStore, fill, make_cache
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    diverge = len(sys.argv) > 5
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if diverge and rank == 1:  # a bug on purpose: this rank reports a different decision
+        check = Agreement.check
+        Agreement.check = lambda self, decisions: check(self, [d + 1 for d in decisions])
+    # each rank's store answers at its own pace: local completion timing differs
+    store = StallingStore(fast_reads=0, stall_s=0.002 * (rank + 1))
+    cache = make_cache(pool_size=64, ratio=1.5, prefetch_policy="best_effort", store_obj=store,
+                       tp_group=dist.group.WORLD, consensus_check=diverge)
+    rng = random.Random(7)  # the scheduler's stream: identical on every rank
+    jitter = random.Random(100 + rank)  # local timing: different per rank
+    prefixes = [np.array([rng.randrange(40) for _ in range(8)]) for _ in range(4)]
+    decisions = []
+    for step in range(120):
+        tokens = np.concatenate([rng.choice(prefixes), [rng.randrange(40) for _ in range(rng.randrange(1, 9))]])
+        m = cache.match_prefix(tokens)
+        cache.lock(m.last_device_node)
+        node = m.last_device_node
+        taken = 0
+        if cache.prefetch(f"r{step}", tokens, m):
+            time.sleep(jitter.random() * 0.012)
+            taken = cache.take_prefetch(f"r{step}")
+        m2 = cache.match_prefix(tokens, count=False)
+        loaded = cache.load_back(m2.last_host_node) if m2.host_hit_length else 0
+        m3 = cache.match_prefix(tokens, count=False)
+        cache.lock(m3.last_device_node)
+        cache.unlock(node)
+        cached = m3.device_indices.numel()
+        mine = cache.alloc(len(tokens) - cached)
+        waiter = cache.begin_forward()
+        for layer in range(cache.pool.num_layers):
+            waiter.wait_layer(layer)
+        fill(cache, mine, seed=step)
+        cache.cache_finished(tokens, torch.cat([m3.device_indices, mine]), m3.last_device_node, cached)
+        decisions.append([m.device_indices.numel(), m.host_hit_length, taken, loaded, cached])
+        time.sleep(jitter.random() * 0.003)
+        cache.poll()
+        if step % 40 == 39:
+            cache.flush()
+        cache.tree.sanity_check()
+        cache.check_accounting()
+    cache.close()
+    with open(out, "w") as f:
+        json.dump({"decisions": decisions, "collectives": cache.agreement.collectives,
+                   "stats": cache.stats()["counters"]}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
