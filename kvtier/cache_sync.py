@@ -220,15 +220,25 @@ class Applier:
                 p.want_stop = True
         mins = self.ctl.ready()
         for p in live:
-            mins += [p.op.landed, int(p.op.finished)]
+            mins += [p.op.present, p.op.landed, int(p.op.finished)]
         maxs = [int(p.want_stop) for p in live]
         agreed, stops = self.cache.agreement.agree(mins, maxs)
         self._apply_writes(agreed[0])
         self._apply_loads(agreed[1])
         self._apply_backups(agreed[2])
         for i, p in enumerate(live):
-            self._apply_prefetch(p, agreed[3 + 2 * i], bool(agreed[4 + 2 * i]), bool(stops[i]))
+            present, landed, finished = agreed[3 + 3 * i: 6 + 3 * i]
+            if present >= 0 and not p.op.granted.is_set():
+                self._grant(p, present)
+            self._apply_prefetch(p, landed, bool(finished), bool(stops[i]))
         self.cache.agreement.check(agreed + stops)
+
+    def _grant(self, p: _Prefetch, present: int) -> None:
+        """Make room on host for the pages the store holds (agreed on every rank), reserve them."""
+        need = present * self.cache.page_size
+        if present > 0 and self.ctl.host_available() < need:
+            self.evict_host(need - self.ctl.host_available())
+        self.ctl.grant(p.op, present)
 
     def _apply_writes(self, n: int) -> None:
         for op in self.ctl.pop(self.ctl.writes, n):

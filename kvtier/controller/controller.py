@@ -65,7 +65,7 @@ class CacheController:
         self.load_stream = make_stream("load", pool.device)
         self.storage = None
         if store is not None and mirror is not None:
-            self.storage = StorageWorker(store, mirror, self._reserve_pages, config.max_inflight_prefetch_bytes)
+            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes)
         self._queued_writes: list[WriteOp] = []
         self.writes: deque[WriteOp] = deque()
         self.loads: deque[LoadOp] = deque()
@@ -76,7 +76,7 @@ class CacheController:
     def store(self) -> Store | None:
         return self.storage.store if self.storage else None
 
-    # -- host slots (locked: the storage thread reserves pages too) ----------------------------
+    # -- host slots (the lock makes accounting snapshots consistent) --------------------------
 
     def alloc_host(self, n: int) -> torch.Tensor | None:
         with self.host_lock:
@@ -91,16 +91,14 @@ class CacheController:
         with self.host_lock:
             return self.mirror.allocator.available_size()
 
-    def _reserve_pages(self, op: PrefetchOp, pages: int) -> int:
-        """Give `op` up to `pages` free host pages; never evicts (that is the tree's job).
-
-        Allocation and hand-over happen under the lock, so accounting never sees a page
-        that is neither free nor held by an op."""
+    def grant(self, op: PrefetchOp, pages: int) -> int:
+        """Reserve up to `pages` free host pages for `op` and let its reads start."""
         ps = self.page_size
         with self.host_lock:
             take = min(pages, self.mirror.allocator.available_size() // ps)
             if take:
                 op.host_pages = self.mirror.allocator.alloc(take * ps)[::ps] // ps
+        op.granted.set()
         return take
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:

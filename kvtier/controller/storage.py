@@ -1,9 +1,15 @@
 """The storage thread: one asyncio loop that runs every L3 call (prefetch and backup).
 
-Ops are plain objects shared with the scheduler thread. The storage thread writes an op's
-progress fields (`host_pages`, `landed`, `finished`, ...) in an order that makes every
-snapshot safe to read: `host_pages` is set before `landed` grows, a page below `landed`
-is verified and never written again, and nothing is touched after `finished`.
+Ops are plain objects shared with the scheduler thread. A prefetch is two-phase:
+
+1. storage thread: `batch_exists` -> `present` (pages the store holds, a leading run);
+2. scheduler (in `poll`, agreed across ranks): makes room on host, reserves pages for
+   exactly those pages, sets `host_pages` and `granted`;
+3. storage thread: reads into those pages; `landed` grows by verified pages.
+
+Every snapshot is safe to read: `host_pages` is set before `granted`, a page below
+`landed` is verified and never written again, and nothing is touched after `finished`.
+Host slots are allocated and freed by the scheduler only.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,8 +39,10 @@ class PrefetchOp:
     tokens: int  # tokens the keys cover
     stop: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
+    granted: threading.Event = field(default_factory=threading.Event)
+    host_pages: torch.Tensor | None = None  # set by the scheduler before `granted`
     # written by the storage thread
-    host_pages: torch.Tensor | None = None
+    present: int = -1  # -1 until batch_exists answered
     landed: int = 0
     finished: bool = False
     outcome: str = "running"  # done | partial | stopped | no_space | error
@@ -58,11 +66,9 @@ class BackupOp:
 class StorageWorker:
     """Runs store coroutines on its own event loop thread; never blocks the scheduler."""
 
-    def __init__(self, store: Store, mirror: HostMirror, reserve_pages: Callable[[PrefetchOp, int], int],
-                 max_inflight_bytes: int) -> None:
+    def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int) -> None:
         self.store = store
         self.mirror = mirror
-        self.reserve_pages = reserve_pages
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
         self.chunk = max(1, min(16, pages_in_flight))
         self._slots_count = max(1, pages_in_flight // self.chunk)
@@ -89,16 +95,18 @@ class StorageWorker:
 
     async def _prefetch(self, op: PrefetchOp) -> None:
         try:
-            present = await self.store.batch_exists(op.keys)
-            if op.stop.is_set() or present == 0:
-                op.outcome = "stopped" if op.stop.is_set() else "done"
+            op.present = await self.store.batch_exists(op.keys)
+            if op.present == 0:
+                op.outcome = "done"
                 return
-            reserved = self.reserve_pages(op, present)  # host slots only for pages the store holds
-            if reserved == 0:
-                op.outcome = "no_space"
+            if not await self._wait_grant(op):
+                op.outcome = "stopped"
                 return
             pages = op.host_pages
-            op.outcome = "done" if reserved == present else "partial"
+            if pages is None or pages.numel() == 0:
+                op.outcome = "no_space"
+                return
+            op.outcome = "done" if pages.numel() == op.present else "partial"
             for start in range(0, pages.numel(), self.chunk):
                 if op.stop.is_set():
                     op.outcome = "stopped"
@@ -119,6 +127,15 @@ class StorageWorker:
             log.exception("prefetch %s failed", op.request_id)
         finally:
             op.finished = True
+
+    async def _wait_grant(self, op: PrefetchOp) -> bool:
+        """Wait for the scheduler to reserve host pages (it polls every step); False if stopped."""
+        deadline = time.monotonic() + self.store.timeout_s
+        while not op.granted.is_set():
+            if op.stop.is_set() or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.0002)
+        return True
 
     async def _read(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
         mirror = self.mirror
