@@ -226,9 +226,13 @@ class TieredCache:
         assert self.tree.total_size(D) == self.tree.total_size(H) == 0, "flush left tokens in the tree"
 
     def close(self) -> None:
-        """Finish background work, drop device and host contents, stop threads."""
+        """Finish background work, drop device and host contents, stop threads. Requests
+        still holding locks (an engine that failed mid-batch) keep their slots: logged."""
         self.sync.drain()
-        self.flush()
+        if self.tree.protected_size(D):
+            log.warning("close: %d device tokens still locked by requests; not flushed", self.tree.protected_size(D))
+        else:
+            self.flush()
         self.controller.close()
 
     # -- checks and numbers -------------------------------------------------------------------

@@ -1,27 +1,73 @@
-"""tierctl: kvtier's command line."""
+"""tierctl: kvtier's command line.
+
+    tierctl replay [--config FILE] [--workload multiturn] [--requests N] [--verify] [--plot PNG] [--json]
+    tierctl serve  [--config FILE] [--host 127.0.0.1] [--port 9400]
+    tierctl stats  (--url URL | --config FILE) [--json]
+    tierctl bench  transfer|stores|tree|cache
+    tierctl config [--config FILE]      (every setting and where it came from)
+
+Bad flags, a missing or invalid config: exit code 2 and one line naming the problem.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import kvtier
+from kvtier.errors import KvtierError
+
+EXIT_USAGE = 2
+
+
+def default_config() -> str:
+    """configs/default.yaml of this checkout, next to the package."""
+    return str(Path(__file__).resolve().parents[2] / "configs" / "default.yaml")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierctl", description="kvtier: hierarchical KV-cache tiering")
+    from kvtier.cli import replay, serve, stats
+
+    p = _Parser(prog="tierctl", description="kvtier: hierarchical KV-cache tiering")
     p.add_argument("--version", action="version", version=f"tierctl {kvtier.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser("demo", help="build a pool and a mirror, move pages both ways, print GB/s")
-    demo.add_argument("--gib", type=float, default=0.25, help="bytes of pages to move (default 0.25 GiB)")
-    demo.set_defaults(func=_demo)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    r = sub.add_parser("replay", help="run the reference engine on a workload, print hits per tier")
+    replay.add_arguments(r)
+    r.set_defaults(func=lambda a: replay.run(a, default_config()))
+    s = sub.add_parser("serve", help="the reference engine behind HTTP (/generate /metrics /stats /flush)")
+    serve.add_arguments(s)
+    s.set_defaults(func=lambda a: serve.run(a, default_config()))
+    st = sub.add_parser("stats", help="per-tier stats of a running server, or a store's contents")
+    stats.add_arguments(st)
+    st.set_defaults(func=stats.run)
+    b = sub.add_parser("bench", help="benchmarks against baselines measured in the same run")
+    b.add_argument("name", choices=["transfer", "stores", "tree", "cache"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    b.set_defaults(func=_bench)
+    c = sub.add_parser("config", help="print every setting and where it came from")
+    c.add_argument("--config", default=None)
+    c.set_defaults(func=_config)
     return p
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from kvtier.bench.transfer import run
+def _bench(args) -> int:
+    import importlib
 
-    run(gib=args.gib, repeat=1)
+    importlib.import_module(f"kvtier.bench.{args.name}").main(args.rest)
+    return 0
+
+
+def _config(args) -> int:
+    from kvtier.config import explain, load_config
+
+    print(explain(load_config(args.config or default_config())))
     return 0
 
 
@@ -31,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (KvtierError, ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"tierctl: {str(exc).splitlines()[0]}\n")
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

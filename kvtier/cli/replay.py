@@ -1,0 +1,138 @@
+"""`tierctl replay`: run the reference engine on a workload and print what each tier did."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvtier.cache import TieredCache
+from kvtier.config import load_config
+from kvtier.engine.engine import Engine, infinite_hit_rate, timed_run, verify
+from kvtier.engine.model import ModelConfig, TinyTransformer
+from kvtier.engine.workloads import generate, load_trace
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("--workload", default="multiturn", help="multiturn | docqa | agent")
+    p.add_argument("--trace", default=None, help="a JSONL trace instead of a built-in workload")
+    p.add_argument("--requests", type=int, default=60, help="turns to replay (default 60)")
+    p.add_argument("--batch", type=int, default=4, help="requests per forward (default 4)")
+    p.add_argument("--verify", nargs="?", const=1.0, type=float, default=None, metavar="FRACTION",
+                   help="check every request (or a FRACTION of them) against an uncached run")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write cumulative hit rate per tier (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args, default_config: str) -> int:
+    config = load_config(args.config or default_config)
+    model = TinyTransformer(ModelConfig(seed=args.seed))
+    turns = load_trace(args.trace, model.config.vocab) if args.trace else \
+        generate(args.workload, args.requests, model.config.vocab, args.seed)
+    cache = TieredCache(config)
+    try:
+        engine = Engine(cache, model, max_batch=args.batch)
+        progress = None if args.json or not sys.stderr.isatty() else _progress
+        results, seconds = timed_run(engine, turns, keep_logits=args.verify is not None, progress=progress)
+        if progress:
+            print(file=sys.stderr)
+        checked, worst = _verify(model, results, args.verify)
+        stats = cache.stats()
+    finally:
+        cache.close()
+    summary = _summary(results, seconds, stats, config.pool.page_size, checked, worst)
+    if args.plot:
+        _plot(results, args.plot)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(_table(summary))
+    return 0
+
+
+def _verify(model, results, fraction) -> tuple[int, float]:
+    if fraction is None:
+        return 0, 0.0
+    step = max(1, round(1 / fraction)) if fraction > 0 else len(results) + 1
+    worst, checked = 0.0, 0
+    for r in results[::step]:
+        worst = max(worst, verify(model, r))
+        checked += 1
+    return checked, worst
+
+
+def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
+    prompt = sum(len(r.prompt) for r in results)
+    dev, host, storage = (sum(getattr(r, f) for r in results) for f in ("device_hit", "host_hit", "storage_hit"))
+    c = stats["counters"]
+    return {
+        "requests": len(results), "prompt_tokens": prompt,
+        "hit_tokens": {"device": dev, "host": host, "storage": storage},
+        "hit_rate": (dev + host + storage) / max(prompt, 1),
+        "infinite_cache_hit_rate": infinite_hit_rate(results, page_size),
+        "prefill_tokens_computed": sum(r.computed for r in results), "prefill_tokens_without_cache": prompt,
+        "bytes": {"device_to_host": c["d2h_bytes"], "host_to_device": c["h2d_bytes"],
+                  "host_to_store": c["l3_write_bytes"], "store_to_host": c["l3_read_bytes"]},
+        "seconds": seconds, "requests_per_s": len(results) / seconds, "prompt_tokens_per_s": prompt / seconds,
+        "verified_requests": checked, "max_logit_diff": worst,
+        "store": {k: stats.get("store", {}).get(k, 0) for k in ("hits", "misses", "frame_failures", "errors")},
+    }
+
+
+def _table(s: dict) -> str:
+    h = s["hit_tokens"]
+    p = max(s["prompt_tokens"], 1)
+    b = s["bytes"]
+    lines = [
+        f"requests                 {s['requests']}",
+        f"prompt tokens            {s['prompt_tokens']}",
+        f"hit tokens   device      {h['device']:>8}  ({h['device'] / p:.1%})",
+        f"             host        {h['host']:>8}  ({h['host'] / p:.1%})",
+        f"             store       {h['storage']:>8}  ({h['storage'] / p:.1%})",
+        f"hit rate                 {s['hit_rate']:.1%}   (an infinite cache that starts empty: {s['infinite_cache_hit_rate']:.1%})",
+        f"prefill computed         {s['prefill_tokens_computed']} tokens (without cache: {s['prefill_tokens_without_cache']})",
+        f"bytes moved  dev->host   {_mib(b['device_to_host'])}   host->dev {_mib(b['host_to_device'])}",
+        f"             host->store {_mib(b['host_to_store'])}   store->host {_mib(b['store_to_host'])}",
+        f"throughput               {s['requests_per_s']:.1f} req/s, {s['prompt_tokens_per_s']:.0f} prompt tokens/s",
+    ]
+    if s["verified_requests"]:
+        lines.append(f"verified                 {s['verified_requests']} requests match the uncached run "
+                     f"(max |logit diff| {s['max_logit_diff']:.1e})")
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:8.1f} MiB"
+
+
+def _progress(done: int, total: int) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\rreplay [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    sys.stderr.flush()
+
+
+def _plot(results, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("tierctl: --plot needs matplotlib: pip install 'kvtier[plot]'") from None
+    totals = {"device": 0, "host": 0, "store": 0}
+    prompt, series = 0, {k: [] for k in totals}
+    for r in results:
+        prompt += len(r.prompt)
+        for k, v in (("device", r.device_hit), ("host", r.host_hit), ("store", r.storage_hit)):
+            totals[k] += v
+            series[k].append(totals[k] / prompt)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, ys in series.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=k)
+    ax.set_xlabel("requests")
+    ax.set_ylabel("cumulative hit rate")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,123 @@
+"""`tierctl serve`: the reference engine behind a small HTTP server (loopback by default).
+
+    POST /generate  {"prompt": [ids], "max_new_tokens": 16, "session": "optional"}
+    GET  /metrics   Prometheus text
+    GET  /stats     JSON (cache.stats())
+    POST /flush     drop device and host contents (the store keeps its pages)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from kvtier.cache import TieredCache
+from kvtier.config import load_config
+from kvtier.engine.engine import Engine
+from kvtier.engine.model import ModelConfig, TinyTransformer
+from kvtier.engine.workloads import Turn
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9400)
+
+
+class Server:
+    """Engine + cache behind one lock: the engine runs one batch at a time."""
+
+    def __init__(self, config_path: str, seed: int = 0) -> None:
+        self.cache = TieredCache(load_config(config_path))
+        self.model = TinyTransformer(ModelConfig(seed=seed))
+        self.engine = Engine(self.cache, self.model)
+        self.lock = threading.Lock()
+        self.served = 0
+
+    def generate(self, body: dict) -> dict:
+        prompt = body.get("prompt")
+        vocab = self.model.config.vocab
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
+        n = body.get("max_new_tokens", 16)
+        if not isinstance(n, int) or not 1 <= n <= 4096:
+            raise ValueError(f"max_new_tokens={n!r}: must be an integer in [1, 4096]")
+        with self.lock:
+            self.served += 1
+            session = str(body.get("session") or f"http-{self.served}")
+            [r] = self.engine.run([Turn(session, 0, tuple(prompt), n)])
+        return {"output": r.output, "prompt_tokens": len(r.prompt), "cached_tokens": r.cached,
+                "hits": {"device": r.device_hit, "host": r.host_hit, "storage": r.storage_hit}}
+
+    def stats(self) -> dict:
+        with self.lock:
+            return self.cache.stats()
+
+    def metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        with self.lock:
+            return generate_latest(self.cache.metrics_registry())
+
+    def flush(self) -> dict:
+        with self.lock:
+            self.cache.flush()
+        return {"flushed": True}
+
+    def close(self) -> None:
+        with self.lock:
+            self.cache.close()
+
+
+def make_handler(server: Server):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *args):  # quiet: metrics carry the numbers
+            return
+
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, code: int, obj: dict) -> None:
+            self._send(code, json.dumps(obj).encode())
+
+        def do_GET(self):
+            if self.path == "/stats":
+                self._json(200, server.stats())
+            elif self.path == "/metrics":
+                self._send(200, server.metrics(), "text/plain; version=0.0.4")
+            else:
+                self._json(404, {"error": f"no route GET {self.path}"})
+
+        def do_POST(self):
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if self.path == "/generate":
+                    self._json(200, server.generate(body))
+                elif self.path == "/flush":
+                    self._json(200, server.flush())
+                else:
+                    self._json(404, {"error": f"no route POST {self.path}"})
+            except (ValueError, json.JSONDecodeError) as exc:
+                self._json(400, {"error": str(exc)})
+
+    return Handler
+
+
+def run(args, default_config: str) -> int:
+    server = Server(args.config or default_config)
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server))
+    print(f"tierctl serve: http://{args.host}:{httpd.server_address[1]} (/generate /metrics /stats /flush)", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+        server.close()
+    return 0

@@ -1,0 +1,74 @@
+"""`tierctl stats`: a running server's per-tier stats, or what a store holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+from kvtier.backends.registry import build_store
+from kvtier.config import load_config
+from kvtier.errors import KvtierConfigError, StoreError
+
+
+def add_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running `tierctl serve`, e.g. http://127.0.0.1:9400")
+    src.add_argument("--config", help="inspect the store this config names, without a server")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    data = _from_url(args.url) if args.url else _from_store(args.config)
+    print(json.dumps(data, indent=2) if args.json else (_server_table(data) if args.url else _store_table(data)))
+    return 0
+
+
+def _from_url(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+    except OSError as exc:
+        raise StoreError(f"cannot read stats from {url}: {exc}") from exc
+
+
+def _from_store(path: str) -> dict:
+    cfg = load_config(path)
+    if cfg.store.backend == "none":
+        raise KvtierConfigError(f"{path}: store.backend is 'none': nothing to inspect")
+    store = build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
+
+    async def inspect():
+        try:
+            return await store.inventory()
+        finally:
+            await store.close()
+
+    inv = asyncio.run(inspect())
+    return {"store": cfg.store.backend, **inv}
+
+
+def _server_table(s: dict) -> str:
+    lines = ["tier     total     free  evictable  protected"]
+    for tier, t in s["tiers"].items():
+        lines.append(f"{tier:7s} {t['total_tokens']:6d} {t['free_tokens']:8d} {t['evictable_tokens']:10d} "
+                     f"{t['protected_tokens']:10d}")
+    c = s["counters"]
+    lines += [
+        f"hits     device {c['device_hit_tokens']}  host {c['host_hit_tokens']}  store {c['storage_hit_tokens']}  "
+        f"miss {c['miss_tokens']} (of {c['lookup_tokens']} tokens looked up)",
+        f"moved    dev->host {c['d2h_bytes']} B  host->dev {c['h2d_bytes']} B  "
+        f"host->store {c['l3_write_bytes']} B  store->host {c['l3_read_bytes']} B",
+        f"evicted  device {c['device_evicted_tokens']}  host {c['host_evicted_tokens']} tokens",
+    ]
+    if "store" in s:
+        st = s["store"]
+        lines.append(f"store    {st['store']}: hits {st['hits']} misses {st['misses']} "
+                     f"frame failures {st['frame_failures']} errors {st['errors']} timeouts {st['timeouts']}")
+    return "\n".join(lines)
+
+
+def _store_table(d: dict) -> str:
+    lines = [f"store {d['store']}: {d['pages']} pages, {d['bytes']} bytes", "namespace                         pages"]
+    lines += [f"{ns}  {n}" for ns, n in sorted(d["namespaces"].items())]
+    return "\n".join(lines)

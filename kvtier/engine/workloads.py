@@ -1,0 +1,121 @@
+"""Deterministic workloads and the JSONL trace format.
+
+A turn is `{"session": str, "turn": int, "prompt": [token ids], "output_len": int}`, one JSON
+object per line. `prompt` holds the *new* tokens of the turn: the engine prepends the
+session's history (its earlier prompts and the outputs it generated for them), as a chat
+server does. Turns are replayed in file order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+WORKLOADS = ("multiturn", "docqa", "agent")
+
+
+@dataclass(slots=True, frozen=True)
+class Turn:
+    session: str
+    turn: int
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+def generate(name: str, requests: int, vocab: int = 512, seed: int = 0) -> list[Turn]:
+    """`requests` turns of a built-in workload."""
+    makers = {"multiturn": _multiturn, "docqa": _docqa, "agent": _agent}
+    if name not in makers:
+        raise ValueError(f"workload={name!r}: allowed values are {', '.join(WORKLOADS)}")
+    if requests < 1:
+        raise ValueError(f"requests={requests}: must be >= 1")
+    return makers[name](requests, np.random.default_rng(seed), vocab)
+
+
+def _tokens(rng, vocab: int, n: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(0, vocab, n))
+
+
+def _multiturn(n: int, rng, vocab: int) -> list[Turn]:
+    """Chat: sessions share a few system prompts and grow turn by turn (sessions interleave)."""
+    systems = [_tokens(rng, vocab, 256) for _ in range(3)]
+    sessions = max(2, n // 3)
+    out: list[Turn] = []
+    turn = 0
+    while len(out) < n:
+        for s in range(sessions):
+            if len(out) == n:
+                break
+            msg = _tokens(rng, vocab, int(rng.integers(48, 200)))
+            prompt = (systems[s % len(systems)] + msg) if turn == 0 else msg
+            out.append(Turn(f"chat-{s}", turn, prompt, int(rng.integers(8, 24))))
+        turn += 1
+    return out
+
+
+def _docqa(n: int, rng, vocab: int) -> list[Turn]:
+    """Long-document QA: a few long documents, many independent questions about each."""
+    docs = [_tokens(rng, vocab, 1024) for _ in range(3)]
+    return [Turn(f"qa-{i}", 0, docs[i % len(docs)] + _tokens(rng, vocab, int(rng.integers(16, 64))),
+                 int(rng.integers(4, 16))) for i in range(n)]
+
+
+def _agent(n: int, rng, vocab: int) -> list[Turn]:
+    """Agent loops: a shared tool-description prefix, then observation/action steps."""
+    tools = _tokens(rng, vocab, 384)
+    loops = max(2, n // 4)
+    out: list[Turn] = []
+    step = 0
+    while len(out) < n:
+        for a in range(loops):
+            if len(out) == n:
+                break
+            obs = _tokens(rng, vocab, int(rng.integers(32, 128)))
+            out.append(Turn(f"agent-{a}", step, tools + obs if step == 0 else obs, int(rng.integers(8, 32))))
+        step += 1
+    return out
+
+
+def load_trace(path: str | Path, vocab: int) -> list[Turn]:
+    """Read a JSONL trace; every line is checked (field, value, what is allowed)."""
+    turns = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from None
+            turns.append(_turn(obj, f"{path}:{lineno}", vocab))
+    if not turns:
+        raise ValueError(f"{path}: no turns")
+    return turns
+
+
+def _turn(obj: object, where: str, vocab: int) -> Turn:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object with session, turn, prompt, output_len")
+    unknown = set(obj) - {"session", "turn", "prompt", "output_len"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}; allowed: session, turn, prompt, output_len")
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        raise ValueError(f"{where}: prompt must be a non-empty list of token ids in [0, {vocab})")
+    out_len = obj.get("output_len", 16)
+    if not isinstance(out_len, int) or out_len < 1:
+        raise ValueError(f"{where}: output_len={out_len!r}: must be an integer >= 1")
+    turn = obj.get("turn", 0)
+    if not isinstance(turn, int) or turn < 0:
+        raise ValueError(f"{where}: turn={turn!r}: must be an integer >= 0")
+    return Turn(str(obj.get("session", where)), turn, tuple(prompt), out_len)
+
+
+def write_trace(turns: list[Turn], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for t in turns:
+            f.write(json.dumps({"session": t.session, "turn": t.turn, "prompt": list(t.prompt),
+                                "output_len": t.output_len}) + "\n")

@@ -1,0 +1,120 @@
+"""tierctl: replay, serve + stats --url, stats --config, bench, and bad input (exit 2, one line)."""
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from http.server import ThreadingHTTPServer
+
+import pytest
+
+from kvtier.cli.main import default_config, main
+from kvtier.cli.serve import Server, make_handler
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "kvtier"
+
+
+def test_replay_30_verified_with_hits_on_mirror_and_file_store(cache_home, capsys):
+    assert main(["replay", "--requests", "30", "--verify", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["requests"] == 30 and s["verified_requests"] == 30 and s["max_logit_diff"] <= 1e-5
+    assert s["hit_rate"] > 0
+    assert s["hit_tokens"]["host"] > 0 and s["hit_tokens"]["storage"] > 0
+    assert s["prefill_tokens_computed"] < s["prefill_tokens_without_cache"]
+    assert any(cache_home.rglob("*")), "the default config's file store lives under $XDG_CACHE_HOME/kvtier"
+
+
+def test_replay_prints_a_table(cache_home, capsys):
+    assert main(["replay", "--requests", "6", "--workload", "agent"]) == 0
+    out = capsys.readouterr().out
+    for label in ("requests", "hit tokens   device", "host", "store", "hit rate", "prefill computed",
+                  "bytes moved", "throughput"):
+        assert label in out
+
+
+def test_stats_config_inspects_a_filled_file_store(cache_home, tmp_path, capsys):
+    assert main(["replay", "--requests", "8"]) == 0
+    capsys.readouterr()
+    assert main(["stats", "--config", default_config(), "--json"]) == 0
+    inv = json.loads(capsys.readouterr().out)
+    assert inv["store"] == "file" and inv["pages"] > 0 and inv["bytes"] > 0 and len(inv["namespaces"]) == 1
+    assert main(["stats", "--config", default_config()]) == 0
+    assert "pages" in capsys.readouterr().out
+
+
+def test_serve_and_stats_url_end_to_end(cache_home, capsys):
+    server = Server(default_config())
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        def post(path, body):
+            req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.loads(resp.read())
+
+        prompt = list(range(1, 300))
+        first = post("/generate", {"prompt": prompt, "max_new_tokens": 4})
+        second = post("/generate", {"prompt": prompt, "max_new_tokens": 4})
+        assert first["output"] == second["output"] and len(first["output"]) == 4
+        assert first["cached_tokens"] == 0 and second["hits"]["device"] > 0
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post("/generate", {"prompt": [100000]})
+        assert err.value.code == 400
+        assert main(["stats", "--url", url, "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert stats["counters"]["device_hit_tokens"] > 0 and "device" in stats["tiers"]
+        assert main(["stats", "--url", url]) == 0
+        assert "device" in capsys.readouterr().out
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            assert b"kvtier_device_hit_tokens_total" in resp.read()
+        assert post("/flush", {}) == {"flushed": True}
+        third = post("/generate", {"prompt": prompt, "max_new_tokens": 4})
+        assert third["output"] == first["output"] and third["hits"]["device"] == 0
+        assert third["hits"]["storage"] > 0  # the store kept its pages across the flush
+    finally:
+        httpd.shutdown()
+        server.close()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["replay", "--requests", "abc"], "argument --requests: invalid int value: 'abc'"),
+    (["replay", "--config", "missing.yaml"], "config file 'missing.yaml': not found"),
+    (["replay", "--workload", "poetry", "--requests", "2"], "workload='poetry': allowed values are multiturn"),
+    (["stats"], "one of the arguments --url --config is required"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "nothing"], "invalid choice: 'nothing'"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys, cache_home):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_invalid_config_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pool: {size: 64, num_layers: 4, colour: red}\n")
+    assert main(["replay", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tierctl: pool.colour: unknown key; allowed: size, num_layers, page_size, attention, " \
+                  "num_kv_heads, head_dim, v_head_dim, kv_lora_rank, rope_dim, dtype, device"
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("tierctl ")
+
+
+def test_bench_tree_runs(capsys):
+    assert main(["bench", "tree", "--sessions", "20", "--turns", "2"]) == 0
+    assert "tree: match time ratio" in capsys.readouterr().out
