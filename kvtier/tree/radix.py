@@ -175,60 +175,50 @@ class RadixTree:
         """
         self._check_aligned("insert", key)
         self._check_indices("device_indices", device_indices, len(key))
-        self.clock += 1
-        node, offset, prefix_len, added = self.root, 0, 0, []
-        while offset < len(key):
-            rest = key[offset:]
-            child = node.children.get(rest.child_key(self.page_size))
-            if child is None:
-                child = self._add_child(node, rest, D, device_indices[offset:])
-                added.append(child)
-                offset = len(key)
-            else:
-                k = child.key.match(rest, self.page_size)
-                if k < len(child):
-                    child = self._split(child, k)
-                if child.on_device:
-                    assert prefix_len == offset, f"{child}: device node below a host-only node (hole)"
-                    prefix_len += k
-                else:
-                    self._set_value(child, D, device_indices[offset:offset + k].clone())
-                offset += k
-            child.last_access = self.clock
-            child.priority = max(child.priority, priority)
-            node = child
+        prefix_len, node, added = self._insert(self.root, key, device_indices, D, priority)
         return InsertResult(prefix_len, node, added)
 
     def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor) -> HostInsertResult:
         """Host-only nodes for `key` (continuing below `anchor`) from slots filled by L3.
 
         `anchor` must be on host (or the root): backed-up nodes form a prefix from the root.
+        A device-only node on the path takes the given host slots as its backup.
         """
         self._check_aligned("insert_host", key)
         self._check_indices("host_indices", host_indices, len(key))
         if anchor is not self.root and not anchor.backed_up:
             raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
+        prefix_len, node, _ = self._insert(anchor, key, host_indices, H, None)
+        return HostInsertResult(prefix_len, node)
+
+    def _insert(self, anchor: TreeNode, key: RadixKey, indices: torch.Tensor, tier: Tier,
+                priority: int | None) -> tuple[int, TreeNode, list[TreeNode]]:
+        """Walk `key` below `anchor`: tokens already on `tier` count into the prefix; nodes
+        without a `tier` value take `indices`; the rest becomes a new node."""
         self.clock += 1
-        node, offset, prefix_len = anchor, 0, 0
+        node, offset, prefix_len, added = anchor, 0, 0, []
         while offset < len(key):
             rest = key[offset:]
             child = node.children.get(rest.child_key(self.page_size))
             if child is None:
-                child = self._add_child(node, rest, H, host_indices[offset:])
+                child = self._add_child(node, rest, tier, indices[offset:])
+                added.append(child)
                 offset = len(key)
             else:
                 k = child.key.match(rest, self.page_size)
                 if k < len(child):
                     child = self._split(child, k)
-                if child.backed_up:
-                    assert prefix_len == offset, f"{child}: host node below a node not on host (hole)"
+                if child.values[tier] is not None:
+                    assert prefix_len == offset, f"{child}: on {tier.name} below a node that is not (a hole)"
                     prefix_len += k
                 else:
-                    self._set_value(child, H, host_indices[offset:offset + k].clone())
+                    self._set_value(child, tier, indices[offset:offset + k].clone())
                 offset += k
             child.last_access = self.clock
+            if priority is not None:
+                child.priority = max(child.priority, priority)
             node = child
-        return HostInsertResult(prefix_len, node)
+        return prefix_len, node, added
 
     # -- tier moves ---------------------------------------------------------------------------
 
