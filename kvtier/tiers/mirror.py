@@ -89,23 +89,23 @@ class HostMirror:
             self.io = "direct"
 
     def _allocate(self, pages: int) -> list[list[torch.Tensor]]:
-        """views[layer][part] -> `[pages, page_size, width]`."""
-        ps, widths = self.page_size, self.widths
+        """views[layer][part] -> `[pages, page_size, width]`; also sets `_all_layers[part]`:
+        `[layers, slots, width]` (layer_first) or `[pages, layers, page_size, width]`
+        (page_first), the views an all-layer backup copies through."""
+        ps, widths, layers = self.page_size, self.widths, self.num_layers
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=self.dtype, pin_memory=self.pinned)
         if self.config.layout == "layer_first":
-            self.parts = [empty(self.num_layers, pages * ps, w) for w in widths]
-            return [[p[layer].view(pages, ps, w) for p, w in zip(self.parts, widths)] for layer in range(self.num_layers)]
+            self._all_layers = [empty(layers, pages * ps, w) for w in widths]
+            return [[p[layer].view(pages, ps, w) for p, w in zip(self._all_layers, widths)] for layer in range(layers)]
         per_layer = ps * sum(widths)
-        self.data = empty(pages, self.num_layers * per_layer)
-        views = []
-        for layer in range(self.num_layers):
-            offset, row = layer * per_layer, []
-            for w in widths:
-                row.append(self.data[:, offset:offset + ps * w].view(pages, ps, w))
-                offset += ps * w
-            views.append(row)
-        return views
+        self.data = empty(pages, layers * per_layer)
+        by_layer = self.data.view(pages, layers, per_layer)
+        self._all_layers, offset = [], 0
+        for w in widths:
+            self._all_layers.append(by_layer[:, :, offset:offset + ps * w].view(pages, layers, ps, w))
+            offset += ps * w
+        return [[part[:, layer] for part in self._all_layers] for layer in range(layers)]
 
     def view(self, layer: int, part: int) -> torch.Tensor:
         return self._views[layer][part]
@@ -116,8 +116,23 @@ class HostMirror:
         """Copy all layers of `device_indices` (pool) to `host_indices` (mirror)."""
         check_indices("device_indices", device_indices)
         check_indices("host_indices", host_indices, device_indices.numel())
-        for layer in range(self.num_layers):
-            self._copy(pool, layer, device_indices, host_indices, to_host=True)
+        if self.io == "kernel":
+            for layer in range(self.num_layers):
+                self._copy(pool, layer, device_indices, host_indices, to_host=True)
+            return
+        # direct: one copy per slot run and part covers every layer (strided over layers)
+        split = self.page_size if self.config.layout == "page_first" else 0
+        pieces = runs(device_indices, host_indices, split)
+        dsts, srcs = [], []
+        for d_all, h_all in zip(pool.all_layer_rows(), self._all_layers):
+            for d0, h0, n in pieces:
+                if split:
+                    page, off = divmod(h0, self.page_size)
+                    dsts.append(h_all[page, :, off:off + n])
+                else:
+                    dsts.append(h_all[:, h0:h0 + n])
+                srcs.append(d_all[:, d0:d0 + n])
+        torch._foreach_copy_(dsts, srcs)
 
     def load_layer(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int) -> None:
         """Copy one layer of `host_indices` (mirror) to `device_indices` (pool)."""

@@ -70,10 +70,10 @@ class DeviceKVPool:
             shapes = [(rows, 1, c.kv_lora_rank + c.rope_dim)]
         else:
             shapes = [(rows, c.num_kv_heads, c.head_dim), (rows, c.num_kv_heads, c.v_head_dim or c.head_dim)]
-        # buffers[layer][part]
-        self.buffers = [
-            [torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes] for _ in range(c.num_layers)
-        ]
+        # One tensor per part for all layers, so a backup copies a slot run of every layer at
+        # once; buffers[layer][part] are views of it.
+        self.parts = [torch.zeros(c.num_layers, *s, dtype=self.dtype, device=self.device) for s in shapes]
+        self.buffers = [[part[layer] for part in self.parts] for layer in range(c.num_layers)]
 
     @property
     def num_layers(self) -> int:
@@ -95,6 +95,10 @@ class DeviceKVPool:
     def rows(self, layer: int) -> list[torch.Tensor]:
         """2-D `[slots, width]` views of each buffer of `layer`: what transfers copy."""
         return [b.view(b.shape[0], -1) for b in self.buffers[layer]]
+
+    def all_layer_rows(self) -> list[torch.Tensor]:
+        """3-D `[layers, slots, width]` views, one per part: what all-layer backups copy."""
+        return [p.view(p.shape[0], p.shape[1], -1) for p in self.parts]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Write K and V (MHA) or the latent `k` (MLA, `v` must be None) at slots `loc`."""
