@@ -192,10 +192,14 @@ class Applier:
             self.poll()
         elif policy in (PrefetchPolicy.WAIT_COMPLETE, PrefetchPolicy.TIMEOUT):
             # Each store call has a timeout, so a prefetch always ends; TIMEOUT stops earlier.
-            while p.result is None and not (policy == PrefetchPolicy.TIMEOUT and p.op.stop.is_set()):
+            # Every iteration polls (one collective on every rank), then sleeps until this
+            # rank's storage thread reports progress (or 5 ms, for the other ranks' news).
+            while True:
+                p.op.progress.clear()
                 self.poll()
-                if p.result is None:
-                    time.sleep(0.0005)
+                if p.result is not None or (policy == PrefetchPolicy.TIMEOUT and p.op.stop.is_set()):
+                    break
+                p.op.progress.wait(0.005)
         taken = p.op.inserted * self.cache.page_size
         self.counters.storage_hit_tokens += taken
         if p.result is None:
@@ -296,7 +300,7 @@ class Applier:
     def _apply_prefetch(self, p: _Prefetch, landed: int, finished: bool, stop: bool) -> None:
         op = p.op
         if stop and not op.stop.is_set():
-            op.stop.set()
+            self.ctl.stop_prefetch(op)
         if landed > op.inserted:
             self._insert_landed(p, landed)
         if not finished:

@@ -99,7 +99,12 @@ class CacheController:
             if take:
                 op.host_pages = self.mirror.allocator.alloc(take * ps)[::ps] // ps
         op.granted.set()
+        self.storage.wake(op)
         return take
+
+    def stop_prefetch(self, op: PrefetchOp) -> None:
+        op.stop.set()
+        self.storage.wake(op)
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         return (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
@@ -194,7 +199,7 @@ class CacheController:
 
     def close(self) -> None:
         for op in self.prefetches.values():
-            op.stop.set()
+            self.stop_prefetch(op)
         self.wait_idle()
         self.write_stream.close()
         self.load_stream.close()

@@ -29,6 +29,7 @@ from kvtier.errors import KvtierError
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
+CHUNK_BYTES = 8 << 20
 
 
 @dataclass(eq=False)
@@ -40,6 +41,8 @@ class PrefetchOp:
     stop: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
     granted: threading.Event = field(default_factory=threading.Event)
+    progress: threading.Event = field(default_factory=threading.Event)  # set on every state change
+    wake: asyncio.Event | None = None  # the storage loop's view of `granted` / `stop`
     host_pages: torch.Tensor | None = None  # set by the scheduler before `granted`
     # written by the storage thread
     present: int = -1  # -1 until batch_exists answered
@@ -70,7 +73,8 @@ class StorageWorker:
         self.store = store
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
-        self.chunk = max(1, min(16, pages_in_flight))
+        # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
+        self.chunk = max(1, min(CHUNK_BYTES // mirror.page_bytes, pages_in_flight))
         self._slots_count = max(1, pages_in_flight // self.chunk)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-storage", daemon=True)
@@ -93,9 +97,18 @@ class StorageWorker:
         self.futures.add(fut)
         fut.add_done_callback(self.futures.discard)
 
+    def wake(self, op: PrefetchOp) -> None:
+        """Called from the scheduler thread after `granted` or `stop` changed."""
+        if op.wake is not None:
+            self.loop.call_soon_threadsafe(op.wake.set)
+
     async def _prefetch(self, op: PrefetchOp) -> None:
+        op.wake = asyncio.Event()
+        if op.granted.is_set() or op.stop.is_set():
+            op.wake.set()
         try:
             op.present = await self.store.batch_exists(op.keys)
+            op.progress.set()
             if op.present == 0:
                 op.outcome = "done"
                 return
@@ -116,6 +129,7 @@ class StorageWorker:
                     ok = await self._read(op.keys[start:start + chunk.numel()], chunk)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
+                op.progress.set()
                 if run < len(ok):
                     op.outcome = "partial"  # a miss or a page that did not verify: stop at it
                     return
@@ -127,15 +141,18 @@ class StorageWorker:
             log.exception("prefetch %s failed", op.request_id)
         finally:
             op.finished = True
+            op.progress.set()
 
     async def _wait_grant(self, op: PrefetchOp) -> bool:
-        """Wait for the scheduler to reserve host pages (it polls every step); False if stopped."""
-        deadline = time.monotonic() + self.store.timeout_s
-        while not op.granted.is_set():
-            if op.stop.is_set() or time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.0002)
-        return True
+        """Wait for the scheduler to reserve host pages (it does so in its next poll);
+        False if stopped or not granted within the store timeout."""
+        try:
+            while not (op.granted.is_set() or op.stop.is_set()):
+                await asyncio.wait_for(op.wake.wait(), self.store.timeout_s)
+                op.wake.clear()
+        except asyncio.TimeoutError:
+            return False
+        return op.granted.is_set() and not op.stop.is_set()
 
     async def _read(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
         mirror = self.mirror
