@@ -250,6 +250,7 @@ def test_stats_and_prometheus_metrics():
     assert "kvtier_device_hit_tokens_total 16.0" in text
     assert 'kvtier_write_latency_seconds_bucket{le="+Inf"} 1.0' in text
     assert "kvtier_store_l3" not in text and "kvtier_host_evictable_tokens 16.0" in text
+    check(cache)
     cache.close()
 
 
@@ -262,4 +263,5 @@ def test_start_log_line_names_every_component(caplog):
     for part in ("tree page_size=4 eviction=lru", "pool mha 2 layers 64 slots", "mirror page_first 128 slots",
                  "write=write_through prefetch=wait_complete", "store memory", "namespace "):
         assert part in line
+    check(cache)
     cache.close()

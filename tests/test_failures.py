@@ -1,0 +1,98 @@
+"""Regression tests named after bugs our peers shipped (see ../shared/FAILURES.md).
+Other rows are covered where they live: capacity and restart (tests/backends), TP hangs and
+divergence (tests/controller/test_tp.py), leaks under random aborts (test_stress.py)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.controller.streams import TransferError
+from kvtier.tiers.mirror import HostMirror
+from tests.controller.helpers import compute, make_cache, settle
+
+A = np.arange(500, 516)
+
+
+def check(cache):
+    cache.tree.sanity_check()
+    cache.check_accounting()
+
+
+async def test_lmcache_4991_a_failed_store_is_never_visible(tmp_path):
+    from kvtier.backends.file import FileStore, FileStoreConfig
+    from kvtier.errors import StoreError
+    from tests.backends.stores import new_key
+
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    k = new_key()
+    store.path(k).parent.mkdir(parents=True)
+    os.chmod(store.path(k).parent, 0o500)  # the write cannot land
+    try:
+        if os.geteuid() == 0:
+            store.path(k).mkdir()  # root ignores permissions: block the rename instead
+        with pytest.raises(StoreError):
+            await store.batch_set([k], [b"x" * 64])
+    finally:
+        os.chmod(store.path(k).parent, 0o700)
+    assert await store.batch_exists([k]) == 0 and await store.batch_get([k]) == [None]
+
+
+class _BrokenLoads(HostMirror):
+    """A mirror whose host->device copies fail (a DMA error)."""
+
+    def load_layer(self, pool, host_indices, device_indices, layer):
+        raise RuntimeError("DMA failed")
+
+
+def test_dynamo_15079_a_failed_load_is_not_reported_loaded():
+    cache = make_cache()
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.evict(16)
+    cache.mirror.__class__ = _BrokenLoads
+    m = cache.match_prefix(A)
+    assert cache.load_back(m.last_host_node) == 16
+    waiter = cache.begin_forward()
+    with pytest.raises(TransferError, match="DMA failed"):
+        waiter.wait_layer(0)
+    settle(cache)  # the failed load's ack demotes what it claimed to load
+    m = cache.match_prefix(A, count=False)
+    assert m.device_indices.numel() == 0 and m.host_hit_length == 16
+    check(cache)
+
+
+def test_sglang_31402_no_host_slots_before_the_store_reports_a_hit():
+    cache = make_cache()
+    free = cache.controller.host_available()
+    m = cache.match_prefix(A)  # never computed: the store has nothing
+    assert cache.prefetch("miss", A, m)
+    op = cache.controller.prefetches["miss"]
+    assert cache.take_prefetch("miss") == 0
+    assert op.host_pages is None and cache.controller.host_available() == free
+    check(cache)
+    cache.close()
+
+
+def test_lmcache_1139_hashes_do_not_depend_on_the_process():
+    code = ("import numpy as np; from kvtier.hashing import page_hashes; "
+            "print(page_hashes(np.arange(64), 16, 'a' * 32, 'lora')[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "random")}
+    assert len(outs) == 1 and len(outs.pop().strip()) == 64
+
+
+def test_sglang_24638_salted_and_lora_requests_never_share_pages():
+    cache = make_cache()
+    compute(cache, A, seed=2)
+    assert cache.match_prefix(A, extra_key="lora-7").device_indices.numel() == 0
+    m = cache.match_prefix(A)
+    keys = cache.tree.page_hashes(m.last_device_node)
+    from kvtier.hashing import page_hashes
+
+    assert page_hashes(A, 4, cache.namespace.id, "lora-7") != keys
+    check(cache)
+    cache.close()
