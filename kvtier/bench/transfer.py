@@ -41,12 +41,17 @@ def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, flo
     src.fill_(1)
     dst.fill_(0)
     memcpy = nbytes / best_of(lambda: dst.copy_(src), repeat) / 1e9
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what one copy stream can do: the direct path copies on one thread
+    memcpy_1t = nbytes / best_of(lambda: dst.copy_(src), repeat) / 1e9
+    torch.set_num_threads(threads)
     del src, dst
     g = torch.Generator().manual_seed(0)
     dev_pages = torch.randperm(pages, generator=g) + 1
     offsets = torch.arange(page_size)
     dev = (dev_pages[:, None] * page_size + offsets).flatten()
-    print(f"{pages} pages of {page_size} tokens, {nbytes / 2**30:.2f} GiB; memcpy {memcpy:.2f} GB/s")
+    print(f"{pages} pages of {page_size} tokens, {nbytes / 2**30:.2f} GiB; memcpy {memcpy:.2f} GB/s "
+          f"({threads} threads), {memcpy_1t:.2f} GB/s (1 thread)")
     results = {"memcpy": memcpy}
     for layout in ("page_first", "layer_first"):
         for io in ("direct", "kernel"):
@@ -66,6 +71,8 @@ def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, flo
             del mirror
     best_backup = max(v for k, v in results.items() if k.endswith("/backup"))
     best_load = max(v for k, v in results.items() if k.endswith("/load"))
+    one = memcpy / memcpy_1t
+    print(f"vs one-thread memcpy: best backup {best_backup * one:.2f}x, best load {best_load * one:.2f}x")
     print(f"transfer: best backup {best_backup:.2f}x memcpy, best load {best_load:.2f}x memcpy")
     return results
 
