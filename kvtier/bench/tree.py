@@ -6,6 +6,7 @@ Run: python benchmarks/tree.py   (or: tierctl bench tree)
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import numpy as np
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     trace = multiturn(sessions=args.sessions, turns=args.turns)
     for ps in (1, 16):
+        gc.collect()  # the previous run's tree must not be collected on this run's clock
         r = replay(trace, ps)
         print(f"page {ps:2d}: {r['ops']} requests, {r['key_tokens'] / 1e6:.2f}M key tokens | "
               f"insert+match {r['insert_match_ops_s']:8.0f} ops/s | match {r['match_ops_s']:8.0f} ops/s | "
