@@ -3,20 +3,18 @@
 Thread: every method runs on the scheduler thread; background work finishes into the
 controller's queues and `poll()` applies it. Per request (DESIGN §8):
 
-    m = cache.match_prefix(tokens)            # lock m.last_device_node before using indices
-    cache.lock(m.last_device_node)
-    cache.load_back(m.last_host_node)         # host -> device, layer by layer
-    cache.prefetch(rid, tokens, m); cache.take_prefetch(rid)   # L3 -> host beyond the match
+    got = cache.acquire(tokens, rid)          # = match, lock, prefetch (L3 -> host) beyond
+                                              #   the match, load back (host -> device), relock
     slots = cache.alloc(n)                     # evicts on demand
     waiter = cache.begin_forward(); waiter.wait_layer(i) before reading layer i
-    cache.cache_finished(tokens, kv, node, cached_len)         # insert, free duplicates, unlock
+    cache.cache_finished(tokens, kv, got.node, len(got.indices))  # insert, free dups, unlock
     cache.poll()                               # every scheduler step, on every rank
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +45,19 @@ class LayerWaiter:
     def wait_layer(self, layer: int) -> None:
         for h in self.handles:
             h.wait_layer(layer, self.timeout_s)
+
+
+@dataclass(slots=True, frozen=True)
+class Acquired:
+    """A request's cached prefix, locked at `node`: `indices` are its device slots (pass
+    `node` and `len(indices)` as `cached_len` to `cache_finished`). The hits say where the
+    prefix was found: on device, on host (loaded back), in the store (prefetched)."""
+
+    node: TreeNode
+    indices: torch.Tensor
+    device_hit: int
+    host_hit: int
+    storage_hit: int
 
 
 class TieredCache:
@@ -102,6 +113,22 @@ class TieredCache:
         if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.sync.write_hot_path(m.last_device_node)
         return m
+
+    def acquire(self, tokens, request_id: str, extra_key: str | None = None) -> Acquired:
+        """Steps 1-3 of the embedding sequence in one call: match, lock, prefetch from the
+        store beyond the match (per the prefetch policy), load the host part back, and lock
+        the final device prefix. Wait per layer (`begin_forward`) before reading it."""
+        key = self.key(tokens, extra_key)
+        m = self.match_prefix(key)
+        self.lock(m.last_device_node)
+        storage = self.take_prefetch(request_id) if self.prefetch(request_id, key, m) else 0
+        final = self.match_prefix(key, count=False)
+        if final.host_hit_length and self.load_back(final.last_host_node):
+            final = self.match_prefix(key, count=False)
+        self.lock(final.last_device_node)
+        self.unlock(m.last_device_node)
+        return Acquired(final.last_device_node, final.device_indices, m.device_indices.numel(),
+                        m.host_hit_length, storage)
 
     def lock(self, node: TreeNode) -> None:
         if node is not self.tree.root:

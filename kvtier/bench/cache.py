@@ -42,28 +42,17 @@ def serve(cache: TieredCache, tokens: np.ndarray, rid: str) -> tuple[int, int, i
     """One request through the embedding sequence; returns (device, host, storage) hit tokens."""
     import torch
 
-    m = cache.match_prefix(tokens)
-    cache.lock(m.last_device_node)
-    node = m.last_device_node
-    storage = 0
-    if cache.prefetch(rid, tokens, m):
-        storage = cache.take_prefetch(rid)
-    m2 = cache.match_prefix(tokens, count=False)
-    if m2.host_hit_length:
-        cache.load_back(m2.last_host_node)
-    m3 = cache.match_prefix(tokens, count=False)
-    cache.lock(m3.last_device_node)
-    cache.unlock(node)
-    cached = m3.device_indices.numel()
+    got = cache.acquire(tokens, rid)
+    cached = got.indices.numel()
     mine = cache.alloc(len(tokens) - cached)
     if mine is None:
         raise RuntimeError("device pool too small for one request")
     waiter = cache.begin_forward()
     for layer in range(cache.pool.num_layers):
         waiter.wait_layer(layer)
-    cache.cache_finished(tokens, torch.cat([m3.device_indices, mine]), m3.last_device_node, cached)
+    cache.cache_finished(tokens, torch.cat([got.indices, mine]), got.node, cached)
     cache.poll()
-    return m.device_indices.numel(), m.host_hit_length, storage
+    return got.device_hit, got.host_hit, got.storage_hit
 
 
 def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10) -> dict:

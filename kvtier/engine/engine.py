@@ -95,29 +95,17 @@ class Engine:
         return need + reserved + self.page_size * (len(active) + 1) <= room
 
     def _admit(self, turn: Turn) -> _Active:
-        cache = self.cache
         prompt = self.histories.get(turn.session, []) + list(turn.prompt)
         rid = f"req-{self._next_id}"
         self._next_id += 1
-        # match all but the last prompt token: its logits start the output, so it is computed
-        key = RadixKey(np.asarray(prompt[:-1], dtype=np.int64))
-        m = cache.match_prefix(key)
-        cache.lock(m.last_device_node)
-        node = m.last_device_node
-        storage = cache.take_prefetch(rid) if cache.prefetch(rid, key, m) else 0
-        m2 = cache.match_prefix(key, count=False)
-        if m2.host_hit_length:
-            cache.load_back(m2.last_host_node)
-            m2 = cache.match_prefix(key, count=False)
-        cache.lock(m2.last_device_node)
-        cache.unlock(node)
-        cached = m2.device_indices.numel()
+        # all but the last prompt token: its logits start the output, so it is computed
+        got = self.cache.acquire(np.asarray(prompt[:-1], dtype=np.int64), rid)
+        cached = got.indices.numel()
         row = int(self.rows.alloc(1)[0])
-        self.rows.write(row, 0, m2.device_indices)
-        result = Result(turn.session, turn.turn, prompt, [], m.device_indices.numel(), m.host_hit_length,
-                        storage, cached)
-        last = int(m2.device_indices[-1]) if cached else -1
-        return _Active(rid, turn, prompt, row, m2.last_device_node, cached, cached, result, last, list(prompt[:cached]))
+        self.rows.write(row, 0, got.indices)
+        result = Result(turn.session, turn.turn, prompt, [], got.device_hit, got.host_hit, got.storage_hit, cached)
+        last = int(got.indices[-1]) if cached else -1
+        return _Active(rid, turn, prompt, row, got.node, cached, cached, result, last, list(prompt[:cached]))
 
     # -- forward steps ------------------------------------------------------------------------
 
