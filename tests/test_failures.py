@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from kvtier.controller.streams import TransferError
 from kvtier.tiers.mirror import HostMirror

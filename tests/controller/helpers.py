@@ -9,8 +9,6 @@ import torch
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
-from kvtier.errors import StoreUnavailable
-from kvtier.tree import RadixKey
 
 
 def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_size: int = 4, ratio: float = 2.0,

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.tiers.allocator import PagedAllocator, TokenAllocator

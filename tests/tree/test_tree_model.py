@@ -1,7 +1,6 @@
 """The tree against a reference model: which token prefixes live on which tier, at which slot."""
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
