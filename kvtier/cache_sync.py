@@ -255,10 +255,21 @@ class Applier:
                 continue
             # a prefetch from the store may have given (part of) the path a host copy first
             self.ctl.free_host(self.tree.mark_backed_up(node, op.host_indices))
+            self._write_waiting_children(node)
             self.counters.writes += 1
             self.counters.d2h_bytes += op.host_indices.numel() * self.cache.pool.bytes_per_token
             self.latency["write"].observe(time.perf_counter() - op.started)
             self._backup_to_store(node)
+
+    def _write_waiting_children(self, node: TreeNode) -> None:
+        """Children inserted while this path's write was in flight (possibly under a split-off
+        half of it) could not be written then: their parent had no host copy yet."""
+        if self.cfg.write_policy != WritePolicy.WRITE_THROUGH:
+            return
+        for n in (node, node.parent):
+            for child in list(n.children.values()):
+                if child.on_device and not child.backed_up and child.id not in self.writing:
+                    self.write_node(child)
 
     def _backup_to_store(self, node: TreeNode) -> None:
         if self.ctl.storage is None or not self.cfg.storage_backup:

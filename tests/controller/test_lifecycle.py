@@ -265,3 +265,15 @@ def test_start_log_line_names_every_component(caplog):
         assert part in line
     check(cache)
     cache.close()
+
+
+def test_child_under_a_half_split_during_its_write_is_written_after_it():
+    cache = make_cache()
+    compute(cache, A, seed=13)  # one 16-token node; its write is queued, not applied
+    other = np.concatenate([A[:4], np.arange(900, 908)])
+    compute(cache, other, seed=14)  # splits the node after 4 tokens; the new child hangs under the upper half
+    child = cache.match_prefix(other, count=False).last_device_node
+    assert not child.backed_up and not child.parent.backed_up
+    settle(cache)
+    assert child.parent.backed_up and child.backed_up  # written once its parent landed
+    check(cache)
