@@ -96,6 +96,10 @@ def _table(s: dict) -> str:
         f"             host->store {_mib(b['host_to_store'])}   store->host {_mib(b['store_to_host'])}",
         f"throughput               {s['requests_per_s']:.1f} req/s, {s['prompt_tokens_per_s']:.0f} prompt tokens/s",
     ]
+    st = s["store"]
+    if st["errors"] or st["frame_failures"]:
+        lines.append(f"store trouble            {st['errors']} failed calls, {st['frame_failures']} pages that did not "
+                     f"verify (each a miss; see the log)")
     if s["verified_requests"]:
         lines.append(f"verified                 {s['verified_requests']} requests match the uncached run "
                      f"(max |logit diff| {s['max_logit_diff']:.1e})")
