@@ -136,7 +136,8 @@ def _plot(results, path: str) -> None:
     for k, ys in series.items():
         ax.plot(range(1, len(ys) + 1), ys, label=k)
     ax.set_xlabel("requests")
-    ax.set_ylabel("cumulative hit rate")
+    ax.set_ylabel("cumulative hit rate (of prompt tokens)")
+    ax.set_title("kvtier replay: where prefixes were found")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

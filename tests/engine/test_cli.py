@@ -118,3 +118,10 @@ def test_console_script_is_installed():
 def test_bench_tree_runs(capsys):
     assert main(["bench", "tree", "--sessions", "20", "--turns", "2"]) == 0
     assert "tree: match time ratio" in capsys.readouterr().out
+
+
+def test_replay_plot_writes_a_png(cache_home, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional [plot] extra (matplotlib)")
+    out = tmp_path / "hits.png"
+    assert main(["replay", "--requests", "4", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
