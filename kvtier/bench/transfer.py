@@ -59,9 +59,10 @@ def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, flo
             host_pages = torch.randperm(pages, generator=g) + 1
             host = (host_pages[:, None] * page_size + offsets).flatten()
             backup = nbytes / best_of(lambda: mirror.backup(pool, dev, host), repeat) / 1e9
-            def load_all_layers():
+            def load_all_layers():  # as the controller does: one plan, then layer by layer
+                plan = mirror.plan(dev, host) if mirror.io == "direct" else None
                 for layer in range(layers):
-                    mirror.load_layer(pool, host, dev, layer)
+                    mirror.load_layer(pool, host, dev, layer, plan)
             load = nbytes / best_of(load_all_layers, repeat) / 1e9
             path = io if mirror.io == io else f"{io}->{mirror.io}"
             print(f"{layout:12s} {path:16s} backup {backup:6.2f} GB/s ({backup / memcpy:.2f}x)  "

@@ -138,9 +138,11 @@ class CacheController:
         """Copy host slots into (already allocated) device slots, one layer at a time."""
         mirror, pool = self.mirror, self.pool
 
+        plan = mirror.plan(device_indices, host_indices)
+
         def job(h: Handle) -> None:
             for layer in range(pool.num_layers):
-                mirror.load_layer(pool, host_indices, device_indices, layer)
+                mirror.load_layer(pool, host_indices, device_indices, layer, plan)
                 h.layer_done(layer)
 
         handle = self.load_stream.submit(job, Handle(pool.num_layers))

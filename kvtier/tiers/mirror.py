@@ -27,6 +27,26 @@ IoPath = Literal["direct", "kernel"]
 
 
 @dataclass(slots=True, frozen=True)
+class CopyPlan:
+    """Either page numbers on both sides (whole pages) or merged slot runs."""
+
+    device_pages: list[int] | None
+    host_pages: list[int] | None
+    runs: list[tuple[int, int, int]] | None
+
+
+def _whole_pages(indices: torch.Tensor, ps: int) -> torch.Tensor | None:
+    """Page numbers if `indices` are whole pages in slot order, else None."""
+    if indices.numel() == 0 or indices.numel() % ps:
+        return None
+    rows = indices.view(-1, ps)
+    first = rows[:, :1]
+    if (first % ps).any() or not torch.equal(rows - first, torch.arange(ps).expand_as(rows)):
+        return None
+    return first.flatten() // ps
+
+
+@dataclass(slots=True, frozen=True)
 class MirrorConfig:
     ratio: float = 2.0
     size_bytes: int | None = None
@@ -118,7 +138,7 @@ class HostMirror:
         check_indices("host_indices", host_indices, device_indices.numel())
         if self.io == "kernel":
             for layer in range(self.num_layers):
-                self._copy(pool, layer, device_indices, host_indices, to_host=True)
+                self._copy_kernel(pool, layer, device_indices, host_indices, to_host=True)
             return
         # direct: one copy per slot run and part covers every layer (strided over layers)
         split = self.page_size if self.config.layout == "page_first" else 0
@@ -134,41 +154,70 @@ class HostMirror:
                 srcs.append(d_all[:, d0:d0 + n])
         torch._foreach_copy_(dsts, srcs)
 
-    def load_layer(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int) -> None:
-        """Copy one layer of `host_indices` (mirror) to `device_indices` (pool)."""
-        check_indices("host_indices", host_indices)
-        check_indices("device_indices", device_indices, host_indices.numel())
+    def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> "CopyPlan":
+        """How to copy this pairing, computed once for all the layers of a load.
+
+        Whole pages that rarely continue each other are copied by page number (integer
+        indexing is the cheapest view torch makes); anything else as merged slot runs."""
+        check_indices("device_indices", device_indices)
+        check_indices("host_indices", host_indices, device_indices.numel())
+        ps = self.page_size
+        pages = _whole_pages(device_indices, ps), _whole_pages(host_indices, ps)
+        if ps > 1 and pages[0] is not None and pages[1] is not None:
+            d, h = pages
+            merges = int(((d[1:] - d[:-1] == 1) & (h[1:] - h[:-1] == 1)).sum())
+            if 4 * merges < d.numel():
+                return CopyPlan(d.tolist(), h.tolist(), None)
+        split = ps if self.config.layout == "page_first" else 0
+        return CopyPlan(None, None, runs(device_indices, host_indices, split))
+
+    def load_layer(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int,
+                   plan: "CopyPlan | None" = None) -> None:
+        """Copy one layer of `host_indices` (mirror) to `device_indices` (pool); pass the
+        `plan` of the pairing when loading several layers."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer}: must be in [0, {self.num_layers})")
-        self._copy(pool, layer, device_indices, host_indices, to_host=False)
+        if self.io == "kernel":
+            check_indices("host_indices", host_indices)
+            check_indices("device_indices", device_indices, host_indices.numel())
+            self._copy_kernel(pool, layer, device_indices, host_indices, to_host=False)
+            return
+        self._copy(pool, layer, plan or self.plan(device_indices, host_indices), to_host=False)
 
     def load(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        plan = None if self.io == "kernel" else self.plan(device_indices, host_indices)
         for layer in range(self.num_layers):
-            self.load_layer(pool, host_indices, device_indices, layer)
+            self.load_layer(pool, host_indices, device_indices, layer, plan)
 
-    def _copy(self, pool: DeviceKVPool, layer: int, dev: torch.Tensor, host: torch.Tensor, to_host: bool) -> None:
-        if self.io == "kernel":
-            from kvtier.tiers.kernels import copy_rows
-            for d_rows, h_rows in zip(pool.rows(layer), self._views[layer]):
-                if to_host:
-                    copy_rows(d_rows, h_rows, dev.to(d_rows.device), host.to(d_rows.device))
-                else:
-                    copy_rows(h_rows, d_rows, host.to(d_rows.device), dev.to(d_rows.device))
-            return
-        split = self.page_size if self.config.layout == "page_first" else 0
-        pieces = runs(dev, host, split)
+    def _copy_kernel(self, pool: DeviceKVPool, layer: int, dev: torch.Tensor, host: torch.Tensor, to_host: bool) -> None:
+        from kvtier.tiers.kernels import copy_rows
+
+        for d_rows, h_rows in zip(pool.rows(layer), self._views[layer]):
+            if to_host:
+                copy_rows(d_rows, h_rows, dev.to(d_rows.device), host.to(d_rows.device))
+            else:
+                copy_rows(h_rows, d_rows, host.to(d_rows.device), dev.to(d_rows.device))
+
+    def _copy(self, pool: DeviceKVPool, layer: int, plan: "CopyPlan", to_host: bool) -> None:
+        ps, split = self.page_size, self.config.layout == "page_first"
         dsts, srcs = [], []
         for d_rows, h_view in zip(pool.rows(layer), self._views[layer]):
-            h_rows = h_view.view(-1, h_view.shape[-1]) if not split else None
-            for d0, h0, n in pieces:
-                d = d_rows[d0:d0 + n]
-                if h_rows is not None:
-                    h = h_rows[h0:h0 + n]
-                else:
-                    page, off = divmod(h0, self.page_size)
-                    h = h_view[page, off:off + n]
-                dsts.append(h if to_host else d)
-                srcs.append(d if to_host else h)
+            if plan.device_pages is not None:
+                d_pages = d_rows.view(-1, ps, d_rows.shape[-1])
+                ds = [d_pages[p] for p in plan.device_pages]
+                hs = [h_view[p] for p in plan.host_pages]
+            else:
+                h_rows = None if split else h_view.view(-1, h_view.shape[-1])
+                ds, hs = [], []
+                for d0, h0, n in plan.runs:
+                    ds.append(d_rows[d0:d0 + n])
+                    if h_rows is not None:
+                        hs.append(h_rows[h0:h0 + n])
+                    else:
+                        page, off = divmod(h0, ps)
+                        hs.append(h_view[page, off:off + n])
+            dsts += hs if to_host else ds
+            srcs += ds if to_host else hs
         torch._foreach_copy_(dsts, srcs)
 
     # -- pages for L3 ------------------------------------------------------------------------
