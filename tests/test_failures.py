@@ -43,7 +43,7 @@ async def test_lmcache_4991_a_failed_store_is_never_visible(tmp_path):
 class _BrokenLoads(HostMirror):
     """A mirror whose host->device copies fail (a DMA error)."""
 
-    def load_layer(self, pool, host_indices, device_indices, layer):
+    def load_layer(self, pool, host_indices, device_indices, layer, plan=None):
         raise RuntimeError("DMA failed")
 
 
