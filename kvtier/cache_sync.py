@@ -255,18 +255,22 @@ class Applier:
                 continue
             # a prefetch from the store may have given (part of) the path a host copy first
             self.ctl.free_host(self.tree.mark_backed_up(node, op.host_indices))
-            self._write_waiting_children(node)
+            self._write_waiting_children(node, op.host_indices.numel())
             self.counters.writes += 1
             self.counters.d2h_bytes += op.host_indices.numel() * self.cache.pool.bytes_per_token
             self.latency["write"].observe(time.perf_counter() - op.started)
             self._backup_to_store(node)
 
-    def _write_waiting_children(self, node: TreeNode) -> None:
-        """Children inserted while this path's write was in flight (possibly under a split-off
-        half of it) could not be written then: their parent had no host copy yet."""
+    def _write_waiting_children(self, node: TreeNode, written: int) -> None:
+        """Children inserted while this write was in flight under a half split off from
+        `node` could not be written then: that half had no host copy and no write of its
+        own. `written` tokens cover `node` and any such halves above it."""
         if self.cfg.write_policy != WritePolicy.WRITE_THROUGH:
             return
-        for n in (node, node.parent):
+        covered, n = len(node), node
+        while covered < written and n.parent is not self.tree.root:
+            n = n.parent
+            covered += len(n)
             for child in list(n.children.values()):
                 if child.on_device and not child.backed_up and child.id not in self.writing:
                     self.write_node(child)
