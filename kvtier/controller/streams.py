@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -67,32 +67,44 @@ class TransferStream(ABC):
     def close(self) -> None: ...
 
 
-class CpuTransferStream(TransferStream):
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}", daemon=True)
+class _Finisher:
+    """A worker thread that runs `step(item)` for each queued (item, handle) in order and
+    settles the handle: failed with the exception, or finished."""
+
+    def __init__(self, name: str, step: Callable[[Any], None]) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._step = step
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job, handle: Handle) -> Handle:
-        self._jobs.put((job, handle))
-        return handle
+    def put(self, item: Any, handle: Handle) -> None:
+        self._items.put((item, handle))
 
     def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, handle = item
+        while (entry := self._items.get()) is not None:
+            item, handle = entry
             try:
-                job(handle)
-            except BaseException as exc:  # the waiter learns of it; the stream keeps going
+                self._step(item)
+            except BaseException as exc:  # the waiter learns of it; the thread keeps going
                 handle.fail(exc)
             else:
                 handle.finished.set()
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._items.put(None)
         self._thread.join()
+
+
+class CpuTransferStream(TransferStream):
+    def __init__(self, name: str) -> None:
+        self._worker = _Finisher(f"kvtier-{name}", lambda item: item[0](item[1]))
+
+    def submit(self, job: Job, handle: Handle) -> Handle:
+        self._worker.put((job, handle), handle)
+        return handle
+
+    def close(self) -> None:
+        self._worker.close()
 
 
 class CudaTransferStream(TransferStream):
@@ -105,9 +117,7 @@ class CudaTransferStream(TransferStream):
     def __init__(self, name: str, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._watch: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._watcher, name=f"kvtier-{name}-watch", daemon=True)
-        self._thread.start()
+        self._watcher = _Finisher(f"kvtier-{name}-watch", lambda event: event.synchronize())
 
     def submit(self, job: Job, handle: Handle) -> Handle:
         handle.cuda_events = [torch.cuda.Event() for _ in handle.layers]
@@ -120,25 +130,11 @@ class CudaTransferStream(TransferStream):
                 handle.fail(exc)
                 return handle
             done.record(self.stream)
-        self._watch.put((done, handle))
+        self._watcher.put(done, handle)
         return handle
 
-    def _watcher(self) -> None:
-        while True:
-            item = self._watch.get()
-            if item is None:
-                return
-            event, handle = item
-            try:
-                event.synchronize()
-            except BaseException as exc:
-                handle.fail(exc)
-            else:
-                handle.finished.set()
-
     def close(self) -> None:
-        self._watch.put(None)
-        self._thread.join()
+        self._watcher.close()
         self.stream.synchronize()
 
 
