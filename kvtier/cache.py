@@ -1,19 +1,26 @@
 """TieredCache: the facade a server embeds (tree + controller + pool + mirror + store).
 
 Thread: every method runs on the scheduler thread; background work finishes into the
-controller's queues and `poll()` applies it. Per request (DESIGN §8):
+controller's queues and `poll()` applies it. Per request (docs/design.md §8):
 
-    got = cache.acquire(tokens, rid)          # = match, lock, prefetch (L3 -> host) beyond
-                                              #   the match, load back (host -> device), relock
-    slots = cache.alloc(n)                     # evicts on demand
-    waiter = cache.begin_forward(); waiter.wait_layer(i) before reading layer i
-    cache.cache_finished(tokens, kv, got.node, len(got.indices))  # insert, free dups, unlock
-    cache.poll()                               # every scheduler step, on every rank
+    got = cache.acquire(tokens, rid)       # match, lock, start a store prefetch or a host load
+    if not got.ready:                      # a prefetch is in flight: keep the request waiting,
+        ...                                #   run others; poll() names it when it may go on,
+                                           #   then acquire(tokens, rid) again
+    slots = cache.alloc(n)                 # the uncached suffix; evicts on demand
+    waiter = cache.begin_forward([rid, ...]); waiter.wait_layer(i) before reading layer i
+    cache.cache_unfinished(rid, tokens, kv)   # chunked prefill: keep what is computed so far
+    cache.cache_finished(rid, tokens, kv)     # insert, free duplicates and the tail, unlock
+    cache.abort(rid, kv)                      # on any error, in any state
+    ready = cache.poll()                   # every scheduler step, on every rank
+
+`kv` is the request's row of device slots so far: `got.indices` then its own slots.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +30,8 @@ from kvtier.backends.registry import build_store
 from kvtier.cache_sync import Applier
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
-from kvtier.controller.controller import CacheController
+from kvtier.controller.controller import CacheController, LoadOp
+from kvtier.controller.streams import TransferError, make_stream
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
@@ -43,42 +51,64 @@ class LayerWaiter:
         self.timeout_s = timeout_s
 
     def wait_layer(self, layer: int) -> None:
+        """Raises TransferError if a load failed or did not land in time: the forward must
+        not use the bytes (abort the request; it recomputes next time)."""
         for h in self.handles:
             h.wait_layer(layer, self.timeout_s)
 
 
 @dataclass(slots=True, frozen=True)
 class Acquired:
-    """A request's cached prefix, locked at `node`: `indices` are its device slots (pass
-    `node` and `len(indices)` as `cached_len` to `cache_finished`). The hits say where the
-    prefix was found: on device, on host (loaded back), in the store (prefetched)."""
+    """A request's cached prefix. `ready` False: a store prefetch is in flight and nothing
+    is held; keep the request waiting and acquire it again once `poll()` names it.
+
+    When ready, `indices` are the prefix's device slots (the first `device_hit` are the
+    tree's, locked; the rest are being loaded from host into slots the request owns).
+    `device_hit + host_hit + storage_hit == len(indices)`: where each token was found."""
+
+    ready: bool
+    indices: torch.Tensor
+    device_hit: int = 0
+    host_hit: int = 0
+    storage_hit: int = 0
+
+
+@dataclass(eq=False)
+class _Held:
+    """What one request holds: a lock on `node` (its `tree_len` tokens) and a load."""
 
     node: TreeNode
-    indices: torch.Tensor
-    device_hit: int
-    host_hit: int
-    storage_hit: int
+    tree_len: int
+    load: LoadOp | None
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TieredCache:
-    def __init__(self, config: KvtierConfig, tp_group=None, store: Store | None = None) -> None:
+    def __init__(self, config: KvtierConfig, tp_group=None, store: Store | None = None, stream_factory=make_stream,
+                 clock=time.monotonic) -> None:
+        """`store` overrides the configured one; `stream_factory` and `clock` let a test
+        schedule every copy and every deadline itself."""
         self.config = config
         self.pool = DeviceKVPool(config.pool)
         self.mirror = HostMirror(self.pool, config.mirror) if config.mirror is not None else None
         rank, size = _tp_rank_size(tp_group)
-        self.namespace = Namespace(config.namespace.model_id, config.pool.dtype, _layout(config), config.pool.page_size,
-                                   rank, size, config.namespace.tenant_salt)
+        ns = config.namespace
+        self.namespace = Namespace(ns.model_id, config.pool.dtype, _layout(config), config.pool.page_size,
+                                   rank, size, ns.tenant_salt, revision=ns.revision)
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, config.tree.hash_algo)
-        self.controller = CacheController(self.pool, self.mirror, store, config.controller)
+        self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory)
         self.agreement = Agreement(tp_group, config.controller.consensus_check or None)
         self.stats_obj = CacheStats()
-        self.sync = Applier(self)
+        self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,
+                            self.agreement, self.mirror is not None, clock)
         self.page_size = config.pool.page_size
         self.request_pages = 0  # device pages handed to requests and not yet given back
-        self._new_loads: list = []
+        self.requests: dict[str, _Held] = {}
         log.info("kvtier: %s", self.describe())
 
     @classmethod
@@ -101,34 +131,55 @@ class TieredCache:
         return tokens if isinstance(tokens, RadixKey) else RadixKey(tokens, extra_key)
 
     def match_prefix(self, tokens, extra_key: str | None = None, count: bool = True) -> MatchResult:
-        """Longest cached prefix. Lock `last_device_node` before using `device_indices`.
-        `count=False` for a re-match of the same request (stats count each request once)."""
+        """Longest cached prefix (low level: `acquire` is the request API). Lock
+        `last_device_node` before using `device_indices`. `count=False` for a re-match of
+        the same request: it neither counts in stats nor bumps hit counts again."""
         key = self.key(tokens, extra_key)
-        m = self.tree.match_prefix(key)
+        m = self.tree.match_prefix(key, touch=count)
         if count:
-            c = self.stats_obj.counters
-            c.lookup_tokens += len(key)
-            c.device_hit_tokens += m.device_indices.numel()
-            c.host_hit_tokens += m.host_hit_length
-        if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self._count_lookup(len(key), m.device_indices.numel(), m.host_hit_length, 0)
+        if count and self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.sync.write_hot_path(m.last_device_node)
         return m
 
+    def _count_lookup(self, tokens: int, device: int, host: int, storage: int) -> None:
+        c = self.stats_obj.counters
+        c.lookup_tokens += tokens
+        c.device_hit_tokens += device
+        c.host_hit_tokens += host
+        c.storage_hit_tokens += storage
+
     def acquire(self, tokens, request_id: str, extra_key: str | None = None) -> Acquired:
-        """Steps 1-3 of the embedding sequence in one call: match, lock, prefetch from the
-        store beyond the match (per the prefetch policy), load the host part back, and lock
-        the final device prefix. Wait per layer (`begin_forward`) before reading it."""
+        """Steps 1-3 of the embedding sequence; never waits on the store or a copy.
+
+        First call: match; if the store may hold pages beyond the match, start a prefetch and
+        return `ready=False` holding nothing. Once ready (a later `poll()` names the request):
+        take the prefetch, lock the device prefix and start loading the host part into slots
+        the request owns. Wait per layer (`begin_forward`) before reading them."""
+        if request_id in self.requests:
+            raise ValueError(f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first")
         key = self.key(tokens, extra_key)
-        m = self.match_prefix(key)
+        first = request_id not in self.sync.prefetches
+        if not self.sync.is_ready(request_id):
+            return Acquired(False, _EMPTY)
+        m = self.tree.match_prefix(key, touch=first)
+        if first and self.sync.start_prefetch(request_id, key, m):
+            return Acquired(False, _EMPTY)
+        storage = self.sync.take_prefetch(request_id)
+        if not first:
+            m = self.tree.match_prefix(key, touch=False)  # the prefetch hung pages under it
+        if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self.sync.write_hot_path(m.last_device_node)
         self.lock(m.last_device_node)
-        storage = self.take_prefetch(request_id) if self.prefetch(request_id, key, m) else 0
-        final = self.match_prefix(key, count=False)
-        if final.host_hit_length and self.load_back(final.last_host_node):
-            final = self.match_prefix(key, count=False)
-        self.lock(final.last_device_node)
-        self.unlock(m.last_device_node)
-        return Acquired(final.last_device_node, final.device_indices, m.device_indices.numel(),
-                        m.host_hit_length, storage)
+        load = self.sync.start_load(m.last_host_node) if m.host_hit_length else None
+        self.requests[request_id] = _Held(m.last_device_node, m.device_indices.numel(), load)
+        loaded = 0 if load is None else load.device_indices.numel()
+        self.request_pages += loaded // self.page_size
+        storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
+        device_hit = m.device_indices.numel()
+        self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
+        indices = m.device_indices if load is None else torch.cat([m.device_indices, load.device_indices])
+        return Acquired(True, indices, device_hit, loaded - storage_hit, storage_hit)
 
     def lock(self, node: TreeNode) -> None:
         if node is not self.tree.root:
@@ -143,101 +194,126 @@ class TieredCache:
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` device slots in whole pages for a request, evicting on demand; None if short."""
         pages = -(-n // self.page_size)
-        slots = self._alloc_device(pages * self.page_size)
+        slots = self.sync.alloc_device(pages * self.page_size)
         if slots is None:
             return None
         self.request_pages += pages
         return slots[:n]
 
     def free(self, indices: torch.Tensor) -> None:
-        """Give back a request's own slots (an aborted or finished request's tail)."""
+        """Give back a request's own slots (not ones `acquire` handed out: `abort` those)."""
         if indices.numel():
             self.request_pages -= torch.unique(indices // self.page_size).numel()
             self.controller.device_alloc.free(indices)
-
-    def _alloc_device(self, n: int) -> torch.Tensor | None:
-        alloc = self.controller.device_alloc
-        if alloc.available_size() < n:
-            self.evict(n - alloc.available_size())
-        return alloc.alloc(n)
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
         return self.sync.evict_device(num_tokens)
 
-    # -- inserts ------------------------------------------------------------------------------
+    # -- finishing a request ------------------------------------------------------------------
 
-    def cache_finished(self, tokens, kv_indices: torch.Tensor, last_node: TreeNode, cached_len: int,
-                       extra_key: str | None = None, priority: int = 0) -> None:
-        """A request is done: keep its page-aligned KV, free duplicates and its tail, unlock.
+    def cache_finished(self, request_id: str, tokens, kv_indices: torch.Tensor, extra_key: str | None = None,
+                       priority: int = 0) -> None:
+        """The request is done: keep its page-aligned KV, free duplicates and its tail, unlock.
 
-        `kv_indices[:cached_len]` came from the cache (locked at `last_node`); the rest are
-        the request's own slots, owned by the tree or freed after this call."""
+        `kv_indices[i]` holds token i's KV (what `acquire` handed out, then the request's own
+        slots). If a load the request depended on failed, nothing is kept, everything the
+        request held is released, and TransferError is raised: its KV was never right."""
+        held = self._held(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
+        self._check_load(request_id, held, kv_indices)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv_indices[:aligned], priority)
-        self._give_back(kv_indices, cached_len, r.prefix_len, aligned, len(key))
-        self.unlock(last_node)
+        self._give_back(kv_indices, held.tree_len, r.prefix_len, aligned, len(key))
+        self.unlock(held.node)
+        del self.requests[request_id]
         self.sync.after_insert(r.added)
 
-    def cache_unfinished(self, tokens, kv_indices: torch.Tensor, last_node: TreeNode, cached_len: int,
-                         extra_key: str | None = None) -> tuple[torch.Tensor, TreeNode, int]:
-        """Chunked prefill: keep the page-aligned KV so far; returns (canonical slots for
-        tokens [0, new_cached_len), the new locked node, new_cached_len). The caller
-        repoints its request row to the canonical slots."""
+    def cache_unfinished(self, request_id: str, tokens, kv_indices: torch.Tensor,
+                         extra_key: str | None = None) -> torch.Tensor:
+        """Chunked prefill: keep the page-aligned KV so far; returns the canonical slots of
+        tokens [0, aligned) — repoint the request's row to them."""
+        held = self._held(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
+        self._check_load(request_id, held, kv_indices)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv_indices[:aligned])
-        self._give_back(kv_indices, cached_len, r.prefix_len, aligned, aligned)
-        m = self.tree.match_prefix(key[:aligned])
+        self._give_back(kv_indices, held.tree_len, r.prefix_len, aligned, aligned)
+        m = self.tree.match_prefix(key[:aligned], touch=False)
         assert m.device_indices.numel() == aligned, "a just-inserted chunk is not on device"
         self.lock(m.last_device_node)
-        self.unlock(last_node)
+        self.unlock(held.node)
+        self.requests[request_id] = _Held(m.last_device_node, aligned, None)
         self.sync.after_insert(r.added)
-        return m.device_indices, m.last_device_node, aligned
+        return m.device_indices
 
-    def _give_back(self, kv: torch.Tensor, cached_len: int, prefix_len: int, aligned: int, end: int) -> None:
-        """Request slots [cached_len, end) leave the request: duplicates and the tail are freed."""
+    def abort(self, request_id: str, kv_indices: torch.Tensor | None = None) -> None:
+        """Release whatever the request holds, in any state: its prefetch, its lock, the
+        slots of its load (once the copy has stopped) and, given its row `kv_indices`, its
+        own slots. Unknown or already released requests are a no-op."""
+        self.sync.abort_prefetch(request_id)
+        held = self.requests.pop(request_id, None)
+        if held is None:
+            return
+        self.stats_obj.counters.aborts += 1
+        self.unlock(held.node)
+        loaded = 0
+        if held.load is not None:
+            loaded = held.load.device_indices.numel()
+            self.request_pages -= loaded // self.page_size
+            self.sync.orphan_load(held.load)
+        if kv_indices is not None:
+            self.free(kv_indices[held.tree_len + loaded:])
+
+    def _held(self, request_id: str, what: str) -> _Held:
+        held = self.requests.get(request_id)
+        if held is None:
+            raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
+        return held
+
+    def _check_load(self, request_id: str, held: _Held, kv_indices: torch.Tensor) -> None:
+        """Fail closed: a request whose load did not land intact must not insert anything."""
+        load = held.load
+        if load is None:
+            return
+        if not load.handle.is_done():
+            load.handle.finished.wait(self.config.store.timeout_s + 30.0)  # its forward waited already
+        if load.ok:
+            return
+        error = load.handle.error or "did not finish"
+        self.abort(request_id, kv_indices)
+        raise TransferError(f"request {request_id!r}: its host->device load failed ({error}); nothing was cached")
+
+    def _give_back(self, kv: torch.Tensor, tree_len: int, prefix_len: int, aligned: int, end: int) -> None:
+        """Request slots [tree_len, end) leave the request: the tree took [prefix_len,
+        aligned); duplicates [tree_len, prefix_len) and the tail [aligned, end) are freed."""
         with self.controller.device_alloc.free_group():
-            if prefix_len > cached_len:
-                self.controller.device_alloc.free(kv[cached_len:prefix_len])
+            if prefix_len > tree_len:
+                self.controller.device_alloc.free(kv[tree_len:prefix_len])
             if end > aligned:
                 self.controller.device_alloc.free(kv[aligned:end])
-        self.request_pages -= -(-end // self.page_size) - cached_len // self.page_size
-
-    # -- host -> device -----------------------------------------------------------------------
-
-    def load_back(self, node: TreeNode) -> int:
-        """Start loading the host-only path ending at `node` onto device; returns tokens.
-
-        All or nothing: 0 if the path is shorter than `load_back_min_tokens` or the device
-        cannot make room. The loaded path stays locked until its copy has landed."""
-        return self.sync.load_back(node)
-
-    def begin_forward(self) -> LayerWaiter:
-        """The loads submitted so far belong to the forward about to run."""
-        handles, self._new_loads = self._new_loads, []
-        return LayerWaiter(handles, self.config.store.timeout_s + 30.0)
-
-    # -- L3 -----------------------------------------------------------------------------------
-
-    def prefetch(self, request_id: str, tokens, match: MatchResult, extra_key: str | None = None) -> bool:
-        """Start reading pages beyond `match` from the store into the mirror."""
-        return self.sync.start_prefetch(request_id, self.key(tokens, extra_key), match)
-
-    def prefetch_done(self, request_id: str) -> bool:
-        return self.sync.prefetch_done(request_id)
-
-    def take_prefetch(self, request_id: str) -> int:
-        """Apply the prefetch policy; returns tokens the prefetch put on host for this
-        request. Re-match (count=False) afterwards to see them as host hits."""
-        return self.sync.take_prefetch(request_id)
+        self.request_pages -= -(-end // self.page_size) - tree_len // self.page_size
 
     # -- steps --------------------------------------------------------------------------------
 
-    def poll(self) -> None:
-        """Apply finished background work. Call every scheduler step on every rank."""
+    def begin_forward(self, request_ids=None) -> LayerWaiter:
+        """What the forward about to run must wait for: the loads of the requests in it
+        (default: of every request; waiting for more than needed is only slower). A failed
+        load raises TransferError at every forward of its request until it is aborted."""
+        ids = self.requests if request_ids is None else request_ids
+        handles = [h.load.handle for h in (self.requests.get(rid) for rid in ids) if h is not None and h.load]
+        return LayerWaiter(handles, self.config.store.timeout_s + 30.0)
+
+    def poll(self) -> list[str]:
+        """Apply finished background work; returns the waiting requests that may now be
+        acquired again. Call every scheduler step on every rank."""
         self.sync.poll()
+        ready, self.sync.newly_ready = self.sync.newly_ready, []
+        return ready
+
+    def wait_progress(self, timeout: float = 0.005) -> None:
+        """For a scheduler with nothing to run: nap until a store op moves (or `timeout`)."""
+        self.controller.wait_progress(timeout)
 
     def flush(self) -> None:
         """Drop everything on device and host (the store keeps its pages)."""
@@ -269,8 +345,10 @@ class TieredCache:
         problems = []
         dev_free = self.controller.device_alloc.available_size()
         dev_tree, dev_req = self.tree.total_size(D), self.request_pages * self.page_size
-        if dev_free + dev_tree + dev_req != self.config.pool.size:
-            problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} != {self.config.pool.size}")
+        dev_ops = self.sync.orphaned_pages * self.page_size
+        if dev_free + dev_tree + dev_req + dev_ops != self.config.pool.size:
+            problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
+                            f"{dev_ops} != {self.config.pool.size}")
         if self.mirror is not None:
             host_free, in_flight = self.controller.host_accounting()
             host_tree = self.tree.total_size(H)

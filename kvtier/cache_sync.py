@@ -1,6 +1,11 @@
-"""The scheduler-side half of the cache: starts transfers and applies their results to the
-tree. It is the only code that joins the tree and the controller, and it runs on the
-scheduler thread only.
+"""The completion side of the cache: starts transfers and applies their results to the
+tree. It is the only code that joins the tree and the controller; it runs on the
+scheduler thread only and takes its parts explicitly (tree, controller, config, stats,
+agreement, clock), never the facade.
+
+Two-phase rule (docs/design.md, "fail closed"): nothing an op writes becomes visible to a
+new match before the op completed successfully, and applying one completion either
+finishes it or releases what it reserved — `poll()` never stops halfway.
 
 Every `poll()` makes exactly one agreement call (one collective under tensor parallelism)
 whose vector length depends only on replicated state (the prefetches started so far), so
@@ -12,17 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from kvtier.controller.config import PrefetchPolicy, WritePolicy
+from kvtier.controller.config import ControllerConfig, PrefetchPolicy, WritePolicy
+from kvtier.controller.controller import CacheController, LoadOp
+from kvtier.controller.stats import CacheStats
 from kvtier.controller.storage import PrefetchOp
+from kvtier.controller.tp import Agreement
 from kvtier.hashing import make_key, page_hashes
-from kvtier.tree import MatchResult, RadixKey, Tier, TreeNode
-
-if TYPE_CHECKING:
-    from kvtier.cache import TieredCache
+from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
@@ -37,63 +42,44 @@ class _Prefetch:
     anchor: TreeNode
     deadline: float | None
     want_stop: bool = False
-    result: int | None = None  # tokens inserted, once finished on every rank
-    discard: bool = False
+    result: int | None = None  # pages inserted, once finished on every rank
+    ready: bool = False  # reported to the server: its request may be acquired again
+    discard: bool = False  # nobody takes it: forget it when it finishes
+    broken: bool = False  # applying it raised once: it inserts nothing more
+    polls: int = 0
 
 
 class Applier:
-    def __init__(self, cache: "TieredCache") -> None:
-        self.cache = cache
-        self.tree = cache.tree
-        self.ctl = cache.controller
-        self.cfg = cache.config.controller
-        self.counters = cache.stats_obj.counters
-        self.latency = cache.stats_obj.latency
+    def __init__(self, tree: RadixTree, controller: CacheController, config: ControllerConfig, key_prefix: str,
+                 stats: CacheStats, agreement: Agreement, has_mirror: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tree = tree
+        self.ctl = controller
+        self.cfg = config
+        self.key_prefix = key_prefix
+        self.page_size = tree.page_size
+        self.counters = stats.counters
+        self.latency = stats.latency
+        self.agreement = agreement
+        self.has_mirror = has_mirror
+        self.clock = clock
         self.writing: set[int] = set()  # node ids with a device->host write in flight
         self.prefetches: dict[str, _Prefetch] = {}
+        self.newly_ready: list[str] = []  # prefetching requests that became ready
+        self.orphaned_pages = 0  # device pages of orphaned loads, freed when applied
+        self._complained: set[str] = set()
 
-    # -- writes -------------------------------------------------------------------------------
+    # -- device slots -------------------------------------------------------------------------
 
-    def after_insert(self, added: list[TreeNode]) -> None:
-        if self.cfg.write_policy == WritePolicy.WRITE_THROUGH and self.cache.mirror is not None:
-            for node in added:
-                self.write_node(node)
-
-    def write_hot_path(self, node: TreeNode) -> None:
-        """write_through_selective: back up nodes on the path hit often enough, root-down."""
-        path = []
-        while node is not self.tree.root:
-            path.append(node)
-            node = node.parent
-        for n in reversed(path):
-            if n.hit_count >= self.cfg.write_threshold:
-                self.write_node(n)
-
-    def write_node(self, node: TreeNode) -> bool:
-        """Queue node's device->host copy (locked until its ack). False if not possible now."""
-        if node.backed_up or node.id in self.writing or not node.on_device or self.cache.mirror is None:
-            return node.backed_up or node.id in self.writing
-        parent = node.parent
-        if parent is not self.tree.root and not parent.backed_up and parent.id not in self.writing:
-            return False  # backed-up nodes form a prefix from the root
-        if self.ctl.host_available() < len(node):
-            self.evict_host(len(node) - self.ctl.host_available())
-        host = self.ctl.write(node.device_value, node)
-        if host is None:
-            self.counters.writes_skipped_no_host_space += 1
-            return False
-        self.tree.lock(node)
-        self.writing.add(node.id)
-        return True
-
-    def evict_host(self, n: int) -> int:
-        ev = self.tree.evict_host(n)
-        self.ctl.free_host(ev.host_indices)
-        self.counters.host_evicted_tokens += ev.evicted_tokens
-        return ev.evicted_tokens
+    def alloc_device(self, n: int) -> torch.Tensor | None:
+        """`n` device slots (a multiple of page_size), evicting on demand; None if short."""
+        alloc = self.ctl.device_alloc
+        if alloc.available_size() < n:
+            self.evict_device(n - alloc.available_size())
+        return alloc.alloc(n)
 
     def evict_device(self, n: int) -> int:
-        write_back = self.cfg.write_policy == WritePolicy.WRITE_BACK and self.cache.mirror is not None
+        write_back = self.cfg.write_policy == WritePolicy.WRITE_BACK and self.has_mirror
         ev = self.tree.evict_device(n, backup_first=write_back)
         self._free_evicted(ev)
         evicted = ev.evicted_tokens
@@ -115,151 +101,87 @@ class Applier:
         self.ctl.device_alloc.free(ev.device_indices)
         self.counters.device_evicted_tokens += ev.evicted_tokens
 
+    def evict_host(self, n: int) -> int:
+        ev = self.tree.evict_host(n)
+        self.ctl.free_host(ev.host_indices)
+        self.counters.host_evicted_tokens += ev.evicted_tokens
+        return ev.evicted_tokens
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def after_insert(self, added: list[TreeNode]) -> None:
+        if self.cfg.write_policy == WritePolicy.WRITE_THROUGH and self.has_mirror:
+            for node in added:
+                self.write_node(node)
+
+    def write_hot_path(self, node: TreeNode) -> None:
+        """write_through_selective: back up nodes on the path hit often enough, root-down."""
+        path = []
+        while node is not self.tree.root:
+            path.append(node)
+            node = node.parent
+        for n in reversed(path):
+            if n.hit_count >= self.cfg.write_threshold:
+                self.write_node(n)
+
+    def write_node(self, node: TreeNode) -> bool:
+        """Queue node's device->host copy (locked until its ack). False if not possible now."""
+        if node.backed_up or node.id in self.writing or not node.on_device or not self.has_mirror:
+            return node.backed_up or node.id in self.writing
+        parent = node.parent
+        if parent is not self.tree.root and not parent.backed_up and parent.id not in self.writing:
+            return False  # backed-up nodes form a prefix from the root
+        if self.ctl.host_available() < len(node):
+            self.evict_host(len(node) - self.ctl.host_available())
+        host = self.ctl.write(node.device_value, node)
+        if host is None:
+            self.counters.writes_skipped_no_host_space += 1
+            return False
+        self.tree.lock(node)
+        self.writing.add(node.id)
+        return True
+
     def drain_writes(self) -> None:
         """Wait for every queued write to land and apply it (write-back eviction)."""
         self.ctl.flush_writes()
         for op in list(self.ctl.writes):
-            op.handle.finished.wait(self.cache.config.store.timeout_s + 30.0)
+            self.ctl.write_stream.wait(op.handle, 30.0)
         self.poll()
 
-    # -- loads --------------------------------------------------------------------------------
+    def _apply_write(self, op) -> None:
+        node = op.tag
+        self.writing.discard(node.id)
+        self.tree.unlock(node)
+        if op.handle.error is not None:
+            self._write_failed(op, f"device->host write failed: {op.handle.error}")
+            return
+        try:  # validates before it changes anything
+            unused = self.tree.mark_backed_up(node, op.host_indices)
+        except ValueError as exc:  # its parent's write failed: a child's copy fails with it
+            self._write_failed(op, f"write of {node} depends on a failed write ({exc})")
+            return
+        op.applied = True  # from here on the tree owns the host slots
+        self.ctl.free_host(unused)  # a prefetch from the store may have given part of it a host copy
+        self._write_waiting_children(node, op.host_indices.numel())
+        self.counters.writes += 1
+        self.counters.d2h_bytes += op.host_indices.numel() * self.ctl.pool.bytes_per_token
+        self.latency["write"].observe(time.perf_counter() - op.started)
+        self._backup_to_store(node)
 
-    def load_back(self, node: TreeNode) -> int:
-        chain = self.tree.nodes_to_load(node)
-        total = sum(len(n) for n in chain)
-        if total == 0 or total < self.cfg.load_back_min_tokens:
-            return 0
-        anchor = chain[0].parent
-        self.cache.lock(anchor)  # allocation may evict: keep the path we load under
-        self.tree.protect_host(node)
-        try:
-            device = self.cache._alloc_device(total)
-        finally:
-            self.cache.unlock(anchor)
-        if device is None:
-            self.tree.release_host(node)
-            return 0
-        host = torch.cat([n.host_value for n in chain])
-        offset = 0
-        for n in chain:
-            self.tree.mark_loaded(n, device[offset:offset + len(n)])
-            offset += len(n)
-        self.tree.lock(node)  # until the copy has landed
-        op = self.ctl.load(host, device, node)
-        self.cache._new_loads.append(op.handle)
-        self.counters.loads += 1
-        return total
+    def _write_failed(self, op, why: str) -> None:
+        self.counters.write_failures += 1
+        self._complain("write", why)
+        self.ctl.free_host(op.host_indices)
+        op.applied = True
 
-    # -- prefetch -----------------------------------------------------------------------------
-
-    def start_prefetch(self, request_id: str, key: RadixKey, match: MatchResult) -> bool:
-        if self.ctl.storage is None or request_id in self.prefetches:
-            return False
-        anchor = match.best_match_node
-        if anchor is not self.tree.root and not anchor.backed_up:
-            return False  # prefetched pages need a parent on host
-        start = match.device_indices.numel() + match.host_hit_length
-        ps = self.cache.page_size
-        pages = (len(key) - start) // ps
-        if pages <= 0 or pages * ps < self.cfg.prefetch_min_tokens:
-            return False
-        suffix = key[start:start + pages * ps]
-        prev = self.tree.page_hashes(anchor)[-1] if anchor is not self.tree.root else None
-        hashes = page_hashes(suffix.tokens, ps, self.tree.namespace_id, key.extra_key, prev, self.tree.hash_algo)
-        keys = [make_key(self.cache.config.store.key_prefix, self.tree.namespace_id, h) for h in hashes]
-        op = PrefetchOp(request_id, keys, tag=None, tokens=pages * ps)
-        deadline = None
-        if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:
-            deadline = time.monotonic() + self.cfg.prefetch_timeout(pages * ps)
-        if anchor is not self.tree.root:
-            self.tree.protect_host(anchor)
-        self.prefetches[request_id] = _Prefetch(op, suffix, anchor, deadline)
-        self.ctl.prefetch(op)
-        self.counters.prefetches += 1
-        return True
-
-    def prefetch_done(self, request_id: str) -> bool:
-        p = self.prefetches.get(request_id)
-        return p is None or p.result is not None
-
-    def take_prefetch(self, request_id: str) -> int:
-        p = self.prefetches.get(request_id)
-        if p is None:
-            return 0
-        policy = self.cfg.prefetch_policy
-        if policy == PrefetchPolicy.BEST_EFFORT and p.result is None:
-            p.want_stop = True
-            self.poll()
-        elif policy in (PrefetchPolicy.WAIT_COMPLETE, PrefetchPolicy.TIMEOUT):
-            # Each store call has a timeout, so a prefetch always ends; TIMEOUT stops earlier.
-            # Every iteration polls (one collective on every rank), then sleeps until this
-            # rank's storage thread reports progress (or 5 ms, for the other ranks' news).
-            while True:
-                p.op.progress.clear()
-                self.poll()
-                if p.result is not None or (policy == PrefetchPolicy.TIMEOUT and p.op.stop.is_set()):
-                    break
-                p.op.progress.wait(0.005)
-        taken = p.op.inserted * self.cache.page_size
-        self.counters.storage_hit_tokens += taken
-        if p.result is None:
-            p.discard = True  # finishes on a later poll; nobody waits for it
-        else:
-            del self.prefetches[request_id]
-        return taken
-
-    def abort_prefetch(self, request_id: str) -> None:
-        p = self.prefetches.get(request_id)
-        if p is not None:
-            p.want_stop, p.discard = True, True
-
-    # -- poll ---------------------------------------------------------------------------------
-
-    def poll(self) -> None:
-        self.ctl.flush_writes()
-        live = list(self.prefetches.values())
-        now = time.monotonic()
-        for p in live:
-            if p.deadline is not None and now >= p.deadline and not p.op.finished:
-                p.want_stop = True
-        mins = self.ctl.ready()
-        for p in live:
-            mins += [p.op.present, p.op.landed, int(p.op.finished)]
-        maxs = [int(p.want_stop) for p in live]
-        agreed, stops = self.cache.agreement.agree(mins, maxs)
-        self._apply_writes(agreed[0])
-        self._apply_loads(agreed[1])
-        self._apply_backups(agreed[2])
-        for i, p in enumerate(live):
-            present, landed, finished = agreed[3 + 3 * i: 6 + 3 * i]
-            if present >= 0 and not p.op.granted.is_set():
-                self._grant(p, present)
-            self._apply_prefetch(p, landed, bool(finished), bool(stops[i]))
-        self.cache.agreement.check(agreed + stops)
-
-    def _grant(self, p: _Prefetch, present: int) -> None:
-        """Make room on host for the pages the store holds (agreed on every rank), reserve them."""
-        need = present * self.cache.page_size
-        if present > 0 and self.ctl.host_available() < need:
-            self.evict_host(need - self.ctl.host_available())
-        self.ctl.grant(p.op, present)
-
-    def _apply_writes(self, n: int) -> None:
-        for op in self.ctl.pop(self.ctl.writes, n):
-            node = op.tag
-            self.writing.discard(node.id)
-            self.tree.unlock(node)
-            if op.handle.error is not None:
-                log.error("device->host write failed: %s; %s stays device-only", op.handle.error, node)
-                self.ctl.free_host(op.host_indices)
-                continue
-            # a prefetch from the store may have given (part of) the path a host copy first
-            self.ctl.free_host(self.tree.mark_backed_up(node, op.host_indices))
-            self._write_waiting_children(node, op.host_indices.numel())
-            self.counters.writes += 1
-            self.counters.d2h_bytes += op.host_indices.numel() * self.cache.pool.bytes_per_token
-            self.latency["write"].observe(time.perf_counter() - op.started)
-            self._backup_to_store(node)
+    def _release_write(self, op) -> None:
+        """Contain a write whose apply raised: unless the tree took its host slots, they go
+        back and the node stays device-only."""
+        if op.tag.id in self.writing:
+            self.writing.discard(op.tag.id)
+            self.tree.unlock(op.tag)
+        if not op.applied:
+            self.ctl.free_host(op.host_indices)
 
     def _write_waiting_children(self, node: TreeNode, written: int) -> None:
         """Children inserted while this write was in flight under a half split off from
@@ -278,39 +200,150 @@ class Applier:
     def _backup_to_store(self, node: TreeNode) -> None:
         if self.ctl.storage is None or not self.cfg.storage_backup:
             return
-        prefix = self.cache.config.store.key_prefix
-        keys = [make_key(prefix, self.tree.namespace_id, h) for h in self.tree.page_hashes(node)]
-        pages = node.host_value[:: self.cache.page_size] // self.cache.page_size
+        keys = [make_key(self.key_prefix, self.tree.namespace_id, h) for h in self.tree.page_hashes(node)]
+        pages = node.host_value[:: self.page_size] // self.page_size
         self.tree.protect_host(node)
         self.ctl.backup(keys, pages, node)
 
-    def _apply_loads(self, n: int) -> None:
-        for op in self.ctl.pop(self.ctl.loads, n):
-            node = op.tag
-            self.tree.unlock(node)
+    def _apply_backup(self, op) -> None:
+        self.tree.release_host(op.tag)
+        good = sum(op.ok or [])
+        self.counters.l3_write_pages += good
+        self.counters.l3_write_failures += len(op.keys) - good
+        self.counters.l3_write_bytes += good * self.ctl.mirror.page_bytes
+        self.latency["backup"].observe(time.perf_counter() - op.started)
+
+    # -- loads --------------------------------------------------------------------------------
+
+    def start_load(self, node: TreeNode) -> LoadOp | None:
+        """Copy the host-only path ending at `node` into fresh device slots, owned by the
+        returned op and then by the request that asked: the tree does not change, so no
+        other match sees those slots. The request publishes them when it inserts (after its
+        forward read them). None if the path is too short or the device has no room."""
+        chain = self.tree.nodes_to_load(node)
+        total = sum(len(n) for n in chain)
+        if total == 0 or total < self.cfg.load_back_min_tokens:
+            return None
+        anchor = chain[0].parent
+        if anchor is not self.tree.root:
+            self.tree.lock(anchor)  # allocation may evict: keep the path we load under
+        self.tree.protect_host(node)
+        try:
+            device = self.alloc_device(total)
+        finally:
+            if anchor is not self.tree.root:
+                self.tree.unlock(anchor)
+        if device is None:
             self.tree.release_host(node)
-            if op.handle.error is not None:
-                self._undo_load(node, op)
-                continue
-            self.counters.h2d_bytes += op.device_indices.numel() * self.cache.pool.bytes_per_token
+            return None
+        # allocation may have applied completions that split nodes of the path: walk it again
+        host = torch.cat([n.host_value for n in self.tree.nodes_to_load(node)])
+        assert host.numel() == total, f"the host path to {node} changed length while allocating"
+        op = self.ctl.load(host, device, node)
+        self.counters.loads += 1
+        return op
+
+    def orphan_load(self, op: LoadOp) -> None:
+        """The request that started `op` let go of it: its slots are freed once the worker
+        has returned (now, if it has)."""
+        if op.handle.is_done() and op not in self.ctl.loads:
+            self.ctl.device_alloc.free(op.device_indices)
+            return
+        op.orphaned = True
+        self.orphaned_pages += op.device_indices.numel() // self.page_size
+
+    def _apply_load(self, op: LoadOp) -> None:
+        self.tree.release_host(op.tag)
+        if op.handle.error is not None:
+            self.counters.load_failures += 1
+            self._complain("load", f"host->device load failed: {op.handle.error}; the request recomputes")
+        else:
+            self.counters.h2d_bytes += op.device_indices.numel() * self.ctl.pool.bytes_per_token
             self.latency["load"].observe(time.perf_counter() - op.started)
+        if op.orphaned:
+            self._free_orphan(op)
 
-    def _undo_load(self, node: TreeNode, op) -> None:
-        """A load that failed leaves no device copy behind: demote the chain bottom-up."""
-        log.critical("host->device load failed: %s; demoting the loaded path", op.handle.error)
-        loaded = set(op.device_indices.tolist())
-        while node is not self.tree.root and node.on_device and set(node.device_value.tolist()) <= loaded:
-            self.ctl.device_alloc.free(self.tree.demote(node))
-            node = node.parent
+    def _release_load(self, op: LoadOp) -> None:
+        if op.orphaned:
+            self._free_orphan(op)
 
-    def _apply_backups(self, n: int) -> None:
-        for op in self.ctl.pop(self.ctl.backups, n):
-            self.tree.release_host(op.tag)
-            good = sum(op.ok or [])
-            self.counters.l3_write_pages += good
-            self.counters.l3_write_failures += len(op.keys) - good
-            self.counters.l3_write_bytes += good * self.cache.mirror.page_bytes
-            self.latency["backup"].observe(time.perf_counter() - op.started)
+    def _free_orphan(self, op: LoadOp) -> None:
+        op.orphaned = False
+        self.orphaned_pages -= op.device_indices.numel() // self.page_size
+        self.ctl.device_alloc.free(op.device_indices)
+
+    # -- prefetch -----------------------------------------------------------------------------
+
+    def start_prefetch(self, request_id: str, key: RadixKey, match: MatchResult) -> bool:
+        if self.ctl.storage is None or request_id in self.prefetches:
+            return False
+        anchor = match.best_match_node
+        if anchor is not self.tree.root and not anchor.backed_up:
+            return False  # prefetched pages need a parent on host
+        start = match.device_indices.numel() + match.host_hit_length
+        ps = self.page_size
+        pages = (len(key) - start) // ps
+        if pages <= 0 or pages * ps < self.cfg.prefetch_min_tokens:
+            return False
+        suffix = key[start:start + pages * ps]
+        prev = self.tree.page_hashes(anchor)[-1] if anchor is not self.tree.root else None
+        hashes = page_hashes(suffix.tokens, ps, self.tree.namespace_id, key.extra_key, prev, self.tree.hash_algo)
+        keys = [make_key(self.key_prefix, self.tree.namespace_id, h) for h in hashes]
+        op = PrefetchOp(request_id, keys, tag=None, tokens=pages * ps)
+        deadline = None
+        if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:
+            deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)
+        if anchor is not self.tree.root:
+            self.tree.protect_host(anchor)
+        self.prefetches[request_id] = _Prefetch(op, suffix, anchor, deadline)
+        self.ctl.prefetch(op)
+        self.counters.prefetches += 1
+        return True
+
+    def is_ready(self, request_id: str) -> bool:
+        p = self.prefetches.get(request_id)
+        return p is None or p.ready
+
+    def take_prefetch(self, request_id: str) -> int:
+        """Tokens the request's (ready) prefetch put on host; an unfinished one is stopped
+        and finishes on a later poll, nobody waiting for it."""
+        p = self.prefetches.get(request_id)
+        if p is None:
+            return 0
+        taken = p.op.inserted * self.page_size
+        if p.result is None:
+            p.want_stop, p.discard = True, True
+        else:
+            del self.prefetches[request_id]
+        return taken
+
+    def abort_prefetch(self, request_id: str) -> None:
+        p = self.prefetches.get(request_id)
+        if p is None:
+            return
+        if p.result is None:
+            p.want_stop, p.discard = True, True
+        else:
+            del self.prefetches[request_id]
+
+    def _mark_ready(self) -> None:
+        """Which waiting requests may go on (per the prefetch policy), after this poll."""
+        policy, now = self.cfg.prefetch_policy, self.clock()
+        for rid, p in self.prefetches.items():
+            if p.ready or p.discard:
+                continue
+            p.polls += 1
+            if p.result is not None or (policy == PrefetchPolicy.BEST_EFFORT and p.polls >= 1) or \
+                    (policy == PrefetchPolicy.TIMEOUT and p.deadline is not None and now >= p.deadline):
+                p.ready = True
+                self.newly_ready.append(rid)
+
+    def _grant(self, p: _Prefetch, present: int) -> None:
+        """Make room on host for the pages the store holds (agreed on every rank), reserve them."""
+        need = present * self.page_size
+        if present > 0 and self.ctl.host_available() < need:
+            self.evict_host(need - self.ctl.host_available())
+        self.ctl.grant(p.op, present)
 
     def _apply_prefetch(self, p: _Prefetch, landed: int, finished: bool, stop: bool) -> None:
         op = p.op
@@ -320,15 +353,11 @@ class Applier:
             self._insert_landed(p, landed)
         if not finished:
             return
-        if op.host_pages is not None and op.host_pages.numel() > op.inserted:
-            self.ctl.free_host(self.ctl.page_slots(op.host_pages[op.inserted:]))  # unused or unagreed
-        if p.anchor is not self.tree.root:
-            self.tree.release_host(p.anchor)
-        del self.ctl.prefetches[op.request_id]
+        self._close_prefetch(p)
         p.result = landed
         c = self.counters
         c.l3_read_pages += landed
-        c.l3_read_bytes += landed * self.cache.mirror.page_bytes
+        c.l3_read_bytes += landed * self.ctl.mirror.page_bytes
         c.prefetch_stopped_early += op.outcome == "stopped"
         c.prefetch_timed_out += bool(p.deadline is not None and op.stop.is_set())
         c.prefetch_errors += op.outcome == "error"
@@ -336,9 +365,35 @@ class Applier:
         if p.discard:
             del self.prefetches[op.request_id]
 
+    def _close_prefetch(self, p: _Prefetch) -> None:
+        """The op ended: release its anchor; its unused pages go back once the store has
+        stopped writing them (settled)."""
+        op = p.op
+        if p.anchor is not self.tree.root:
+            self.tree.release_host(p.anchor)
+            p.anchor = self.tree.root
+        self.ctl.prefetches.pop(op.request_id, None)
+        self.ctl.unsettled.append(op)
+        self._free_settled()
+
+    def _release_prefetch(self, p: _Prefetch) -> None:
+        """Contain a prefetch whose apply raised: stop it; nothing more of it is inserted,
+        and it ends (pages unused) on a later poll as usual."""
+        p.broken = True
+        self.ctl.stop_prefetch(p.op)
+
+    def _free_settled(self) -> None:
+        keep = []
+        for op in self.ctl.unsettled:
+            if not op.settled:
+                keep.append(op)
+            elif op.host_pages is not None and op.host_pages.numel() > op.inserted:
+                self.ctl.free_host(self.ctl.page_slots(op.host_pages[op.inserted:]))  # unused or unagreed
+        self.ctl.unsettled = keep
+
     def _insert_landed(self, p: _Prefetch, landed: int) -> None:
         """Pages [inserted, landed) are verified on host: hang them under the anchor."""
-        op, ps = p.op, self.cache.page_size
+        op, ps = p.op, self.page_size
         pages = op.host_pages[op.inserted:landed]
         slots = self.ctl.page_slots(pages)
         key = p.key[op.inserted * ps:landed * ps]
@@ -350,15 +405,74 @@ class Applier:
         p.anchor = r.last_node
         op.inserted = landed
 
+    # -- poll ---------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        self.ctl.flush_writes()
+        live = [p for p in self.prefetches.values() if p.result is None]  # replicated: same on every rank
+        now = self.clock()
+        for p in live:
+            if p.deadline is not None and now >= p.deadline and not p.op.finished:
+                p.want_stop = True
+        mins = self.ctl.ready()
+        for p in live:
+            op = p.op
+            mins += [op.present, op.landed, int(op.finished)]
+        maxs = [int(p.want_stop) for p in live]
+        agreed, stops = self.agreement.agree(mins, maxs)
+        self._each("write", self.ctl.pop(self.ctl.writes, agreed[0]), self._apply_write, self._release_write)
+        self._each("load", self.ctl.pop(self.ctl.loads, agreed[1]), self._apply_load, self._release_load)
+        self._each("backup", self.ctl.pop(self.ctl.backups, agreed[2]), self._apply_backup,
+                   lambda op: self.tree.release_host(op.tag))
+        for i, p in enumerate(live):
+            present, landed, finished = agreed[3 + 3 * i: 6 + 3 * i]
+            self._each("prefetch", [p], lambda p: self._poll_prefetch(p, present, landed, finished, stops[i]),
+                       self._release_prefetch)
+        self._free_settled()
+        self._mark_ready()
+        self.agreement.check(agreed + stops)
+
+    def _poll_prefetch(self, p: _Prefetch, present: int, landed: int, finished: int, stop: int) -> None:
+        if p.broken:
+            landed, stop = p.op.inserted, 1
+        if present >= 0 and not p.op.granted.is_set() and not p.broken:
+            self._grant(p, present)
+        self._apply_prefetch(p, landed, bool(finished), bool(stop))
+
+    def _each(self, kind: str, ops: list, apply, release) -> None:
+        """Apply each completion; one that raises is released, counted and logged, and the
+        rest still apply (poll never stops halfway)."""
+        for op in ops:
+            try:
+                apply(op)
+            except Exception as exc:
+                self.counters.apply_errors += 1
+                log.exception("kvtier: applying a %s completion failed (%s); released it", kind, exc)
+                try:
+                    release(op)
+                except Exception:
+                    log.exception("kvtier: releasing a failed %s completion failed", kind)
+
+    def _complain(self, kind: str, message: str) -> None:
+        """The first failure of a kind at ERROR, the rest at DEBUG (counters carry them)."""
+        if kind in self._complained:
+            log.debug("%s", message)
+        else:
+            self._complained.add(kind)
+            log.error("%s (further %s failures are counted in stats, not logged)", message, kind)
+
+    def busy(self) -> bool:
+        c = self.ctl
+        return bool(c.writes or c.loads or c.backups or c.prefetches or c._queued_writes or c.unsettled)
+
     def drain(self, rounds: int = 100) -> None:
         """Stop prefetches, wait for every transfer and store op, apply all of them (applying
         a write starts its store backup, hence the rounds)."""
         for p in self.prefetches.values():
             p.want_stop, p.discard = True, True
         for _ in range(rounds):
-            self.ctl.wait_idle()
-            self.poll()
-            c = self.ctl
-            if not (c.writes or c.loads or c.backups or c.prefetches or c._queued_writes):
+            self.poll()  # applies the stops (and grants): no op is left waiting for the scheduler
+            if not self.busy():
                 break
-        self.prefetches.clear()
+            self.ctl.wait_idle()
+        self.prefetches = {rid: p for rid, p in self.prefetches.items() if p.result is None}

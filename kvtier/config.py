@@ -30,8 +30,13 @@ ENV_PREFIX = "KVTIER_"
 
 @dataclass(slots=True, frozen=True)
 class NamespaceConfig:
+    """What names the bytes beyond the pool's geometry: `model_id`, plus `revision` when
+    one model id can have several weights (a fine-tune, a checkpoint: pages of another
+    revision are never served), and a `tenant_salt` that keeps tenants apart."""
+
     model_id: str = "default"
     tenant_salt: str | None = None
+    revision: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -51,6 +51,7 @@ class Namespace:
     tp_size: int = 1
     tenant_salt: str | None = None
     key_format_version: int = KEY_FORMAT_VERSION
+    revision: str | None = None  # the weights' revision or fingerprint (same model id, other bytes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -64,6 +65,8 @@ class Namespace:
         h = hashlib.sha256(b"kvtier/namespace")
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "revision" and value is None:
+                continue  # ids from before revisions existed stay the same
             h.update(_field(f.name.encode(), b"\x00" if value is None else b"\x01" + str(value).encode()))
         return h.hexdigest()[:NAMESPACE_ID_HEX]
 

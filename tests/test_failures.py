@@ -1,6 +1,7 @@
 """Regression tests named after bugs our peers shipped (see ../shared/FAILURES.md).
 Other rows are covered where they live: capacity and restart (tests/backends), TP hangs and
-divergence (tests/controller/test_tp.py), leaks under random aborts (test_stress.py)."""
+divergence (tests/controller/test_tp.py), failed loads and leaks under random aborts
+(test_review_regressions.py and the fault simulator, test_fault_sim.py)."""
 
 import os
 import subprocess
@@ -9,9 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.controller.streams import TransferError
-from kvtier.tiers.mirror import HostMirror
-from tests.controller.helpers import compute, make_cache, settle
+from tests.controller.helpers import compute, make_cache
 
 A = np.arange(500, 516)
 
@@ -38,42 +37,6 @@ async def test_lmcache_4991_a_failed_store_is_never_visible(tmp_path):
     finally:
         os.chmod(store.path(k).parent, 0o700)
     assert await store.batch_exists([k]) == 0 and await store.batch_get([k]) == [None]
-
-
-class _BrokenLoads(HostMirror):
-    """A mirror whose host->device copies fail (a DMA error)."""
-
-    def load_layer(self, pool, host_indices, device_indices, layer, plan=None):
-        raise RuntimeError("DMA failed")
-
-
-def test_dynamo_15079_a_failed_load_is_not_reported_loaded():
-    cache = make_cache()
-    compute(cache, A, seed=1)
-    settle(cache)
-    cache.evict(16)
-    cache.mirror.__class__ = _BrokenLoads
-    m = cache.match_prefix(A)
-    assert cache.load_back(m.last_host_node) == 16
-    waiter = cache.begin_forward()
-    with pytest.raises(TransferError, match="DMA failed"):
-        waiter.wait_layer(0)
-    settle(cache)  # the failed load's ack demotes what it claimed to load
-    m = cache.match_prefix(A, count=False)
-    assert m.device_indices.numel() == 0 and m.host_hit_length == 16
-    check(cache)
-
-
-def test_sglang_31402_no_host_slots_before_the_store_reports_a_hit():
-    cache = make_cache()
-    free = cache.controller.host_available()
-    m = cache.match_prefix(A)  # never computed: the store has nothing
-    assert cache.prefetch("miss", A, m)
-    op = cache.controller.prefetches["miss"]
-    assert cache.take_prefetch("miss") == 0
-    assert op.host_pages is None and cache.controller.host_available() == free
-    check(cache)
-    cache.close()
 
 
 def test_lmcache_1139_hashes_do_not_depend_on_the_process():

@@ -45,6 +45,31 @@ class StoreCounters:
 IntoResult = bool | FrameError | None
 
 
+def verify_into(blob, namespace_id: str, page_hash: bytes, view: memoryview) -> IntoResult:
+    """One stored blob into the caller's buffer: None if absent, the FrameError if it does
+    not verify (the buffer is untouched), True once the verified payload is in `view`."""
+    if blob is None:
+        return None
+    try:
+        payload = frame.decode(blob, namespace_id, page_hash)
+        if len(payload) != len(view):
+            raise FrameError(f"page is {len(payload)} bytes, the buffer {len(view)}")
+    except FrameError as exc:
+        return exc
+    view[:] = payload
+    return True
+
+
+async def _quietly(task: asyncio.Future) -> None:
+    """Wait for a cancelled call to end; its outcome no longer matters."""
+    try:
+        await task
+    except BaseException:
+        pass
+
+
+
+
 class Store(ABC):
     name = "store"
 
@@ -171,21 +196,7 @@ class Store(ABC):
     async def _get_into(self, keys: list[str], parsed: list, views: list[memoryview]) -> list[IntoResult]:
         """Default: read whole frames, verify, copy. Stores that can read in place override."""
         blobs = await self._get(keys)
-        out: list[IntoResult] = []
-        for (_, ns, h), blob, view in zip(parsed, blobs, views):
-            if blob is None:
-                out.append(None)
-                continue
-            try:
-                payload = frame.decode(blob, ns, h)
-                if len(payload) != len(view):
-                    raise FrameError(f"page is {len(payload)} bytes, the buffer {len(view)}")
-            except FrameError as exc:
-                out.append(exc)
-                continue
-            view[:] = payload
-            out.append(True)
-        return out
+        return [verify_into(blob, ns, h, view) for (_, ns, h), blob, view in zip(parsed, blobs, views)]
 
     def _map_error(self, op: str, exc: BaseException) -> StoreError:
         """Client error -> kvtier error. Subclasses extend for their client's exceptions."""
@@ -196,13 +207,33 @@ class Store(ABC):
     # -- internals -------------------------------------------------------------------------
 
     async def _call(self, op: str, coro):
+        """Run one raw call under the timeout. A timeout is a logical cancel: the call is
+        cancelled and StoreTimeout raised at once, carrying `settled`, an awaitable that
+        ends when the call has really stopped touching the caller's buffers (a thread job
+        of the file or s3 store finishes its page first). Buffers are the caller's again
+        only after `settled`."""
+        task = asyncio.ensure_future(coro)
+        timer = asyncio.ensure_future(self._deadline(op, task))
         try:
-            return await asyncio.wait_for(coro, self.timeout_s)
+            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            timer.cancel()
+        if not task.done():
+            task.cancel()
+            self.counters.timeouts += 1
+            exc = StoreTimeout(f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}")
+            exc.settled = asyncio.ensure_future(_quietly(task))
+            raise exc
+        try:
+            return task.result()
         except KvtierError:
             raise
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self.counters.timeouts += 1
-            raise StoreTimeout(f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}") from exc
+            raise StoreTimeout(f"{self.name}.{op}: {exc or 'timed out'}") from exc
         except (ValueError, TypeError, AssertionError):
             raise  # our caller's mistake or our bug: not a store failure
         except Exception as exc:
@@ -211,6 +242,25 @@ class Store(ABC):
             if isinstance(mapped, StoreTimeout):
                 self.counters.timeouts += 1
             raise mapped from exc
+
+    async def _deadline(self, op: str, task: asyncio.Future) -> None:
+        """Ends when the call `task` of `op` has run out of time (a test store decides it)."""
+        await asyncio.sleep(self.timeout_s)
+
+    @staticmethod
+    async def _in_threads(futures: list) -> list:
+        """Await thread-pool jobs that read or write the caller's buffers. If cancelled, wait
+        until every job has returned before letting the cancellation through, so a buffer
+        is never written after the call ended."""
+        try:  # shielded: cancelling the gather must not mark the jobs' futures done early
+            return await asyncio.gather(*(asyncio.shield(f) for f in futures))
+        except asyncio.CancelledError:
+            while not all(f.done() for f in futures):
+                try:
+                    await asyncio.wait(futures)
+                except asyncio.CancelledError:
+                    continue
+            raise
 
     def _check(self, keys: Sequence[str]) -> list[tuple[str, str, bytes]]:
         if isinstance(keys, str):

@@ -99,7 +99,7 @@ class FileStore(Store):
         groups = min(self.config.max_concurrency, len(items))
         loop = asyncio.get_running_loop()
         jobs = [loop.run_in_executor(self._pool, _run_all, fn, items[g::groups]) for g in range(groups)]
-        done = await asyncio.gather(*jobs)
+        done = await self._in_threads(jobs)
         out: list = [None] * len(items)
         for g, results in enumerate(done):
             out[g::groups] = results

@@ -117,14 +117,19 @@ class S3Store(Store):
             raise
         return True
 
+    def _jobs(self, fn, *columns) -> list:
+        loop = asyncio.get_running_loop()
+        return [loop.run_in_executor(self._pool, fn, *args) for args in zip(*columns)]
+
     async def _exists(self, keys):
-        return list(await asyncio.gather(*(self._run(self._head, k) for k in keys)))
+        return list(await asyncio.gather(*self._jobs(self._head, keys)))
 
     async def _get(self, keys):
-        return list(await asyncio.gather(*(self._run(self._fetch, k) for k in keys)))
+        return list(await asyncio.gather(*self._jobs(self._fetch, keys)))
 
     async def _set(self, keys, frames):
-        return list(await asyncio.gather(*(self._run(self._put, k, h, p) for k, (h, p) in zip(keys, frames))))
+        # the jobs read the caller's page buffers: a cancelled call waits for them
+        return list(await self._in_threads(self._jobs(self._put, keys, [h for h, _ in frames], [p for _, p in frames])))
 
     def _remove(self, keys: list[str]) -> int:
         present = [k for k in keys if self._head(k)]

@@ -43,6 +43,11 @@ def serve(cache: TieredCache, tokens: np.ndarray, rid: str) -> tuple[int, int, i
     import torch
 
     got = cache.acquire(tokens, rid)
+    while not got.ready:  # one request at a time: nothing else to run while it waits
+        if rid in cache.poll():
+            got = cache.acquire(tokens, rid)
+        else:
+            cache.wait_progress()
     cached = got.indices.numel()
     mine = cache.alloc(len(tokens) - cached)
     if mine is None:
@@ -50,7 +55,7 @@ def serve(cache: TieredCache, tokens: np.ndarray, rid: str) -> tuple[int, int, i
     waiter = cache.begin_forward()
     for layer in range(cache.pool.num_layers):
         waiter.wait_layer(layer)
-    cache.cache_finished(tokens, torch.cat([got.indices, mine]), got.node, cached)
+    cache.cache_finished(rid, tokens, torch.cat([got.indices, mine]))
     cache.poll()
     return got.device_hit, got.host_hit, got.storage_hit
 

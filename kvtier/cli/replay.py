@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -26,8 +27,8 @@ def add_arguments(p) -> None:
 
 
 def run(args, default_config: str) -> int:
-    config = load_config(args.config or default_config)
     model = TinyTransformer(ModelConfig(seed=args.seed))
+    config = with_weights(load_config(args.config or default_config), model)
     turns = load_trace(args.trace, model.config.vocab) if args.trace else \
         generate(args.workload, args.requests, model.config.vocab, args.seed)
     cache = TieredCache(config)
@@ -37,41 +38,57 @@ def run(args, default_config: str) -> int:
         results, seconds = timed_run(engine, turns, keep_logits=args.verify is not None, progress=progress)
         if progress:
             print(file=sys.stderr)
-        checked, worst = _verify(model, results, args.verify)
+        checked, worst, wrong = _verify(model, results, args.verify)
         stats = cache.stats()
     finally:
         cache.close()
     summary = _summary(results, seconds, stats, config.pool.page_size, checked, worst)
+    summary["verify_failures"] = wrong
     if args.plot:
         _plot(results, args.plot)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(_table(summary))
-    return 0
+    return 1 if wrong or summary["failed_requests"] or not summary["counts_add_up"] else 0
 
 
-def _verify(model, results, fraction) -> tuple[int, float]:
+def with_weights(config, model: TinyTransformer):
+    """The namespace names these weights: KV of another seed is never served to them."""
+    ns = dataclasses.replace(config.namespace, revision=config.namespace.revision or model.fingerprint())
+    return dataclasses.replace(config, namespace=ns)
+
+
+def _verify(model, results, fraction) -> tuple[int, float, list[str]]:
+    """(requests checked, worst logit diff, one line per request that differs)."""
     if fraction is None:
-        return 0, 0.0
+        return 0, 0.0, []
     step = max(1, round(1 / fraction)) if fraction > 0 else len(results) + 1
-    worst, checked = 0.0, 0
+    worst, checked, wrong = 0.0, 0, []
     for r in results[::step]:
-        worst = max(worst, verify(model, r))
+        if r.error is not None:
+            continue
+        try:
+            worst = max(worst, verify(model, r))
+        except AssertionError as exc:
+            wrong.append(str(exc).splitlines()[0])
         checked += 1
-    return checked, worst
+    return checked, worst, wrong
 
 
 def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
     prompt = sum(len(r.prompt) for r in results)
     dev, host, storage = (sum(getattr(r, f) for r in results) for f in ("device_hit", "host_hit", "storage_hit"))
+    computed = sum(r.computed for r in results)
     c = stats["counters"]
     return {
+        "failed_requests": sum(r.error is not None for r in results),
+        "counts_add_up": dev + host + storage + computed == prompt,
         "requests": len(results), "prompt_tokens": prompt,
         "hit_tokens": {"device": dev, "host": host, "storage": storage},
         "hit_rate": (dev + host + storage) / max(prompt, 1),
         "infinite_cache_hit_rate": infinite_hit_rate(results, page_size),
-        "prefill_tokens_computed": sum(r.computed for r in results), "prefill_tokens_without_cache": prompt,
+        "prefill_tokens_computed": computed, "prefill_tokens_without_cache": prompt,
         "bytes": {"device_to_host": c["d2h_bytes"], "host_to_device": c["h2d_bytes"],
                   "host_to_store": c["l3_write_bytes"], "store_to_host": c["l3_read_bytes"]},
         "seconds": seconds, "requests_per_s": len(results) / seconds, "prompt_tokens_per_s": prompt / seconds,
@@ -100,7 +117,15 @@ def _table(s: dict) -> str:
     if st["errors"] or st["frame_failures"]:
         lines.append(f"store trouble            {st['errors']} failed calls, {st['frame_failures']} pages that did not "
                      f"verify (each a miss; see the log)")
-    if s["verified_requests"]:
+    if s["failed_requests"]:
+        lines.append(f"failed requests          {s['failed_requests']} (released; see the log)")
+    if not s["counts_add_up"]:
+        lines.append("COUNTS DO NOT ADD UP      device + host + store + computed != prompt tokens")
+    wrong = s.get("verify_failures") or []
+    if wrong:
+        lines.append(f"VERIFY FAILED            {len(wrong)} of {s['verified_requests']} requests differ from the "
+                     f"uncached run; first: {wrong[0]}")
+    elif s["verified_requests"]:
         lines.append(f"verified                 {s['verified_requests']} requests match the uncached run "
                      f"(max |logit diff| {s['max_logit_diff']:.1e})")
     return "\n".join(lines)

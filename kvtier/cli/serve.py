@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -18,6 +19,8 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.model import ModelConfig, TinyTransformer
 from kvtier.engine.workloads import Turn
 
+log = logging.getLogger(__name__)
+
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
@@ -25,12 +28,22 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=9400)
 
 
+class RequestRejected(ValueError):
+    """The request itself is the problem (too large for this server): a 4xx."""
+
+
+class RequestFailed(RuntimeError):
+    """The request was released after a failure on our side (a failed load): a 503."""
+
+
 class Server:
     """Engine + cache behind one lock: the engine runs one batch at a time."""
 
     def __init__(self, config_path: str, seed: int = 0) -> None:
-        self.cache = TieredCache(load_config(config_path))
+        from kvtier.cli.replay import with_weights
+
         self.model = TinyTransformer(ModelConfig(seed=seed))
+        self.cache = TieredCache(with_weights(load_config(config_path), self.model))
         self.engine = Engine(self.cache, self.model)
         self.lock = threading.Lock()
         self.served = 0
@@ -47,6 +60,8 @@ class Server:
             self.served += 1
             session = str(body.get("session") or f"http-{self.served}")
             [r] = self.engine.run([Turn(session, 0, tuple(prompt), n)])
+        if r.error is not None:
+            raise (RequestRejected if r.rejected else RequestFailed)(r.error)
         return {"output": r.output, "prompt_tokens": len(r.prompt), "cached_tokens": r.cached,
                 "hits": {"device": r.device_hit, "host": r.host_hit, "storage": r.storage_hit}}
 
@@ -94,17 +109,27 @@ def make_handler(server: Server):
                 self._json(404, {"error": f"no route GET {self.path}"})
 
         def do_POST(self):
+            """Every request gets a JSON answer; no error drops the connection or the server."""
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
                 if self.path == "/generate":
                     self._json(200, server.generate(body))
                 elif self.path == "/flush":
                     self._json(200, server.flush())
                 else:
                     self._json(404, {"error": f"no route POST {self.path}"})
+            except RequestRejected as exc:
+                self._json(413, {"error": str(exc)})
+            except RequestFailed as exc:
+                self._json(503, {"error": str(exc)})
             except (ValueError, json.JSONDecodeError) as exc:
                 self._json(400, {"error": str(exc)})
+            except Exception as exc:  # a bug of ours: say so, keep serving
+                log.exception("serve: %s %s failed", self.command, self.path)
+                self._json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
 
     return Handler
 

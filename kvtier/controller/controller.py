@@ -41,28 +41,42 @@ class WriteOp:
     tag: Any
     handle: Handle | None = None
     started: float = field(default_factory=time.perf_counter)
+    applied: bool = False  # the scheduler took it (its host slots went to the tree or back)
 
 
 @dataclass(eq=False)
 class LoadOp:
+    """A host->device copy into fresh device slots. The slots belong to the op until its
+    worker has returned, then to whoever started it (a request): nothing in the tree
+    points at them while the copy is in flight. `orphaned`: the request let go before the
+    copy ended, so the scheduler frees the slots when it applies the op."""
+
     host_indices: torch.Tensor
     device_indices: torch.Tensor
     tag: Any
     handle: Handle
     started: float = field(default_factory=time.perf_counter)
+    orphaned: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Landed without error (False while in flight)."""
+        return self.handle.is_done() and self.handle.error is None
 
 
 class CacheController:
     def __init__(self, pool: DeviceKVPool, mirror: HostMirror | None, store: Store | None,
-                 config: ControllerConfig) -> None:
+                 config: ControllerConfig, stream_factory=make_stream) -> None:
+        """`stream_factory(name, device)` makes the write and load streams (a test passes
+        one whose every copy it schedules itself)."""
         self.pool = pool
         self.mirror = mirror
         self.config = config
         self.page_size = pool.config.page_size
         self.device_alloc = PagedAllocator(pool.config.size, self.page_size)
         self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
-        self.write_stream = make_stream("write", pool.device)
-        self.load_stream = make_stream("load", pool.device)
+        self.write_stream = stream_factory("write", pool.device)
+        self.load_stream = stream_factory("load", pool.device)
         self.storage = None
         if store is not None and mirror is not None:
             self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes)
@@ -71,6 +85,7 @@ class CacheController:
         self.loads: deque[LoadOp] = deque()
         self.backups: deque[BackupOp] = deque()
         self.prefetches: dict[str, PrefetchOp] = {}  # in submission order
+        self.unsettled: list[PrefetchOp] = []  # finished, but the store may still write their pages
 
     @property
     def store(self) -> Store | None:
@@ -185,7 +200,7 @@ class CacheController:
     def _in_flight_host_slots(self) -> int:
         n = sum(op.host_indices.numel() for op in self._queued_writes)
         n += sum(op.host_indices.numel() for op in self.writes)
-        for op in self.prefetches.values():
+        for op in [*self.prefetches.values(), *self.unsettled]:
             if op.host_pages is not None:
                 n += (op.host_pages.numel() - op.inserted) * self.page_size
         return n
@@ -194,10 +209,18 @@ class CacheController:
         """Block until every submitted transfer and store op has finished."""
         self.flush_writes()
         deadline = time.monotonic() + timeout
-        for op in list(self.writes) + list(self.loads):
-            op.handle.finished.wait(max(0.0, deadline - time.monotonic()))
+        for stream, ops in ((self.write_stream, list(self.writes)), (self.load_stream, list(self.loads))):
+            for op in ops:
+                stream.wait(op.handle, max(0.0, deadline - time.monotonic()))
         if self.storage is not None:
             self.storage.drain(max(0.0, deadline - time.monotonic()))
+
+    def wait_progress(self, timeout: float) -> None:
+        """An idle scheduler's nap: returns when a store op moved, or after `timeout`."""
+        if self.storage is None:
+            return
+        self.storage.progress.wait(timeout)
+        self.storage.progress.clear()
 
     def close(self) -> None:
         for op in self.prefetches.values():

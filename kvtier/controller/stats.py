@@ -50,7 +50,11 @@ class Counters:
     host_evicted_tokens: int = 0
     writes: int = 0
     writes_skipped_no_host_space: int = 0
+    write_failures: int = 0
     loads: int = 0
+    load_failures: int = 0
+    aborts: int = 0
+    apply_errors: int = 0
     prefetches: int = 0
     prefetch_stopped_early: int = 0
     prefetch_timed_out: int = 0

@@ -8,8 +8,11 @@ Ops are plain objects shared with the scheduler thread. A prefetch is two-phase:
 3. storage thread: reads into those pages; `landed` grows by verified pages.
 
 Every snapshot is safe to read: `host_pages` is set before `granted`, a page below
-`landed` is verified and never written again, and nothing is touched after `finished`.
-Host slots are allocated and freed by the scheduler only.
+`landed` is verified and never written again. `finished` is the logical end (no page will
+land past `landed`); `settled` comes when the store has really stopped touching the op's
+pages: a read that timed out may still be writing into them from a thread until then, so
+the scheduler frees an op's unused pages only once it is settled. A backup is `finished`
+only once settled. Host slots are allocated and freed by the scheduler only.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class PrefetchOp:
     present: int = -1  # -1 until batch_exists answered
     landed: int = 0
     finished: bool = False
+    settled: bool = False
     outcome: str = "running"  # done | partial | stopped | no_space | error
     error: str | None = None
     # the scheduler's side
@@ -81,6 +85,7 @@ class StorageWorker:
         self._thread.start()
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
+        self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
 
     def _call_soon(self, fn) -> Future:
         async def wrap():
@@ -102,13 +107,30 @@ class StorageWorker:
         if op.wake is not None:
             self.loop.call_soon_threadsafe(op.wake.set)
 
+    def _moved(self, op: PrefetchOp) -> None:
+        op.progress.set()
+        self.progress.set()
+
     async def _prefetch(self, op: PrefetchOp) -> None:
+        settled = None
+        try:
+            settled = await self._prefetch_pages(op)
+        finally:
+            op.finished = True
+            self._moved(op)
+        if settled is not None:
+            await settled
+        op.settled = True
+        self._moved(op)
+
+    async def _prefetch_pages(self, op: PrefetchOp):
+        """Read the op's pages; returns what to await before its pages are free (or None)."""
         op.wake = asyncio.Event()
         if op.granted.is_set() or op.stop.is_set():
             op.wake.set()
         try:
             op.present = await self.store.batch_exists(op.keys)
-            op.progress.set()
+            self._moved(op)
             if op.present == 0:
                 op.outcome = "done"
                 return
@@ -129,19 +151,18 @@ class StorageWorker:
                     ok = await self._read(op.keys[start:start + chunk.numel()], chunk)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
-                op.progress.set()
+                self._moved(op)
                 if run < len(ok):
                     op.outcome = "partial"  # a miss or a page that did not verify: stop at it
                     return
         except KvtierError as exc:
             op.outcome, op.error = "error", str(exc)
             log.warning("prefetch %s: %s (its pages are misses)", op.request_id, exc)
+            return getattr(exc, "settled", None)
         except Exception as exc:  # never leave an op unfinished
             op.outcome, op.error = "error", f"{type(exc).__name__}: {exc}"
             log.exception("prefetch %s failed", op.request_id)
-        finally:
-            op.finished = True
-            op.progress.set()
+        return None
 
     async def _wait_grant(self, op: PrefetchOp) -> bool:
         """Wait for the scheduler to reserve host pages (it does so in its next poll);
@@ -167,19 +188,28 @@ class StorageWorker:
         return ok
 
     async def _backup(self, op: BackupOp) -> None:
+        """Finished only once the store stopped reading the host pages (they stay protected)."""
+        settled = None
         try:
             payloads = [self.mirror.page_view(int(p)).numpy() for p in op.host_pages]
             op.ok = await self.store.batch_set(op.keys, payloads)
         except KvtierError as exc:
             op.error = str(exc)
             op.ok = [False] * len(op.keys)
+            settled = getattr(exc, "settled", None)
             log.warning("backup of %d pages failed: %s", len(op.keys), exc)
         except Exception as exc:
             op.error = f"{type(exc).__name__}: {exc}"
             op.ok = [False] * len(op.keys)
             log.exception("backup failed")
         finally:
+            if settled is None:
+                op.finished = True
+                self.progress.set()
+        if settled is not None:
+            await settled
             op.finished = True
+            self.progress.set()
 
     def drain(self, timeout: float) -> None:
         """Wait for every submitted op to finish (they all end: each store call has a timeout)."""

@@ -66,6 +66,11 @@ class TransferStream(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def wait(self, handle: Handle, timeout: float) -> bool:
+        """Block until `handle`'s job has finished (or failed); False on timeout. Only
+        drains and write-back eviction wait like this, never a forward."""
+        return handle.finished.wait(timeout)
+
 
 class _Finisher:
     """A worker thread that runs `step(item)` for each queued (item, handle) in order and

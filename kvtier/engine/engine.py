@@ -1,8 +1,9 @@
 """A scheduler loop that embeds TieredCache exactly as DESIGN §8 describes.
 
-Per request: match -> lock -> prefetch from the store -> load back from host -> allocate
-(evicting on demand) -> forward (waiting per layer) in prefill chunks and decode steps ->
-insert -> unlock; `poll()` after every step. Several requests share each forward.
+Per request: acquire (match, lock; a store prefetch makes the request wait aside while
+others run) -> allocate (evicting on demand) -> forward (waiting per layer for the host
+load) in prefill chunks and decode steps -> cache_finished; on any error, abort.
+`poll()` after every step. Several requests share each forward.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import TieredCache
+from kvtier.controller.streams import TransferError
 from kvtier.engine.model import Chunk, TinyTransformer
 from kvtier.engine.workloads import Turn
 from kvtier.tiers.req_to_token import ReqToTokenPool
@@ -27,11 +29,13 @@ class Result:
     turn: int
     prompt: list[int]
     output: list[int]
-    device_hit: int
-    host_hit: int
-    storage_hit: int
-    cached: int  # prompt tokens whose KV came from the cache
+    device_hit: int = 0
+    host_hit: int = 0
+    storage_hit: int = 0
+    cached: int = 0  # prompt tokens whose KV came from the cache
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    error: str | None = None  # why the request failed (its KV was released, nothing cached)
+    rejected: bool = False  # failed because of the request itself (too large): a client error
 
     @property
     def computed(self) -> int:
@@ -44,15 +48,18 @@ class _Active:
     turn: Turn
     prompt: list[int]
     row: int
-    node: object
     cached: int
     pos: int  # tokens whose K/V are in the pool
     result: Result
     last_slot: int = -1
+    filled: int = 0  # row entries that hold the request's slots
     fed: list[int] = field(default_factory=list)  # tokens fed so far (prompt, then outputs)
 
 
 class Engine:
+    """Requests wait in a queue; a request whose prefix is being fetched from the store
+    waits aside (`parked`) while others run, and joins once `cache.poll()` names it."""
+
     def __init__(self, cache: TieredCache, model: TinyTransformer, max_batch: int = 4, chunk_size: int = 256,
                  max_context: int = 16384) -> None:
         model.check_pool(cache.pool)
@@ -60,33 +67,47 @@ class Engine:
         self.model = model
         self.max_batch = max_batch
         self.chunk_size = chunk_size
+        self.max_context = max_context
         self.rows = ReqToTokenPool(max_batch, max_context)
         self.histories: dict[str, list[int]] = {}
         self.page_size = cache.page_size
         self._next_id = 0
 
     def run(self, turns: list[Turn], keep_logits: bool = False, progress=None) -> list[Result]:
-        """Serve `turns` in order (a session's next turn waits for its previous one)."""
+        """Serve `turns` in order (a session's next turn waits for its previous one). A
+        request that fails is released and returned with `error` set; the rest go on."""
         waiting, active, done = deque(turns), [], []
-        while waiting or active:
-            while waiting and len(active) < self.max_batch and self._can_admit(waiting[0], active):
-                active.append(self._admit(waiting.popleft()))
-            self._step(active, keep_logits)
+        parked: dict[str, tuple[Turn, list[int]]] = {}
+        ready: deque[str] = deque()  # parked requests poll() named, in that order
+        while waiting or active or parked:
+            while ready and self._fits(parked[ready[0]][0], active):
+                rid = ready.popleft()
+                self._acquire(rid, *parked.pop(rid), active, done, parked)
+            while waiting and not ready and len(active) + len(parked) < self.max_batch and \
+                    self._can_admit(waiting[0], active, parked):
+                self._start(waiting.popleft(), active, parked, done)
+            if active:
+                self._step(active, keep_logits, done)
             for a in [a for a in active if len(a.result.output) == a.turn.output_len]:
                 active.remove(a)
                 done.append(self._finish(a))
-                if progress:
-                    progress(len(done), len(turns))
-            self.cache.poll()
+            ready += [rid for rid in self.cache.poll() if rid in parked]
+            if progress:
+                progress(len(done), len(turns))
+            if parked and not active:
+                self.cache.wait_progress()
         return done
 
     # -- admission ----------------------------------------------------------------------------
 
-    def _can_admit(self, turn: Turn, active: list[_Active]) -> bool:
+    def _can_admit(self, turn: Turn, active: list[_Active], parked: dict) -> bool:
         """Same session waits for its previous turn; a new request must fit what the pool can
-        free (a lone request is always tried: it fails loudly if the pool is too small)."""
-        if turn.session in {a.turn.session for a in active}:
+        free (a lone request is always tried)."""
+        if turn.session in {a.turn.session for a in active} | {t.session for t, _ in parked.values()}:
             return False
+        return self._fits(turn, active)
+
+    def _fits(self, turn: Turn, active: list[_Active]) -> bool:
         if not active:
             return True
         need = len(self.histories.get(turn.session, [])) + len(turn.prompt) + turn.output_len
@@ -94,36 +115,60 @@ class Engine:
         room = self.cache.controller.device_alloc.available_size() + self.cache.tree.evictable_size()
         return need + reserved + self.page_size * (len(active) + 1) <= room
 
-    def _admit(self, turn: Turn) -> _Active:
+    def _start(self, turn: Turn, active: list, parked: dict, done: list) -> None:
         prompt = self.histories.get(turn.session, []) + list(turn.prompt)
         rid = f"req-{self._next_id}"
         self._next_id += 1
+        need = len(prompt) + turn.output_len
+        limit = min(self.cache.config.pool.size - self.page_size, self.max_context)
+        if not turn.output_len or need > limit:
+            why = (f"request needs {need} tokens of KV (prompt {len(prompt)} + output {turn.output_len}); "
+                   f"this server holds at most {limit}") if turn.output_len else "output_len must be >= 1"
+            done.append(Result(turn.session, turn.turn, prompt, [], error=why, rejected=True))
+            return
+        self._acquire(rid, turn, prompt, active, done, parked)
+
+    def _acquire(self, rid: str, turn: Turn, prompt: list[int], active: list, done: list, parked=None) -> None:
         # all but the last prompt token: its logits start the output, so it is computed
         got = self.cache.acquire(np.asarray(prompt[:-1], dtype=np.int64), rid)
+        if not got.ready:
+            parked[rid] = (turn, prompt)
+            return
         cached = got.indices.numel()
         row = int(self.rows.alloc(1)[0])
         self.rows.write(row, 0, got.indices)
         result = Result(turn.session, turn.turn, prompt, [], got.device_hit, got.host_hit, got.storage_hit, cached)
         last = int(got.indices[-1]) if cached else -1
-        return _Active(rid, turn, prompt, row, got.node, cached, cached, result, last, list(prompt[:cached]))
+        active.append(_Active(rid, turn, prompt, row, cached, cached, result, last, cached, list(prompt[:cached])))
 
     # -- forward steps ------------------------------------------------------------------------
 
-    def _step(self, active: list[_Active], keep_logits: bool) -> None:
-        chunks = []
-        for a in active:
-            if a.pos < len(a.prompt):
-                tokens = a.prompt[a.pos:a.pos + self.chunk_size]
-            else:
-                tokens = [a.result.output[-1]]
+    def _step(self, active: list[_Active], keep_logits: bool, done: list) -> None:
+        chunks, batch = [], []
+        for a in list(active):
+            tokens = a.prompt[a.pos:a.pos + self.chunk_size] if a.pos < len(a.prompt) else [a.result.output[-1]]
             slots = self._slots(a, len(tokens))
+            if slots is None:
+                active.remove(a)
+                done.append(self._fail(a, f"device pool exhausted: no room for {len(tokens)} more tokens"))
+                continue
             self.rows.write(a.row, a.pos, slots)
+            a.filled = a.pos + len(tokens)
             chunks.append(Chunk(a.row, a.pos, torch.tensor(tokens, dtype=torch.int64), slots))
+            batch.append((a, tokens))
+        if not chunks:
+            return
+        waiter = self.cache.begin_forward([a.rid for a, _ in batch])
+        try:
+            logits = self.model.forward_cached(chunks, self.cache.pool, self.rows.req_to_token, waiter.wait_layer)
+        except TransferError as exc:  # a load this forward reads failed: no request of it may go on
+            for a, _ in batch:
+                active.remove(a)
+                done.append(self._fail(a, str(exc)))
+            return
+        for (a, tokens), lg in zip(batch, logits):
             a.fed += tokens
-        waiter = self.cache.begin_forward()
-        logits = self.model.forward_cached(chunks, self.cache.pool, self.rows.req_to_token, waiter.wait_layer)
-        for a, ch, lg in zip(active, chunks, logits):
-            a.pos += len(ch.tokens)
+            a.pos += len(tokens)
             if a.pos < len(a.prompt):
                 self._keep_chunk(a)
                 continue
@@ -131,7 +176,7 @@ class Engine:
             if keep_logits:
                 a.result.logits.append(lg[-1].clone())
 
-    def _slots(self, a: _Active, n: int) -> torch.Tensor:
+    def _slots(self, a: _Active, n: int) -> torch.Tensor | None:
         """Slots for the next `n` tokens: the rest of the request's last page, then new pages."""
         ps = self.page_size
         room = (ps - a.pos % ps) % ps if a.last_slot >= 0 else 0
@@ -139,9 +184,7 @@ class Engine:
         rest = n - first.numel()
         more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
         if more is None:
-            raise RuntimeError(
-                f"device pool too small: {rest} slots needed for one request, "
-                f"{self.cache.controller.device_alloc.available_size()} free after eviction; raise pool.size")
+            return None
         slots = torch.cat([first, more])
         a.last_slot = int(slots[-1])
         return slots
@@ -149,14 +192,26 @@ class Engine:
     def _keep_chunk(self, a: _Active) -> None:
         """Chunked prefill: hand the page-aligned KV so far to the cache and repoint the row."""
         kv = self.rows.read(a.row, a.pos)
-        canon, a.node, a.cached = self.cache.cache_unfinished(np.asarray(a.fed, dtype=np.int64), kv, a.node, a.cached)
+        canon = self.cache.cache_unfinished(a.rid, np.asarray(a.fed, dtype=np.int64), kv)
         self.rows.write(a.row, 0, canon)
+        a.cached = canon.numel()
 
     def _finish(self, a: _Active) -> Result:
         fed = np.asarray(a.fed, dtype=np.int64)  # prompt + outputs but the last: those have K/V
-        self.cache.cache_finished(fed, self.rows.read(a.row, len(fed)), a.node, a.cached)
+        try:
+            self.cache.cache_finished(a.rid, fed, self.rows.read(a.row, len(fed)))
+        except TransferError as exc:  # the cache released it already
+            a.result.error = str(exc)
         self.rows.free(torch.tensor([a.row], dtype=torch.int64))
-        self.histories[a.turn.session] = a.prompt + a.result.output
+        if a.result.error is None:
+            self.histories[a.turn.session] = a.prompt + a.result.output
+        return a.result
+
+    def _fail(self, a: _Active, why: str) -> Result:
+        """Release everything the request holds; it reports `why`."""
+        self.cache.abort(a.rid, self.rows.read(a.row, a.filled))
+        self.rows.free(torch.tensor([a.row], dtype=torch.int64))
+        a.result.error = why
         return a.result
 
 

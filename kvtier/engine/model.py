@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -61,6 +62,14 @@ class TinyTransformer:
         self.norm = torch.ones(c.hidden)
         self.head = w(c.hidden, c.vocab)
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+
+    def fingerprint(self) -> str:
+        """16 hex digits naming these weights: a cache namespace revision, so KV computed by
+        another seed's weights is never served to this model."""
+        h = xxhash.xxh3_64()
+        for t in [self.embed, self.norm, self.head, *(w for layer in self.layers for w in layer.values())]:
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def check_pool(self, pool: DeviceKVPool) -> None:
         p, c = pool.config, self.config

@@ -35,7 +35,7 @@ def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tup
     if n == 0:
         return []
     breaks = (src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)
-    if split_every > 1:
+    if split_every > 0:
         breaks |= dst[1:] % split_every == 0
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks).flatten() + 1])
     lengths = torch.diff(starts, append=torch.tensor([n]))

@@ -128,18 +128,21 @@ class RadixTree:
 
     # -- match / insert ----------------------------------------------------------------------
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey, touch: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of `key`; splits an edge that diverges mid-way.
 
         Lock `last_device_node` before using `device_indices`: they stay valid only while
-        the node is locked.
+        the node is locked. `touch=False` for a re-match of the same request: a request
+        counts one hit (hit_count, access clock), however often it is matched.
         """
-        self.clock += 1
+        if touch:
+            self.clock += 1
         path = self._walk(key)
         last_device, device_values, host_hit = self.root, [], 0
         for node in path:
-            node.hit_count += 1
-            node.last_access = self.clock
+            if touch:
+                node.hit_count += 1
+                node.last_access = self.clock
             if node.on_device:
                 last_device = node
                 device_values.append(node.values[D])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import torch
 
@@ -13,7 +14,7 @@ from kvtier.config import load_config
 
 def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_size: int = 4, ratio: float = 2.0,
                layout: str = "page_first", write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
-               store_obj=None, tp_group=None, **controller) -> TieredCache:
+               store_obj=None, tp_group=None, stream_factory=None, **controller) -> TieredCache:
     store_section = {"backend": store}
     if store == "file":
         store_section["root"] = str(tmp_path / "l3")
@@ -24,7 +25,8 @@ def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_s
         "controller": {"write_policy": write_policy, "prefetch_policy": prefetch_policy, **controller},
         "store": store_section,
     }
-    return TieredCache(load_config(None, overrides, env={}), tp_group=tp_group, store=store_obj)
+    extra = {} if stream_factory is None else {"stream_factory": stream_factory}
+    return TieredCache(load_config(None, overrides, env={}), tp_group=tp_group, store=store_obj, **extra)
 
 
 def fill(cache: TieredCache, slots: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,15 +55,38 @@ def settle(cache: TieredCache) -> None:
     cache.sync.drain()
 
 
-def compute(cache: TieredCache, tokens, seed: int):
-    """A request that computes all of `tokens` itself and finishes: returns the KV it wrote."""
-    m = cache.match_prefix(tokens)
-    cache.lock(m.last_device_node)
-    cached = m.device_indices.numel()
+_ids = itertools.count()
+
+
+def acquire(cache: TieredCache, tokens, rid: str):
+    """Acquire as a server does: a request that must wait polls until it is named ready."""
+    got = cache.acquire(tokens, rid)
+    while not got.ready:
+        if rid in cache.poll():
+            got = cache.acquire(tokens, rid)
+        else:
+            cache.wait_progress(0.01)
+    return got
+
+
+def forward(cache: TieredCache, *request_ids: str) -> None:
+    """What a forward does before reading the prefix: wait for every layer's load."""
+    waiter = cache.begin_forward(request_ids or None)
+    for layer in range(cache.pool.num_layers):
+        waiter.wait_layer(layer)
+
+
+def compute(cache: TieredCache, tokens, seed: int, rid: str | None = None):
+    """One request through the embedding sequence: acquire, compute the uncached rest,
+    finish. Returns the KV it wrote for the tokens it computed."""
+    rid = rid or f"compute-{next(_ids)}"
+    got = acquire(cache, tokens, rid)
+    cached = got.indices.numel()
     new = cache.alloc(len(tokens) - cached)
     assert new is not None, "pool too small for the test"
+    forward(cache, rid)
     kv = fill(cache, new, seed)
-    cache.cache_finished(tokens, torch.cat([m.device_indices, new]), m.last_device_node, cached)
+    cache.cache_finished(rid, tokens, torch.cat([got.indices, new]))
     return kv
 
 

@@ -5,18 +5,20 @@ import pytest
 import torch
 
 from tests.controller.helpers import (
-    CorruptingStore, FailingStore, StallingStore, compute, make_cache, read, same_kv, settle,
+    CorruptingStore, FailingStore, StallingStore, acquire, compute, forward, make_cache, read, same_kv, settle,
 )
 
 A = np.arange(100, 116)  # 16 tokens = 4 pages of 4
 
 
-def load_and_wait(cache, node):
-    n = cache.load_back(node)
-    waiter = cache.begin_forward()
-    for layer in range(cache.pool.num_layers):
-        waiter.wait_layer(layer)
-    return n
+def read_back(cache, tokens, rid):
+    """A request over `tokens`: acquire, wait for its loads, read its prefix, finish it.
+    Returns (what acquire said, the KV the forward read)."""
+    got = acquire(cache, tokens, rid)
+    forward(cache)
+    kv = read(cache, got.indices)
+    cache.cache_finished(rid, tokens[:got.indices.numel()], got.indices)  # nothing computed
+    return got, kv
 
 
 def check(cache):
@@ -32,13 +34,11 @@ def test_write_through_demote_load_back_is_bitwise(layout):
     node = cache.match_prefix(A).last_device_node
     assert node.backed_up and cache.stats()["counters"]["writes"] == 1
     assert cache.evict(16) == 16
-    m = cache.match_prefix(A)
-    assert m.device_indices.numel() == 0 and m.host_hit_length == 16 and m.last_host_node is node
-    cache.lock(m.last_device_node)
-    assert load_and_wait(cache, m.last_host_node) == 16
-    cache.unlock(m.last_device_node)
     m = cache.match_prefix(A, count=False)
-    assert same_kv(read(cache, m.device_indices), kv)
+    assert m.device_indices.numel() == 0 and m.host_hit_length == 16 and m.last_host_node is node
+    got, got_kv = read_back(cache, A, "r")
+    assert (got.device_hit, got.host_hit) == (0, 16) and same_kv(got_kv, kv)
+    assert same_kv(read(cache, cache.match_prefix(A, count=False).device_indices), kv)  # published on finish
     settle(cache)
     check(cache)
     cache.close()
@@ -53,15 +53,9 @@ def test_host_eviction_then_prefetch_from_store_is_bitwise(store, tmp_path):
     assert cache.stats()["counters"]["l3_write_pages"] == 4
     cache.flush()
     check(cache)
-    m = cache.match_prefix(A)
-    assert m.device_indices.numel() == 0 and m.host_hit_length == 0
-    assert cache.prefetch("r1", A, m)
-    assert cache.take_prefetch("r1") == 16
-    m = cache.match_prefix(A, count=False)
-    assert m.host_hit_length == 16
-    assert load_and_wait(cache, m.last_host_node) == 16
-    m = cache.match_prefix(A, count=False)
-    assert same_kv(read(cache, m.device_indices), kv)
+    assert not cache.acquire(A, "r1").ready  # the store may hold it: the request waits
+    got, got_kv = read_back(cache, A, "r1")
+    assert (got.device_hit, got.host_hit, got.storage_hit) == (0, 0, 16) and same_kv(got_kv, kv)
     c = cache.stats()["counters"]
     assert c["storage_hit_tokens"] == 16 and c["l3_read_pages"] == 4
     settle(cache)
@@ -77,17 +71,12 @@ def test_prefetch_continues_beyond_a_host_prefix():
     settle(cache)
     cache.flush()
     half = B[:16]
-    m = cache.match_prefix(half)
-    cache.prefetch("a", half, m)
-    assert cache.take_prefetch("a") == 16
-    m = cache.match_prefix(B)
-    assert m.host_hit_length == 16
-    assert cache.prefetch("b", B, m)  # anchored at the host node: pages 5..8
-    assert cache.take_prefetch("b") == 16
-    m = cache.match_prefix(B, count=False)
-    assert m.host_hit_length == 32
-    load_and_wait(cache, m.last_host_node)
-    assert same_kv(read(cache, cache.match_prefix(B, count=False).device_indices), kv)
+    got, _ = read_back(cache, half, "a")
+    assert got.storage_hit == 16
+    cache.evict(16)
+    assert cache.match_prefix(B, count=False).host_hit_length == 16
+    got, got_kv = read_back(cache, B, "b")  # the prefetch continues below the host node: pages 5..8
+    assert (got.host_hit, got.storage_hit) == (16, 16) and same_kv(got_kv, kv)
     settle(cache)
     check(cache)
 
@@ -96,10 +85,11 @@ def test_write_through_selective_waits_for_hits():
     cache = make_cache(write_policy="write_through_selective", write_threshold=2)
     compute(cache, A, seed=4)
     settle(cache)
-    node = cache.match_prefix(A, count=False).last_device_node  # hit 1
+    node = cache.match_prefix(A, count=False).last_device_node
+    read_back(cache, A, "hit-1")
     settle(cache)
-    assert not node.backed_up
-    cache.match_prefix(A, count=False)  # hit 2: now worth a host copy
+    assert not node.backed_up and node.hit_count == 1  # one request, one hit (it matches twice)
+    read_back(cache, A, "hit-2")  # hit 2: now worth a host copy
     settle(cache)
     assert node.backed_up
     check(cache)
@@ -113,9 +103,8 @@ def test_write_back_backs_up_only_on_eviction():
     assert not node.backed_up
     assert cache.evict(16) == 16  # backs the path up, then demotes it
     assert node.backed_up and not node.on_device
-    m = cache.match_prefix(A)
-    load_and_wait(cache, m.last_host_node)
-    assert same_kv(read(cache, cache.match_prefix(A, count=False).device_indices), kv)
+    got, got_kv = read_back(cache, A, "r")
+    assert got.host_hit == 16 and same_kv(got_kv, kv)
     settle(cache)
     check(cache)
 
@@ -130,11 +119,11 @@ def test_timeout_policy_stops_with_a_prefix_and_returns_host_slots():
     settle(cache)
     cache.flush()
     free_before = cache.controller.host_available()
-    m = cache.match_prefix(B)
-    cache.prefetch("t", B, m)
-    taken = cache.take_prefetch("t")
-    assert taken == 8  # the first chunk landed before the deadline
+    got = acquire(cache, B, "t")
+    assert got.storage_hit == 8  # the first chunk landed before the deadline
     assert cache.stats()["counters"]["prefetch_timed_out"] == 0  # not finished yet: counted at the end
+    forward(cache)
+    cache.abort("t")
     settle(cache)
     assert cache.stats()["counters"]["prefetch_timed_out"] == 1
     on_host = cache.match_prefix(B, count=False).host_hit_length
@@ -150,9 +139,11 @@ def test_best_effort_takes_what_landed_and_the_rest_arrives_later():
     compute(cache, A, seed=7)
     settle(cache)
     cache.flush()
-    m = cache.match_prefix(A)
-    cache.prefetch("b", A, m)
-    assert cache.take_prefetch("b") == 0  # nothing landed yet: the request recomputes
+    assert not cache.acquire(A, "b").ready
+    assert cache.poll() == ["b"]  # best effort: ready at the next poll with what landed
+    got = cache.acquire(A, "b")
+    assert got.ready and got.indices.numel() == 0  # nothing landed yet: the request recomputes
+    cache.abort("b")
     settle(cache)
     check(cache)
     cache.close()
@@ -165,18 +156,14 @@ def test_faulty_store_pages_are_misses_and_slots_return(store_cls):
     kv = compute(cache, A, seed=8)
     settle(cache)
     cache.flush()
-    m = cache.match_prefix(A)
-    cache.prefetch("f", A, m)
-    taken = cache.take_prefetch("f")
+    got, got_kv = read_back(cache, A, "f")
     expected = 0 if store_cls == "failing" else 8  # pages before the damaged one
-    assert taken == expected
+    assert got.storage_hit == expected
     settle(cache)
-    assert cache.controller.host_available() == cache.mirror.size - expected
-    m = cache.match_prefix(A, count=False)
     if expected:
-        load_and_wait(cache, m.last_host_node)
-        got = read(cache, cache.match_prefix(A, count=False).device_indices)
-        assert same_kv(got, [(k[:8], v[:8]) for k, v in kv])
+        assert same_kv(got_kv, [(k[:8], v[:8]) for k, v in kv])
+    cache.flush()
+    assert cache.controller.host_available() == cache.mirror.size
     stats = cache.stats()
     if store_cls == "failing":
         assert stats["counters"]["prefetch_errors"] == 1 and stats["store"]["errors"] == 1
@@ -196,11 +183,11 @@ def test_stalled_store_never_blocks_longer_than_its_timeout():
     compute(cache, A, seed=9)
     settle(cache)
     cache.flush()
-    m = cache.match_prefix(A)
-    cache.prefetch("s", A, m)
     start = time.monotonic()
-    assert cache.take_prefetch("s") == 0  # wait_complete, but the store call times out
+    got = acquire(cache, A, "s")
+    assert got.storage_hit == 0  # wait_complete, but the store call times out
     assert time.monotonic() - start < 3.0
+    cache.abort("s")
     assert cache.stats()["store"]["timeouts"] == 1
     check(cache)
     cache.close()
@@ -210,15 +197,13 @@ def test_chunked_prefill_returns_canonical_indices():
     cache = make_cache()
     compute(cache, A[:8], seed=10)
     settle(cache)
-    m = cache.match_prefix(A)
-    cache.lock(m.last_device_node)
-    cached = m.device_indices.numel()
-    assert cached == 8
-    mine = cache.alloc(len(A) - cached)
-    kv_rows = torch.cat([m.device_indices, mine])
-    canon, node, new_cached = cache.cache_unfinished(A[:14], kv_rows[:14], m.last_device_node, cached)
-    assert new_cached == 12 and torch.equal(canon, kv_rows[:12])
-    cache.cache_finished(A, kv_rows, node, new_cached)
+    got = acquire(cache, A, "c")
+    assert got.indices.numel() == 8
+    mine = cache.alloc(len(A) - 8)
+    kv_rows = torch.cat([got.indices, mine])
+    canon = cache.cache_unfinished("c", A[:14], kv_rows[:14])
+    assert torch.equal(canon, kv_rows[:12])
+    cache.cache_finished("c", A, kv_rows)
     settle(cache)
     check(cache)
 
@@ -226,11 +211,11 @@ def test_chunked_prefill_returns_canonical_indices():
 def test_duplicate_compute_frees_the_copy():
     cache = make_cache()
     compute(cache, A, seed=11)
-    m = cache.match_prefix(np.arange(999, 1003))  # unrelated: nothing cached
-    cache.lock(m.last_device_node)
+    got = acquire(cache, np.arange(999, 1003), "dup")  # unrelated: nothing cached
+    assert got.indices.numel() == 0
     mine = cache.alloc(16)
     free_before = cache.controller.device_alloc.available_size()
-    cache.cache_finished(A, mine, m.last_device_node, 0)  # computed A again without the cache
+    cache.cache_finished("dup", A, mine)  # computed A again without the cache
     assert cache.controller.device_alloc.available_size() == free_before + 16
     settle(cache)
     check(cache)
@@ -242,7 +227,7 @@ def test_stats_and_prometheus_metrics():
     cache = make_cache()
     compute(cache, A, seed=12)
     settle(cache)
-    cache.match_prefix(A)
+    read_back(cache, A, "again")
     s = cache.stats()
     assert s["counters"]["device_hit_tokens"] == 16 and s["counters"]["lookup_tokens"] == 32
     assert s["counters"]["miss_tokens"] == 16 and s["tiers"]["host"]["evictable_tokens"] == 16

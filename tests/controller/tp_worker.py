@@ -33,26 +33,20 @@ def main() -> None:
     decisions = []
     for step in range(120):
         tokens = np.concatenate([rng.choice(prefixes), [rng.randrange(40) for _ in range(rng.randrange(1, 9))]])
-        m = cache.match_prefix(tokens)
-        cache.lock(m.last_device_node)
-        node = m.last_device_node
-        taken = 0
-        if cache.prefetch(f"r{step}", tokens, m):
+        rid = f"r{step}"
+        got = cache.acquire(tokens, rid)
+        while not got.ready:  # readiness comes from agreed numbers: every rank leaves together
             time.sleep(jitter.random() * 0.012)
-            taken = cache.take_prefetch(f"r{step}")
-        m2 = cache.match_prefix(tokens, count=False)
-        loaded = cache.load_back(m2.last_host_node) if m2.host_hit_length else 0
-        m3 = cache.match_prefix(tokens, count=False)
-        cache.lock(m3.last_device_node)
-        cache.unlock(node)
-        cached = m3.device_indices.numel()
+            if rid in cache.poll():
+                got = cache.acquire(tokens, rid)
+        cached = got.indices.numel()
         mine = cache.alloc(len(tokens) - cached)
         waiter = cache.begin_forward()
         for layer in range(cache.pool.num_layers):
             waiter.wait_layer(layer)
         fill(cache, mine, seed=step)
-        cache.cache_finished(tokens, torch.cat([m3.device_indices, mine]), m3.last_device_node, cached)
-        decisions.append([m.device_indices.numel(), m.host_hit_length, taken, loaded, cached])
+        cache.cache_finished(rid, tokens, torch.cat([got.indices, mine]))
+        decisions.append([got.device_hit, got.host_hit, got.storage_hit, cached])
         time.sleep(jitter.random() * 0.003)
         cache.poll()
         if step % 40 == 39:

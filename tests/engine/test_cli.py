@@ -68,6 +68,17 @@ def test_serve_and_stats_url_end_to_end(cache_home, capsys):
         with pytest.raises(urllib.error.HTTPError) as err:
             post("/generate", {"prompt": [100000]})
         assert err.value.code == 400
+        # review #6: a prompt larger than the pool is a JSON 4xx; the server keeps serving
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post("/generate", {"prompt": [1] * 5000, "max_new_tokens": 4})
+        assert err.value.code == 413 and "at most" in json.loads(err.value.read())["error"]
+        for body in (b"not json", b"[1, 2]"):
+            req = urllib.request.Request(url + "/generate", data=body, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=30)
+            assert err.value.code == 400 and "error" in json.loads(err.value.read())
+        assert post("/generate", {"prompt": prompt[:20], "max_new_tokens": 2})["output"]
+        server.cache.check_accounting()
         assert main(["stats", "--url", url, "--json"]) == 0
         stats = json.loads(capsys.readouterr().out)
         assert stats["counters"]["device_hit_tokens"] > 0 and "device" in stats["tiers"]
@@ -125,3 +136,32 @@ def test_replay_plot_writes_a_png(cache_home, tmp_path, capsys):
     out = tmp_path / "hits.png"
     assert main(["replay", "--requests", "4", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_of_another_models_weights_is_not_served_their_kv(cache_home, capsys):
+    """Review #4: seed 1 has other weights; on a store filled by seed 0 it must verify."""
+    assert main(["replay", "--requests", "12", "--seed", "0", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--requests", "12", "--seed", "1", "--verify", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["verified_requests"] == 12 and s["verify_failures"] == []
+
+
+def test_replay_counts_add_up_on_docqa(cache_home, capsys):
+    """Review #8: device + host + store hits + computed == prompt tokens, every replay."""
+    assert main(["replay", "--requests", "12", "--workload", "docqa", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    h = s["hit_tokens"]
+    assert s["counts_add_up"] and h["device"] + h["host"] + h["storage"] + s["prefill_tokens_computed"] == \
+        s["prompt_tokens"]
+
+
+def test_replay_with_page_size_1_hits_the_store_on_a_second_run(cache_home, capsys, monkeypatch):
+    """Review #3: page_size 1 with the page_first mirror (the default layout) works."""
+    monkeypatch.setenv("KVTIER_POOL_PAGE_SIZE", "1")
+    assert main(["replay", "--requests", "10", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["bytes"]["host_to_store"] > 0  # multi-token writes reached host and store
+    assert main(["replay", "--requests", "10", "--verify", "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["hit_tokens"]["storage"] > 0 and second["verified_requests"] == 10

@@ -1,0 +1,407 @@
+"""A deterministic fault simulator for the whole cache (the fail-closed proof).
+
+A seeded scheduler drives a real `TieredCache` (tree, controller, storage thread) whose
+transfer streams and store are `SimStreams` / `SimStore`: every copy and every store call
+waits until the simulator resolves it, in any order, with any outcome (see parts.py). The
+requests follow the embedding sequence a server runs: acquire (waiting while a prefetch
+runs) -> forward over chunks (cache_unfinished) -> cache_finished, or abort at any point;
+with polls, evictions, flushes, a logical clock for deadlines, and close at the end of
+every episode.
+
+Checked after every step: `sanity_check()`, `check_accounting()`, and that every byte a
+forward reads for a token equals the reference KV of that token's prefix (unless that
+forward got a TransferError). After `close()`, every slot is free.
+
+    python benchmarks/fault_sim.py --steps 20000 --seed 7
+    ...
+    fault sim: 20000 steps, 0 violations
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvtier.cache import TieredCache
+from kvtier.config import load_config
+from kvtier.controller.streams import TransferError
+from kvtier.testing.parts import SimStore, SimStreams
+
+LAYERS = 2
+_M = (1 << 61) - 1
+
+
+def reference_kv(tokens: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) `[len, 1, 2]`: token j's KV is a function of tokens[0..j] only."""
+    h, hashes = 0, []
+    for t in tokens.tolist():
+        h = (h * 1_000_003 + t + 1) % _M
+        hashes.append(h)
+    hs = np.array(hashes, dtype=np.uint64)
+    out = []
+    for layer in range(LAYERS):
+        parts = [((hs * np.uint64(2 * layer + c + 3) + np.uint64(c * 977)) >> np.uint64(c * 7)) % np.uint64(1 << 23)
+                 for c in range(4)]
+        vals = torch.tensor(np.stack(parts, 1).astype(np.float32))
+        out.append((vals[:, None, 0:2].contiguous(), vals[:, None, 2:4].contiguous()))
+    return out
+
+
+@dataclass
+class Setup:
+    page_size: int
+    layout: str
+    io: str
+    write_policy: str
+    prefetch_policy: str
+
+    @classmethod
+    def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
+        return cls(rng.choice([1, 4, 16]), rng.choice(["page_first", "layer_first"]),
+                   "kernel" if allow_kernel and rng.random() < 0.1 else "direct",
+                   rng.choice(["write_through", "write_through", "write_through_selective", "write_back"]),
+                   rng.choice(["best_effort", "wait_complete", "timeout"]))
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    tokens: np.ndarray
+    ref: list
+    row: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    pos: int = 0  # tokens whose KV the row holds (from the cache or computed)
+
+
+class Violation(Exception):
+    pass
+
+
+class FaultSim:
+    def __init__(self, seed: int, setup: Setup) -> None:
+        self.rng = random.Random(seed)
+        self.setup = setup
+        self.clock = 0.0
+        self.streams = SimStreams(self.rng)
+        self.store = SimStore()
+        ps = setup.page_size
+        pages = 16 if ps == 16 else 24
+        self.max_len = min(ps * pages // 2, 96)
+        overrides = {
+            "pool": {"size": ps * pages, "num_layers": LAYERS, "page_size": ps, "num_kv_heads": 1, "head_dim": 2,
+                     "dtype": "float32"},
+            "mirror": {"ratio": 1.5, "layout": setup.layout, "io": setup.io},
+            "controller": {"write_policy": setup.write_policy, "prefetch_policy": setup.prefetch_policy,
+                           "write_threshold": 2, "prefetch_timeout_base_s": 1.0,
+                           "prefetch_timeout_per_1k_tokens_s": 0.0},
+            "store": {"backend": "none"},
+        }
+        cfg = load_config(None, overrides, env={})
+        self.cache = TieredCache(cfg, store=self.store, stream_factory=self.streams.factory,
+                                 clock=lambda: self.clock)
+        self.loop = self.cache.controller.storage.loop
+        vocab = 6 if ps == 1 else 50
+        self.bases = [np.array([self.rng.randrange(vocab) for _ in range(self.max_len)]) for _ in range(4)]
+        self.vocab = vocab
+        self.waiting: dict[str, Req] = {}
+        self.running: dict[str, Req] = {}
+        self.next_id = 0
+        self.log: list[str] = []
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Let the storage loop run until it waits on the simulator again."""
+        async def spin():
+            for _ in range(40):
+                await asyncio.sleep(0)
+        asyncio.run_coroutine_threadsafe(spin(), self.loop).result(30)
+
+    def note(self, what: str) -> None:
+        self.log.append(what)
+
+    def check(self) -> None:
+        self.cache.tree.sanity_check()
+        self.cache.check_accounting()
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        r = self.rng.random()
+        if r < 0.14:
+            self.arrive()
+        elif r < 0.34:
+            self.forward()
+        elif r < 0.46:
+            self.poll()
+        elif r < 0.62:
+            self.resolve_transfer()
+        elif r < 0.80:
+            self.resolve_store()
+        elif r < 0.86:
+            self.abort()
+        elif r < 0.90:
+            self.clock += self.rng.choice([0.1, 0.5, 2.0])
+            self.note(f"tick -> {self.clock}")
+        elif r < 0.95:
+            n = self.rng.randrange(1, 3 * self.setup.page_size + 2)
+            self.note(f"evict {n}")
+            self.cache.evict(n)
+        elif r < 0.965:
+            self.flush()
+        else:
+            self.poll()
+        self.settle()
+        self.check()
+
+    def arrive(self) -> None:
+        if len(self.waiting) + len(self.running) >= 3:
+            return
+        ps = self.setup.page_size
+        base = self.rng.choice(self.bases)
+        keep = self.rng.randrange(0, self.max_len // ps + 1) * ps
+        extra = [self.rng.randrange(self.vocab) for _ in range(self.rng.randrange(1, 2 * ps + 2))]
+        tokens = np.concatenate([base[:keep], np.array(extra, dtype=np.int64)])[: self.max_len]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        req = Req(rid, tokens, reference_kv(tokens))
+        self.note(f"arrive {rid} len={len(tokens)} shared={keep}")
+        self._acquire(req)
+
+    def _acquire(self, req: Req) -> None:
+        got = self.cache.acquire(req.tokens, req.rid)
+        if not got.ready:
+            self.waiting[req.rid] = req
+            self.note(f"  {req.rid} waits for its prefetch")
+            return
+        self.waiting.pop(req.rid, None)
+        req.row, req.pos = got.indices, got.indices.numel()
+        if got.device_hit + got.host_hit + got.storage_hit != req.pos:
+            raise Violation(f"{req.rid}: hits {got.device_hit}+{got.host_hit}+{got.storage_hit} != {req.pos}")
+        self.running[req.rid] = req
+        self.note(f"  {req.rid} acquired {req.pos} (device {got.device_hit}, host {got.host_hit}, "
+                  f"store {got.storage_hit})")
+
+    def poll(self) -> None:
+        ready = self.cache.poll()
+        self.note(f"poll -> ready {ready}")
+        for rid in ready:
+            if rid in self.waiting:
+                self._acquire(self.waiting[rid])
+
+    def forward(self) -> None:
+        if not self.running:
+            return
+        req = self.running[self.rng.choice(sorted(self.running))]
+        n = min(len(req.tokens) - req.pos, self.rng.randrange(1, 3 * self.setup.page_size + 1))
+        own = self._slots(req, n)
+        if own is None:
+            self.note(f"forward {req.rid}: pool exhausted, abort")
+            self._abort(req)
+            return
+        row = torch.cat([req.row, own])
+        waiter = self.cache.begin_forward([req.rid])
+        waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
+        self.note(f"forward {req.rid} [{req.pos}, {req.pos + n}) loads={len(waiter.handles)}")
+        try:
+            for layer in range(LAYERS):
+                self._land_or_not(waiter.handles)
+                waiter.wait_layer(layer)
+                self._read_check(req, layer)
+                k, v = req.ref[layer]
+                self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
+        except TransferError as exc:
+            self.note(f"  {req.rid}: {exc}; abort")
+            req.row = row
+            self._abort(req)
+            return
+        req.row, req.pos = row, req.pos + n
+        if req.pos < len(req.tokens) and self.rng.random() < 0.8:
+            canon = self.cache.cache_unfinished(req.rid, req.tokens[:req.pos], req.row)
+            req.row = torch.cat([canon, req.row[canon.numel():]])
+            self.note(f"  {req.rid} keeps {canon.numel()}")
+        elif req.pos == len(req.tokens):
+            del self.running[req.rid]
+            try:
+                self.cache.cache_finished(req.rid, req.tokens, req.row)
+                self.note(f"  {req.rid} finished")
+            except TransferError as exc:
+                self.note(f"  {req.rid} finish refused: {exc}")
+
+    def _slots(self, req: Req, n: int) -> torch.Tensor | None:
+        ps = self.setup.page_size
+        room = (ps - req.pos % ps) % ps if req.pos else 0
+        last = int(req.row[-1]) if req.pos else 0
+        first = torch.arange(last + 1, last + 1 + min(room, n), dtype=torch.int64)
+        rest = n - first.numel()
+        more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
+        return None if more is None else torch.cat([first, more])
+
+    def _land_or_not(self, handles) -> None:
+        """Before a layer is read, each of its loads still pending lands, fails, or not."""
+        for job in [j for j in self.streams.pending if j.handle in handles]:
+            choice = self.rng.random()
+            if choice < 0.75:
+                outcome = "ok" if self.rng.random() < 0.8 else self.rng.choice(["fail_before", "fail_after"])
+                self.note(f"  load lands: {outcome}")
+                self.streams.resolve(job, outcome, self.rng)
+            else:
+                self.note("  load left pending (the forward gives up on it)")
+
+    def _read_check(self, req: Req, layer: int) -> None:
+        if req.pos == 0:
+            return
+        k_ref, v_ref = req.ref[layer]
+        slots = req.row[:req.pos]
+        k = self.cache.pool.k_buffer(layer)[slots]
+        v = self.cache.pool.v_buffer(layer)[slots]
+        bad = ~((k == k_ref[:req.pos]).all(-1).all(-1) & (v == v_ref[:req.pos]).all(-1).all(-1))
+        if bad.any():
+            first = int(torch.nonzero(bad)[0])
+            raise Violation(f"WRONG KV: {req.rid} layer {layer} read {int(bad.sum())} wrong tokens of {req.pos}, "
+                            f"first at token {first} (slot {int(slots[first])})")
+
+    def abort(self) -> None:
+        pool = sorted(self.running) + sorted(self.waiting)
+        if not pool:
+            return
+        rid = self.rng.choice(pool)
+        req = self.running.get(rid) or self.waiting.get(rid)
+        self.note(f"abort {rid}")
+        self._abort(req)
+
+    def _abort(self, req: Req) -> None:
+        self.running.pop(req.rid, None)
+        self.waiting.pop(req.rid, None)
+        self.cache.abort(req.rid, req.row if req.row.numel() else None)
+
+    def resolve_transfer(self) -> None:
+        if not self.streams.pending:
+            return
+        job = self.rng.choice(self.streams.pending)
+        outcome = self.rng.choice(["ok", "ok", "ok", "ok", "fail_before", "fail_after"])
+        self.note(f"transfer {job.stream}: {outcome}")
+        self.streams.resolve(job, outcome, self.rng)
+
+    def resolve_store(self) -> None:
+        self.settle()
+        if not self.store.pending:
+            return
+        call = self.rng.choice(self.store.pending)
+        if not call.timed_out and self.rng.random() < 0.15 and self.store.fire_deadline(call):
+            self.note(f"store {call.op} x{len(call.keys)}: times out (still running)")
+            return
+        outcome = self.rng.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap",
+                                   "false_failure", "miss"])
+        self.note(f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}")
+        self.store.resolve(call, outcome, self.rng)
+
+    def flush(self) -> None:
+        self.note("flush")
+        self._auto(lambda: self._flush_if_free())
+
+    def _flush_if_free(self) -> None:
+        try:
+            self.cache.flush()
+        except ValueError as exc:
+            if "locked" not in str(exc):
+                raise
+
+    def _auto(self, fn) -> None:
+        """Run `fn` (which drains) with every copy and store call answered as it comes."""
+        self.settle()
+        self.streams.auto = random.Random(self.rng.random())
+        self.store.auto = random.Random(self.rng.random())
+        try:
+            self.streams.resolve_all(self.streams.auto)
+            self.store.resolve_all(self.store.auto)
+            self.settle()
+            fn()
+        finally:
+            self.streams.auto = self.store.auto = None
+
+    def close(self) -> None:
+        self.note("close")
+        for req in list(self.running.values()) + list(self.waiting.values()):
+            self._abort(req)
+        self._auto(self.cache.close)
+        self.check()
+        ctl = self.cache.controller
+        if ctl.device_alloc.available_size() != self.cache.config.pool.size or \
+                ctl.host_available() != self.cache.mirror.size:
+            raise Violation(f"after close: device free {ctl.device_alloc.available_size()}/"
+                            f"{self.cache.config.pool.size}, host free {ctl.host_available()}/{self.cache.mirror.size}")
+
+
+def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, out=sys.stdout) -> int:
+    """Run `steps` steps in episodes of `episode` steps; returns the number of violations."""
+    master = random.Random(seed)
+    done = violations = 0
+    while done < steps:
+        ep_seed = master.randrange(1 << 30)
+        setup = Setup.draw(random.Random(ep_seed), allow_kernel)
+        n = min(episode, steps - done)
+        sim = FaultSim(ep_seed, setup)
+        i = 0
+        try:
+            for i in range(n):
+                sim.step()
+            sim.close()
+        except Exception as exc:
+            violations += 1
+            _report(out, exc, ep_seed, setup, i, sim.log)
+            try:
+                sim._auto(sim.cache.controller.close)
+            except Exception:
+                pass
+        done += n
+    print(f"fault sim: {steps} steps, {violations} violations", file=out)
+    return violations
+
+
+def _report(out, exc: Exception, ep_seed: int, setup: Setup, step: int, log: list[str]) -> None:
+    print(f"VIOLATION at step {step} of episode seed {ep_seed} ({setup})", file=out)
+    print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=out)
+    if not isinstance(exc, Violation):
+        print("  " + "".join(traceback.format_exception(exc)[-3:]).replace("\n", "\n  "), file=out)
+    print(f"  reproduce: python benchmarks/fault_sim.py --episode-seed {ep_seed} --steps {step + 1}", file=out)
+    print("  the last actions:", file=out)
+    for line in log[-25:]:
+        print(f"    {line}", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episode", type=int, default=400, help="steps between close() and a fresh cache")
+    p.add_argument("--episode-seed", type=int, default=None, help="replay one episode (from a violation report)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.CRITICAL)  # the simulator causes failures on purpose
+    torch.set_num_threads(1)
+    allow_kernel = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.episode_seed is not None:
+        sim = FaultSim(args.episode_seed, Setup.draw(random.Random(args.episode_seed), allow_kernel))
+        try:
+            for _ in range(args.steps):
+                sim.step()
+            sim.close()
+        except Exception as exc:
+            _report(sys.stdout, exc, args.episode_seed, sim.setup, len(sim.log), sim.log)
+            print(f"fault sim: {args.steps} steps, 1 violations")
+            return 1
+        print(f"fault sim: {args.steps} steps, 0 violations")
+        return 0
+    return 1 if run(args.steps, args.seed, args.episode, allow_kernel) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
