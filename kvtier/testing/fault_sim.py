@@ -98,7 +98,7 @@ class FaultSim:
         overrides = {
             "pool": {"size": ps * pages, "num_layers": LAYERS, "page_size": ps, "num_kv_heads": 1, "head_dim": 2,
                      "dtype": "float32"},
-            "mirror": {"ratio": 1.5, "layout": setup.layout, "io": setup.io},
+            "mirror": {"ratio": 1.0, "layout": setup.layout, "io": setup.io},  # small: pages go to the store
             "controller": {"write_policy": setup.write_policy, "prefetch_policy": setup.prefetch_policy,
                            "write_threshold": 2, "prefetch_timeout_base_s": 1.0,
                            "prefetch_timeout_per_1k_tokens_s": 0.0},
@@ -151,11 +151,11 @@ class FaultSim:
         elif r < 0.90:
             self.clock += self.rng.choice([0.1, 0.5, 2.0])
             self.note(f"tick -> {self.clock}")
-        elif r < 0.95:
+        elif r < 0.94:
             n = self.rng.randrange(1, 3 * self.setup.page_size + 2)
             self.note(f"evict {n}")
             self.cache.evict(n)
-        elif r < 0.965:
+        elif r < 0.97:
             self.flush()
         else:
             self.poll()
@@ -296,13 +296,34 @@ class FaultSim:
         if not self.store.pending:
             return
         call = self.rng.choice(self.store.pending)
-        if not call.timed_out and self.rng.random() < 0.15 and self.store.fire_deadline(call):
+        if call.timed_out and self.rng.random() < 0.7:
+            return  # a call that ran out of time lingers: its buffers may be reused meanwhile
+        if not call.timed_out and self.rng.random() < 0.2 and self.store.fire_deadline(call):
             self.note(f"store {call.op} x{len(call.keys)}: times out (still running)")
             return
         outcome = self.rng.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap",
                                    "false_failure", "miss"])
         self.note(f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}")
+        if call.op == "get_into" and outcome != "error":
+            self._check_owned(call)
         self.store.resolve(call, outcome, self.rng)
+
+    def _check_owned(self, call) -> None:
+        """A read may write only into host pages still reserved by a prefetch that has not
+        settled (page_first reads go straight into mirror pages)."""
+        mirror = self.cache.mirror
+        if mirror.config.layout != "page_first":
+            return
+        base = mirror.data.data_ptr()
+        pages = {(np.frombuffer(v, dtype=np.uint8).ctypes.data - base) // mirror.page_bytes for v in call.args[1]}
+        ctl = self.cache.controller
+        owned = set()
+        for op in [*ctl.prefetches.values(), *ctl.unsettled]:
+            if op.host_pages is not None:
+                owned |= set(op.host_pages[op.inserted:].tolist())
+        if not pages <= owned:
+            raise Violation(f"a store read {'that timed out ' if call.timed_out else ''}is about to write host "
+                            f"pages {sorted(pages - owned)} that no prefetch owns any more")
 
     def flush(self) -> None:
         self.note("flush")
