@@ -1,4 +1,4 @@
-"""Page hash chains, namespace ids and L3 keys (DESIGN §5).
+"""Page hash chains, namespace ids and L3 keys (docs/design.md §5).
 
     page_hash[i] = H(page_hash[i-1] ‖ namespace id ‖ extra key ‖ tokens of page i)
 

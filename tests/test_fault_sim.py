@@ -1,19 +1,41 @@
-"""The fault simulator in the suite: seeded episodes over page sizes 1/4/16, both mirror
-layouts, every write and prefetch policy, with copies and store calls that fail, time out
-and complete late, or answer with damaged pages. Every byte a forward reads is checked
-(kvtier/testing/fault_sim.py). Replaces the old random-workload stress test (SGLang #9927:
-every prefetch ends and returns its slots; LMCache #987: every lock is released)."""
+"""The fault simulator in the suite (kvtier/testing/fault_sim.py): episodes over page
+sizes 1 and 16, both mirror layouts, every write and prefetch policy, both io paths, with
+copies and store calls that fail, time out and complete late, or answer with damaged
+pages. Every byte a forward reads is checked, and every slot is free after close.
+Replaces the old random-workload stress test (SGLang #9927: every prefetch ends and returns
+its slots; LMCache #987: every lock has one release path)."""
 
 import io
+import itertools
 
 import pytest
 
-from kvtier.testing.fault_sim import run
+from kvtier.testing.fault_sim import Setup, run
+
+WRITES = ["write_through", "write_through_selective", "write_back"]
+PREFETCHES = ["best_effort", "wait_complete", "timeout"]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_fault_sim_finds_no_violation(seed):
+@pytest.mark.parametrize("page_size,layout", [(1, "page_first"), (1, "layer_first"),
+                                              (16, "page_first"), (16, "layer_first")])
+def test_fault_sim_every_policy_finds_no_violation(page_size, layout):
+    setups = [Setup(page_size, layout, "direct", w, p) for w, p in itertools.product(WRITES, PREFETCHES)]
     out = io.StringIO()
-    violations = run(1500, seed, episode=300, allow_kernel=seed == 4, out=out)
+    steps = 250 * len(setups)
+    violations = run(steps, seed=page_size * 7 + len(layout), episode=250, out=out, setups=setups)
     assert violations == 0, out.getvalue()
-    assert out.getvalue().splitlines()[-1] == "fault sim: 1500 steps, 0 violations"
+    assert out.getvalue().splitlines()[-1] == f"fault sim: {steps} steps, 0 violations"
+
+
+def test_fault_sim_kernel_io_path_finds_no_violation():
+    """The Triton gather/scatter path, run by the interpreter (tests set TRITON_INTERPRET=1)."""
+    setups = [Setup(4, "page_first", "kernel", "write_through", "wait_complete"),
+              Setup(16, "layer_first", "kernel", "write_back", "best_effort")]
+    out = io.StringIO()
+    assert run(300, seed=5, episode=150, out=out, setups=setups) == 0, out.getvalue()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_fault_sim_drawn_setups_find_no_violation(seed):
+    out = io.StringIO()
+    assert run(2000, seed, episode=400, out=out) == 0, out.getvalue()

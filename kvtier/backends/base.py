@@ -1,4 +1,4 @@
-"""The L3 store interface (DESIGN §6): async bytes keyed by page hash, framed and verified.
+"""The L3 store interface (docs/design.md §6): async bytes keyed by page hash, framed and verified.
 
 A store subclass implements the raw operations (`_exists`, `_get`, `_set`, `_delete`,
 `_inventory`, `_close`) on whole frames. This base validates keys, frames and verifies

@@ -1,4 +1,4 @@
-"""A scheduler loop that embeds TieredCache exactly as DESIGN §8 describes.
+"""A scheduler loop that embeds TieredCache exactly as docs/design.md §8 describes.
 
 Per request: acquire (match, lock; a store prefetch makes the request wait aside while
 others run) -> allocate (evicting on demand) -> forward (waiting per layer for the host

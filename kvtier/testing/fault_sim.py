@@ -362,13 +362,18 @@ class FaultSim:
                             f"{self.cache.config.pool.size}, host free {ctl.host_available()}/{self.cache.mirror.size}")
 
 
-def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, out=sys.stdout) -> int:
-    """Run `steps` steps in episodes of `episode` steps; returns the number of violations."""
+def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, out=sys.stdout,
+        setups: list[Setup] | None = None) -> int:
+    """Run `steps` steps in episodes of `episode` steps; returns the number of violations.
+    Each episode draws its setup from its seed, or takes the next of `setups`."""
     master = random.Random(seed)
     done = violations = 0
     while done < steps:
         ep_seed = master.randrange(1 << 30)
-        setup = Setup.draw(random.Random(ep_seed), allow_kernel)
+        if setups:
+            setup = setups[(done // episode) % len(setups)]
+        else:
+            setup = Setup.draw(random.Random(ep_seed), allow_kernel)
         n = min(episode, steps - done)
         sim = FaultSim(ep_seed, setup)
         i = 0

@@ -1,4 +1,4 @@
-"""The one join type: a 1-D int64 tensor of slot indices (DESIGN §2)."""
+"""The one join type: a 1-D int64 tensor of slot indices (docs/design.md §2)."""
 
 from __future__ import annotations
 

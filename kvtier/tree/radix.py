@@ -1,4 +1,4 @@
-"""The radix tree over device and host tiers (DESIGN §4).
+"""The radix tree over device and host tiers (docs/design.md §4).
 
 The tree decides what is worth keeping; it never allocates, frees or copies memory.
 Mutations return what the caller must do (free these slots, back up these nodes).
