@@ -101,7 +101,7 @@ class TieredCache:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, config.tree.hash_algo)
-        self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory)
+        self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock)
         self.agreement = Agreement(tp_group, config.controller.consensus_check or None)
         self.stats_obj = CacheStats()
         self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,
@@ -366,7 +366,7 @@ class TieredCache:
                "queues": {"writes": len(c.writes), "loads": len(c.loads), "backups": len(c.backups),
                           "prefetches": len(c.prefetches)}}
         if c.store is not None:
-            out["store"] = c.store.stats()
+            out["store"] = {**c.store.stats(), **c.storage.breaker.stats()}
         return out
 
     def _tier_sizes(self, tier: Tier, total: int, free: int) -> dict:

@@ -8,6 +8,7 @@ value and what is allowed. `explain(config)` prints where every value came from.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -26,6 +27,7 @@ from kvtier.tiers.pool import PoolConfig
 from kvtier.tree.policy import EvictionPolicy
 
 ENV_PREFIX = "KVTIER_"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,7 +111,7 @@ def load_config(
             for key, value in values.items():
                 target[key] = value
                 sources[f"{section}.{key}"] = origin if origin != "env" else f"env {ENV_PREFIX}{section.upper()}_{key.upper()}"
-    built = {name: _build_section(name, merged.get(name, {})) for name in _SECTIONS if name in merged}
+    built = {name: _build_section(name, merged.get(name, {}), sources) for name in _SECTIONS if name in merged}
     return KvtierConfig(**built, sources=sources)
 
 
@@ -172,44 +174,74 @@ def _from_env(env: Mapping[str, str]) -> dict:
     return out
 
 
-def _build_section(name: str, values: dict | None) -> Any:
+def _build_section(name: str, values: dict | None, sources: dict[str, str]) -> Any:
     if values is None:
         return None
     cls = _SECTIONS[name]
     if name == "store":
-        return _build_store(values)
-    return _make(name, cls, values)
+        return _build_store(values, sources)
+    return _make(name, cls, values, sources)
 
 
-def _build_store(values: dict) -> StoreConfig:
+_ORDER = ("file", "env", "arg")
+
+
+def _layer(origin: str) -> int:
+    return next(i for i, o in enumerate(_ORDER) if origin.startswith(o))
+
+
+def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
+    """A later layer that switches the backend (`KVTIER_STORE_BACKEND=memory` over a redis
+    file) drops the earlier layers' options that the new backend does not take, with a note;
+    options the backend does not take from the same or a later layer are errors."""
     from kvtier.backends.registry import resolve
 
     common = {k: values[k] for k in _STORE_COMMON if k in values}
-    base = _make("store", StoreConfig, common)
+    base = _make("store", StoreConfig, common, sources)
     rest = {k: v for k, v in values.items() if k not in _STORE_COMMON}
+    _, options_cls = (None, None) if base.backend == "none" else resolve(base.backend)
+    allowed = set() if options_cls is None and base.backend == "none" else \
+        ({f.name for f in dataclasses.fields(options_cls)} if options_cls is not None else set(rest))
+    backend_layer = _layer(sources.get("store.backend", "file"))
+    dropped = [k for k in rest if k not in allowed and _layer(sources.get(f"store.{k}", "file")) < backend_layer]
+    for k in dropped:
+        log.info("config: store.%s (%s) dropped: store.backend=%r (%s) does not take it", k,
+                 sources.get(f"store.{k}"), base.backend, sources.get("store.backend"))
+        del rest[k]
+        sources.pop(f"store.{k}", None)
     if base.backend == "none":
         if rest:
-            raise KvtierConfigError(f"store.{next(iter(rest))}: not allowed with store.backend='none'")
+            k = next(iter(rest))
+            raise KvtierConfigError(f"store.{k}: not allowed with store.backend='none' "
+                                    f"({sources.get(f'store.{k}', 'default')})")
         return base
-    _, options_cls = resolve(base.backend)
-    options = _make("store", options_cls, rest) if options_cls is not None else dict(rest)
+    options = _make("store", options_cls, rest, sources) if options_cls is not None else dict(rest)
     return dataclasses.replace(base, options=options)
 
 
-def _make(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> Any:
+    """Build `cls` from `values`; every error names the field, its value, where it came from
+    (file, env variable, argument) and what is allowed."""
+    sources = sources or {}
     hints = typing.get_type_hints(cls)
     allowed = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for key, value in values.items():
+        where = f" ({sources[f'{section}.{key}']})" if f"{section}.{key}" in sources else ""
         if key not in allowed:
-            raise KvtierConfigError(f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}")
-        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+            raise KvtierConfigError(f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}{where}")
+        try:
+            kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+        except KvtierConfigError as exc:
+            raise KvtierConfigError(f"{exc}{where}") from None
     try:
         return cls(**kwargs)
     except KvtierConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        raise KvtierConfigError(f"{section}: {exc}") from exc
+        name = str(exc).split("=", 1)[0].strip()
+        where = f" ({sources[f'{section}.{name}']})" if f"{section}.{name}" in sources else ""
+        raise KvtierConfigError(f"{section}: {exc}{where}") from exc
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:

@@ -147,3 +147,31 @@ class S3Server:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+class BlackHole:
+    """A loopback port that accepts connections and never answers (a hung server)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)  # held open, never read or answered
+
+    def stop(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()

@@ -93,7 +93,9 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
                   "host_to_store": c["l3_write_bytes"], "store_to_host": c["l3_read_bytes"]},
         "seconds": seconds, "requests_per_s": len(results) / seconds, "prompt_tokens_per_s": prompt / seconds,
         "verified_requests": checked, "max_logit_diff": worst,
-        "store": {k: stats.get("store", {}).get(k, 0) for k in ("hits", "misses", "frame_failures", "errors")},
+        "store": {k: stats.get("store", {}).get(k, 0) for k in ("hits", "misses", "frame_failures", "errors", "timeouts",
+                                                               "set_failures", "store_down", "breaker_trips",
+                                                               "calls_skipped_store_down")},
     }
 
 
@@ -114,9 +116,14 @@ def _table(s: dict) -> str:
         f"throughput               {s['requests_per_s']:.1f} req/s, {s['prompt_tokens_per_s']:.0f} prompt tokens/s",
     ]
     st = s["store"]
-    if st["errors"] or st["frame_failures"]:
-        lines.append(f"store trouble            {st['errors']} failed calls, {st['frame_failures']} pages that did not "
-                     f"verify (each a miss; see the log)")
+    if st["errors"] or st["frame_failures"] or st["timeouts"] or st["set_failures"]:
+        lines.append(f"store trouble            {st['errors']} failed calls, {st['timeouts']} timeouts, "
+                     f"{st['set_failures']} pages not stored, {st['frame_failures']} pages that did not verify "
+                     f"(each a miss; see the log)")
+    if st["breaker_trips"]:
+        state = "DOWN at the end" if st["store_down"] else "up again at the end"
+        lines.append(f"store down               {st['breaker_trips']} times ({state}); "
+                     f"{st['calls_skipped_store_down']} calls skipped instead of waiting for it")
     if s["failed_requests"]:
         lines.append(f"failed requests          {s['failed_requests']} (released; see the log)")
     if not s["counts_add_up"]:

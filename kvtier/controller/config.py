@@ -31,12 +31,17 @@ class ControllerConfig:
     max_inflight_prefetch_bytes: int = 256 << 20
     load_back_min_tokens: int = 1
     consensus_check: bool = False
+    store_down_after_failures: int = 3  # consecutive failed/timed-out store calls
+    store_probe_backoff_s: float = 1.0  # first probe of a down store; doubles up to the max
+    store_probe_max_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("write_threshold", "prefetch_min_tokens", "max_inflight_prefetch_bytes", "load_back_min_tokens"):
+        for name in ("write_threshold", "prefetch_min_tokens", "max_inflight_prefetch_bytes", "load_back_min_tokens",
+                     "store_down_after_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s",
+                     "store_probe_backoff_s", "store_probe_max_backoff_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvtier.backends.base import Store
+from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.config import ControllerConfig
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
@@ -66,9 +67,9 @@ class LoadOp:
 
 class CacheController:
     def __init__(self, pool: DeviceKVPool, mirror: HostMirror | None, store: Store | None,
-                 config: ControllerConfig, stream_factory=make_stream) -> None:
+                 config: ControllerConfig, stream_factory=make_stream, clock=time.monotonic) -> None:
         """`stream_factory(name, device)` makes the write and load streams (a test passes
-        one whose every copy it schedules itself)."""
+        one whose every copy it schedules itself); `clock` times the store breaker's probes."""
         self.pool = pool
         self.mirror = mirror
         self.config = config
@@ -79,7 +80,9 @@ class CacheController:
         self.load_stream = stream_factory("load", pool.device)
         self.storage = None
         if store is not None and mirror is not None:
-            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes)
+            breaker = BreakerConfig(config.store_down_after_failures, config.store_probe_backoff_s,
+                                    config.store_probe_max_backoff_s)
+            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock)
         self._queued_writes: list[WriteOp] = []
         self.writes: deque[WriteOp] = deque()
         self.loads: deque[LoadOp] = deque()

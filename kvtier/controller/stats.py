@@ -59,6 +59,7 @@ class Counters:
     prefetch_stopped_early: int = 0
     prefetch_timed_out: int = 0
     prefetch_errors: int = 0
+    prefetch_skipped_store_down: int = 0
 
 
 @dataclass

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvtier.backends.base import Store
+from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.errors import KvtierError
 from kvtier.tiers.mirror import HostMirror
 
@@ -73,8 +74,10 @@ class BackupOp:
 class StorageWorker:
     """Runs store coroutines on its own event loop thread; never blocks the scheduler."""
 
-    def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int) -> None:
+    def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int,
+                 breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic) -> None:
         self.store = store
+        self.breaker = Breaker(store.name, breaker, clock)
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
@@ -129,7 +132,10 @@ class StorageWorker:
         if op.granted.is_set() or op.stop.is_set():
             op.wake.set()
         try:
-            op.present = await self.store.batch_exists(op.keys)
+            if not self.breaker.admit():
+                op.present, op.outcome = 0, "store_down"
+                return None
+            op.present = await self._guarded(self.store.batch_exists(op.keys))
             self._moved(op)
             if op.present == 0:
                 op.outcome = "done"
@@ -148,7 +154,7 @@ class StorageWorker:
                     return
                 chunk = pages[start:start + self.chunk]
                 async with self._slots:
-                    ok = await self._read(op.keys[start:start + chunk.numel()], chunk)
+                    ok = await self._guarded(self._read(op.keys[start:start + chunk.numel()], chunk))
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
                 self._moved(op)
@@ -163,6 +169,16 @@ class StorageWorker:
             op.outcome, op.error = "error", f"{type(exc).__name__}: {exc}"
             log.exception("prefetch %s failed", op.request_id)
         return None
+
+    async def _guarded(self, call):
+        """A store call whose outcome the breaker learns (a miss or a bad page is no failure)."""
+        try:
+            result = await call
+        except KvtierError as exc:
+            self.breaker.failed(str(exc))
+            raise
+        self.breaker.succeeded()
+        return result
 
     async def _wait_grant(self, op: PrefetchOp) -> bool:
         """Wait for the scheduler to reserve host pages (it does so in its next poll);
@@ -191,8 +207,11 @@ class StorageWorker:
         """Finished only once the store stopped reading the host pages (they stay protected)."""
         settled = None
         try:
+            if not self.breaker.admit():
+                op.ok, op.error = [False] * len(op.keys), "store down"
+                return
             payloads = [self.mirror.page_view(int(p)).numpy() for p in op.host_pages]
-            op.ok = await self.store.batch_set(op.keys, payloads)
+            op.ok = await self._guarded(self.store.batch_set(op.keys, payloads))
         except KvtierError as exc:
             op.error = str(exc)
             op.ok = [False] * len(op.keys)

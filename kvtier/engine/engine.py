@@ -144,19 +144,21 @@ class Engine:
     # -- forward steps ------------------------------------------------------------------------
 
     def _step(self, active: list[_Active], keep_logits: bool, done: list) -> None:
-        chunks, batch = [], []
+        chunks, batch, stalled = [], [], []
         for a in list(active):
             tokens = a.prompt[a.pos:a.pos + self.chunk_size] if a.pos < len(a.prompt) else [a.result.output[-1]]
             slots = self._slots(a, len(tokens))
-            if slots is None:
-                active.remove(a)
-                done.append(self._fail(a, f"device pool exhausted: no room for {len(tokens)} more tokens"))
+            if slots is None:  # sits this step out: the others finish and free room
+                stalled.append((a, len(tokens)))
                 continue
             self.rows.write(a.row, a.pos, slots)
             a.filled = a.pos + len(tokens)
             chunks.append(Chunk(a.row, a.pos, torch.tensor(tokens, dtype=torch.int64), slots))
             batch.append((a, tokens))
-        if not chunks:
+        if not chunks:  # nobody can move: the pool is too small for what is admitted
+            a, n = stalled[0]
+            active.remove(a)
+            done.append(self._fail(a, f"device pool exhausted: no room for {n} more tokens"))
             return
         waiter = self.cache.begin_forward([a.rid for a, _ in batch])
         try:

@@ -104,6 +104,17 @@ def test_precedence_args_over_env_over_file(tmp_path):
     assert "pool.num_layers = 2  (file" in text and "tree.slru_threshold = 2  (default)" in text
 
 
+def test_switching_backend_by_env_drops_the_files_other_options(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("store: {backend: redis, url: 'redis://127.0.0.1:1/0', ttl_s: 60}\n")
+    cfg = load_config(p, env={"KVTIER_STORE_BACKEND": "memory"})
+    assert cfg.store.backend == "memory" and "store.url" not in explain(cfg)
+    with pytest.raises(KvtierConfigError, match=r"store.url: unknown key; allowed: capacity_bytes \(env KVTIER_STORE_URL\)"):
+        load_config(p, env={"KVTIER_STORE_BACKEND": "memory", "KVTIER_STORE_URL": "redis://x:1/0"})
+    with pytest.raises(KvtierConfigError, match=r"pool.size='lots': expected an integer \(env KVTIER_POOL_SIZE\)"):
+        load_config(p, env={"KVTIER_POOL_SIZE": "lots"})
+
+
 def test_secrets_are_not_printed(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("store: {backend: redis, password: hunter2}\n")

@@ -118,7 +118,7 @@ def test_invalid_config_exits_2(tmp_path, capsys):
     assert main(["replay", "--config", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "tierctl: pool.colour: unknown key; allowed: size, num_layers, page_size, attention, " \
-                  "num_kv_heads, head_dim, v_head_dim, kv_lora_rank, rope_dim, dtype, device"
+                  f"num_kv_heads, head_dim, v_head_dim, kv_lora_rank, rope_dim, dtype, device (file {bad})"
 
 
 def test_console_script_is_installed():
