@@ -462,10 +462,6 @@ class Applier:
             self._complained.add(kind)
             log.error("%s (further %s failures are counted in stats, not logged)", message, kind)
 
-    def busy(self) -> bool:
-        c = self.ctl
-        return bool(c.writes or c.loads or c.backups or c.prefetches or c._queued_writes or c.unsettled)
-
     def drain(self, rounds: int = 100) -> None:
         """Stop prefetches, wait for every transfer and store op, apply all of them (applying
         a write starts its store backup, hence the rounds)."""
@@ -473,7 +469,7 @@ class Applier:
             p.want_stop, p.discard = True, True
         for _ in range(rounds):
             self.poll()  # applies the stops (and grants): no op is left waiting for the scheduler
-            if not self.busy():
+            if not self.ctl.busy():
                 break
             self.ctl.wait_idle()
         self.prefetches = {rid: p for rid, p in self.prefetches.items() if p.result is None}

@@ -22,6 +22,7 @@ import yaml
 from kvtier.controller.config import ControllerConfig
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import HASH_ALGOS
+from kvtier.secrets import shown
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import PoolConfig
 from kvtier.tree.policy import EvictionPolicy
@@ -90,7 +91,7 @@ def load_config(
     env = os.environ if env is None else env
     layers: list[tuple[str, dict]] = []
     if path is not None:
-        layers.append((f"file {path}", _read_yaml(path)))
+        layers.append((f"file {config_path(path)}", _read_yaml(path)))
     layers.append(("env", _from_env(env)))
     layers.append(("arg", {s: dict(v) for s, v in (overrides or {}).items()}))
     merged: dict[str, dict[str, Any]] = {}
@@ -134,8 +135,9 @@ def explain(config: KvtierConfig) -> str:
 
 
 def _show(key: str, value: Any) -> str:
-    if value is not None and any(s in key for s in ("password", "secret", "access_key")):
-        return "***"
+    value = shown(key, value)
+    if value == "***":
+        return value
     return value.value if isinstance(value, Enum) else repr(value)
 
 
@@ -147,10 +149,27 @@ def _options_items(options: Any) -> list[tuple[str, Any]]:
     return sorted(dict(options).items())
 
 
-def _read_yaml(path: str | os.PathLike) -> dict:
+def shipped_configs() -> dict[str, Path]:
+    """The configs inside the package, by name (`default`, `redis`, ...)."""
+    from importlib.resources import files
+
+    root = Path(str(files("kvtier") / "configs"))
+    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+
+
+def config_path(path: str | os.PathLike) -> Path:
+    """A YAML file's path, or the shipped config of that name (`--config redis`)."""
     p = Path(path)
-    if not p.is_file():
-        raise KvtierConfigError(f"config file {str(p)!r}: not found")
+    if p.is_file():
+        return p
+    shipped = shipped_configs()
+    if str(path) in shipped:
+        return shipped[str(path)]
+    raise KvtierConfigError(f"config file {str(p)!r}: not found (shipped configs: {', '.join(shipped)})")
+
+
+def _read_yaml(path: str | os.PathLike) -> dict:
+    p = config_path(path)
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:

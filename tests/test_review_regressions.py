@@ -104,7 +104,7 @@ def settle_sim(cache, store, rng):
         time.sleep(0.005)
         for call in list(store.pending):
             store.resolve(call, "ok", rng)
-        if not cache.sync.busy():
+        if not cache.controller.busy():
             return
     raise AssertionError("the cache did not become idle")
 

@@ -74,8 +74,11 @@ class Store(ABC):
     name = "store"
 
     def __init__(self, timeout_s: float = 5.0) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0")
         self.timeout_s = timeout_s
         self.counters = StoreCounters()
+        self._complaints: dict[str, int] = {}
 
     # -- public API ------------------------------------------------------------------------
 
@@ -137,7 +140,12 @@ class Store(ABC):
             return []
         views = [memoryview(p).cast("B") for p in pages]
         frames = [(frame.encode_header(ns, h, v), v) for (_, ns, h), v in zip(parsed, views)]
-        ok = await self._call("batch_set", self._set(list(keys), frames))
+        try:
+            ok = await self._call("batch_set", self._set(list(keys), frames))
+        except StoreError:
+            self.counters.sets += len(keys)
+            self.counters.set_failures += len(keys)
+            raise
         for good, v in zip(ok, views):
             self.counters.sets += 1
             if good:
@@ -224,12 +232,19 @@ class Store(ABC):
         if not task.done():
             task.cancel()
             self.counters.timeouts += 1
+            self.complain("timeout", f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}")
             exc = StoreTimeout(f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}")
             exc.settled = asyncio.ensure_future(_quietly(task))
             raise exc
         try:
             return task.result()
-        except KvtierError:
+        except StoreTimeout as exc:
+            self.counters.timeouts += 1
+            self.complain("timeout", str(exc))
+            raise
+        except KvtierError as exc:
+            self.counters.errors += 1
+            self.complain("error", str(exc))
             raise
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self.counters.timeouts += 1
@@ -237,10 +252,13 @@ class Store(ABC):
         except (ValueError, TypeError, AssertionError):
             raise  # our caller's mistake or our bug: not a store failure
         except Exception as exc:
-            self.counters.errors += 1
             mapped = self._map_error(op, exc)
             if isinstance(mapped, StoreTimeout):
                 self.counters.timeouts += 1
+                self.complain("timeout", str(mapped))
+            else:
+                self.counters.errors += 1
+                self.complain("error", str(mapped))
             raise mapped from exc
 
     async def _deadline(self, op: str, task: asyncio.Future) -> None:
@@ -262,6 +280,16 @@ class Store(ABC):
                     continue
             raise
 
+    def complain(self, kind: str, message: str) -> None:
+        """Log the first failure of each kind (error, timeout, rejected, corrupt), then
+        every 100th with the running count; `stats()` counts them all."""
+        seen = self._complaints.get(kind, 0) + 1
+        self._complaints[kind] = seen
+        if seen == 1:
+            log.warning("%s store: %s", self.name, message)
+        elif seen % 100 == 0:
+            log.warning("%s store: %d %s failures so far; latest: %s", self.name, seen, kind, message)
+
     def _check(self, keys: Sequence[str]) -> list[tuple[str, str, bytes]]:
         if isinstance(keys, str):
             raise ValueError("keys: expected a sequence of keys, got one string")
@@ -275,7 +303,7 @@ class Store(ABC):
         if isinstance(result, FrameError):
             self.counters.frame_failures += 1
             self.counters.misses += 1
-            log.warning("%s: page %s does not verify (%s): counted as a miss", self.name, key, result)
+            self.complain("corrupt", f"page {key} does not verify ({result}): counted as a miss")
             return None
         self.counters.hits += 1
         self.counters.get_bytes += nbytes

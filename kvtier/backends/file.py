@@ -117,28 +117,42 @@ class FileStore(Store):
         return [self._after_read(k, results.get(k)) for k in keys]
 
     def _after_read(self, key: str, result):
+        """A page that cannot be read is a miss and leaves the index (it would fail again)."""
         if isinstance(result, FileNotFoundError):  # deleted behind our back: forget it
             self._forget(key)
             return None
         if isinstance(result, OSError):
-            raise StoreError(f"file: reading {key}: {result}") from result
+            self._forget(key)
+            self.counters.errors += 1
+            self.complain("error", f"reading {key}: {result}; dropped from the index, a miss")
+            return None
         if result is not None and not isinstance(result, FrameError):
             self._touch(key)
         return result
 
     async def _set(self, keys, frames):
+        """Pages that were written are indexed; one that failed is reported not stored (and
+        counted); when none could be written the batch fails as a store error."""
         fits = [len(h) + len(p) <= self.config.capacity_bytes for h, p in frames]
         items = [(self.path(k), h, p, self.config.fsync) for k, (h, p), ok in zip(keys, frames, fits) if ok]
-        for k, err in zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)):
-            if err is not None:
-                raise StoreError(f"file.batch_set: writing {k}: {err}") from err
-        for key, (header, payload), ok in zip(keys, frames, fits):  # index in batch order
-            if ok:
+        errors = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
+        failed = {k: e for k, e in errors.items() if e is not None}
+        if failed and len(failed) == len(keys):
+            k, err = next(iter(failed.items()))
+            raise StoreError(f"file.batch_set: writing {k}: {err}") from err
+        for k, err in failed.items():
+            self.counters.errors += 1
+            self.complain("error", f"writing {k}: {err}")
+        ok = []
+        for key, (header, payload), fit in zip(keys, frames, fits):  # index in batch order
+            stored = fit and key not in failed
+            if stored:
                 self._forget(key)
                 self._sizes[key] = len(header) + len(payload)
                 self.used_bytes += len(header) + len(payload)
+            ok.append(stored)
         await self._enforce_capacity()
-        return fits
+        return ok
 
     async def _enforce_capacity(self) -> None:
         while self.used_bytes > self.config.capacity_bytes and self._sizes:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvtier.backends.base import Store
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
 from kvtier.hashing import split_key
+from kvtier.secrets import redact_url
 
 
 @dataclass(slots=True, frozen=True)
@@ -144,14 +145,4 @@ class RedisStore(Store):
         return super()._map_error(op, exc)
 
     def _extra_stats(self):
-        return {"url": _redact(self.config.url), "cluster": self.config.cluster}
-
-
-def _redact(url: str) -> str:
-    """The URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    if "@" not in rest:
-        return url
-    cred, _, host = rest.rpartition("@")
-    user = cred.split(":", 1)[0]
-    return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"
+        return {"url": redact_url(self.config.url), "cluster": self.config.cluster}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import kvtier
 from kvtier.errors import KvtierError
@@ -22,8 +21,10 @@ EXIT_USAGE = 2
 
 
 def default_config() -> str:
-    """configs/default.yaml of this checkout, next to the package."""
-    return str(Path(__file__).resolve().parents[2] / "configs" / "default.yaml")
+    """The default config shipped inside the package (kvtier/configs/default.yaml)."""
+    from kvtier.config import shipped_configs
+
+    return str(shipped_configs()["default"])
 
 
 class _Parser(argparse.ArgumentParser):

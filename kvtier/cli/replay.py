@@ -14,7 +14,7 @@ from kvtier.engine.workloads import generate, load_trace
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("--config", default=None, help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3")
     p.add_argument("--workload", default="multiturn", help="multiturn | docqa | agent")
     p.add_argument("--trace", default=None, help="a JSONL trace instead of a built-in workload")
     p.add_argument("--requests", type=int, default=60, help="turns to replay (default 60)")

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", default=None, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("--config", default=None, help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9400)
 

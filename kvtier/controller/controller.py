@@ -208,6 +208,10 @@ class CacheController:
                 n += (op.host_pages.numel() - op.inserted) * self.page_size
         return n
 
+    def busy(self) -> bool:
+        """Any op not applied yet (or a prefetch whose store call has not settled)?"""
+        return bool(self.writes or self.loads or self.backups or self.prefetches or self._queued_writes or self.unsettled)
+
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until every submitted transfer and store op has finished."""
         self.flush_writes()

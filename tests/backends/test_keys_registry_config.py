@@ -82,15 +82,30 @@ def test_registry_module_class_and_failing_plugin():
     assert type(build_store("memory", {"capacity_bytes": 1024})).__name__ == "MemoryStore"
 
 
-def test_every_shipped_config_loads():
-    import glob
+def test_every_shipped_config_loads_by_name():
+    from kvtier.config import shipped_configs
 
-    files = sorted(glob.glob("configs/*.yaml"))
-    assert {"configs/default.yaml", "configs/memory.yaml", "configs/redis.yaml",
-            "configs/redis-cluster.yaml", "configs/s3.yaml"} <= set(files)
-    for f in files:
-        cfg = load_config(f, env={})
+    assert {"default", "memory", "redis", "redis-cluster", "s3"} <= set(shipped_configs())
+    for name in shipped_configs():
+        cfg = load_config(name, env={})
         assert cfg.store.backend in ("file", "memory", "redis", "s3")
+        assert cfg.sources["pool.size"].endswith(f"kvtier/configs/{name}.yaml")
+
+
+def test_the_wheel_ships_the_configs(tmp_path):
+    """`pip install .` (not -e) must find its configs: build the wheel and look inside."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(root)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    [wheel] = tmp_path.glob("kvtier-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"kvtier/configs/default.yaml", "kvtier/configs/redis.yaml"} <= set(names)
 
 
 def test_precedence_args_over_env_over_file(tmp_path):

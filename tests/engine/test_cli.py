@@ -165,3 +165,27 @@ def test_replay_with_page_size_1_hits_the_store_on_a_second_run(cache_home, caps
     assert main(["replay", "--requests", "10", "--verify", "--json"]) == 0
     second = json.loads(capsys.readouterr().out)
     assert second["hit_tokens"]["storage"] > 0 and second["verified_requests"] == 10
+
+
+def test_replay_against_an_unwritable_store_root_shows_the_failed_writes(cache_home, capsys):
+    cache_home.mkdir(parents=True)
+    (cache_home / "kvtier").write_text("not a directory")  # every page's directory fails to appear
+    assert main(["replay", "--requests", "12", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["store"]["set_failures"] > 0 and s["store"]["errors"] > 0 and s["bytes"]["host_to_store"] == 0
+    assert main(["replay", "--requests", "12"]) == 0
+    assert "store trouble" in capsys.readouterr().out
+
+
+def test_config_never_prints_a_password(tmp_path, capsys):
+    cfg = tmp_path / "pw.yaml"
+    cfg.write_text("store: {backend: redis, url: 'rediss://app:hunter2@cache.internal:6380/0'}\n")
+    assert main(["config", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out and "rediss://app:***@cache.internal:6380/0" in out
+
+
+def test_switching_the_store_to_memory_by_env_just_works(cache_home, capsys, monkeypatch):
+    monkeypatch.setenv("KVTIER_STORE_BACKEND", "memory")
+    assert main(["replay", "--requests", "10", "--verify"]) == 0
+    assert "verified                 10 requests" in capsys.readouterr().out
