@@ -102,6 +102,9 @@ class TieredCache:
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, config.tree.hash_algo)
         self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock)
+        if self.controller.storage is not None:
+            self.controller.storage.manifest = (config.store.key_prefix, self.namespace.id,
+                                                self.namespace.manifest(self.mirror.page_bytes))
         self.agreement = Agreement(tp_group, config.controller.consensus_check or None)
         self.stats_obj = CacheStats()
         self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,

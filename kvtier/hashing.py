@@ -59,6 +59,14 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_size:
             raise KvtierConfigError(f"namespace.tp_rank={self.tp_rank!r}: must be in [0, tp_size={self.tp_size})")
 
+    def manifest(self, page_bytes: int) -> dict:
+        """What `tierctl store ls` shows of a namespace (docs/formats.md). The tenant salt
+        itself is never stored: only a digest that `purge --tenant SALT` can match."""
+        return {"format": 1, "namespace": self.id, "model_id": self.model_id, "revision": self.revision,
+                "dtype": self.dtype, "layout": self.layout, "page_size": self.page_size, "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size, "tenant": tenant_digest(self.tenant_salt),
+                "key_format_version": self.key_format_version, "page_bytes": page_bytes}
+
     @property
     def id(self) -> str:
         """32 hex digits naming this namespace in keys and page frames."""
@@ -69,6 +77,10 @@ class Namespace:
                 continue  # ids from before revisions existed stay the same
             h.update(_field(f.name.encode(), b"\x00" if value is None else b"\x01" + str(value).encode()))
         return h.hexdigest()[:NAMESPACE_ID_HEX]
+
+
+def tenant_digest(salt: str | None) -> str | None:
+    return None if salt is None else hashlib.sha256(b"kvtier/tenant\x00" + salt.encode()).hexdigest()[:16]
 
 
 def _hasher(algo: str):

@@ -1,7 +1,7 @@
 """The L3 store interface (docs/design.md §6): async bytes keyed by page hash, framed and verified.
 
 A store subclass implements the raw operations (`_exists`, `_get`, `_set`, `_delete`,
-`_inventory`, `_close`) on whole frames. This base validates keys, frames and verifies
+`_scan`, `_put_meta`, `_get_meta`, `_close`) on whole frames. This base validates keys, frames and verifies
 pages, applies the timeout to every call, counts, and maps client errors onto kvtier's
 exceptions at the boundary — no redis, botocore or OS error escapes unmapped.
 
@@ -11,15 +11,16 @@ Threading: a store is used from one asyncio event loop (the controller's storage
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 from kvtier.backends import frame
 from kvtier.backends.frame import Buffer, FrameError
 from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
-from kvtier.hashing import split_key
+from kvtier.hashing import split_key, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,25 @@ class StoreCounters:
     timeouts: int = 0
     evictions: int = 0
     deletes: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class StoredPage:
+    key: str
+    size: int  # bytes the store holds for it (frame included)
+    mtime: float | None  # when it was written (seconds since the epoch), if the store knows
+
+
+def manifest_key(prefix: str, namespace_id: str) -> str:
+    return f"{prefix}/{namespace_id}/manifest.json"
+
+
+def _is_page_key(key: str) -> bool:
+    try:
+        validate_key(key)
+        return True
+    except ValueError:
+        return False
 
 
 # A raw read result for one key: absent, verified into the caller's buffer, or a bad frame.
@@ -163,9 +183,55 @@ class Store(ABC):
         self.counters.deletes += n
         return n
 
+    async def scan(self, batch: int = 1000) -> AsyncIterator[list[StoredPage]]:
+        """Every kvtier page the store holds, in batches (keys that are not kvtier's are
+        skipped). Each batch is one bounded call: a huge store streams, it never loads."""
+        async for pages in self._scan(batch):
+            yield [p for p in pages if _is_page_key(p.key)]
+
     async def inventory(self) -> dict:
         """What the store holds: {'pages', 'bytes', 'namespaces': {id: pages}}."""
-        return await self._call("inventory", self._inventory())
+        pages = nbytes = 0
+        namespaces: dict[str, int] = {}
+        async for batch in self.scan():
+            for p in batch:
+                pages, nbytes = pages + 1, nbytes + p.size
+                ns = split_key(p.key)[1]
+                namespaces[ns] = namespaces.get(ns, 0) + 1
+        return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
+
+    async def check(self, keys: Sequence[str]) -> list[str | None]:
+        """Read and verify each page: None if its frame and checksum verify, else why not
+        ("missing", or the frame error). Nothing is counted as a hit or a miss."""
+        parsed = self._check(keys)
+        if not keys:
+            return []
+        blobs = await self._call("check", self._get(list(keys)))
+        out: list[str | None] = []
+        for (_, ns, h), blob in zip(parsed, blobs):
+            if blob is None:
+                out.append("missing")
+                continue
+            try:
+                frame.decode(blob, ns, h)
+                out.append(None)
+            except FrameError as exc:
+                out.append(str(exc))
+        return out
+
+    async def put_manifest(self, prefix: str, namespace_id: str, manifest: dict) -> None:
+        """Describe a namespace (docs/formats.md): written once, when it first stores a page."""
+        await self._call("put_manifest", self._put_meta(manifest_key(prefix, namespace_id),
+                                                        json.dumps(manifest, sort_keys=True).encode()))
+
+    async def get_manifest(self, prefix: str, namespace_id: str) -> dict | None:
+        raw = await self._call("get_manifest", self._get_meta(manifest_key(prefix, namespace_id)))
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None
 
     def stats(self) -> dict:
         return {"store": self.name, **asdict(self.counters), **self._extra_stats()}
@@ -193,7 +259,13 @@ class Store(ABC):
     async def _delete(self, keys: list[str]) -> int: ...
 
     @abstractmethod
-    async def _inventory(self) -> dict: ...
+    def _scan(self, batch: int) -> AsyncIterator[list[StoredPage]]: ...
+
+    @abstractmethod
+    async def _put_meta(self, name: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def _get_meta(self, name: str) -> bytes | None: ...
 
     async def _close(self) -> None:
         return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.backends import frame
-from kvtier.backends.base import IntoResult, Store
+from kvtier.backends.base import IntoResult, Store, StoredPage
 from kvtier.backends.frame import FrameError
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
@@ -182,12 +182,25 @@ class FileStore(Store):
         if size is not None:
             self.used_bytes -= size
 
-    async def _inventory(self):
-        namespaces: dict[str, int] = {}
-        for k in self._sizes:
-            ns = split_key(k)[1]
-            namespaces[ns] = namespaces.get(ns, 0) + 1
-        return {"pages": len(self._sizes), "bytes": self.used_bytes, "namespaces": namespaces}
+    async def _scan(self, batch):
+        keys = list(self._sizes)
+        for start in range(0, len(keys), batch):
+            chunk = keys[start:start + batch]
+            mtimes = await self._batch(_mtime, [(self.path(k),) for k in chunk])
+            yield [StoredPage(k, self._sizes.get(k, 0), None if isinstance(m, OSError) else m)
+                   for k, m in zip(chunk, mtimes)]
+
+    def _meta_path(self, name: str) -> Path:
+        return self.root.joinpath(*name.split("/"))
+
+    async def _put_meta(self, name, data):
+        [err] = await self._batch(_write_atomically, [(self._meta_path(name), b"", memoryview(data), self.config.fsync)])
+        if err is not None:
+            raise StoreError(f"file: writing {name}: {err}") from err
+
+    async def _get_meta(self, name):
+        [got] = await self._batch(_read_file, [(self._meta_path(name),)])
+        return None if isinstance(got, OSError) else got
 
     def _extra_stats(self):
         return {"pages": len(self._sizes), "used_bytes": self.used_bytes,
@@ -210,6 +223,10 @@ def _run_all(fn, items: list[tuple]) -> list:
         except OSError as exc:
             out.append(exc)
     return out
+
+
+def _mtime(path: Path) -> float:
+    return os.stat(path).st_mtime
 
 
 def _read_file(path: Path) -> bytes:

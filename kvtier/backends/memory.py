@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvtier.backends.base import Store
-from kvtier.hashing import split_key
+from kvtier.backends.base import Store, StoredPage
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,6 +23,7 @@ class MemoryStore(Store):
             raise ValueError(f"capacity_bytes={config.capacity_bytes}: must be > 0")
         self.capacity_bytes = config.capacity_bytes
         self._pages: OrderedDict[str, bytes] = OrderedDict()
+        self._meta: dict[str, bytes] = {}
         self.used_bytes = 0
 
     async def _exists(self, keys):
@@ -64,12 +64,16 @@ class MemoryStore(Store):
         self.used_bytes -= len(blob)
         return True
 
-    async def _inventory(self):
-        namespaces: dict[str, int] = {}
-        for k in self._pages:
-            ns = split_key(k)[1]
-            namespaces[ns] = namespaces.get(ns, 0) + 1
-        return {"pages": len(self._pages), "bytes": self.used_bytes, "namespaces": namespaces}
+    async def _scan(self, batch):
+        keys = list(self._pages)
+        for start in range(0, len(keys), batch):
+            yield [StoredPage(k, len(self._pages[k]), None) for k in keys[start:start + batch] if k in self._pages]
+
+    async def _put_meta(self, name, data):
+        self._meta[name] = bytes(data)
+
+    async def _get_meta(self, name):
+        return self._meta.get(name)
 
     def _extra_stats(self):
         return {"pages": len(self._pages), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes}

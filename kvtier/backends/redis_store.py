@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvtier.backends.base import Store
+from kvtier.backends.base import Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
-from kvtier.hashing import split_key
 from kvtier.secrets import redact_url
 
 
@@ -117,18 +116,29 @@ class RedisStore(Store):
                 pipe.delete(k)
             return sum(await pipe.execute())
 
-    async def _inventory(self):
-        pages, nbytes, namespaces = 0, 0, {}
-        async for raw in self.client.scan_iter(match="*", count=1000):
-            key = raw.decode() if isinstance(raw, bytes) else raw
-            try:
-                ns = split_key(key)[1]
-            except ValueError:
-                continue  # someone else's key
-            pages += 1
-            nbytes += await self.client.strlen(key)
-            namespaces[ns] = namespaces.get(ns, 0) + 1
-        return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
+    async def _scan(self, batch):
+        """SCAN in batches, one pipelined STRLEN per batch. Redis keeps no write time."""
+        keys: list[str] = []
+        async for raw in self.client.scan_iter(match="*", count=batch):
+            keys.append(raw.decode() if isinstance(raw, bytes) else raw)
+            if len(keys) >= batch:
+                yield await self._sized(keys)
+                keys = []
+        if keys:
+            yield await self._sized(keys)
+
+    async def _sized(self, keys: list[str]) -> list[StoredPage]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.strlen(k)
+            sizes = await pipe.execute()
+        return [StoredPage(k, n, None) for k, n in zip(keys, sizes) if n]
+
+    async def _put_meta(self, name, data):
+        await self.client.set(name, bytes(data), ex=self.config.ttl_s)
+
+    async def _get_meta(self, name):
+        return await self.client.get(name)
 
     async def _close(self):
         await self.client.aclose()

@@ -12,9 +12,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvtier.backends.base import Store
+from kvtier.backends.base import Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
-from kvtier.hashing import split_key
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 
@@ -142,22 +141,29 @@ class S3Store(Store):
     async def _delete(self, keys):
         return await self._run(self._remove, keys)
 
-    def _list(self) -> dict:
-        pages, nbytes, namespaces = 0, 0, {}
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=self.config.prefix):
-            for obj in page.get("Contents", []):
-                try:
-                    ns = split_key(obj["Key"][len(self.config.prefix):])[1]
-                except ValueError:
-                    continue
-                pages += 1
-                nbytes += obj["Size"]
-                namespaces[ns] = namespaces.get(ns, 0) + 1
-        return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
+    def _list_page(self, token: str | None, batch: int) -> tuple[list[StoredPage], str | None]:
+        kwargs = {"Bucket": self.config.bucket, "Prefix": self.config.prefix, "MaxKeys": batch}
+        if token:
+            kwargs["ContinuationToken"] = token
+        resp = self.client.list_objects_v2(**kwargs)
+        pages = [StoredPage(o["Key"][len(self.config.prefix):], o["Size"], o["LastModified"].timestamp())
+                 for o in resp.get("Contents", [])]
+        return pages, resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
 
-    async def _inventory(self):
-        return await self._run(self._list)
+    async def _scan(self, batch):
+        token = None
+        while True:
+            pages, token = await self._run(self._list_page, token, batch)
+            yield pages
+            if token is None:
+                return
+
+    async def _put_meta(self, name, data):
+        await self._run(lambda: self.client.put_object(Bucket=self.config.bucket, Key=self._object(name),
+                                                       Body=bytes(data)))
+
+    async def _get_meta(self, name):
+        return await self._run(self._fetch, name)
 
     async def _close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)

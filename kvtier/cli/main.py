@@ -4,6 +4,7 @@
     tierctl serve  [--config FILE] [--host 127.0.0.1] [--port 9400]
     tierctl stats  (--url URL | --config FILE) [--json]
     tierctl bench  transfer|stores|tree|cache
+    tierctl store  ls|du|verify [--prune]|purge (--namespace ID|--tenant SALT|--older-than 7d) [--config FILE]
     tierctl config [--config FILE]      (every setting and where it came from)
 
 Bad flags, a missing or invalid config: exit code 2 and one line naming the problem.
@@ -34,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import replay, serve, stats
+    from kvtier.cli import replay, serve, stats, store
 
     p = _Parser(prog="tierctl", description="kvtier: hierarchical KV-cache tiering")
     p.add_argument("--version", action="version", version=f"tierctl {kvtier.__version__}")
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="per-tier stats of a running server, or a store's contents")
     stats.add_arguments(st)
     st.set_defaults(func=stats.run)
+    so = sub.add_parser("store", help="maintain an L3 store: ls, du, verify [--prune], purge")
+    store.add_arguments(so)
+    so.set_defaults(func=lambda a: store.run(a, default_config()))
     b = sub.add_parser("bench", help="benchmarks against baselines measured in the same run")
     b.add_argument("name", choices=["transfer", "stores", "tree", "cache"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")

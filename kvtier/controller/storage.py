@@ -78,6 +78,7 @@ class StorageWorker:
                  breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic) -> None:
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
+        self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to write once
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
@@ -170,6 +171,13 @@ class StorageWorker:
             log.exception("prefetch %s failed", op.request_id)
         return None
 
+    async def _write_manifest(self) -> None:
+        """Before a namespace's first page: describe it in the store (kept if already there)."""
+        prefix, ns, manifest = self.manifest
+        self.manifest = None
+        if await self._guarded(self.store.get_manifest(prefix, ns)) is None:
+            await self._guarded(self.store.put_manifest(prefix, ns, {**manifest, "created": time.time()}))
+
     async def _guarded(self, call):
         """A store call whose outcome the breaker learns (a miss or a bad page is no failure)."""
         try:
@@ -210,6 +218,8 @@ class StorageWorker:
             if not self.breaker.admit():
                 op.ok, op.error = [False] * len(op.keys), "store down"
                 return
+            if self.manifest is not None:
+                await self._write_manifest()
             payloads = [self.mirror.page_view(int(p)).numpy() for p in op.host_pages]
             op.ok = await self._guarded(self.store.batch_set(op.keys, payloads))
         except KvtierError as exc:

@@ -189,3 +189,32 @@ def test_switching_the_store_to_memory_by_env_just_works(cache_home, capsys, mon
     monkeypatch.setenv("KVTIER_STORE_BACKEND", "memory")
     assert main(["replay", "--requests", "10", "--verify"]) == 0
     assert "verified                 10 requests" in capsys.readouterr().out
+
+
+def test_store_ls_du_verify_prune_purge_on_a_filled_file_store(cache_home, capsys):
+    assert main(["replay", "--requests", "10"]) == 0
+    capsys.readouterr()
+    assert main(["store", "ls", "--json"]) == 0
+    [ns] = json.loads(capsys.readouterr().out)["namespaces"]
+    assert ns["model_id"] == "kvtier-reference-tiny" and ns["dtype"] == "float32" and ns["page_size"] == 16
+    assert ns["pages"] > 0 and ns["manifest"] and ns["newest"] is not None
+    assert main(["store", "du", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes"] == ns["bytes"]
+    assert main(["store", "verify"]) == 0
+    assert f"{ns['pages']} good, 0 bad" in capsys.readouterr().out
+    victim = next(p for p in cache_home.rglob("*") if p.is_file() and len(p.name) == 64)
+    blob = bytearray(victim.read_bytes())
+    blob[-5] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    assert main(["store", "verify"]) == 1
+    out = capsys.readouterr().out
+    assert "1 bad" in out and victim.name in out
+    assert main(["store", "verify", "--prune"]) == 0
+    assert main(["store", "verify"]) == 0
+    assert f"{ns['pages'] - 1} good, 0 bad" in capsys.readouterr().out.splitlines()[-1]
+    assert main(["store", "purge", "--tenant", "nobody", "--dry-run"]) == 0
+    assert "would delete 0 pages" in capsys.readouterr().out
+    assert main(["store", "purge", "--namespace", ns["namespace"]]) == 0
+    assert f"deleted {ns['pages'] - 1} pages" in capsys.readouterr().out
+    assert main(["store", "ls", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["namespaces"] == []

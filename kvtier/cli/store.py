@@ -1,0 +1,217 @@
+"""`tierctl store`: maintenance of an L3 store (file, redis, s3 or a plugin).
+
+    tierctl store ls     [--config C] [--json]      namespaces: model, dtype, layout, pages, bytes, age
+    tierctl store du     [--config C] [--json]      bytes per namespace and in all
+    tierctl store verify [--config C] [--prune]     read every page: good / bad / orphaned; exit 1 if bad
+    tierctl store purge  [--config C] (--namespace ID | --tenant SALT | --older-than 7d) [--dry-run]
+
+Every command streams the store in batches (SCAN on Redis, list pages on S3); a progress
+line is drawn on a terminal. The page and manifest formats: docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+
+from kvtier.backends.registry import build_store
+from kvtier.config import load_config
+from kvtier.errors import KvtierConfigError
+from kvtier.hashing import split_key, tenant_digest
+
+BATCH = 256
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=type(p))
+    for name, text in (("ls", "namespaces in the store"), ("du", "bytes per namespace"),
+                       ("verify", "read and check every page"), ("purge", "delete a namespace, a tenant or old pages")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--config", default=None, help="a YAML file or a shipped config name (default: default)")
+        s.add_argument("--json", action="store_true")
+        if name == "verify":
+            s.add_argument("--prune", action="store_true", help="delete the pages that do not verify")
+        if name == "purge":
+            which = s.add_mutually_exclusive_group(required=True)
+            which.add_argument("--namespace", help="a namespace id (see `tierctl store ls`)")
+            which.add_argument("--tenant", help="a tenant salt: every namespace made with it")
+            which.add_argument("--older-than", type=_age, help="pages written longer ago than this: 90m, 12h, 7d")
+            s.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+
+
+def _age(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if not m:
+        raise ValueError(f"--older-than={text!r}: expected a number and a unit s, m, h or d (e.g. 7d)")
+    return float(m[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
+
+
+def run(args, default_config: str) -> int:
+    cfg = load_config(args.config or default_config)
+    if cfg.store.backend == "none":
+        raise KvtierConfigError(f"store.backend is 'none' in {args.config or default_config}: no store to maintain")
+    store = build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
+    action = {"ls": _ls, "du": _du, "verify": _verify, "purge": _purge}[args.action]
+
+    async def go():
+        try:
+            return await action(store, cfg.store.key_prefix, args)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+class _Progress:
+    def __init__(self, what: str) -> None:
+        self.what, self.n, self.tty = what, 0, sys.stderr.isatty()
+
+    def add(self, n: int) -> None:
+        self.n += n
+        if self.tty:
+            sys.stderr.write(f"\r{self.what}: {self.n} pages")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+async def _by_namespace(store, prefix: str, what: str) -> dict[str, dict]:
+    spaces: dict[str, dict] = defaultdict(lambda: {"pages": 0, "bytes": 0, "oldest": None, "newest": None,
+                                                   "keys": []})
+    progress = _Progress(what)
+    async for batch in store.scan(BATCH):
+        for p in batch:
+            pre, ns, _ = split_key(p.key)
+            if pre != prefix:
+                continue
+            s = spaces[ns]
+            s["pages"] += 1
+            s["bytes"] += p.size
+            s["keys"].append((p.key, p.mtime))
+            if p.mtime is not None:
+                s["oldest"] = p.mtime if s["oldest"] is None else min(s["oldest"], p.mtime)
+                s["newest"] = p.mtime if s["newest"] is None else max(s["newest"], p.mtime)
+        progress.add(len(batch))
+    progress.done()
+    return dict(spaces)
+
+
+async def _ls(store, prefix, args) -> int:
+    spaces = await _by_namespace(store, prefix, "listing")
+    rows = []
+    for ns, s in sorted(spaces.items()):
+        m = await store.get_manifest(prefix, ns) or {}
+        rows.append({"namespace": ns, "model_id": m.get("model_id"), "revision": m.get("revision"),
+                     "dtype": m.get("dtype"), "layout": m.get("layout"), "page_size": m.get("page_size"),
+                     "tenant": m.get("tenant"), "pages": s["pages"], "bytes": s["bytes"],
+                     "oldest": s["oldest"], "newest": s["newest"], "manifest": bool(m)})
+    if args.json:
+        print(json.dumps({"store": store.name, "namespaces": rows}, indent=2))
+        return 0
+    print(f"store {store.name}: {len(rows)} namespaces, {sum(r['pages'] for r in rows)} pages, "
+          f"{_size(sum(r['bytes'] for r in rows))}")
+    print(f"{'namespace':32}  {'model':24} {'dtype':8} {'page':>4} {'tenant':16} {'pages':>7} {'size':>10}  newest")
+    for r in rows:
+        print(f"{r['namespace']:32}  {str(r['model_id'] or '(no manifest)')[:24]:24} {str(r['dtype'] or '-'):8} "
+              f"{str(r['page_size'] or '-'):>4} {str(r['tenant'] or '-'):16} {r['pages']:>7} {_size(r['bytes']):>10}  "
+              f"{_when(r['newest'])}")
+    return 0
+
+
+async def _du(store, prefix, args) -> int:
+    spaces = await _by_namespace(store, prefix, "measuring")
+    total = sum(s["bytes"] for s in spaces.values())
+    if args.json:
+        print(json.dumps({"store": store.name, "bytes": total,
+                          "namespaces": {ns: s["bytes"] for ns, s in sorted(spaces.items())}}, indent=2))
+        return 0
+    for ns, s in sorted(spaces.items(), key=lambda kv: -kv[1]["bytes"]):
+        print(f"{_size(s['bytes']):>10}  {ns}")
+    print(f"{_size(total):>10}  total ({store.name})")
+    return 0
+
+
+async def _verify(store, prefix, args) -> int:
+    """good: frame and checksum verify; bad: they do not; orphaned: a namespace without a
+    manifest (written by something else, or its manifest was lost)."""
+    spaces = await _by_namespace(store, prefix, "listing")
+    good = bad = orphaned = pruned = 0
+    bad_keys: list[tuple[str, str]] = []
+    progress = _Progress("verifying")
+    for ns, s in sorted(spaces.items()):
+        has_manifest = await store.get_manifest(prefix, ns) is not None
+        keys = [k for k, _ in s["keys"]]
+        for start in range(0, len(keys), BATCH):
+            chunk = keys[start:start + BATCH]
+            verdicts = await store.check(chunk)
+            for k, why in zip(chunk, verdicts):
+                if why is None:
+                    good += 1
+                    orphaned += not has_manifest
+                elif why != "missing":  # deleted meanwhile: nothing to say
+                    bad += 1
+                    bad_keys.append((k, why))
+            progress.add(len(chunk))
+    progress.done()
+    if args.prune and bad_keys:
+        pruned = await store.delete([k for k, _ in bad_keys])
+    if args.json:
+        print(json.dumps({"store": store.name, "good": good, "bad": bad, "orphaned": orphaned, "pruned": pruned,
+                          "bad_pages": [{"key": k, "why": w} for k, w in bad_keys]}, indent=2))
+    else:
+        print(f"store {store.name}: {good} good, {bad} bad, {orphaned} orphaned (no manifest)"
+              + (f", {pruned} bad pages deleted" if args.prune else ""))
+        for k, why in bad_keys[:20]:
+            print(f"  bad: {k}: {why}")
+        if len(bad_keys) > 20:
+            print(f"  ... {len(bad_keys) - 20} more")
+    return 1 if bad and not args.prune else 0
+
+
+async def _purge(store, prefix, args) -> int:
+    spaces = await _by_namespace(store, prefix, "listing")
+    victims: list[str] = []
+    if args.namespace:
+        victims = [k for k, _ in spaces.get(args.namespace, {"keys": []})["keys"]]
+    elif args.tenant is not None:
+        want = tenant_digest(args.tenant)
+        for ns, s in spaces.items():
+            m = await store.get_manifest(prefix, ns)
+            if m is not None and m.get("tenant") == want:
+                victims += [k for k, _ in s["keys"]]
+    else:
+        ages = [t for s in spaces.values() for _, t in s["keys"]]
+        if ages and all(t is None for t in ages):
+            raise KvtierConfigError(f"purge --older-than: the {store.name} store keeps no write times; "
+                                    "expire pages with the store's own TTL instead (store.ttl_s on redis)")
+        cutoff = time.time() - args.older_than
+        victims = [k for s in spaces.values() for k, t in s["keys"] if t is not None and t < cutoff]
+    if args.dry_run:
+        print(f"would delete {len(victims)} pages")
+        return 0
+    deleted = 0
+    progress = _Progress("deleting")
+    for start in range(0, len(victims), BATCH):
+        deleted += await store.delete(victims[start:start + BATCH])
+        progress.add(len(victims[start:start + BATCH]))
+    progress.done()
+    print(f"deleted {deleted} pages")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
