@@ -97,8 +97,8 @@ def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10) -> d
     return {"rates": rates, "bound": bound, "ms_per_request": inside / len(trace) * 1e3}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--sessions", type=int, default=150)
     p.add_argument("--turns", type=int, default=6)
     args = p.parse_args(argv)

@@ -160,10 +160,10 @@ def run(repeat: int = 3, only: list[str] | None = None) -> dict[str, tuple[float
     return ratios
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--only", nargs="*", help="store names (memory file redis s3)")
+    p.add_argument("--only", nargs="*", choices=["memory", "file", "redis", "s3"], help="store names")
     args = p.parse_args(argv)
     run(args.repeat, args.only)
 

@@ -78,8 +78,8 @@ def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, flo
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)

@@ -63,8 +63,8 @@ def scaling(page_size: int = 1, repeat: int = 2000) -> tuple[float, float, float
     return times[0], times[1], times[1] / times[0]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--sessions", type=int, default=400)
     p.add_argument("--turns", type=int, default=8)
     args = p.parse_args(argv)

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args) -> int:
     import importlib
 
-    importlib.import_module(f"kvtier.bench.{args.name}").main(args.rest)
+    importlib.import_module(f"kvtier.bench.{args.name}").main(args.rest, prog=f"tierctl bench {args.name}")
     return 0
 
 

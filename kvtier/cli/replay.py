@@ -6,11 +6,7 @@ import dataclasses
 import json
 import sys
 
-from kvtier.cache import TieredCache
-from kvtier.config import load_config
-from kvtier.engine.engine import Engine, infinite_hit_rate, timed_run, verify
-from kvtier.engine.model import ModelConfig, TinyTransformer
-from kvtier.engine.workloads import generate, load_trace
+from kvtier.errors import KvtierConfigError
 
 
 def add_arguments(p) -> None:
@@ -26,7 +22,29 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def check_arguments(args) -> None:
+    """Refuse what would be silently ignored or fail only after the whole replay."""
+    if args.verify is not None and not 0 < args.verify <= 1:
+        raise KvtierConfigError(f"--verify {args.verify}: a fraction in (0, 1] (--verify alone checks every request)")
+    if args.trace and (args.requests != 60 or args.workload != "multiturn"):
+        raise KvtierConfigError("--trace replays its own turns: --requests and --workload do not apply to it")
+    if args.requests < 1:
+        raise KvtierConfigError(f"--requests {args.requests}: must be >= 1")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise KvtierConfigError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
+
+
 def run(args, default_config: str) -> int:
+    check_arguments(args)
+    from kvtier.cache import TieredCache
+    from kvtier.config import load_config
+    from kvtier.engine.engine import Engine, timed_run
+    from kvtier.engine.model import ModelConfig, TinyTransformer
+    from kvtier.engine.workloads import generate, load_trace
+
     model = TinyTransformer(ModelConfig(seed=args.seed))
     config = with_weights(load_config(args.config or default_config), model)
     turns = load_trace(args.trace, model.config.vocab) if args.trace else \
@@ -53,7 +71,7 @@ def run(args, default_config: str) -> int:
     return 1 if wrong or summary["failed_requests"] or not summary["counts_add_up"] else 0
 
 
-def with_weights(config, model: TinyTransformer):
+def with_weights(config, model):
     """The namespace names these weights: KV of another seed is never served to them."""
     ns = dataclasses.replace(config.namespace, revision=config.namespace.revision or model.fingerprint())
     return dataclasses.replace(config, namespace=ns)
@@ -61,6 +79,8 @@ def with_weights(config, model: TinyTransformer):
 
 def _verify(model, results, fraction) -> tuple[int, float, list[str]]:
     """(requests checked, worst logit diff, one line per request that differs)."""
+    from kvtier.engine.engine import verify
+
     if fraction is None:
         return 0, 0.0, []
     step = max(1, round(1 / fraction)) if fraction > 0 else len(results) + 1
@@ -77,6 +97,8 @@ def _verify(model, results, fraction) -> tuple[int, float, list[str]]:
 
 
 def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
+    from kvtier.engine.engine import infinite_hit_rate
+
     prompt = sum(len(r.prompt) for r in results)
     dev, host, storage = (sum(getattr(r, f) for r in results) for f in ("device_hit", "host_hit", "storage_hit"))
     computed = sum(r.computed for r in results)

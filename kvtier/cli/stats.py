@@ -6,8 +6,6 @@ import asyncio
 import json
 import urllib.request
 
-from kvtier.backends.registry import build_store
-from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError, StoreError
 
 
@@ -16,6 +14,16 @@ def add_arguments(p) -> None:
     src.add_argument("--url", help="a running `tierctl serve`, e.g. http://127.0.0.1:9400")
     src.add_argument("--config", help="inspect the store this config names, without a server")
     p.add_argument("--json", action="store_true")
+
+
+def _store_from(config_path: str):
+    from kvtier.backends.registry import build_store
+    from kvtier.config import load_config
+
+    cfg = load_config(config_path)
+    if cfg.store.backend == "none":
+        raise KvtierConfigError(f"{config_path}: store.backend is 'none': no store here")
+    return cfg, build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
 
 
 def run(args) -> int:
@@ -33,10 +41,7 @@ def _from_url(url: str) -> dict:
 
 
 def _from_store(path: str) -> dict:
-    cfg = load_config(path)
-    if cfg.store.backend == "none":
-        raise KvtierConfigError(f"{path}: store.backend is 'none': nothing to inspect")
-    store = build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
+    cfg, store = _store_from(path)
 
     async def inspect():
         try:

@@ -11,6 +11,7 @@ line is drawn on a terminal. The page and manifest formats: docs/formats.md.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -18,8 +19,6 @@ import sys
 import time
 from collections import defaultdict
 
-from kvtier.backends.registry import build_store
-from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import split_key, tenant_digest
 
@@ -46,15 +45,22 @@ def add_arguments(p) -> None:
 def _age(text: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
     if not m:
-        raise ValueError(f"--older-than={text!r}: expected a number and a unit s, m, h or d (e.g. 7d)")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number and a unit s, m, h or d (e.g. 7d)")
     return float(m[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
 
 
-def run(args, default_config: str) -> int:
-    cfg = load_config(args.config or default_config)
+def _store_from(config_path: str):
+    from kvtier.backends.registry import build_store
+    from kvtier.config import load_config
+
+    cfg = load_config(config_path)
     if cfg.store.backend == "none":
-        raise KvtierConfigError(f"store.backend is 'none' in {args.config or default_config}: no store to maintain")
-    store = build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
+        raise KvtierConfigError(f"{config_path}: store.backend is 'none': no store here")
+    return cfg, build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
+
+
+def run(args, default_config: str) -> int:
+    cfg, store = _store_from(args.config or default_config)
     action = {"ls": _ls, "du": _du, "verify": _verify, "purge": _purge}[args.action]
 
     async def go():

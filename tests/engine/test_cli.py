@@ -102,8 +102,16 @@ def test_serve_and_stats_url_end_to_end(cache_home, capsys):
     (["stats"], "one of the arguments --url --config is required"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["bench", "nothing"], "invalid choice: 'nothing'"),
+    (["replay", "--verify", "2"], "--verify 2.0: a fraction in (0, 1]"),
+    (["replay", "--verify", "0"], "--verify 0.0: a fraction in (0, 1]"),
+    (["replay", "--trace", "t.jsonl", "--requests", "5"], "--requests and --workload do not apply"),
+    (["store", "purge", "--older-than", "soon"], "expected a number and a unit"),
+    (["store", "ls", "--config", "memory"], None),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys, cache_home):
+    if message is None:  # a memory store belongs to its process: there is nothing to list, and it says so
+        assert main(argv) == 0 and "0 namespaces" in capsys.readouterr().out
+        return
     try:
         code = main(argv)
     except SystemExit as exc:
@@ -218,3 +226,85 @@ def test_store_ls_du_verify_prune_purge_on_a_filled_file_store(cache_home, capsy
     assert f"deleted {ns['pages'] - 1} pages" in capsys.readouterr().out
     assert main(["store", "ls", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["namespaces"] == []
+
+
+def test_serve_token_body_cap_and_unknown_paths(cache_home):
+    server = Server(default_config())
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server, token="s3cret", max_body=4096))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    def call(path, body=None, token="s3cret"):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        req = urllib.request.Request(url + path, data=body, headers=headers, method="POST" if body else "GET")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    try:
+        assert call("/stats", token=None)[0] == 401 and call("/stats", token="wrong")[0] == 401
+        assert call("/stats")[0] == 200
+        assert call("/nowhere")[0] == 404 and call("/nowhere", b"{}")[0] == 404
+        code, body = call("/generate", json.dumps({"prompt": [1] * 3000}).encode())
+        assert code == 413 and "at most 4096" in body["error"]
+        assert call("/generate", json.dumps({"prompt": [1, 2, 3], "max_new_tokens": 2}).encode())[0] == 200
+    finally:
+        httpd.shutdown()
+        server.close()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--host", "0.0.0.0"], "needs a token"),
+    (["serve", "--port", "99999"], "must be in 0..65535"),
+])
+def test_serve_startup_errors_are_one_line(argv, message, capsys, cache_home):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_port_in_use_is_one_line(capsys, cache_home):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        assert main(["serve", "--port", str(s.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on 127.0.0.1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_drains_on_sigterm(cache_home, tmp_path):
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "serve", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(cache_home.parent)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("tierctl serve: http://127.0.0.1:")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def test_bench_refuses_an_unknown_store(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "stores", "--only", "bogus"])
+    assert exc.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_bench_help_names_its_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "transfer", "--help"])
+    assert capsys.readouterr().out.startswith("usage: tierctl bench transfer")
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from kvtier.cli.main import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
