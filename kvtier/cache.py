@@ -19,6 +19,7 @@ controller's queues and `poll()` applies it. Per request (docs/design.md §8):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController, LoadOp
 from kvtier.controller.streams import TransferError, make_stream
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
@@ -105,6 +107,8 @@ class TieredCache:
         if self.controller.storage is not None:
             self.controller.storage.manifest = (config.store.key_prefix, self.namespace.id,
                                                 self.namespace.manifest(self.mirror.page_bytes))
+            if config.store.required:
+                self._probe_store()
         self.agreement = Agreement(tp_group, config.controller.consensus_check or None)
         self.stats_obj = CacheStats()
         self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,
@@ -113,6 +117,17 @@ class TieredCache:
         self.request_pages = 0  # device pages handed to requests and not yet given back
         self.requests: dict[str, _Held] = {}
         log.info("kvtier: %s", self.describe())
+
+    def _probe_store(self) -> None:
+        """store.required: reach the store once at start, or refuse to start (one line)."""
+        storage = self.controller.storage
+        probe = storage.store.get_manifest(self.config.store.key_prefix, self.namespace.id)
+        try:
+            asyncio.run_coroutine_threadsafe(probe, storage.loop).result(self.config.store.timeout_s + 5)
+        except (StoreError, TimeoutError) as exc:
+            self.controller.close()
+            raise StoreUnavailable(f"store.required: the {storage.store.name} store cannot be reached at start: "
+                                   f"{str(exc) or type(exc).__name__}") from exc
 
     @classmethod
     def from_yaml(cls, path: str, tp_group=None, **overrides) -> "TieredCache":

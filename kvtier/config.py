@@ -21,8 +21,9 @@ import yaml
 
 from kvtier.controller.config import ControllerConfig
 from kvtier.errors import KvtierConfigError
-from kvtier.hashing import HASH_ALGOS
+from kvtier.hashing import _PREFIX_RE, HASH_ALGOS
 from kvtier.secrets import shown
+from kvtier.tiers.indices import check_positive
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import PoolConfig
 from kvtier.tree.policy import EvictionPolicy
@@ -61,7 +62,13 @@ class StoreConfig:
     backend: str = "none"
     key_prefix: str = "kvtier"
     timeout_s: float = 5.0
+    required: bool = False  # True: a store that cannot be reached at start is an error, not a warning
     options: Any = None
+
+    def __post_init__(self) -> None:
+        check_positive(self, "timeout_s")
+        if not _PREFIX_RE.match(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
+            raise ValueError(f"key_prefix={self.key_prefix!r}: path segments of [A-Za-z0-9_.-] separated by '/'")
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,7 +86,9 @@ _SECTIONS: dict[str, type] = {
     "namespace": NamespaceConfig, "pool": PoolConfig, "mirror": MirrorConfig,
     "tree": TreeConfig, "controller": ControllerConfig, "store": StoreConfig,
 }
-_STORE_COMMON = ("backend", "key_prefix", "timeout_s")
+_STORE_COMMON = ("backend", "key_prefix", "timeout_s", "required")
+# variables of this prefix that other parts read (not config keys)
+_OTHER_ENV = {"KVTIER_DEBUG_POOL", "KVTIER_CONSENSUS_CHECK", "KVTIER_SERVE_TOKEN"}
 
 
 def load_config(
@@ -184,12 +193,14 @@ def _read_yaml(path: str | os.PathLike) -> dict:
 def _from_env(env: Mapping[str, str]) -> dict:
     out: dict[str, dict[str, str]] = {}
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in _OTHER_ENV:
             continue
         rest = name[len(ENV_PREFIX):].lower()
         section, _, key = rest.partition("_")
-        if section in _SECTIONS and key:
-            out.setdefault(section, {})[key] = value
+        if section not in _SECTIONS or not key:
+            raise KvtierConfigError(f"env {name}: no such setting; use KVTIER_<SECTION>_<KEY> with a section of "
+                                    f"{', '.join(_SECTIONS)} (other variables: {', '.join(sorted(_OTHER_ENV))})")
+        out.setdefault(section, {})[key] = value
     return out
 
 

@@ -15,7 +15,11 @@ measured 5x slower than raw `readinto` for 1 MiB pages; one hop per page was sti
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import socket
+import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +31,7 @@ from kvtier.backends.base import IntoResult, Store, StoredPage
 from kvtier.backends.frame import FrameError
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
+from kvtier.tiers.indices import check_positive
 
 _TMP = ".tmp-"
 
@@ -43,6 +48,9 @@ class FileStoreConfig:
     fsync: bool = False
     max_concurrency: int = 4
 
+    def __post_init__(self) -> None:
+        check_positive(self, "capacity_bytes", "max_concurrency", integer=True)
+
 
 class FileStore(Store):
     config_class = FileStoreConfig
@@ -50,18 +58,39 @@ class FileStore(Store):
 
     def __init__(self, config: FileStoreConfig = FileStoreConfig(), timeout_s: float = 30.0) -> None:
         super().__init__(timeout_s)
-        if config.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={config.capacity_bytes}: must be > 0")
         self.config = config
         self.root = Path(os.path.expanduser(config.root or default_root())).resolve()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _claim_root(self.root)
         except OSError as exc:
             raise StoreUnavailable(f"file store root={str(self.root)!r}: {exc}") from exc
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
-        self.used_bytes = 0
+        self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file")
-        self._rebuild_index()
+        with self._shared() as usage:
+            self._rebuild_index()
+            usage[0] = self.used_bytes
+            usage.append("write")
+
+    @contextlib.contextmanager
+    def _shared(self):
+        """The bytes under the root, shared by every process using it: read and written
+        under an exclusive lock of `.kvtier-lock`. Yields `[bytes]` to update; a lost usage
+        file is recounted from the directory (then the caller's new pages are in it)."""
+        with open(self.root / LOCK, "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                path = self.root / USAGE
+                try:
+                    usage = [int(path.read_text() or 0)]
+                except (OSError, ValueError):
+                    usage = [_bytes_under(self.root), "recounted"]
+                before = usage[0]
+                yield usage
+                if usage[0] != before or len(usage) > 1:
+                    _write_small(path, str(max(0, usage[0])).encode())
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def path(self, key: str) -> Path:
         prefix, ns, h = split_key(key)
@@ -69,21 +98,21 @@ class FileStore(Store):
         return self.root.joinpath(*prefix.split("/"), ns, hx[:2], hx[2:4], hx)
 
     def _rebuild_index(self) -> None:
+        """Index every page under the root by age (a page of another process too: this
+        one may evict it to hold the shared capacity). A temp file whose writer is gone is
+        removed; another live process's write in flight is left alone."""
         found = []
+        self._sizes.clear()
+        self.used_bytes = 0
         for dirpath, _, files in os.walk(self.root):
             for name in files:
                 full = os.path.join(dirpath, name)
                 if name.startswith(_TMP):
-                    os.unlink(full)  # a write that never finished: never visible
+                    if _stale_temp(full, name):
+                        _unlink_quietly(Path(full))
                     continue
-                key = os.path.relpath(full, self.root).replace(os.sep, "/")
-                parts = key.split("/")
-                if len(parts) < 5:
-                    continue
-                key = "/".join(parts[:-3] + [parts[-1]])  # drop the fan-out directories
-                try:
-                    validate_key(key)
-                except ValueError:
+                key = _page_key(self.root, full)
+                if key is None:
                     continue  # not ours
                 st = os.stat(full)
                 found.append((st.st_mtime_ns, key, st.st_size))
@@ -135,40 +164,55 @@ class FileStore(Store):
         counted); when none could be written the batch fails as a store error."""
         fits = [len(h) + len(p) <= self.config.capacity_bytes for h, p in frames]
         items = [(self.path(k), h, p, self.config.fsync) for k, (h, p), ok in zip(keys, frames, fits) if ok]
-        errors = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
-        failed = {k: e for k, e in errors.items() if e is not None}
+        results = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
+        failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
         if failed and len(failed) == len(keys):
             k, err = next(iter(failed.items()))
             raise StoreError(f"file.batch_set: writing {k}: {err}") from err
         for k, err in failed.items():
             self.counters.errors += 1
             self.complain("error", f"writing {k}: {err}")
-        ok = []
+        ok, added = [], 0
         for key, (header, payload), fit in zip(keys, frames, fits):  # index in batch order
             stored = fit and key not in failed
             if stored:
                 self._forget(key)
                 self._sizes[key] = len(header) + len(payload)
                 self.used_bytes += len(header) + len(payload)
+                added += len(header) + len(payload) - results[key]  # a replaced page's bytes go
             ok.append(stored)
-        await self._enforce_capacity()
+        await self._enforce_capacity(added)
         return ok
 
-    async def _enforce_capacity(self) -> None:
-        while self.used_bytes > self.config.capacity_bytes and self._sizes:
-            victim = next(iter(self._sizes))
-            self._forget(victim)
-            self.counters.evictions += 1
-            await self._batch(_unlink_quietly, [(self.path(victim),)])
+    async def _enforce_capacity(self, added: int = 0) -> None:
+        """Hold `capacity_bytes` for the whole root, whichever processes wrote it: evict
+        this process's least recently used pages; if none are left, re-read the root and
+        evict the oldest of anyone's."""
+        with self._shared() as usage:
+            if len(usage) == 1:
+                usage[0] += added
+            rescanned = False
+            while usage[0] > self.config.capacity_bytes:
+                if not self._sizes:
+                    if rescanned:
+                        break
+                    self._rebuild_index()
+                    usage[0], rescanned = self.used_bytes, True
+                    continue
+                victim = next(iter(self._sizes))
+                self._forget(victim)
+                self.counters.evictions += 1
+                [removed] = await self._batch(_unlink_quietly, [(self.path(victim),)])
+                usage[0] -= removed if isinstance(removed, int) else 0
 
     async def _delete(self, keys):
-        n = 0
-        for k in keys:
-            if k in self._sizes:
-                self._forget(k)
-                await self._batch(_unlink_quietly, [(self.path(k),)])
-                n += 1
-        return n
+        present = [k for k in keys if k in self._sizes]
+        for k in present:
+            self._forget(k)
+        removed = await self._batch(_unlink_quietly, [(self.path(k),) for k in present])
+        with self._shared() as usage:
+            usage[0] -= sum(r for r in removed if isinstance(r, int))
+        return len(present)
 
     async def _close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -195,7 +239,7 @@ class FileStore(Store):
 
     async def _put_meta(self, name, data):
         [err] = await self._batch(_write_atomically, [(self._meta_path(name), b"", memoryview(data), self.config.fsync)])
-        if err is not None:
+        if isinstance(err, OSError):
             raise StoreError(f"file: writing {name}: {err}") from err
 
     async def _get_meta(self, name):
@@ -207,11 +251,85 @@ class FileStore(Store):
                 "capacity_bytes": self.config.capacity_bytes, "root": str(self.root)}
 
 
-def _unlink_quietly(path: Path) -> None:
+def _unlink_quietly(path: Path) -> int:
+    """Bytes this call removed (0 if the file was gone already)."""
     try:
+        size = os.stat(path).st_size
         os.unlink(path)
+        return size
     except FileNotFoundError:
-        pass
+        return 0
+
+
+MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
+_OWNER = f"{socket.gethostname()}.{os.getpid()}."
+STALE_TEMP_S = 3600.0
+
+
+def _bytes_under(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            if not name.startswith((_TMP, ".kvtier")):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _claim_root(root: Path) -> None:
+    """Use `root` only if it is a kvtier store (its marker) or new/empty: never clean up a
+    directory that is somebody else's."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    marker = root / MARKER
+    if marker.exists():
+        return
+    for dirpath, _, files in os.walk(root):  # a store from before markers is adopted
+        for name in files:
+            if not (name.startswith((_TMP, ".kvtier")) or _page_key(root, os.path.join(dirpath, name))):
+                raise OSError(f"not a kvtier store: it holds other files ({name}) and no {MARKER} marker; "
+                              f"name an empty directory (or create {marker} if it is one)")
+    _write_small(marker, b'{"format": 1}\n')
+
+
+def _page_key(root: Path, full: str) -> str | None:
+    """The key of a page file under `root`, or None if the path is not one of ours."""
+    parts = os.path.relpath(full, root).replace(os.sep, "/").split("/")
+    if len(parts) < 5:
+        return None
+    key = "/".join(parts[:-3] + [parts[-1]])  # drop the fan-out directories
+    try:
+        return validate_key(key)
+    except ValueError:
+        return None
+
+
+def _stale_temp(full: str, name: str) -> bool:
+    """A temp file of a dead writer on this host, or one untouched for an hour."""
+    owner = name[len(_TMP):]
+    host, _, rest = owner.partition(".")
+    pid = rest.partition(".")[0]
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            alive = True
+        if not alive:
+            return True
+    try:
+        return time.time() - os.stat(full).st_mtime > STALE_TEMP_S
+    except FileNotFoundError:
+        return False
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{_TMP}{_OWNER}{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _run_all(fn, items: list[tuple]) -> list:
@@ -251,18 +369,26 @@ def _read_page_into(path: Path, ns: str, h: bytes, view: memoryview) -> IntoResu
     return True
 
 
-def _write_atomically(final: Path, header: bytes, payload: memoryview, fsync: bool) -> None:
-    """Returns None on success; raises OSError (collected by `_run_all`) on failure."""
-    tmp = final.with_name(f"{_TMP}{final.name}-{uuid.uuid4().hex}")
+def _write_atomically(final: Path, header: bytes, payload: memoryview, fsync: bool) -> int:
+    """Write to an owner-named temp file (mode 0600), then rename over `final`: readers see
+    the whole page or none. Returns the bytes of the page it replaced (0 if new); raises
+    OSError (collected by `_run_all`) on failure."""
+    tmp = final.with_name(f"{_TMP}{_OWNER}{uuid.uuid4().hex}")
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(header)
             f.write(payload)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        try:
+            replaced = os.stat(final).st_size
+        except FileNotFoundError:
+            replaced = 0
         os.replace(tmp, final)
+        return replaced
     except OSError:
         _unlink_quietly(tmp)
         raise

@@ -6,11 +6,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvtier.backends.base import Store, StoredPage
+from kvtier.tiers.indices import check_positive
 
 
 @dataclass(slots=True, frozen=True)
 class MemoryStoreConfig:
     capacity_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        check_positive(self, "capacity_bytes", integer=True)
 
 
 class MemoryStore(Store):
@@ -19,8 +23,6 @@ class MemoryStore(Store):
 
     def __init__(self, config: MemoryStoreConfig = MemoryStoreConfig(), timeout_s: float = 5.0) -> None:
         super().__init__(timeout_s)
-        if config.capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={config.capacity_bytes}: must be > 0")
         self.capacity_bytes = config.capacity_bytes
         self._pages: OrderedDict[str, bytes] = OrderedDict()
         self._meta: dict[str, bytes] = {}

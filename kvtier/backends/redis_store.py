@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvtier.backends.base import Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import redact_url
+from kvtier.tiers.indices import check_positive
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +35,8 @@ class RedisStoreConfig:
             raise ValueError(f"url={self.url!r}: must start with redis://, rediss:// or unix://")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s={self.ttl_s}: must be > 0 or null")
+        check_positive(self, "pool_size", "concurrent_min_bytes", integer=True)
+        check_positive(self, "socket_timeout_s", "connect_timeout_s")
 
 
 class RedisStore(Store):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.backends.base import Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
+from kvtier.tiers.indices import check_positive
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 
@@ -32,6 +33,12 @@ class S3StoreConfig:
     read_timeout_s: float = 10.0
     skip_existing: bool = True
     create_bucket: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive(self, "max_workers", "max_attempts", integer=True)
+        check_positive(self, "connect_timeout_s", "read_timeout_s")
+        if not self.bucket:
+            raise ValueError("bucket='': name the bucket")
 
     def __repr__(self) -> str:  # never print credentials
         return f"S3StoreConfig(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint_url={self.endpoint_url!r})"

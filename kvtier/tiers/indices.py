@@ -40,3 +40,12 @@ def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tup
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(breaks).flatten() + 1])
     lengths = torch.diff(starts, append=torch.tensor([n]))
     return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
+
+
+def check_positive(obj: object, *names: str, integer: bool = False) -> None:
+    """Each named field of a config dataclass is a number > 0 (an int when `integer`)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not value > 0:
+            kind = "an integer" if integer else "a number"
+            raise ValueError(f"{name}={value!r}: must be {kind} > 0")

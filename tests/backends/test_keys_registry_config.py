@@ -57,11 +57,24 @@ async def test_file_store_rebuilds_index_on_reopen_without_reading(tmp_path):
     store = FileStore(cfg)
     keys = [new_key() for _ in range(3)]
     await store.batch_set(keys, [b"a" * 100, b"b" * 100, b"c" * 100])
-    (store.path(keys[0]).parent / ".tmp-leftover").write_bytes(b"half")  # a crashed write
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    here = store.path(keys[0]).parent
+    host = socket.gethostname()
+    (here / f".tmp-{host}.{dead.stdout.strip()}.x").write_bytes(b"half")  # its writer crashed
+    (here / f".tmp-{host}.{os.getpid()}.y").write_bytes(b"half")  # a live writer's page in flight
+    old = here / ".tmp-otherhost.1.z"
+    old.write_bytes(b"half")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))  # untouched for two hours
     reopened = FileStore(cfg)
     assert reopened.stats()["pages"] == 3 and reopened.used_bytes == store.used_bytes
     assert await reopened.batch_exists(keys) == 3
-    assert not list(tmp_path.rglob(".tmp-*"))
+    assert [p.name for p in tmp_path.rglob(".tmp-*")] == [f".tmp-{host}.{os.getpid()}.y"]
     inv = await reopened.inventory()
     assert inv["pages"] == 3 and list(inv["namespaces"]) == [NS]
 
@@ -130,6 +143,60 @@ def test_switching_backend_by_env_drops_the_files_other_options(tmp_path):
         load_config(p, env={"KVTIER_POOL_SIZE": "lots"})
 
 
+def test_file_store_refuses_a_root_that_is_not_a_kvtier_store(tmp_path):
+    from kvtier.errors import StoreUnavailable
+
+    (tmp_path / "thesis.tex").write_text("years of work")
+    with pytest.raises(StoreUnavailable, match="not a kvtier store"):
+        FileStore(FileStoreConfig(root=str(tmp_path)))
+    assert (tmp_path / "thesis.tex").read_text() == "years of work"
+    old = tmp_path / "old-store"
+    first = FileStore(FileStoreConfig(root=str(old)))
+    (old / ".kvtier-store").unlink()  # a store written before markers existed: adopted
+    assert FileStore(FileStoreConfig(root=str(old))).stats()["pages"] == first.stats()["pages"]
+
+
+async def test_file_store_pages_and_directories_are_private(tmp_path):
+    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
+    k = new_key()
+    await store.batch_set([k], [b"x" * 64])
+    assert store.path(k).stat().st_mode & 0o777 == 0o600
+    assert store.path(k).parent.stat().st_mode & 0o777 == 0o700
+    await store.close()
+
+
+async def test_file_store_capacity_holds_across_processes_sharing_a_root(tmp_path):
+    """Two stores (as two processes would) on one root: the root stays under the cap."""
+    from kvtier.backends import frame
+
+    cap = 6 * (1024 + frame.HEADER_SIZE)
+    a, b = (FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=cap)) for _ in range(2))
+    for i in range(8):
+        await (a if i % 2 else b).batch_set([new_key()], [bytes([i]) * 1024])
+    pages = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".kvtier")]
+    assert sum(p.stat().st_size for p in pages) <= cap and len(pages) == 6
+    await a.close()
+    await b.close()
+
+
+def test_unknown_kvtier_variables_are_errors():
+    with pytest.raises(KvtierConfigError, match="env KVTIER_FOO_BAR: no such setting"):
+        load_config(None, env={"KVTIER_FOO_BAR": "1"})
+    load_config(None, env={"KVTIER_DEBUG_POOL": "1", "KVTIER_SERVE_TOKEN": "t"})  # read elsewhere: fine
+
+
+def test_a_required_store_that_cannot_be_reached_fails_at_start():
+    from kvtier.bench.servers import free_port
+    from kvtier.cache import TieredCache
+    from kvtier.errors import StoreUnavailable
+
+    cfg = load_config(None, {"pool": {"size": 64, "num_layers": 1, "page_size": 4},
+                             "store": {"backend": "redis", "url": f"redis://127.0.0.1:{free_port()}/0",
+                                       "required": True, "timeout_s": 2}}, env={})
+    with pytest.raises(StoreUnavailable, match="store.required: the redis store cannot be reached at start"):
+        TieredCache(cfg)
+
+
 def test_secrets_are_not_printed(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("store: {backend: redis, password: hunter2}\n")
@@ -151,6 +218,11 @@ BAD = {
     "bad yaml": ("pool: {size: [", "not valid YAML"),
     "bad policy": ("tree: {eviction_policy: random}", "tree.eviction_policy='random': allowed values are lru"),
     "bad bool": ("store: {backend: file, fsync: maybe}", "store.fsync='maybe': expected true or false"),
+    "zero timeout": ("store: {backend: memory, timeout_s: 0}", "timeout_s=0.0: must be a number > 0 (file"),
+    "negative timeout": ("store: {backend: memory, timeout_s: -5}", "timeout_s=-5.0: must be a number > 0"),
+    "zero concurrency": ("store: {backend: file, max_concurrency: 0}", "max_concurrency=0: must be an integer > 0"),
+    "negative capacity": ("store: {backend: memory, capacity_bytes: -1}", "capacity_bytes=-1: must be an integer > 0"),
+    "bad key prefix": ("store: {backend: memory, key_prefix: '../x'}", "key_prefix='../x': path segments"),
 }
 
 

@@ -177,6 +177,7 @@ def test_replay_with_page_size_1_hits_the_store_on_a_second_run(cache_home, caps
 
 def test_replay_against_an_unwritable_store_root_shows_the_failed_writes(cache_home, capsys):
     cache_home.mkdir(parents=True)
+    (cache_home / ".kvtier-store").write_text('{"format": 1}')  # a kvtier store, but
     (cache_home / "kvtier").write_text("not a directory")  # every page's directory fails to appear
     assert main(["replay", "--requests", "12", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
