@@ -93,7 +93,7 @@ class PrometheusCollector:
             for name, value in sizes.items():
                 yield GaugeMetricFamily(f"kvtier_{tier}_{name}", f"kvtier {tier} {name.replace('_', ' ')}", value=value)
         for name, value in stats.get("store", {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, (int, float)):  # a bool (store_down) is 0 or 1
                 yield GaugeMetricFamily(f"kvtier_store_{name}", f"kvtier store {name.replace('_', ' ')}", value=value)
         for op, h in self.cache.stats_obj.latency.items():
             buckets = [(str(b), c) for b, c in zip(BUCKETS_S, h._cumulative())] + [("+Inf", h.count)]
