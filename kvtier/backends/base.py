@@ -172,6 +172,8 @@ class Store(ABC):
                 self.counters.set_bytes += len(v)
             else:
                 self.counters.set_failures += 1
+        if not all(ok):
+            self.complain("rejected", f"{len(ok) - sum(ok)} of {len(ok)} pages not stored (the store refused them)")
         return list(ok)
 
     async def delete(self, keys: Sequence[str]) -> int:

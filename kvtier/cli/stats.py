@@ -62,8 +62,8 @@ def _server_table(s: dict) -> str:
     lines += [
         f"hits     device {c['device_hit_tokens']}  host {c['host_hit_tokens']}  store {c['storage_hit_tokens']}  "
         f"miss {c['miss_tokens']} (of {c['lookup_tokens']} tokens looked up)",
-        f"moved    dev->host {c['d2h_bytes']} B  host->dev {c['h2d_bytes']} B  "
-        f"host->store {c['l3_write_bytes']} B  store->host {c['l3_read_bytes']} B",
+        f"moved    dev->host {_mib(c['d2h_bytes'])}  host->dev {_mib(c['h2d_bytes'])}  "
+        f"host->store {_mib(c['l3_write_bytes'])}  store->host {_mib(c['l3_read_bytes'])}",
         f"evicted  device {c['device_evicted_tokens']}  host {c['host_evicted_tokens']} tokens",
     ]
     if "store" in s:
@@ -73,7 +73,11 @@ def _server_table(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def _store_table(d: dict) -> str:
-    lines = [f"store {d['store']}: {d['pages']} pages, {d['bytes']} bytes", "namespace                         pages"]
+    lines = [f"store {d['store']}: {d['pages']} pages, {_mib(d['bytes'])}", "namespace                         pages"]
     lines += [f"{ns}  {n}" for ns, n in sorted(d["namespaces"].items())]
     return "\n".join(lines)

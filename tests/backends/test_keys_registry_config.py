@@ -143,6 +143,19 @@ def test_switching_backend_by_env_drops_the_files_other_options(tmp_path):
         load_config(p, env={"KVTIER_POOL_SIZE": "lots"})
 
 
+async def test_a_file_page_that_cannot_be_read_is_a_miss_and_leaves_the_index(tmp_path):
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    keys = [new_key() for _ in range(3)]
+    await store.batch_set(keys, [b"a" * 64, b"b" * 64, b"c" * 64])
+    store.path(keys[1]).unlink()
+    store.path(keys[1]).mkdir()  # reading it fails with an OSError (root ignores permissions)
+    bufs = [bytearray(64) for _ in keys]
+    assert await store.batch_get_into(keys, bufs) == [True, False, True]  # the good pages still arrive
+    assert bytes(bufs[2]) == b"c" * 64
+    assert store.stats()["errors"] == 1 and await store.batch_exists([keys[1]]) == 0
+    await store.close()
+
+
 def test_file_store_refuses_a_root_that_is_not_a_kvtier_store(tmp_path):
     from kvtier.errors import StoreUnavailable
 
