@@ -318,13 +318,7 @@ class Applier:
         return taken
 
     def abort_prefetch(self, request_id: str) -> None:
-        p = self.prefetches.get(request_id)
-        if p is None:
-            return
-        if p.result is None:
-            p.want_stop, p.discard = True, True
-        else:
-            del self.prefetches[request_id]
+        self.take_prefetch(request_id)  # what it landed stays on host for others
 
     def _mark_ready(self) -> None:
         """Which waiting requests may go on (per the prefetch policy), after this poll."""

@@ -105,6 +105,7 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
     c = stats["counters"]
     return {
         "failed_requests": sum(r.error is not None for r in results),
+        "errors": [f"{r.session}/{r.turn}: {r.error}" for r in results if r.error][:5],
         "counts_add_up": dev + host + storage + computed == prompt,
         "requests": len(results), "prompt_tokens": prompt,
         "hit_tokens": {"device": dev, "host": host, "storage": storage},
@@ -147,7 +148,7 @@ def _table(s: dict) -> str:
         lines.append(f"store down               {st['breaker_trips']} times ({state}); "
                      f"{st['calls_skipped_store_down']} calls skipped instead of waiting for it")
     if s["failed_requests"]:
-        lines.append(f"failed requests          {s['failed_requests']} (released; see the log)")
+        lines.append(f"failed requests          {s['failed_requests']} (released); first: {s['errors'][0]}")
     if not s["counts_add_up"]:
         lines.append("COUNTS DO NOT ADD UP      device + host + store + computed != prompt tokens")
     wrong = s.get("verify_failures") or []

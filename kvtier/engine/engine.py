@@ -48,7 +48,6 @@ class _Active:
     turn: Turn
     prompt: list[int]
     row: int
-    cached: int
     pos: int  # tokens whose K/V are in the pool
     result: Result
     last_slot: int = -1
@@ -72,6 +71,7 @@ class Engine:
         self.histories: dict[str, list[int]] = {}
         self.page_size = cache.page_size
         self._next_id = 0
+        self.preempted = 0  # requests sent back to the queue when the pool ran out
 
     def run(self, turns: list[Turn], keep_logits: bool = False, progress=None) -> list[Result]:
         """Serve `turns` in order (a session's next turn waits for its previous one). A
@@ -87,7 +87,7 @@ class Engine:
                     self._can_admit(waiting[0], active, parked):
                 self._start(waiting.popleft(), active, parked, done)
             if active:
-                self._step(active, keep_logits, done)
+                self._step(active, keep_logits, done, waiting)
             for a in [a for a in active if len(a.result.output) == a.turn.output_len]:
                 active.remove(a)
                 done.append(self._finish(a))
@@ -139,11 +139,11 @@ class Engine:
         self.rows.write(row, 0, got.indices)
         result = Result(turn.session, turn.turn, prompt, [], got.device_hit, got.host_hit, got.storage_hit, cached)
         last = int(got.indices[-1]) if cached else -1
-        active.append(_Active(rid, turn, prompt, row, cached, cached, result, last, cached, list(prompt[:cached])))
+        active.append(_Active(rid, turn, prompt, row, cached, result, last, cached, list(prompt[:cached])))
 
     # -- forward steps ------------------------------------------------------------------------
 
-    def _step(self, active: list[_Active], keep_logits: bool, done: list) -> None:
+    def _step(self, active: list[_Active], keep_logits: bool, done: list, waiting: deque) -> None:
         chunks, batch, stalled = [], [], []
         for a in list(active):
             tokens = a.prompt[a.pos:a.pos + self.chunk_size] if a.pos < len(a.prompt) else [a.result.output[-1]]
@@ -155,10 +155,20 @@ class Engine:
             a.filled = a.pos + len(tokens)
             chunks.append(Chunk(a.row, a.pos, torch.tensor(tokens, dtype=torch.int64), slots))
             batch.append((a, tokens))
-        if not chunks:  # nobody can move: the pool is too small for what is admitted
-            a, n = stalled[0]
+        if not chunks:
+            if self.cache.controller.busy():  # writes in flight hold locks: once polled, room frees
+                time.sleep(0.001)
+                return
+            # nobody can move: preempt the youngest (what it computed stays cached)
+            a, n = stalled[-1]
             active.remove(a)
-            done.append(self._fail(a, f"device pool exhausted: no room for {n} more tokens"))
+            if active:
+                self.cache.abort(a.rid, self.rows.read(a.row, a.filled))
+                self.rows.free(torch.tensor([a.row], dtype=torch.int64))
+                waiting.appendleft(a.turn)
+                self.preempted += 1
+            else:
+                done.append(self._fail(a, f"device pool exhausted: no room for {n} more tokens"))
             return
         waiter = self.cache.begin_forward([a.rid for a, _ in batch])
         try:
@@ -196,7 +206,6 @@ class Engine:
         kv = self.rows.read(a.row, a.pos)
         canon = self.cache.cache_unfinished(a.rid, np.asarray(a.fed, dtype=np.int64), kv)
         self.rows.write(a.row, 0, canon)
-        a.cached = canon.numel()
 
     def _finish(self, a: _Active) -> Result:
         fed = np.asarray(a.fed, dtype=np.int64)  # prompt + outputs but the last: those have K/V

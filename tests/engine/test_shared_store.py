@@ -19,7 +19,7 @@ def replay(url: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
 
 def summary(proc: subprocess.Popen) -> dict:
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 0, (out[-3000:], err[-3000:])
     s = json.loads(out)
     assert s["verify_failures"] == [] and s["verified_requests"] == 16 and s["failed_requests"] == 0
     return s
