@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import stat
 import socket
 import time
 import uuid
@@ -121,7 +122,23 @@ class FileStore(Store):
             self.used_bytes += size
 
     async def _exists(self, keys):
+        await self._adopt(keys, leading=True)
         return [k in self._sizes for k in keys]
+
+    async def _adopt(self, keys, leading: bool = False) -> None:
+        """Index pages another process wrote under the root after this one indexed it (TP
+        ranks sharing MLA pages, replicas on one volume): stat the keys this index lacks
+        (with `leading`, only up to the first one absent: callers want the leading run)."""
+        unknown = [k for k in keys if k not in self._sizes]
+        if not unknown:
+            return
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self._pool, _sizes_of, [self.path(k) for k in unknown], leading)
+        sizes = (await self._in_threads([job]))[0]
+        for key, size in zip(unknown, sizes):
+            if size is not None and key not in self._sizes:
+                self._sizes[key] = size
+                self.used_bytes += size
 
     async def _batch(self, fn, items: list[tuple]) -> list:
         """`fn(*item)` for every item, in `max_concurrency` thread jobs; results in order."""
@@ -135,11 +152,13 @@ class FileStore(Store):
         return out
 
     async def _get(self, keys):
+        await self._adopt(keys)
         known = [k for k in keys if k in self._sizes]
         blobs = dict(zip(known, await self._batch(_read_file, [(self.path(k),) for k in known])))
         return [self._after_read(k, blobs.get(k)) for k in keys]
 
     async def _get_into(self, keys, parsed, views):
+        await self._adopt(keys)
         items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
         got = await self._batch(_read_page_into, [(self.path(k), ns, h, v) for k, ns, h, v in items])
         results = dict(zip([it[0] for it in items], got))
@@ -340,6 +359,21 @@ def _run_all(fn, items: list[tuple]) -> list:
             out.append(fn(*item))
         except OSError as exc:
             out.append(exc)
+    return out
+
+
+def _sizes_of(paths: list[Path], leading: bool) -> list[int | None]:
+    """Each page file's size, None where there is none (with `leading`: None from the first
+    absent on)."""
+    out: list[int | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+        except OSError:
+            out.append(None)
+        if out[-1] is None and leading:
+            return out + [None] * (len(paths) - len(out))
     return out
 
 

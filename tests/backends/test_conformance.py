@@ -119,6 +119,23 @@ async def test_close_and_reopen(store, harness):
         await again.close()
 
 
+async def test_a_page_written_by_another_client_later_is_seen(store, harness):
+    """Two processes on one store (TP ranks sharing MLA pages, replicas): a page the other
+    wrote after this one opened is found, read and verified."""
+    other = harness.make()
+    try:
+        keys = [new_key(), new_key()]
+        await other.batch_set(keys[:1], [page(seed=11)])
+        assert await store.batch_exists(keys) == 1
+        buf = bytearray(4096)
+        assert await store.batch_get_into(keys[:1], [buf]) == [True] and bytes(buf) == page(seed=11)
+        await other.batch_set(keys[1:], [page(seed=12)])
+        assert await store.batch_get(keys) == [page(seed=11), page(seed=12)]
+    finally:
+        if other is not store:
+            await other.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_namespace", "other_hash", "garbage"])
 async def test_damaged_page_is_a_miss(store, harness, damage):
     k = new_key()
