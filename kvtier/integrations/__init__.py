@@ -1,0 +1,1 @@
+"""Adapters that put kvtier behind other engines' interfaces (docs/sglang.md)."""

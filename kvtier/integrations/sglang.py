@@ -1,0 +1,397 @@
+"""kvtier as SGLang's HiCache L3 storage backend (docs/sglang.md).
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+        "module_path": "kvtier.integrations.sglang", "class_name": "KvtierStorage",
+        "kvtier_config": "/etc/kvtier/sglang.yaml", "interface_v1": 1}'
+
+SGLang keeps its own radix tree, device pool and host pool; kvtier supplies the store
+(file, redis, redis cluster, s3 or a plugin, from the YAML's `store:` section), its page
+frames and checksums, and its breaker. A page whose frame does not verify is `False` for
+its key, and its bytes never reach SGLang's host pool as a hit.
+
+SGLang's page hashes (64 hex digits) become the hash part of kvtier's key; the namespace
+part names what SGLang's keys leave out: model, KV dtype, the host layout (the flat page's
+byte order depends on it), page size, geometry, TP rank/size (MLA: replicated, one
+namespace for all ranks), PP/CP/DCP shard, tenant salt and weights revision.
+
+SGLang is imported only when `KvtierStorage` is first looked up: this module imports
+without SGLang installed. Every store call runs on one private event-loop thread; SGLang's
+prefetch and backup threads block on it the way they block on their own backends' I/O,
+never longer than the store's timeout (plus, after a timeout, until the store has stopped
+touching the call's buffers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Awaitable, Callable, Sequence
+
+import torch
+
+from kvtier.backends.base import Store
+from kvtier.backends.registry import build_store
+from kvtier.config import KvtierConfig, load_config
+from kvtier.controller.breaker import Breaker, BreakerConfig
+from kvtier.errors import KvtierConfigError, StoreError, StoreTimeout
+from kvtier.hashing import Namespace, make_key
+
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = f"pip install --no-deps sglang=={SGLANG_VERSION}"
+_HEX_HASH = re.compile(r"^(?:[0-9a-f]{32}|[0-9a-f]{64})$")
+# extra_config keys this adapter reads; SGLang's own keys pass through untouched
+EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
+
+
+def page_hash_of(key: str) -> bytes:
+    """The page-hash part of kvtier's key for one SGLang key: SGLang's sha256 hex as is,
+    any other string (a test key, a suffixed sidecar key) through sha256 with a tag."""
+    if _HEX_HASH.match(key):
+        return bytes.fromhex(key)
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key={key!r}: expected a non-empty string (SGLang's page hash)")
+    return hashlib.sha256(b"kvtier/sglang-key\x00" + key.encode()).digest()
+
+
+class _LoopThread:
+    """One asyncio loop on a daemon thread: the only place the store is used."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kvtier-sglang-store", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"expected a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class KvtierStorageBase:
+    """The backend proper; `KvtierStorage` adds SGLang's `HiCacheStorage` as a base."""
+
+    def __init__(self, storage_config, kwargs: dict | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        path = extra.get("kvtier_config")
+        if not path or not isinstance(path, str):
+            raise KvtierConfigError(
+                f"extra_config.kvtier_config={path!r}: give the path of a kvtier YAML with a store: section "
+                "(docs/sglang.md)")
+        kv_cache_dtype = extra.get("kv_cache_dtype")
+        if kv_cache_dtype is not None and (not isinstance(kv_cache_dtype, str) or not kv_cache_dtype):
+            raise KvtierConfigError(f"extra_config.kv_cache_dtype={kv_cache_dtype!r}: expected SGLang's "
+                                    "--kv-cache-dtype value, e.g. 'fp8_e4m3'")
+        config: KvtierConfig = load_config(path)
+        if config.store.backend == "none":
+            raise KvtierConfigError(f"store.backend='none' in {path}: SGLang's L3 needs a store "
+                                    "(file, redis, s3 or a plugin)")
+        self.kvtier_config = config
+        self.storage_config = storage_config
+        self.kv_cache_dtype = kv_cache_dtype
+        self.key_prefix = config.store.key_prefix
+        c = config.controller
+        self._loop = _LoopThread()
+        self.store: Store = self._loop.run(self._build(config))
+        self.breaker = Breaker(self.store.name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
+                                                              c.store_probe_max_backoff_s))
+        self.mem_pool_host = None
+        self.namespace: Namespace | None = None
+        self.page_bytes = 0
+        self._manifest_written = False
+        self._metrics_lock = threading.Lock()
+        self._prefetch_pgs: list[int] = []
+        self._backup_pgs: list[int] = []
+        self._prefetch_bw: list[float] = []
+        self._backup_bw: list[float] = []
+        self.counters = {"get_pages": 0, "get_ok": 0, "set_pages": 0, "set_ok": 0}
+
+    @staticmethod
+    async def _build(config: KvtierConfig) -> Store:
+        return build_store(config.store.backend, config.store.options, config.store.timeout_s)
+
+    # -- SGLang's registration -------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Name the namespace from the host pool SGLang reads and writes through."""
+        self.mem_pool_host = mem_pool_host
+        self.namespace = self._namespace(mem_pool_host)
+        dummy = mem_pool_host.get_dummy_flat_data_page()
+        self.page_bytes = dummy.numel() * dummy.element_size()
+        log.info("kvtier: SGLang L3 on the %s store, namespace %s (%s, %s, %d tokens/page, %d B/page)",
+                 self.store.name, self.namespace.id, self.namespace.dtype, self.namespace.layout,
+                 self.namespace.page_size, self.page_bytes)
+
+    def on_host_pools_registered(self) -> None:
+        """Hybrid models (Mamba, SWA, DSA sidecar pools) need the v2 API: refuse to attach."""
+        others = sorted(str(n) for n in (getattr(self, "registered_pools", None) or {}) if str(n) != "kv")
+        if others:
+            raise NotImplementedError(f"kvtier SGLang backend: host pools {others} need the v2 interface, which "
+                                      "kvtier does not implement; use it for plain MHA/MLA KV only")
+
+    def _namespace(self, pool) -> Namespace:
+        sc = self.storage_config
+        dtype = str(pool.dtype).removeprefix("torch.")
+        if self.kv_cache_dtype:
+            dtype = f"{dtype}/{self.kv_cache_dtype}"
+        shard = f"pp={sc.pp_rank}/{sc.pp_size}:cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
+        if sc.is_mla_model:
+            layout = (f"sglang-mla:layers={pool.layer_num}:dim={pool.kv_cache_dim}:lora={pool.kv_lora_rank}"
+                      f":rope={pool.qk_rope_head_dim}:host={pool.layout}:{shard}")
+            if sc.dcp_size > 1:
+                layout += f":dcp={sc.dcp_rank}/{sc.dcp_size}:lps={sc.logical_page_size}:tp={sc.tp_size}"
+            rank, size = 0, 1  # MLA KV is the same on every TP rank: one namespace, one writer
+        else:
+            layout = (f"sglang-mha:layers={pool.layer_num}:heads={pool.head_num}:head_dim={pool.head_dim}"
+                      f":v={getattr(pool, 'v_head_dim', pool.head_dim)}:host={pool.layout}:{shard}")
+            if sc.dp_rank:
+                layout += f":dp={sc.dp_rank}"
+            rank, size = sc.tp_rank, sc.tp_size
+        ns = self.kvtier_config.namespace
+        model = sc.model_name or ns.model_id
+        return Namespace(model, dtype, layout, pool.page_size, rank, size, ns.tenant_salt, revision=ns.revision)
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        if self.namespace is None:
+            raise RuntimeError("kvtier SGLang backend: register_mem_pool_host() must come before any I/O")
+        if isinstance(keys, str):
+            raise ValueError("keys: expected a list of SGLang page hashes, got one string")
+        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k)) for k in keys]
+
+    # -- store calls -----------------------------------------------------------------------
+
+    async def _guarded(self, call: Callable[[], Awaitable], fallback: Any) -> Any:
+        """One store call behind the breaker. A failure is `fallback` (a miss); a timed-out
+        call returns only once the store has stopped touching the caller's buffers."""
+        if not self.breaker.admit():  # counted by the breaker
+            return fallback
+        try:
+            result = await call()
+        except StoreTimeout as exc:
+            self.breaker.failed(str(exc))
+            settled = getattr(exc, "settled", None)
+            if settled is not None:
+                await settled
+            return fallback
+        except StoreError as exc:
+            self.breaker.failed(str(exc))
+            return fallback
+        self.breaker.succeeded()
+        return result
+
+    def _exists(self, keys: Sequence[str]) -> int:
+        full = self._keys(keys)
+        if not full:
+            return 0
+        return self._loop.run(self._guarded(lambda: self.store.batch_exists(full), 0))
+
+    def _read(self, keys: Sequence[str], views: list[memoryview]) -> list[bool]:
+        full = self._keys(keys)
+        if not full:
+            return []
+        start = time.perf_counter()
+        ok = self._loop.run(self._guarded(lambda: self.store.batch_get_into(full, views), [False] * len(full)))
+        self._record("get", self._prefetch_pgs, self._prefetch_bw, len(full), sum(ok), start)
+        return list(ok)
+
+    def _write(self, keys: Sequence[str], pages: list[memoryview]) -> list[bool]:
+        full = self._keys(keys)
+        if not full:
+            return []
+        for k, p in zip(keys, pages):
+            if len(p) != self.page_bytes:
+                raise ValueError(f"page for key {k!r} is {len(p)} bytes; this pool's pages are {self.page_bytes}")
+        start = time.perf_counter()
+        ok = self._loop.run(self._guarded(lambda: self._set(full, pages), [False] * len(full)))
+        self._record("set", self._backup_pgs, self._backup_bw, len(full), sum(ok), start)
+        return list(ok)
+
+    async def _set(self, full: list[str], pages: list[memoryview]) -> list[bool]:
+        if not self._manifest_written:  # docs/formats.md: a namespace's manifest precedes its first page
+            await self.store.put_manifest(self.key_prefix, self.namespace.id, self.namespace.manifest(self.page_bytes))
+            self._manifest_written = True
+        return await self.store.batch_set(full, pages)
+
+    def _record(self, op: str, pgs: list, bw: list, pages: int, good: int, start: float) -> None:
+        """Count one batch (SGLang calls from its prefetch and backup threads at once)."""
+        elapsed = time.perf_counter() - start
+        with self._metrics_lock:
+            self.counters[f"{op}_pages"] += pages
+            self.counters[f"{op}_ok"] += good
+            pgs.append(pages)
+            if good and elapsed > 0:
+                bw.append(good * self.page_bytes / elapsed / 1e9)  # GB/s, as SGLang's histograms expect
+
+    # -- host pool pages -------------------------------------------------------------------
+
+    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int]:
+        ps = self.mem_pool_host.page_size
+        if host_indices.numel() != len(keys) * ps:
+            raise ValueError(f"host_indices has {host_indices.numel()} slots for {len(keys)} keys; "
+                             f"expected {len(keys) * ps} ({ps} per page)")
+        return host_indices[::ps].tolist()
+
+    # -- v1: host indices (SGLang's zero-copy interface) -----------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
+        """Read pages straight into SGLang's host pool. A page that misses or fails
+        verification is False and its host slots must not be used (SGLang frees them)."""
+        pool = self.mem_pool_host
+        starts = self._page_starts(keys, host_indices)
+        targets: list[torch.Tensor | None] = []
+        views: list[memoryview] = []
+        staging = None
+        for i, start in enumerate(starts):
+            page = pool.get_data_page(start, flat=False)
+            if page.is_contiguous():  # read in place
+                targets.append(None)
+                views.append(_bytes_view(page))
+                continue
+            if staging is None:
+                staging = torch.empty((len(starts), self.page_bytes), dtype=torch.uint8)
+            targets.append(staging[i])
+            views.append(_bytes_view(staging[i]))
+        ok = self._read(keys, views)
+        for good, start, staged in zip(ok, starts, targets):
+            if good and staged is not None:
+                pool.set_from_flat_data_page(start, staged.view(pool.dtype))
+        return ok
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
+        pool = self.mem_pool_host
+        starts = self._page_starts(keys, host_indices)
+        pages = [pool.get_data_page(start, flat=True).contiguous() for start in starts]
+        return self._write(keys, [_bytes_view(p) for p in pages])
+
+    # -- the legacy interface: flat page tensors --------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self._exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info=None) -> int:
+        """How many of `keys`, from the first, the store holds."""
+        return self._exists(keys)
+
+    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None,
+                  target_sizes=None) -> list[torch.Tensor | None]:
+        if target_locations is None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        if len(target_locations) != len(keys):
+            raise ValueError(f"batch_get: {len(keys)} keys but {len(target_locations)} target locations")
+        views = []
+        for k, t in zip(keys, target_locations):
+            v = _bytes_view(t)
+            if len(v) != self.page_bytes:
+                raise ValueError(f"target for key {k!r} is {len(v)} bytes; this pool's pages are {self.page_bytes}")
+            views.append(v)
+        ok = self._read(keys, views)
+        return [t if good else None for t, good in zip(target_locations, ok)]
+
+    def set(self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], None if value is None else [value])
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor] | None = None, target_locations=None,
+                  target_sizes=None) -> bool:
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"batch_set: {len(keys)} keys need as many page tensors, got "
+                             f"{None if values is None else len(values)}")
+        pages = [v.contiguous() for v in values]
+        return all(self._write(keys, [_bytes_view(p) for p in pages]))
+
+    # -- operations ------------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        """Delete this namespace's pages (other models, tenants and ranks keep theirs)."""
+        if self.namespace is None:
+            return True
+        mine = f"{self.key_prefix}/{self.namespace.id}/"
+
+        async def run() -> int:
+            n = 0
+            async for batch in self.store.scan():
+                keys = [p.key for p in batch if p.key.startswith(mine)]
+                if keys:
+                    n += await self.store.delete(keys)
+            return n
+
+        try:
+            n = self._loop.run(run())
+        except StoreError as exc:
+            log.error("kvtier: clearing namespace %s failed: %s", self.namespace.id, exc)
+            return False
+        log.info("kvtier: cleared %d pages of namespace %s", n, self.namespace.id)
+        return True
+
+    def kvtier_stats(self) -> dict:
+        """Everything kvtier counts: the store's counters, the breaker, this adapter's pages."""
+        return {"namespace": None if self.namespace is None else self.namespace.id, **self.counters,
+                **self.store.stats(), **self.breaker.stats()}
+
+    def get_stats(self):
+        """SGLang's StorageMetrics (per-batch pages and GB/s since the last call), or None
+        where SGLang's metrics module cannot be imported."""
+        with self._metrics_lock:
+            taken = (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw)
+            self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw = [], [], [], []
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:
+            return None
+        m = StorageMetrics()
+        m.prefetch_pgs.extend(taken[0])
+        m.backup_pgs.extend(taken[1])
+        m.prefetch_bandwidth.extend(taken[2])
+        m.backup_bandwidth.extend(taken[3])
+        return m
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self.store.close())
+        except StoreError as exc:
+            log.warning("kvtier: closing the %s store: %s", self.store.name, exc)
+        self._loop.close()
+
+
+_CLASS: type | None = None
+
+
+def _storage_class() -> type:
+    global _CLASS
+    if _CLASS is None:
+        try:
+            from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+        except Exception as exc:
+            raise ImportError(f"kvtier.integrations.sglang.KvtierStorage subclasses SGLang's HiCacheStorage, "
+                              f"which could not be imported ({type(exc).__name__}: {exc}); run it inside an "
+                              f"SGLang install, or for tests: {INSTALL_HINT}") from exc
+        _CLASS = type("KvtierStorage", (KvtierStorageBase, HiCacheStorage),
+                      {"__module__": __name__, "__doc__": KvtierStorageBase.__doc__})
+    return _CLASS
+
+
+def __getattr__(name: str):
+    if name == "KvtierStorage":
+        return _storage_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

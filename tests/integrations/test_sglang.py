@@ -1,0 +1,337 @@
+"""kvtier as SGLang 0.5.23's L3 backend, against SGLang's real classes.
+
+The backend is created the way SGLang creates it (its real `StorageBackendFactory`, the
+`dynamic` backend, then `register_mem_pool_host`) over real host pools (`MHATokenToKVPoolHost`,
+`MLATokenToKVPoolHost`), and talks to real stores: files, redis-server, a redis cluster and
+an S3 endpoint. SGLang is loaded by tests/integrations/sglang_runtime.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+import torch
+import yaml
+
+from kvtier.errors import KvtierConfigError
+from tests.integrations import sglang_runtime as rt
+from tests.servers import IN_CI, free_port
+
+STORES = ["file", "redis", "redis_cluster", "s3"]
+
+
+@pytest.fixture(scope="module")
+def sg():
+    try:
+        return rt.load()
+    except rt.Missing as exc:
+        if IN_CI:
+            pytest.fail(f"{exc}; .ci/run must install it")
+        pytest.skip(str(exc))
+
+
+def _store_section(kind: str, request, tmp_path) -> dict:
+    if kind == "file":
+        return {"backend": "file", "root": str(tmp_path / "l3")}
+    if kind == "redis":
+        return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
+    if kind == "redis_cluster":
+        return {"backend": "redis", "url": request.getfixturevalue("redis_cluster")[0].url, "cluster": True}
+    if kind == "s3":
+        return {"backend": "s3", "bucket": f"kvtier-{uuid.uuid4().hex[:12]}", "create_bucket": True,
+                "endpoint_url": request.getfixturevalue("s3_server").url,
+                "access_key_id": "testing", "secret_access_key": "testing"}
+    raise AssertionError(kind)
+
+
+def write_yaml(tmp_path, store: dict, **namespace) -> str:
+    path = tmp_path / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
+    doc = {"store": {"timeout_s": 5.0, **store}}
+    if namespace:
+        doc["namespace"] = namespace
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def attach(sg, pool, yaml_path, *, mla=False, tp_rank=0, tp_size=1, model="meta-llama/Llama-3.1-8B", **extra):
+    """What SGLang's cache controller does: the factory's `dynamic` backend, then the pool."""
+    cfg = rt.storage_config(sg, model=model, mla=mla, tp_rank=tp_rank, tp_size=tp_size, extra={
+        "backend_name": "kvtier", "module_path": "kvtier.integrations.sglang", "class_name": "KvtierStorage",
+        "kvtier_config": yaml_path, "interface_v1": 1, **extra})
+    backend = sg.backend_factory.StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def make_pool(sg, kind: str, layout: str, **kw):
+    return (rt.make_mla_pool if kind == "mla" else rt.make_mha_pool)(sg, layout, **kw)
+
+
+def page_keys(n: int) -> list[str]:
+    return [os.urandom(32).hex() for _ in range(n)]  # SGLang's page hashes are sha256 hex
+
+
+def fill(pool, n: int, seed: int) -> torch.Tensor:
+    """Host slots for n pages, each page random bytes (as a forward would have left them)."""
+    idx = pool.alloc(n * pool.page_size)
+    g = torch.Generator().manual_seed(seed)
+    for start in idx[::pool.page_size].tolist():
+        page = pool.get_dummy_flat_data_page()
+        page.view(torch.uint8 if page.element_size() == 1 else torch.int16).copy_(
+            torch.randint(0, 255, page.shape, generator=g).to(page.dtype) if page.element_size() == 1
+            else torch.randint(-30000, 30000, page.shape, dtype=torch.int16, generator=g))
+        pool.set_from_flat_data_page(start, page)
+    return idx
+
+
+def page_bytes(pool, idx: torch.Tensor) -> list[bytes]:
+    return [pool.get_data_page(s, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+            for s in idx[::pool.page_size].tolist()]
+
+
+def corrupt(kind: str, backend, key: str, request) -> None:
+    """Flip one payload byte of the page stored for SGLang's `key`, behind kvtier's back."""
+    full = backend._keys([key])[0]
+    store = backend.store
+    if kind == "file":
+        path = store.path(full)
+        blob = bytearray(path.read_bytes())
+        blob[-1] ^= 0xFF
+        path.write_bytes(bytes(blob))
+        return
+    if kind in ("redis", "redis_cluster"):
+        import redis
+        from redis.cluster import RedisCluster
+        url = store.config.url
+        client = RedisCluster.from_url(url) if kind == "redis_cluster" else redis.Redis.from_url(url)
+        blob = bytearray(client.get(full))
+        blob[-1] ^= 0xFF
+        client.set(full, bytes(blob))
+        client.close()
+        return
+    import boto3
+    cfg = store.config
+    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    obj_key = cfg.prefix + full
+    blob = bytearray(client.get_object(Bucket=cfg.bucket, Key=obj_key)["Body"].read())
+    blob[-1] ^= 0xFF
+    client.put_object(Bucket=cfg.bucket, Key=obj_key, Body=bytes(blob))
+
+
+# -- the round trip SGLang runs: backup on one server, prefetch on another ------------------
+
+
+@pytest.mark.parametrize("store_kind", STORES)
+@pytest.mark.parametrize("attn,layout", [("mha", "page_first"), ("mha", "layer_first"),
+                                         ("mla", "page_first"), ("mla", "layer_first")])
+def test_v1_round_trip_is_bitwise_and_a_corrupt_page_is_false(sg, store_kind, attn, layout, request, tmp_path):
+    path = write_yaml(tmp_path, _store_section(store_kind, request, tmp_path))
+    mla = attn == "mla"
+    writer_pool = make_pool(sg, attn, layout)
+    writer = attach(sg, writer_pool, path, mla=mla)
+    keys = page_keys(5)
+    src = fill(writer_pool, len(keys), seed=1)
+    assert writer.batch_set_v1(keys, src) == [True] * 5
+    writer.close()
+
+    # another server (same model, same geometry) prefetches them
+    reader_pool = make_pool(sg, attn, layout)
+    reader = attach(sg, reader_pool, path, mla=mla)
+    assert reader.batch_exists(keys) == 5
+    dst = reader_pool.alloc(5 * reader_pool.page_size)
+    assert reader.batch_get_v1(keys, dst) == [True] * 5
+    assert page_bytes(reader_pool, dst) == page_bytes(writer_pool, src)
+
+    # one stored page goes bad: False for that key, the others still load
+    corrupt(store_kind, reader, keys[2], request)
+    again = reader_pool.alloc(5 * reader_pool.page_size)
+    ok = reader.batch_get_v1(keys, again)
+    assert ok == [True, True, False, True, True]
+    good = [b for b, o in zip(page_bytes(reader_pool, again), ok) if o]
+    assert good == [b for b, o in zip(page_bytes(writer_pool, src), ok) if o]
+    stats = reader.kvtier_stats()
+    assert stats["frame_failures"] == 1 and stats["get_ok"] == 9
+    reader.close()
+
+
+@pytest.mark.parametrize("store_kind", ["file", "redis"])
+@pytest.mark.parametrize("attn,layout", [("mha", "layer_first"), ("mla", "page_first")])
+def test_legacy_get_set_round_trip(sg, store_kind, attn, layout, request, tmp_path):
+    path = write_yaml(tmp_path, _store_section(store_kind, request, tmp_path))
+    pool = make_pool(sg, attn, layout)
+    backend = attach(sg, pool, path, mla=attn == "mla")
+    keys = page_keys(3)
+    src = fill(pool, 3, seed=2)
+    # SGLang's _generic_page_set: flat pages from get_data_page, then batch_set
+    pages = [pool.get_data_page(s) for s in src[::pool.page_size].tolist()]
+    assert backend.batch_set(keys, pages) is True
+    assert backend.set(keys[0], pages[0]) is True  # a page stored twice is still True
+    assert backend.exists(keys[1]) and backend.batch_exists(keys + page_keys(1)) == 3
+    # SGLang's _generic_page_get: dummy flat pages, then set_from_flat_data_page
+    targets = [pool.get_dummy_flat_data_page() for _ in keys]
+    got = backend.batch_get(keys, targets)
+    assert all(g is t for g, t in zip(got, targets))
+    assert [t.view(torch.uint8).numpy().tobytes() for t in targets] == page_bytes(pool, src)
+    single = backend.get(keys[2], pool.get_dummy_flat_data_page())
+    assert torch.equal(single.view(torch.uint8), targets[2].view(torch.uint8))
+    assert backend.get(page_keys(1)[0], pool.get_dummy_flat_data_page()) is None
+    assert not backend.exists(page_keys(1)[0])
+    backend.close()
+
+
+# -- namespaces: what SGLang's keys leave out ----------------------------------------------
+
+
+def test_kv_dtype_layout_and_tp_rank_separate_pages(sg, tmp_path):
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    keys = page_keys(2)
+
+    def written(pool, **kw):
+        b = attach(sg, pool, path, **kw)
+        assert b.batch_set_v1(keys, fill(pool, 2, seed=3)) == [True, True]
+        b.close()
+
+    def visible(pool, **kw) -> int:
+        b = attach(sg, pool, path, **kw)
+        n = b.batch_exists(keys)
+        idx = pool.alloc(2 * pool.page_size)
+        assert b.batch_get_v1(keys, idx) == [n > 0, n > 1]
+        b.close()
+        return n
+
+    written(rt.make_mha_pool(sg, dtype=torch.bfloat16))
+    assert visible(rt.make_mha_pool(sg, dtype=torch.bfloat16)) == 2
+    # SGLang #33268: a bf16 and an fp16 run of the same model must not share pages
+    assert visible(rt.make_mha_pool(sg, dtype=torch.float16)) == 0
+    # the flat page's byte order depends on the host layout: another layout is a miss
+    assert visible(rt.make_mha_pool(sg, "layer_first", dtype=torch.bfloat16)) == 0
+    # MHA KV is sharded by TP rank
+    assert visible(rt.make_mha_pool(sg), tp_rank=1, tp_size=2) == 0
+    assert visible(rt.make_mha_pool(sg), model="Qwen/Qwen3-8B") == 0
+
+    # fp8 KV lives in uint8 host pools: SGLang's --kv-cache-dtype tells e4m3 from e5m2
+    written(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e4m3")
+    assert visible(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e4m3") == 2
+    assert visible(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e5m2") == 0
+
+    # MLA KV is the same on every TP rank: rank 1 reads what rank 0 wrote
+    written(rt.make_mla_pool(sg), mla=True, tp_rank=0, tp_size=2)
+    assert visible(rt.make_mla_pool(sg), mla=True, tp_rank=1, tp_size=2) == 2
+
+
+def test_tenant_salt_separates_and_clear_removes_only_its_namespace(sg, tmp_path):
+    store = {"backend": "file", "root": str(tmp_path / "l3")}
+    a_path = write_yaml(tmp_path, store, tenant_salt="tenant-a")
+    b_path = write_yaml(tmp_path, store, tenant_salt="tenant-b")
+    keys = page_keys(3)
+    a_pool, b_pool = rt.make_mha_pool(sg), rt.make_mha_pool(sg)
+    a, b = attach(sg, a_pool, a_path), attach(sg, b_pool, b_path)
+    assert a.batch_set_v1(keys, fill(a_pool, 3, seed=4)) == [True] * 3
+    assert b.batch_exists(keys) == 0
+    assert b.batch_set_v1(keys, fill(b_pool, 3, seed=5)) == [True] * 3
+    assert b.clear() is True
+    assert b.batch_exists(keys) == 0 and a.batch_exists(keys) == 3
+    a.close()
+    b.close()
+
+
+# -- fail closed --------------------------------------------------------------------------
+
+
+def test_unreachable_store_is_a_miss_then_skipped_by_the_breaker(sg, tmp_path):
+    port = free_port()  # nothing listens: every call is refused
+    path = write_yaml(tmp_path, {"backend": "redis", "url": f"redis://127.0.0.1:{port}/0",
+                                 "connect_timeout_s": 0.5, "socket_timeout_s": 0.5})
+    pool = rt.make_mha_pool(sg)
+    backend = attach(sg, pool, path)
+    keys = page_keys(2)
+    idx = fill(pool, 2, seed=6)
+    before = page_bytes(pool, idx)
+    for _ in range(3):
+        assert backend.batch_exists(keys) == 0
+    assert backend.kvtier_stats()["store_down"] is True
+    # down: calls are answered at once, as misses, without touching the host pool
+    assert backend.batch_get_v1(keys, idx) == [False, False]
+    assert backend.batch_set_v1(keys, idx) == [False, False]
+    assert page_bytes(pool, idx) == before
+    stats = backend.kvtier_stats()
+    assert stats["calls_skipped_store_down"] == 2 and stats["breaker_trips"] == 1
+    backend.close()
+
+
+def test_prefetch_and_backup_threads_at_once(sg, tmp_path):
+    """SGLang calls from its prefetch and backup threads concurrently."""
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = rt.make_mha_pool(sg, pages=64)
+    backend = attach(sg, pool, path)
+    batches = [(page_keys(4), fill(pool, 4, seed=10 + i)) for i in range(6)]
+    errors: list[BaseException] = []
+
+    def backup(items):
+        try:
+            for keys, idx in items:
+                assert backend.batch_set_v1(keys, idx) == [True] * 4
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=backup, args=(batches[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for keys, idx in batches:
+        dst = pool.alloc(4 * pool.page_size)
+        assert backend.batch_get_v1(keys, dst) == [True] * 4
+        assert page_bytes(pool, dst) == page_bytes(pool, idx)
+    stats = backend.kvtier_stats()
+    assert stats["set_pages"] == stats["set_ok"] == 24
+    backend.close()
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_extra_config_names_the_field(sg, tmp_path):
+    pool = rt.make_mha_pool(sg)
+    with pytest.raises(KvtierConfigError, match="extra_config.kvtier_config"):
+        attach(sg, pool, None)
+    none_path = write_yaml(tmp_path, {"backend": "none"})
+    with pytest.raises(KvtierConfigError, match="store.backend='none'"):
+        attach(sg, pool, none_path)
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    with pytest.raises(KvtierConfigError, match="kv_cache_dtype"):
+        attach(sg, pool, path, kv_cache_dtype=8)
+    backend = attach(sg, pool, path)
+    with pytest.raises(ValueError, match="host_indices has 3 slots for 1 keys"):
+        backend.batch_set_v1(page_keys(1), torch.arange(3))
+    with pytest.raises(ValueError, match="bytes; this pool's pages are"):
+        backend.set(page_keys(1)[0], torch.zeros(3, dtype=torch.bfloat16))
+    backend.close()
+
+
+def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = rt.make_mha_pool(sg)
+    backend = attach(sg, pool, path)
+    backend.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.KV)
+    backend.on_host_pools_registered()  # plain KV: fine
+    backend.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.MAMBA)
+    with pytest.raises(NotImplementedError, match="mamba"):
+        backend.on_host_pools_registered()
+    backend.close()
+
+
+def test_module_imports_without_sglang():
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "import kvtier.integrations.sglang as m\n"
+        "try:\n    m.KvtierStorage\nexcept ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "ERR" in out and "pip install --no-deps sglang==0.5.23" in out
