@@ -329,6 +329,18 @@ class TieredCache:
         ready, self.sync.newly_ready = self.sync.newly_ready, []
         return ready
 
+    def report_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed `tokens` of prefill in `seconds`: with this rate, a store load
+        expected to take longer than recomputing its tokens is skipped (a miss), so the
+        cache never makes a request slower than no cache (docs/design.md §8)."""
+        if self.controller.storage is not None:
+            self.controller.storage.speed.report_prefill(tokens, seconds)
+
+    def set_prefill_rate(self, tokens_per_s: float | None) -> None:
+        """A fixed prefill rate instead of measured ones (None: never skip for speed)."""
+        if self.controller.storage is not None:
+            self.controller.storage.speed.set_prefill_rate(tokens_per_s)
+
     def wait_progress(self, timeout: float = 0.005) -> None:
         """For a scheduler with nothing to run: nap until a store op moves (or `timeout`)."""
         self.controller.wait_progress(timeout)
@@ -384,7 +396,7 @@ class TieredCache:
                "queues": {"writes": len(c.writes), "loads": len(c.loads), "backups": len(c.backups),
                           "prefetches": len(c.prefetches)}}
         if c.store is not None:
-            out["store"] = {**c.store.stats(), **c.storage.breaker.stats()}
+            out["store"] = {**c.store.stats(), **c.storage.breaker.stats(), **c.storage.speed.stats()}
         return out
 
     def _tier_sizes(self, tier: Tier, total: int, free: int) -> dict:

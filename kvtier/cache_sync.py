@@ -356,6 +356,7 @@ class Applier:
         c.prefetch_timed_out += bool(p.deadline is not None and op.stop.is_set())
         c.prefetch_errors += op.outcome == "error"
         c.prefetch_skipped_store_down += op.outcome == "store_down"
+        c.prefetch_skipped_slow += op.outcome == "slow_store"
         self.latency["prefetch"].observe(time.perf_counter() - op.started)
         if p.discard:
             del self.prefetches[op.request_id]

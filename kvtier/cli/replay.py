@@ -20,6 +20,9 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="write cumulative hit rate per tier (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None, metavar="N",
+                   help="prefill rate of the model this replay stands for: store loads expected to take longer "
+                        "than recomputing at this rate are skipped (default: never skip)")
 
 
 def check_arguments(args) -> None:
@@ -30,6 +33,9 @@ def check_arguments(args) -> None:
         raise KvtierConfigError("--trace replays its own turns: --requests and --workload do not apply to it")
     if args.requests < 1:
         raise KvtierConfigError(f"--requests {args.requests}: must be >= 1")
+    rate = getattr(args, "prefill_tokens_per_s", None)
+    if rate is not None and not 0 < rate < float("inf"):
+        raise KvtierConfigError(f"--prefill-tokens-per-s {rate}: must be a number of tokens per second > 0")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -51,6 +57,7 @@ def run(args, default_config: str) -> int:
         generate(args.workload, args.requests, model.config.vocab, args.seed)
     cache = TieredCache(config)
     try:
+        cache.set_prefill_rate(getattr(args, "prefill_tokens_per_s", None))
         engine = Engine(cache, model, max_batch=args.batch)
         progress = None if args.json or not sys.stderr.isatty() else _progress
         results, seconds = timed_run(engine, turns, keep_logits=args.verify is not None, progress=progress)
@@ -118,7 +125,8 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
         "verified_requests": checked, "max_logit_diff": worst,
         "store": {k: stats.get("store", {}).get(k, 0) for k in ("hits", "misses", "frame_failures", "errors", "timeouts",
                                                                "set_failures", "store_down", "breaker_trips",
-                                                               "calls_skipped_store_down")},
+                                                               "calls_skipped_store_down",
+                                                               "prefetch_skipped_slow")},
     }
 
 
@@ -147,6 +155,9 @@ def _table(s: dict) -> str:
         state = "DOWN at the end" if st["store_down"] else "up again at the end"
         lines.append(f"store down               {st['breaker_trips']} times ({state}); "
                      f"{st['calls_skipped_store_down']} calls skipped instead of waiting for it")
+    if st["prefetch_skipped_slow"]:
+        lines.append(f"store too slow           {st['prefetch_skipped_slow']} prefetches skipped: loading was "
+                     f"expected to take longer than recomputing")
     if s["failed_requests"]:
         lines.append(f"failed requests          {s['failed_requests']} (released); first: {s['errors'][0]}")
     if not s["counts_add_up"]:

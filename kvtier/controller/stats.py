@@ -60,6 +60,7 @@ class Counters:
     prefetch_timed_out: int = 0
     prefetch_errors: int = 0
     prefetch_skipped_store_down: int = 0
+    prefetch_skipped_slow: int = 0  # loads expected slower than recomputing (controller/speed.py)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import Breaker, BreakerConfig
+from kvtier.controller.speed import LoadSpeed
 from kvtier.errors import KvtierError
 from kvtier.tiers.mirror import HostMirror
 
@@ -78,6 +79,8 @@ class StorageWorker:
                  breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic) -> None:
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
+        self.clock = clock
+        self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
         self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to write once
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
@@ -136,7 +139,15 @@ class StorageWorker:
             if not self.breaker.admit():
                 op.present, op.outcome = 0, "store_down"
                 return None
-            op.present = await self._guarded(self.store.batch_exists(op.keys))
+            asked = self.clock()
+            present = await self._guarded(self.store.batch_exists(op.keys))
+            self.speed.observe_call(self.clock() - asked)
+            if present and not self.speed.worth_loading(present, -(-present // self.chunk),
+                                                        present * op.tokens // len(op.keys)):
+                op.present, op.outcome = 0, "slow_store"
+                self._moved(op)
+                return None
+            op.present = present
             self._moved(op)
             if op.present == 0:
                 op.outcome = "done"
@@ -155,7 +166,9 @@ class StorageWorker:
                     return
                 chunk = pages[start:start + self.chunk]
                 async with self._slots:
+                    asked = self.clock()
                     ok = await self._guarded(self._read(op.keys[start:start + chunk.numel()], chunk))
+                    self.speed.observe_read(chunk.numel(), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
                 self._moved(op)

@@ -60,8 +60,11 @@ class Engine:
     waits aside (`parked`) while others run, and joins once `cache.poll()` names it."""
 
     def __init__(self, cache: TieredCache, model: TinyTransformer, max_batch: int = 4, chunk_size: int = 256,
-                 max_context: int = 16384) -> None:
+                 max_context: int = 16384, report_prefill: bool = False) -> None:
+        """`report_prefill`: tell the cache how fast this model prefills (each forward's
+        prefill tokens and seconds), so that it skips store loads slower than that."""
         model.check_pool(cache.pool)
+        self.report_prefill = report_prefill
         self.cache = cache
         self.model = model
         self.max_batch = max_batch
@@ -171,6 +174,7 @@ class Engine:
                 done.append(self._fail(a, f"device pool exhausted: no room for {n} more tokens"))
             return
         waiter = self.cache.begin_forward([a.rid for a, _ in batch])
+        started = time.perf_counter()
         try:
             logits = self.model.forward_cached(chunks, self.cache.pool, self.rows.req_to_token, waiter.wait_layer)
         except TransferError as exc:  # a load this forward reads failed: no request of it may go on
@@ -178,6 +182,9 @@ class Engine:
                 active.remove(a)
                 done.append(self._fail(a, str(exc)))
             return
+        if self.report_prefill:
+            prefill = sum(len(tokens) for a, tokens in batch if a.pos < len(a.prompt))
+            self.cache.report_prefill(prefill, time.perf_counter() - started)
         for (a, tokens), lg in zip(batch, logits):
             a.fed += tokens
             a.pos += len(tokens)
