@@ -1,0 +1,41 @@
+"""Redis specifics of the threaded, zero-copy write path: NX, TTL, an error reply."""
+
+import redis
+
+from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
+from tests.backends.stores import new_key
+
+
+async def test_nx_keeps_the_first_page_and_ttl_is_set(redis_server):
+    store = RedisStore(RedisStoreConfig(url=redis_server.url, overwrite=False, ttl_s=600, write_threads=2))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [new_key() for _ in range(5)]
+        first = [bytes([i]) * 4096 for i in range(5)]
+        assert await store.batch_set(keys, first) == [True] * 5
+        # NX: a page already stored stays as it was, and the write still counts as stored
+        assert await store.batch_set(keys, [b"\xff" * 4096] * 5) == [True] * 5
+        assert await store.batch_get(keys) == first
+        assert all(0 < raw.ttl(k) <= 600 for k in keys)
+    finally:
+        raw.close()
+        await store.close()
+
+
+async def test_an_error_reply_is_a_page_not_stored(redis_server):
+    store = RedisStore(RedisStoreConfig(url=redis_server.url, write_threads=1))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [new_key() for _ in range(3)]
+        raw.config_set("maxmemory", 1)  # every write is refused: an OOM error reply per SET
+        try:
+            assert await store.batch_set(keys, [b"a" * 4096] * 3) == [False] * 3
+        finally:
+            raw.config_set("maxmemory", 0)
+        # the connection stays usable after error replies
+        assert await store.batch_set(keys, [b"b" * 4096] * 3) == [True] * 3
+        assert await store.batch_get(keys) == [b"b" * 4096] * 3
+        assert store.counters.set_failures == 3
+    finally:
+        raw.close()
+        await store.close()
