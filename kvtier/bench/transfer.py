@@ -2,6 +2,9 @@
 
 Geometry: Llama-3-8B-like, scaled to fit (8 layers, 8 KV heads, head_dim 128, fp16, page 64),
 ~1 GiB of pages in random order. Run: python benchmarks/transfer.py [--gib 1.0]  (or: tierctl bench transfer)
+
+`--device cuda`: the pool on the GPU, the mirror pinned; backup (device->host) is compared
+with a plain pinned non-blocking `copy_` of the same bytes D2H, load with the same H2D.
 """
 
 from __future__ import annotations
@@ -16,13 +19,62 @@ from kvtier.tiers.pool import DeviceKVPool, PoolConfig
 
 
 def best_of(fn, repeat: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()  # warm-up
+    sync()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def run_cuda(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, float]:
+    """Pool on the GPU, pinned mirror: backup = D2H, load = H2D, against plain pinned copies."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this machine has no CUDA GPU")
+    layers, heads, dim = 8, 8, 128
+    token_bytes = layers * 2 * heads * dim * 2
+    pages = max(2, int(gib * (1 << 30)) // (token_bytes * page_size))
+    size = pages * page_size
+    pool = DeviceKVPool(PoolConfig(size=size, num_layers=layers, page_size=page_size, num_kv_heads=heads,
+                                   head_dim=dim, dtype="float16", device="cuda"))
+    for part in pool.parts:
+        part.normal_()
+    nbytes = size * token_bytes
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = nbytes / best_of(lambda: dev.copy_(host, non_blocking=True), repeat) / 1e9
+    d2h = nbytes / best_of(lambda: host.copy_(dev, non_blocking=True), repeat) / 1e9
+    host = dev = None
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.arange(page_size)
+    dev_slots = ((torch.randperm(pages, generator=g) + 1)[:, None] * page_size + offsets).flatten()
+    print(f"{pages} pages of {page_size} tokens, {nbytes / 2**30:.2f} GiB on {torch.cuda.get_device_name()}; "
+          f"pinned copy_ H2D {h2d:.2f} GB/s, D2H {d2h:.2f} GB/s")
+    results = {"h2d": h2d, "d2h": d2h}
+    for layout in ("page_first", "layer_first"):
+        for io in ("direct", "kernel"):
+            mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout, io=io))
+            host_slots = ((torch.randperm(pages, generator=g) + 1)[:, None] * page_size + offsets).flatten()
+            backup = nbytes / best_of(lambda: mirror.backup(pool, dev_slots, host_slots), repeat) / 1e9
+
+            def load_all_layers():
+                plan = mirror.plan(dev_slots, host_slots) if mirror.io == "direct" else None
+                for layer in range(layers):
+                    mirror.load_layer(pool, host_slots, dev_slots, layer, plan)
+            load = nbytes / best_of(load_all_layers, repeat) / 1e9
+            print(f"{layout:12s} {io:8s} backup {backup:6.2f} GB/s ({backup / d2h:.2f}x D2H)  "
+                  f"load {load:6.2f} GB/s ({load / h2d:.2f}x H2D)")
+            results[f"{layout}/{io}/backup"] = backup / d2h
+            results[f"{layout}/{io}/load"] = load / h2d
+            mirror = None
+    best_backup = max(v for k, v in results.items() if k.endswith("/backup"))
+    best_load = max(v for k, v in results.items() if k.endswith("/load"))
+    print(f"transfer (cuda): best backup {best_backup:.2f}x D2H, best load {best_load:.2f}x H2D")
+    return results
 
 
 def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, float]:
@@ -82,8 +134,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args(argv)
-    run(args.gib, args.repeat)
+    (run_cuda if args.device == "cuda" else run)(args.gib, args.repeat)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 `CpuTransferStream` runs jobs in order on one worker thread and signals with
 threading.Events (used when there is no GPU, and in every test). `CudaTransferStream`
-enqueues the same jobs on a side CUDA stream and signals with CUDA events. A job's
-completion is reported only by the copy that finished: an exception is stored on the
-handle and re-raised to whoever waits on it.
+has a worker thread enqueue the same jobs on a side CUDA stream (never the scheduler
+thread) and signals with CUDA events. A job's completion is reported only by the copy that
+finished: an exception is stored on the handle and re-raised to whoever waits on it.
 """
 
 from __future__ import annotations
@@ -44,10 +44,14 @@ class Handle:
         self.finished.set()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        if self.cuda_events is not None:
-            torch.cuda.current_stream().wait_event(self.cuda_events[layer])
-        elif not self.layers[layer].wait(timeout):
+        """CPU: until the layer has landed. CUDA: until the worker has *enqueued* the
+        layer's copy and recorded its event (microseconds), then the caller's stream waits
+        on that event on the device: the host never waits for the copy itself. (Waiting on
+        an event not yet recorded would be a no-op: the forward would read unloaded KV.)"""
+        if not self.layers[layer].wait(timeout):
             raise TransferError(f"layer {layer} did not land within {timeout}s")
+        if self.cuda_events is not None and self.error is None:
+            torch.cuda.current_stream().wait_event(self.cuda_events[layer])
         if self.error is not None:
             raise TransferError(f"load failed: {self.error}") from self.error
 
@@ -113,33 +117,40 @@ class CpuTransferStream(TransferStream):
 
 
 class CudaTransferStream(TransferStream):
-    """Jobs enqueue their copies on a side stream; per-layer CUDA events mark landings.
+    """A worker thread enqueues each job's copies on a side stream (non-blocking, from
+    pinned host memory); per-layer CUDA events mark landings.
 
-    The forward waits on a layer's event on its own stream (no host sync); a watcher
-    thread turns each job's final event into `handle.finished` for the scheduler's acks.
+    `submit` only records an event on the caller's stream (the KV it wrote before
+    submitting) and queues the job: the scheduler thread never launches a copy. The worker
+    makes the side stream wait for that event, runs the job under the side stream (its
+    `layer_done` records each layer's event, then lets waiters through), records the job's
+    final event and waits for it, then marks the handle finished for the scheduler's acks.
     """
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._watcher = _Finisher(f"kvtier-{name}-watch", lambda event: event.synchronize())
+        self._worker = _Finisher(f"kvtier-{name}", self._run)
 
     def submit(self, job: Job, handle: Handle) -> Handle:
         handle.cuda_events = [torch.cuda.Event() for _ in handle.layers]
-        done = torch.cuda.Event()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # KV written before we copy it
-        with torch.cuda.stream(self.stream):
-            try:
-                job(handle)
-            except BaseException as exc:
-                handle.fail(exc)
-                return handle
-            done.record(self.stream)
-        self._watcher.put(done, handle)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))  # KV written before we copy it
+        self._worker.put((job, handle, ready), handle)
         return handle
 
+    def _run(self, item) -> None:
+        job, handle, ready = item
+        torch.cuda.set_device(self.device)
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            job(handle)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()  # this worker waits, not the scheduler
+
     def close(self) -> None:
-        self._watcher.close()
+        self._worker.close()
         self.stream.synchronize()
 
 

@@ -103,6 +103,9 @@ class HostMirror:
             log.info("host mirror in plain memory: CUDA is not available, so it is not pinned")
         self._views = self._allocate(pages + 1)
         self.io = config.io
+        # GPU pool: copies are asynchronous DMA from/to pinned memory on the transfer
+        # stream; whoever needs the bytes waits on that stream's events (controller/streams.py)
+        self._async = pool.device.type == "cuda" and self.pinned
         if self.io == "kernel" and pool.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             # Triton has no CPU backend; its interpreter (tests) is the one way to run it here.
             log.info("io=kernel needs a GPU device; the CPU pool uses the direct path")
@@ -152,7 +155,7 @@ class HostMirror:
                 else:
                     dsts.append(h_all[:, h0:h0 + n])
                 srcs.append(d_all[:, d0:d0 + n])
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(dsts, srcs, non_blocking=self._async)
 
     def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> "CopyPlan":
         """How to copy this pairing, computed once for all the layers of a load.
@@ -218,7 +221,7 @@ class HostMirror:
                         hs.append(h_view[page, off:off + n])
             dsts += hs if to_host else ds
             srcs += ds if to_host else hs
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(dsts, srcs, non_blocking=self._async)
 
     # -- pages for L3 ------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """CUDA paths: pinned mirror, side-stream transfers with per-layer events, the Triton kernel
 compiled for the GPU. They need a GPU; here they skip, saying so."""
 
+import threading
+
 import pytest
 import torch
 
@@ -37,7 +39,11 @@ def test_cuda_stream_signals_each_layer():
     src = torch.randn(4, 1 << 20, device="cuda")
     dst = torch.empty_like(src)
 
+    launched_on = []
+
     def job(h: Handle) -> None:
+        launched_on.append(threading.get_ident())
+        assert torch.cuda.current_stream() == stream.stream  # the side stream, not the forward's
         for layer in range(4):
             dst[layer].copy_(src[layer], non_blocking=True)
             h.layer_done(layer)
@@ -48,4 +54,5 @@ def test_cuda_stream_signals_each_layer():
     torch.cuda.current_stream().synchronize()
     assert torch.equal(dst, src)
     assert handle.finished.wait(10)
+    assert launched_on and launched_on[0] != threading.get_ident()  # a worker launched the copies
     stream.close()
