@@ -31,6 +31,18 @@ def best_of(fn, repeat: int) -> float:
     return min(times)
 
 
+def _backup_and_load(mirror, pool, dev, host, nbytes: int, repeat: int) -> tuple[float, float]:
+    """GB/s of an all-layer backup, and of a load as the controller runs one: one plan,
+    then layer by layer."""
+    backup = nbytes / best_of(lambda: mirror.backup(pool, dev, host), repeat) / 1e9
+
+    def load_all_layers():
+        plan = mirror.plan(dev, host) if mirror.io == "direct" else None
+        for layer in range(pool.num_layers):
+            mirror.load_layer(pool, host, dev, layer, plan)
+    return backup, nbytes / best_of(load_all_layers, repeat) / 1e9
+
+
 def run_cuda(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, float]:
     """Pool on the GPU, pinned mirror: backup = D2H, load = H2D, against plain pinned copies."""
     if not torch.cuda.is_available():
@@ -59,13 +71,7 @@ def run_cuda(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str
         for io in ("direct", "kernel"):
             mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout, io=io))
             host_slots = ((torch.randperm(pages, generator=g) + 1)[:, None] * page_size + offsets).flatten()
-            backup = nbytes / best_of(lambda: mirror.backup(pool, dev_slots, host_slots), repeat) / 1e9
-
-            def load_all_layers():
-                plan = mirror.plan(dev_slots, host_slots) if mirror.io == "direct" else None
-                for layer in range(layers):
-                    mirror.load_layer(pool, host_slots, dev_slots, layer, plan)
-            load = nbytes / best_of(load_all_layers, repeat) / 1e9
+            backup, load = _backup_and_load(mirror, pool, dev_slots, host_slots, nbytes, repeat)
             print(f"{layout:12s} {io:8s} backup {backup:6.2f} GB/s ({backup / d2h:.2f}x D2H)  "
                   f"load {load:6.2f} GB/s ({load / h2d:.2f}x H2D)")
             results[f"{layout}/{io}/backup"] = backup / d2h
@@ -110,12 +116,7 @@ def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, flo
             mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout, io=io))
             host_pages = torch.randperm(pages, generator=g) + 1
             host = (host_pages[:, None] * page_size + offsets).flatten()
-            backup = nbytes / best_of(lambda: mirror.backup(pool, dev, host), repeat) / 1e9
-            def load_all_layers():  # as the controller does: one plan, then layer by layer
-                plan = mirror.plan(dev, host) if mirror.io == "direct" else None
-                for layer in range(layers):
-                    mirror.load_layer(pool, host, dev, layer, plan)
-            load = nbytes / best_of(load_all_layers, repeat) / 1e9
+            backup, load = _backup_and_load(mirror, pool, dev, host, nbytes, repeat)
             path = io if mirror.io == io else f"{io}->{mirror.io}"
             print(f"{layout:12s} {path:16s} backup {backup:6.2f} GB/s ({backup / memcpy:.2f}x)  "
                   f"load {load:6.2f} GB/s ({load / memcpy:.2f}x)")
