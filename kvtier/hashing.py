@@ -28,6 +28,7 @@ NAMESPACE_ID_HEX = 32
 
 _KEY_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*)/(?P<ns>[0-9a-f]{32})/(?P<hash>[0-9a-f]{32}|[0-9a-f]{64})$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*$")
+_DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")  # a '.' or '..' path segment
 
 
 def _field(tag: bytes, value: bytes) -> bytes:
@@ -125,17 +126,22 @@ def make_key(prefix: str, namespace_id: str, page_hash: bytes) -> str:
     return validate_key(f"{prefix}/{namespace_id}/{page_hash.hex()}")
 
 
-def validate_key(key: str) -> str:
-    """Return `key` if it has the L3 key form; raise StoreKeyError naming it otherwise."""
-    if not isinstance(key, str) or not _KEY_RE.match(key) or any(seg in (".", "..") for seg in key.split("/")):
+def _parse_key(key: str) -> re.Match:
+    m = _KEY_RE.match(key) if isinstance(key, str) else None
+    if m is None or _DOT_SEGMENT.search(key):
         raise StoreKeyError(
             f"key={key!r}: expected '<prefix>/<32 hex namespace id>/<32 or 64 hex page hash>'"
         )
+    return m
+
+
+def validate_key(key: str) -> str:
+    """Return `key` if it has the L3 key form; raise StoreKeyError naming it otherwise."""
+    _parse_key(key)
     return key
 
 
 def split_key(key: str) -> tuple[str, str, bytes]:
     """(prefix, namespace id, page hash) of a validated key."""
-    m = _KEY_RE.match(validate_key(key))
-    assert m is not None
+    m = _parse_key(key)
     return m["prefix"], m["ns"], bytes.fromhex(m["hash"])

@@ -20,6 +20,7 @@ import fcntl
 import os
 import socket
 import stat
+import itertools
 import time
 import uuid
 from collections import OrderedDict
@@ -64,6 +65,7 @@ class FileStore(Store):
         super().__init__(timeout_s)
         self.config = config
         self.root = Path(os.path.expanduser(config.root or default_root())).resolve()
+        self._root_str = str(self.root)
         try:
             _claim_root(self.root)
         except OSError as exc:
@@ -95,6 +97,12 @@ class FileStore(Store):
                     _write_small(path, str(max(0, usage[0])).encode())
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _file(self, key: str) -> str:
+        """`path(key)` as a string (the hot paths: no Path objects per page)."""
+        prefix, ns, h = split_key(key)
+        hx = h.hex()
+        return os.path.join(self._root_str, prefix, ns, hx[:2], hx[2:4], hx)
 
     def path(self, key: str) -> Path:
         prefix, ns, h = split_key(key)
@@ -136,7 +144,7 @@ class FileStore(Store):
         if not unknown:
             return
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._pool, _sizes_of, [self.path(k) for k in unknown], leading)
+        job = loop.run_in_executor(self._pool, _sizes_of, [self._file(k) for k in unknown], leading)
         sizes = (await self._in_threads([job]))[0]
         for key, size in zip(unknown, sizes):
             if size is not None and key not in self._sizes:
@@ -157,13 +165,13 @@ class FileStore(Store):
     async def _get(self, keys):
         await self._adopt(keys)
         known = [k for k in keys if k in self._sizes]
-        blobs = dict(zip(known, await self._batch(_read_file, [(self.path(k),) for k in known])))
+        blobs = dict(zip(known, await self._batch(_read_file, [(self._file(k),) for k in known])))
         return [self._after_read(k, blobs.get(k)) for k in keys]
 
     async def _get_into(self, keys, parsed, views):
         await self._adopt(keys)
         items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
-        got = await self._batch(_read_page_into, [(self.path(k), ns, h, v) for k, ns, h, v in items])
+        got = await self._batch(_read_page_into, [(self._file(k), ns, h, v) for k, ns, h, v in items])
         results = dict(zip([it[0] for it in items], got))
         return [self._after_read(k, results.get(k)) for k in keys]
 
@@ -185,7 +193,7 @@ class FileStore(Store):
         """Pages that were written are indexed; one that failed is reported not stored (and
         counted); when none could be written the batch fails as a store error."""
         fits = [len(h) + len(p) <= self.config.capacity_bytes for h, p in frames]
-        items = [(self.path(k), h, p, self.config.fsync) for k, (h, p), ok in zip(keys, frames, fits) if ok]
+        items = [(self._file(k), h, p, self.config.fsync) for k, (h, p), ok in zip(keys, frames, fits) if ok]
         results = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
         if failed and len(failed) == len(keys):
@@ -285,6 +293,8 @@ def _unlink_quietly(path: Path) -> int:
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
 _OWNER = f"{socket.gethostname()}.{os.getpid()}."
+_RUN = uuid.uuid4().hex[:12] + "-"
+_TEMP_IDS = itertools.count()  # with a per-process random part: temp names never collide
 STALE_TEMP_S = 3600.0
 
 
@@ -347,7 +357,7 @@ def _stale_temp(full: str, name: str) -> bool:
 
 
 def _write_small(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{_TMP}{_OWNER}{uuid.uuid4().hex}")
+    tmp = _temp_name(str(path))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -414,14 +424,21 @@ def _read_page_into(path: Path, ns: str, h: bytes, view: memoryview) -> IntoResu
     return True
 
 
-def _write_atomically(final: Path, header: bytes, payload: memoryview, fsync: bool) -> int:
+def _temp_name(final: str) -> str:
+    return os.path.join(os.path.dirname(final), f"{_TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}")
+
+
+def _write_atomically(final: str, header: bytes, payload: memoryview, fsync: bool) -> int:
     """Write to an owner-named temp file (mode 0600), then rename over `final`: readers see
     the whole page or none. Returns the bytes of the page it replaced (0 if new); raises
     OSError (collected by `_run_all`) on failure."""
-    tmp = final.with_name(f"{_TMP}{_OWNER}{uuid.uuid4().hex}")
+    tmp = _temp_name(final)
     try:
-        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:  # the page's fan-out directories do not exist yet
+            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(header)
             f.write(payload)
