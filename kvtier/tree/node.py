@@ -23,7 +23,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "key", "parent", "children", "values", "locks",
-        "hit_count", "last_access", "created", "priority", "hashes",
+        "hit_count", "last_access", "created", "priority", "hashes", "edge",
     )
 
     def __init__(self, node_id: int, key: RadixKey, parent: "TreeNode | None", clock: int) -> None:
@@ -38,6 +38,7 @@ class TreeNode:
         self.created = clock
         self.priority = 0
         self.hashes: list[bytes] | None = None
+        self.edge: bytes | None = None  # key.tokens as bytes, made on first compare (matches compare bytes)
 
     @property
     def device_value(self) -> torch.Tensor | None:
@@ -56,7 +57,7 @@ class TreeNode:
         return self.values[Tier.HOST] is not None
 
     def __len__(self) -> int:
-        return len(self.key)
+        return self.key.tokens.shape[0]
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, v in zip("DH", self.values) if v is not None) or "-"

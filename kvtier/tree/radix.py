@@ -19,7 +19,7 @@ import torch
 
 from kvtier.hashing import page_hashes
 from kvtier.tree.check import check_tree, render
-from kvtier.tree.key import RadixKey
+from kvtier.tree.key import RadixKey, child_key_at, common_prefix
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
 
@@ -138,14 +138,15 @@ class RadixTree:
         if touch:
             self.clock += 1
         path = self._walk(key)
-        last_device, device_values, host_hit = self.root, [], 0
+        last_device, device_values, host_hit, clock = self.root, [], 0, self.clock
         for node in path:
             if touch:
                 node.hit_count += 1
-                node.last_access = self.clock
-            if node.on_device:
+                node.last_access = clock
+            value = node.values[0]  # Tier.DEVICE
+            if value is not None:
                 last_device = node
-                device_values.append(node.values[D])
+                device_values.append(value)
             else:
                 host_hit += len(node)
         indices = torch.cat(device_values) if device_values else _EMPTY
@@ -155,13 +156,25 @@ class RadixTree:
     def _walk(self, key: RadixKey) -> list[TreeNode]:
         """Matched nodes root-down; the last one is split so the match ends on its end."""
         node, offset, path = self.root, 0, []
-        usable = len(key) - len(key) % self.page_size
+        ps, tokens, extra = self.page_size, key.tokens, key.extra_key
+        usable = len(tokens) - len(tokens) % ps
+        data = tokens.tobytes()  # a whole-edge match is one memcmp: bytes.startswith at an offset
+        page_bytes = ps << 3
         while offset < usable:
-            child = node.children.get(key[offset:].child_key(self.page_size))
+            start = offset << 3
+            page = data[start:start + page_bytes]  # == child_key_at(tokens, offset, ...)
+            child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 break
-            k = child.key.match(key[offset:usable], self.page_size)
-            diverged = k < len(child)
+            edge = child.edge
+            if edge is None:
+                edge = child.edge = child.key.tokens.tobytes()
+            n = len(edge) >> 3
+            if offset + n <= usable and data.startswith(edge, offset << 3):
+                k = n
+            else:
+                k = common_prefix(child.key.tokens, tokens, offset, usable, ps)
+            diverged = k < n
             if diverged:
                 child = self._split(child, k)
             path.append(child)
@@ -200,15 +213,23 @@ class RadixTree:
         without a `tier` value take `indices`; the rest becomes a new node."""
         self.clock += 1
         node, offset, prefix_len, added = anchor, 0, 0, []
-        while offset < len(key):
-            rest = key[offset:]
-            child = node.children.get(rest.child_key(self.page_size))
+        ps, tokens, extra, end = self.page_size, key.tokens, key.extra_key, len(key)
+        data = tokens.tobytes()
+        while offset < end:
+            child = node.children.get(child_key_at(tokens, offset, ps, extra))
             if child is None:
-                child = self._add_child(node, rest, tier, indices[offset:])
+                child = self._add_child(node, key[offset:], tier, indices[offset:])
                 added.append(child)
-                offset = len(key)
+                offset = end
             else:
-                k = child.key.match(rest, self.page_size)
+                edge = child.edge
+                if edge is None:
+                    edge = child.edge = child.key.tokens.tobytes()
+                n = len(edge) >> 3
+                if offset + n <= end and data.startswith(edge, offset << 3):
+                    k = n
+                else:
+                    k = common_prefix(child.key.tokens, tokens, offset, end, ps)
                 if k < len(child):
                     child = self._split(child, k)
                 if child.values[tier] is not None:
@@ -417,7 +438,7 @@ class RadixTree:
             pages = k // self.page_size
             upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
         child.parent.children[child.key.child_key(self.page_size)] = upper
-        child.key = child.key[k:]
+        child.key, child.edge = child.key[k:], None
         child.values = [None if v is None else v[k:] for v in child.values]
         child.parent = upper
         upper.children[child.key.child_key(self.page_size)] = child
