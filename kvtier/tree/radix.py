@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.hashing import page_hashes
@@ -166,15 +167,8 @@ class RadixTree:
             child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 break
-            edge = child.edge
-            if edge is None:
-                edge = child.edge = child.key.tokens.tobytes()
-            n = len(edge) >> 3
-            if offset + n <= usable and data.startswith(edge, offset << 3):
-                k = n
-            else:
-                k = common_prefix(child.key.tokens, tokens, offset, usable, ps)
-            diverged = k < n
+            k = _edge_match(child, data, tokens, offset, usable, ps)
+            diverged = k < len(child)
             if diverged:
                 child = self._split(child, k)
             path.append(child)
@@ -222,14 +216,7 @@ class RadixTree:
                 added.append(child)
                 offset = end
             else:
-                edge = child.edge
-                if edge is None:
-                    edge = child.edge = child.key.tokens.tobytes()
-                n = len(edge) >> 3
-                if offset + n <= end and data.startswith(edge, offset << 3):
-                    k = n
-                else:
-                    k = common_prefix(child.key.tokens, tokens, offset, end, ps)
+                k = _edge_match(child, data, tokens, offset, end, ps)
                 if k < len(child):
                     child = self._split(child, k)
                 if child.values[tier] is not None:
@@ -493,6 +480,19 @@ class RadixTree:
 
     def pretty_print(self) -> str:
         return render(self.root)
+
+
+def _edge_match(child: TreeNode, data: bytes, tokens: np.ndarray, offset: int, end: int, ps: int) -> int:
+    """Tokens of `child`'s edge that `tokens[offset:end]` (whose bytes are `data`) repeats,
+    floored to pages. The whole edge is one memcmp (bytes.startswith at an offset, the
+    edge's bytes cached on the node); only a divergence is located token by token."""
+    edge = child.edge
+    if edge is None:
+        edge = child.edge = child.key.tokens.tobytes()
+    n = len(edge) >> 3
+    if offset + n <= end and data.startswith(edge, offset << 3):
+        return n
+    return common_prefix(child.key.tokens, tokens, offset, end, ps)
 
 
 def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:
