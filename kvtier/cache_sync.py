@@ -26,7 +26,7 @@ from kvtier.controller.controller import CacheController, LoadOp
 from kvtier.controller.stats import CacheStats
 from kvtier.controller.storage import PrefetchOp
 from kvtier.controller.tp import Agreement
-from kvtier.hashing import make_key, page_hashes
+from kvtier.hashing import key_maker, page_hashes
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class Applier:
         self.ctl = controller
         self.cfg = config
         self.key_prefix = key_prefix
+        self.key_of = key_maker(key_prefix, tree.namespace_id)  # page hash -> store key
         self.page_size = tree.page_size
         self.counters = stats.counters
         self.latency = stats.latency
@@ -200,7 +201,7 @@ class Applier:
     def _backup_to_store(self, node: TreeNode) -> None:
         if self.ctl.storage is None or not self.cfg.storage_backup:
             return
-        keys = [make_key(self.key_prefix, self.tree.namespace_id, h) for h in self.tree.page_hashes(node)]
+        keys = [self.key_of(h) for h in self.tree.page_hashes(node)]
         pages = node.host_value[:: self.page_size] // self.page_size
         self.tree.protect_host(node)
         self.ctl.backup(keys, pages, node)
@@ -288,7 +289,7 @@ class Applier:
         suffix = key[start:start + pages * ps]
         prev = self.tree.page_hashes(anchor)[-1] if anchor is not self.tree.root else None
         hashes = page_hashes(suffix.tokens, ps, self.tree.namespace_id, key.extra_key, prev, self.tree.hash_algo)
-        keys = [make_key(self.key_prefix, self.tree.namespace_id, h) for h in hashes]
+        keys = [self.key_of(h) for h in hashes]
         op = PrefetchOp(request_id, keys, tag=None, tokens=pages * ps)
         deadline = None
         if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:

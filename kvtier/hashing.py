@@ -100,21 +100,39 @@ def page_hashes(
     prev: bytes | None = None,
     algo: str = "sha256",
 ) -> list[bytes]:
-    """Hash chain of the *whole* pages of `tokens`, continuing from `prev` (None = seed)."""
+    """Hash chain of the *whole* pages of `tokens`, continuing from `prev` (None = seed).
+
+    Each page hashes `field("pv", prev) ‖ field("ns", …) ‖ field("ek", …) ‖ field("tk", page)`
+    (docs/formats.md); everything but `prev` and the page's tokens is the same for every
+    page, so it is encoded once and each page is one hash call over one joined buffer."""
     new = _hasher(algo)
-    ns = _field(b"ns", namespace_id.encode())
-    extra = _field(b"ek", b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
-    data = token_bytes(tokens)
     step = 4 * page_size
-    out: list[bytes] = []
+    middle = (_field(b"ns", namespace_id.encode())
+              + _field(b"ek", b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
+              + b"tk" + struct.pack("<I", step))
+    data = token_bytes(tokens)
     h_prev = SEED if prev is None else prev
+    pv = b"pv" + struct.pack("<I", len(h_prev))
+    pv_digest = b"pv" + struct.pack("<I", new().digest_size)
+    out: list[bytes] = []
+    join = b"".join
     for start in range(0, (len(tokens) // page_size) * step, step):
-        h = new()
-        h.update(_field(b"pv", h_prev) + ns + extra)
-        h.update(_field(b"tk", data[start:start + step]))
-        h_prev = h.digest()
+        h_prev = new(join((pv, h_prev, middle, data[start:start + step]))).digest()
+        pv = pv_digest
         out.append(h_prev)
     return out
+
+
+def key_maker(prefix: str, namespace_id: str):
+    """`make_key` with the prefix and namespace checked once: a function of the page hash
+    (16 or 32 bytes) for the hot paths that key every page they move."""
+    base = make_key(prefix, namespace_id, bytes(16))[:-32]
+
+    def key(page_hash: bytes) -> str:
+        if len(page_hash) not in (16, 32):
+            raise StoreKeyError(f"page hash of {len(page_hash)} bytes: expected 16 or 32")
+        return base + page_hash.hex()
+    return key
 
 
 def make_key(prefix: str, namespace_id: str, page_hash: bytes) -> str:

@@ -7,7 +7,7 @@ from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.registry import build_store, known_names, resolve
 from kvtier.config import explain, load_config
 from kvtier.errors import KvtierConfigError, StoreKeyError
-from kvtier.hashing import Namespace, make_key, page_hashes, split_key, validate_key
+from kvtier.hashing import Namespace, key_maker, make_key, page_hashes, split_key, validate_key
 from tests.backends.stores import NS, new_key
 
 
@@ -22,6 +22,47 @@ def test_hash_chain_is_pure_and_covers_every_input():
     assert page_hashes(toks, 16, NS, algo="xxh3_128") != a and len(page_hashes(toks, 16, NS, algo="xxh3_128")[0]) == 16
     # tagged fields: moving a token into the extra key changes the hash
     assert page_hashes(np.array([1, 2]), 2, NS, extra_key="") != page_hashes(np.array([1, 2]), 2, NS, extra_key=None)
+
+
+def _spec_chain(tokens, page_size, ns, extra, prev, algo):
+    """docs/formats.md, "Page hash chain", written out field by field."""
+    import hashlib
+    import struct
+
+    import xxhash
+
+    def field(tag, v):
+        return tag + struct.pack("<I", len(v)) + v
+
+    h_prev = b"kvtier/page-hash-chain/v1" if prev is None else prev
+    out = []
+    for i in range(len(tokens) // page_size):
+        page = np.asarray(tokens[i * page_size:(i + 1) * page_size], dtype="<u4").tobytes()
+        body = (field(b"pv", h_prev) + field(b"ns", ns.encode())
+                + field(b"ek", b"\x00" if extra is None else b"\x01" + extra.encode()) + field(b"tk", page))
+        h_prev = (hashlib.sha256(body) if algo == "sha256" else xxhash.xxh3_128(body)).digest()
+        out.append(h_prev)
+    return out
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3_128"])
+@pytest.mark.parametrize("extra,prev", [(None, None), ("lora-1", None), (None, b"\x07" * 32), ("", b"\x01" * 16)])
+def test_hash_chain_is_the_documented_format(algo, extra, prev):
+    toks = np.random.default_rng(5).integers(0, 2**31, 100)
+    for ps in (1, 16):
+        assert page_hashes(toks, ps, NS, extra, prev, algo) == _spec_chain(toks, ps, NS, extra, prev, algo)
+
+
+def test_key_maker_is_make_key():
+    key = key_maker("kvtier/x", NS)
+    for h in (bytes(range(16)), bytes(range(32))):
+        assert key(h) == make_key("kvtier/x", NS, h) == validate_key(key(h))
+    with pytest.raises(StoreKeyError, match="page hash of 8 bytes"):
+        key(bytes(8))
+    with pytest.raises(KvtierConfigError, match="key prefix"):
+        key_maker("bad prefix", NS)
+    with pytest.raises(StoreKeyError):
+        key_maker("../up", NS)
 
 
 def test_namespace_covers_what_changes_bytes():
