@@ -84,11 +84,10 @@ def test_a_store_slower_than_prefill_is_skipped_and_results_stay_exact():
         verify(model, r)
     c, st = stats["counters"], stats["store"]
     assert c["prefetch_skipped_slow"] > 0 and st["prefetch_skipped_slow"] == c["prefetch_skipped_slow"]
+    assert st["prefetch_skipped_slow_tokens"] > 0  # tokens the store held, recomputed instead
     assert st["store_call_ms"] >= 40 and st["prefill_tokens_per_s"] == 1e9
-    # one prefetch measured the reads, one probed; every other one was skipped
-    assert c["storage_hit_tokens"] <= 2 * max(len(r.prompt) for r in results)
 
-    # the same, with no prefill rate: everything the store holds is loaded
+    # the same, with no prefill rate: nothing is skipped, the store is read
     results, stats = _replay(store, model, None)
-    assert stats["counters"]["prefetch_skipped_slow"] == 0
-    assert stats["counters"]["storage_hit_tokens"] > c["storage_hit_tokens"]
+    assert [r.error for r in results if r.error] == []
+    assert stats["counters"]["prefetch_skipped_slow"] == 0 and stats["counters"]["l3_read_pages"] > 0
