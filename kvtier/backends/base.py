@@ -159,7 +159,7 @@ class Store(ABC):
         if not keys:
             return []
         views = [memoryview(p).cast("B") for p in pages]
-        frames = [(frame.encode_header(ns, h, v), v) for (_, ns, h), v in zip(parsed, views)]
+        frames = [frame.Frame(ns, h, v) for (_, ns, h), v in zip(parsed, views)]  # headers made by the store
         try:
             ok = await self._call("batch_set", self._set(list(keys), frames))
         except StoreError:
@@ -255,7 +255,9 @@ class Store(ABC):
     async def _get(self, keys: list[str]) -> list[Buffer | None]: ...
 
     @abstractmethod
-    async def _set(self, keys: list[str], frames: list[tuple[bytes, memoryview]]) -> list[bool]: ...
+    async def _set(self, keys: list[str], frames: list[frame.Frame]) -> list[bool]:
+        """Store each frame (`header, payload = frame`: the header's checksum is computed on
+        first use, best in the store's I/O threads); True where durable and visible."""
 
     @abstractmethod
     async def _delete(self, keys: list[str]) -> int: ...

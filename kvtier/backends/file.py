@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -35,10 +35,9 @@ from kvtier.backends.base import IntoResult, Store, StoredPage
 from kvtier.backends.frame import FrameError
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
-from kvtier.tiers.indices import check_positive
+from kvtier.tiers.indices import check_positive, io_threads
 
 _TMP = ".tmp-"
-_READ_CHUNK = 256 << 10  # read and hash in pieces that stay in cache between the two
 
 
 def default_root() -> str:
@@ -51,7 +50,7 @@ class FileStoreConfig:
     root: str = ""  # empty: $XDG_CACHE_HOME/kvtier or ~/.cache/kvtier
     capacity_bytes: int = 16 << 30
     fsync: bool = False
-    max_concurrency: int = 4
+    max_concurrency: int = field(default_factory=io_threads)  # up to 4, half the cores at most
 
     def __post_init__(self) -> None:
         check_positive(self, "capacity_bytes", "max_concurrency", integer=True)
@@ -192,8 +191,8 @@ class FileStore(Store):
     async def _set(self, keys, frames):
         """Pages that were written are indexed; one that failed is reported not stored (and
         counted); when none could be written the batch fails as a store error."""
-        fits = [len(h) + len(p) <= self.config.capacity_bytes for h, p in frames]
-        items = [(self._file(k), h, p, self.config.fsync) for k, (h, p), ok in zip(keys, frames, fits) if ok]
+        fits = [f.size <= self.config.capacity_bytes for f in frames]
+        items = [(self._file(k), f, self.config.fsync) for k, f, ok in zip(keys, frames, fits) if ok]
         results = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
         if failed and len(failed) == len(keys):
@@ -203,13 +202,13 @@ class FileStore(Store):
             self.counters.errors += 1
             self.complain("error", f"writing {k}: {err}")
         ok, added = [], 0
-        for key, (header, payload), fit in zip(keys, frames, fits):  # index in batch order
+        for key, f, fit in zip(keys, frames, fits):  # index in batch order
             stored = fit and key not in failed
             if stored:
                 self._forget(key)
-                self._sizes[key] = len(header) + len(payload)
-                self.used_bytes += len(header) + len(payload)
-                added += len(header) + len(payload) - results[key]  # a replaced page's bytes go
+                self._sizes[key] = f.size
+                self.used_bytes += f.size
+                added += f.size - results[key]  # a replaced page's bytes go
             ok.append(stored)
         await self._enforce_capacity(added)
         return ok
@@ -268,7 +267,7 @@ class FileStore(Store):
         return self.root.joinpath(*name.split("/"))
 
     async def _put_meta(self, name, data):
-        [err] = await self._batch(_write_atomically, [(self._meta_path(name), b"", memoryview(data), self.config.fsync)])
+        [err] = await self._batch(_write_atomically, [(self._meta_path(name), bytes(data), self.config.fsync)])
         if isinstance(err, OSError):
             raise StoreError(f"file: writing {name}: {err}") from err
 
@@ -399,25 +398,29 @@ def _read_file(path: Path) -> bytes:
         return f.read()
 
 
-def _read_page_into(path: Path, ns: str, h: bytes, view: memoryview) -> IntoResult:
-    """Header check, then the payload straight into the caller's buffer, hashed a chunk at
-    a time while the chunk is still in cache (one pass over memory, not two)."""
+def _read_page_into(path: str, ns: str, h: bytes, view: memoryview) -> IntoResult:
+    """Header, payload (straight into the caller's buffer) and one byte more in a single
+    readv, then the checks: header, length (no byte more), checksum. On a FrameError the
+    buffer may hold garbage, which the caller must not use (`batch_get_into`)."""
+    header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with open(path, "rb", buffering=0) as f:
-            header = f.read(frame.HEADER_SIZE)
-            length, checksum = frame.check_header(header, ns, h)
-            if length != len(view):
-                raise FrameError(f"page is {length} bytes, the buffer {len(view)}")
-            digest = xxhash.xxh3_64()
-            for start in range(0, length, _READ_CHUNK):
-                chunk = view[start:start + _READ_CHUNK]
-                n = f.readinto(chunk)
-                if n != len(chunk):
-                    raise FrameError(f"payload is {start + n} bytes, the frame says {length}")
-                digest.update(chunk)
-            if f.read(1):
-                raise FrameError("trailing bytes after the payload")
-        if digest.intdigest() != checksum:
+        n = os.readv(fd, [header, view, extra])
+        while frame.HEADER_SIZE <= n < frame.HEADER_SIZE + len(view):  # a short read: go on
+            got = os.preadv(fd, [view[n - frame.HEADER_SIZE:], extra], n)
+            if got == 0:
+                break
+            n += got
+    finally:
+        os.close(fd)
+    try:
+        length, checksum = frame.check_header(header[:n], ns, h)
+        if length != len(view):
+            raise FrameError(f"page is {length} bytes, the buffer {len(view)}")
+        if n != frame.HEADER_SIZE + length:
+            raise FrameError("trailing bytes after the payload" if n > frame.HEADER_SIZE + length
+                             else f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}")
+        if xxhash.xxh3_64_intdigest(view) != checksum:
             raise FrameError("checksum mismatch")
     except FrameError as exc:
         return exc
@@ -428,23 +431,26 @@ def _temp_name(final: str) -> str:
     return os.path.join(os.path.dirname(final), f"{_TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}")
 
 
-def _write_atomically(final: str, header: bytes, payload: memoryview, fsync: bool) -> int:
-    """Write to an owner-named temp file (mode 0600), then rename over `final`: readers see
-    the whole page or none. Returns the bytes of the page it replaced (0 if new); raises
-    OSError (collected by `_run_all`) on failure."""
-    tmp = _temp_name(final)
+def _write_atomically(final: str, data, fsync: bool) -> int:
+    """Write `data` (a page's Frame, or plain bytes) to an owner-named temp file (mode
+    0600), then rename it over `final`: readers see the whole file or none. Returns the
+    bytes of the file it replaced (0 if new); raises OSError (collected by `_run_all`)."""
+    tmp = _temp_name(str(final))
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except FileNotFoundError:  # the page's fan-out directories do not exist yet
             os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
+        try:
+            if isinstance(data, frame.Frame):
+                _write_page(fd, data)
+            else:
+                _write_all(fd, memoryview(data), 0)
             if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         try:
             replaced = os.stat(final).st_size
         except FileNotFoundError:
@@ -454,3 +460,18 @@ def _write_atomically(final: str, header: bytes, payload: memoryview, fsync: boo
     except OSError:
         _unlink_quietly(tmp)
         raise
+
+
+def _write_page(fd: int, page: frame.Frame) -> None:
+    """Header (its checksum computed here, in the I/O thread) and payload in one writev."""
+    header, payload = page
+    n = os.writev(fd, [header, payload])
+    if n < len(header) + len(payload):  # a short write: finish the rest
+        rest = memoryview(header + payload)[n:] if n < len(header) else payload[n - len(header):]
+        _write_all(fd, rest, n)
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n

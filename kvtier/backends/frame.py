@@ -32,6 +32,43 @@ def encode_header(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes
                         page_hash.ljust(32, b"\0"), len(memoryview(payload).cast("B")), checksum)
 
 
+def header_with(namespace_id: str, page_hash: bytes, length: int, checksum: int) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, 0, bytes.fromhex(namespace_id), len(page_hash),
+                        page_hash.ljust(32, b"\0"), length, checksum)
+
+
+class Frame:
+    """One page to store: its payload (the caller's buffer) and a header made on first use.
+
+    The header's checksum is one pass over the payload; a store computes it where it is
+    cheapest (in its I/O threads, or while streaming the payload: `header_with`). A frame
+    unpacks as `(header, payload)` for stores that want both at once."""
+
+    __slots__ = ("namespace_id", "page_hash", "payload", "_header")
+
+    def __init__(self, namespace_id: str, page_hash: bytes, payload: memoryview) -> None:
+        self.namespace_id, self.page_hash, self.payload = namespace_id, page_hash, payload
+        self._header: bytes | None = None
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + len(self.payload)
+
+    @property
+    def header(self) -> bytes:
+        if self._header is None:
+            self._header = encode_header(self.namespace_id, self.page_hash, self.payload)
+        return self._header
+
+    def header_with(self, checksum: int) -> bytes:
+        """The header for a checksum the caller computed over the payload."""
+        return header_with(self.namespace_id, self.page_hash, len(self.payload), checksum)
+
+    def __iter__(self):
+        yield self.header
+        yield self.payload
+
+
 def encode(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
     return encode_header(namespace_id, page_hash, payload) + bytes(payload)
 

@@ -35,7 +35,7 @@ class RedisStoreConfig:
     connect_timeout_s: float = 2.0
     overwrite: bool = True  # False: SET NX (skip pages already stored)
     concurrent_min_bytes: int = 256 << 10
-    write_threads: int = 4  # standalone: threads sending pipelined SETs
+    write_threads: int = 4  # standalone: threads sending pipelined SETs (they wait on the network)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -132,10 +132,10 @@ class RedisStore(Store):
         groups = min(self.config.write_threads, len(keys))
         shares: list[list[int]] = [[] for _ in range(groups)]
         loads = [0] * groups
-        for i in sorted(range(len(keys)), key=lambda i: -len(frames[i][1])):
+        for i in sorted(range(len(keys)), key=lambda i: -frames[i].size):
             g = loads.index(min(loads))
             shares[g].append(i)
-            loads[g] += len(frames[i][1])
+            loads[g] += frames[i].size
         loop = asyncio.get_running_loop()
         jobs = [loop.run_in_executor(self._threads, self._send_sets, [keys[i] for i in share],
                                      [frames[i] for i in share]) for share in shares]
@@ -159,7 +159,7 @@ class RedisStore(Store):
         argc = b"*%d\r\n$3\r\nSET\r\n" % (3 + len(extra))
         tail = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)
         chunks = []
-        for key, (header, payload) in zip(keys, frames):
+        for key, (header, payload) in zip(keys, frames):  # checksums computed here, in parallel
             k = key.encode()
             chunks += [b"%s$%d\r\n%s\r\n$%d\r\n" % (argc, len(k), k, len(header) + len(payload)),
                        header, payload, b"\r\n" + tail]

@@ -111,10 +111,11 @@ class S3Store(Store):
                 return None
             raise
 
-    def _put(self, key: str, header: bytes, payload: memoryview) -> bool:
+    def _put(self, key: str, page) -> bool:
         from botocore.exceptions import ClientError
 
         extra = {"IfNoneMatch": "*"} if self.config.skip_existing else {}
+        header, payload = page  # the checksum is computed here, in the I/O thread
         try:
             self.client.put_object(Bucket=self.config.bucket, Key=self._object(key), Body=header + payload, **extra)
         except ClientError as exc:
@@ -135,7 +136,7 @@ class S3Store(Store):
 
     async def _set(self, keys, frames):
         # the jobs read the caller's page buffers: a cancelled call waits for them
-        return list(await self._in_threads(self._jobs(self._put, keys, [h for h, _ in frames], [p for _, p in frames])))
+        return list(await self._in_threads(self._jobs(self._put, keys, frames)))
 
     def _remove(self, keys: list[str]) -> int:
         present = [k for k in keys if self._head(k)]
