@@ -70,7 +70,10 @@ class RedisStore(Store):
             import redis
 
             self.client = aioredis.from_url(config.url, **kwargs)
-            self._writer = redis.ConnectionPool.from_url(config.url, **kwargs)
+            # a write the store gave up on (timeout_s) must not hold its thread, and so the
+            # caller's pages, much longer: the blocking socket times out no later than that
+            self._writer = redis.ConnectionPool.from_url(
+                config.url, **{**kwargs, "socket_timeout": min(config.socket_timeout_s, timeout_s)})
             self._threads = ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvtier-redis")
         self._slots = asyncio.Semaphore(config.pool_size)
         self._page_bytes = 0  # last page size seen: picks pipelined vs concurrent
