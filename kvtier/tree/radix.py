@@ -316,12 +316,12 @@ class RadixTree:
             n = n.parent
         while node is not self.root:
             before = node.locks[tier]
-            if (before == 0) != (before + delta == 0):
+            node.locks[tier] = before + delta
+            if (before == 0) != (before + delta == 0):  # only then can its leaf-set membership change
                 moved = len(node) if delta > 0 else -len(node)
                 self._evictable[tier] -= moved
                 self._protected[tier] += moved
-            node.locks[tier] = before + delta
-            self._refresh(node)
+                self._refresh(node)
             node = node.parent
 
     # -- eviction -----------------------------------------------------------------------------
