@@ -126,6 +126,25 @@ def test_wrong_index_dtype_or_length():
         mirror.backup(pool, torch.tensor([1]), torch.tensor([1, 2]))
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_out_of_range_slots_raise_and_write_nothing(page_size, where):
+    """The CPU path copies raw memory blocks: its bounds check is all that stands between a
+    bad index and a write past the buffer."""
+    pool = filled_pool("mha", page_size)
+    mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout="page_first"))
+    ps = page_size
+    host = mirror.allocator.alloc(ps)
+    dev = torch.arange(ps, 2 * ps)
+    mirror.backup(pool, dev, host)
+    before = [b.clone() for layer in pool.buffers for b in layer]
+    beyond = torch.arange(10_000 * ps, 10_001 * ps)
+    src, dst = (beyond, dev) if where == "host" else (host, beyond)
+    with pytest.raises(IndexError, match="out of range"):
+        mirror.load_layer(pool, src, dst, 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, [b for layer in pool.buffers for b in layer]))
+
+
 def test_set_kv_and_req_to_token():
     pool = filled_pool("mha", 1)
     loc = torch.tensor([3, 5])
