@@ -38,15 +38,15 @@ class CopyPlan:
     runs: list[tuple[int, int, int]] | None
 
 
-def _whole_pages(indices: torch.Tensor, ps: int) -> torch.Tensor | None:
+def _whole_pages(indices: np.ndarray, ps: int) -> np.ndarray | None:
     """Page numbers if `indices` are whole pages in slot order, else None."""
-    if indices.numel() == 0 or indices.numel() % ps:
+    if indices.shape[0] == 0 or indices.shape[0] % ps:
         return None
-    rows = indices.view(-1, ps)
-    first = rows[:, :1]
-    if (first % ps).any() or not torch.equal(rows - first, torch.arange(ps).expand_as(rows)):
+    rows = indices.reshape(-1, ps)
+    first = rows[:, 0]
+    if (first % ps).any() or not np.array_equal(rows - first[:, None], np.broadcast_to(np.arange(ps), rows.shape)):
         return None
-    return first.flatten() // ps
+    return first // ps
 
 
 @dataclass(slots=True, frozen=True)
@@ -168,11 +168,11 @@ class HostMirror:
         check_indices("device_indices", device_indices)
         check_indices("host_indices", host_indices, device_indices.numel())
         ps = self.page_size
-        pages = _whole_pages(device_indices, ps), _whole_pages(host_indices, ps)
+        pages = _whole_pages(device_indices.cpu().numpy(), ps), _whole_pages(host_indices.cpu().numpy(), ps)
         if ps > 1 and pages[0] is not None and pages[1] is not None:
             d, h = pages
-            merges = int(((d[1:] - d[:-1] == 1) & (h[1:] - h[:-1] == 1)).sum())
-            if 4 * merges < d.numel():
+            merges = int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum())
+            if 4 * merges < d.shape[0]:
                 return CopyPlan(d.tolist(), h.tolist(), None)
         split = ps if self.config.layout == "page_first" else 0
         return CopyPlan(None, None, runs(device_indices, host_indices, split))
