@@ -72,6 +72,16 @@ class BackupOp:
     error: str | None = None
 
 
+def _settle(fut: Future, task: asyncio.Task) -> None:
+    """Hand a finished loop task's outcome to the scheduler-side future."""
+    if task.cancelled():
+        fut.cancel()
+    elif task.exception() is not None:
+        fut.set_exception(task.exception())
+    else:
+        fut.set_result(task.result())
+
+
 class StorageWorker:
     """Runs store coroutines on its own event loop thread; never blocks the scheduler."""
 
@@ -93,6 +103,10 @@ class StorageWorker:
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
+        # ops submitted since the loop last woke up: one wake-up starts them all
+        self._pending: list[tuple[Any, Any, Future]] = []
+        self._pending_lock = threading.Lock()
+        self._wake_scheduled = False
 
     def _call_soon(self, fn) -> Future:
         async def wrap():
@@ -100,10 +114,27 @@ class StorageWorker:
         return asyncio.run_coroutine_threadsafe(wrap(), self.loop)
 
     def submit_prefetch(self, op: PrefetchOp) -> None:
-        self._track(asyncio.run_coroutine_threadsafe(self._prefetch(op), self.loop))
+        self._submit(self._prefetch, op)
 
     def submit_backup(self, op: BackupOp) -> None:
-        self._track(asyncio.run_coroutine_threadsafe(self._backup(op), self.loop))
+        self._submit(self._backup, op)
+
+    def _submit(self, run, op) -> None:
+        """Queue `run(op)` for the loop; the first op queued since the loop last took them
+        wakes it, the others ride along (a poll that starts ten ops wakes it once)."""
+        fut: Future = Future()
+        self._track(fut)
+        with self._pending_lock:
+            self._pending.append((run, op, fut))
+            wake, self._wake_scheduled = not self._wake_scheduled, True
+        if wake:
+            self.loop.call_soon_threadsafe(self._start_pending)
+
+    def _start_pending(self) -> None:
+        with self._pending_lock:
+            batch, self._pending, self._wake_scheduled = self._pending, [], False
+        for run, op, fut in batch:
+            self.loop.create_task(run(op)).add_done_callback(lambda task, fut=fut: _settle(fut, task))
 
     def _track(self, fut: Future) -> None:
         self.futures.add(fut)

@@ -91,3 +91,4 @@ def test_a_store_slower_than_prefill_is_skipped_and_results_stay_exact():
     results, stats = _replay(store, model, None)
     assert [r.error for r in results if r.error] == []
     assert stats["counters"]["prefetch_skipped_slow"] == 0 and stats["counters"]["l3_read_pages"] > 0
+
