@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +28,25 @@ log = logging.getLogger(__name__)
 
 Layout = Literal["layer_first", "page_first"]
 _memmove = ctypes.memmove  # releases the GIL while it copies
+_SPLIT_BYTES = 4 << 20  # a layer copy this big is split with a helper thread (when there is a second core)
+_helper: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def _copy_helper() -> ThreadPoolExecutor | None:
+    """One shared helper thread for big CPU copies; None on a single core."""
+    global _helper
+    if (os.cpu_count() or 1) < 2:
+        return None
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy")
+        return _helper
+
+
+def _move(blocks) -> None:
+    for d, s, n in blocks:
+        _memmove(d, s, n)
 IoPath = Literal["direct", "kernel"]
 
 
@@ -258,9 +279,16 @@ class HostMirror:
             nbytes = sizes * (width * item)
             src, dst = (d_addr, h_addr) if to_host else (h_addr, d_addr)
             jobs.append((dst.tolist(), src.tolist(), nbytes.tolist()))
-        for dst, src, nbytes in jobs:
-            for d, s, n in zip(dst, src, nbytes):
-                _memmove(d, s, n)
+        blocks = [b for dst, src, nbytes in jobs for b in zip(dst, src, nbytes)]
+        helper = _copy_helper() if sum(n for *_, n in blocks) >= _SPLIT_BYTES else None
+        if helper is None:
+            _move(blocks)
+            return
+        half = helper.submit(_move, blocks[len(blocks) // 2:])  # a second core takes half
+        try:
+            _move(blocks[: len(blocks) // 2])
+        finally:
+            half.result()  # the helper never outlives the copy it was given
 
     # -- pages for L3 ------------------------------------------------------------------------
 
