@@ -37,6 +37,18 @@ def test_replay_prints_a_table(cache_home, capsys):
         assert label in out
 
 
+def test_replay_skips_store_loads_slower_than_the_prefill_rate(cache_home, capsys):
+    """A model that prefills 10^9 tokens/s: every store load (after the first, which measures
+    the store, and one probe) is slower than recomputing, so it is skipped, said, and the
+    results still verify."""
+    assert main(["replay", "--requests", "30"]) == 0  # a first server fills the store
+    capsys.readouterr()
+    assert main(["replay", "--requests", "30", "--verify", "--prefill-tokens-per-s", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "store too slow" in out and "prefetches skipped" in out
+    assert "verified                 30 requests match" in out
+
+
 def test_stats_config_inspects_a_filled_file_store(cache_home, tmp_path, capsys):
     assert main(["replay", "--requests", "8"]) == 0
     capsys.readouterr()
@@ -104,6 +116,7 @@ def test_serve_and_stats_url_end_to_end(cache_home, capsys):
     (["bench", "nothing"], "invalid choice: 'nothing'"),
     (["replay", "--verify", "2"], "--verify 2.0: a fraction in (0, 1]"),
     (["replay", "--verify", "0"], "--verify 0.0: a fraction in (0, 1]"),
+    (["replay", "--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s 0.0: must be a number of tokens per second > 0"),
     (["replay", "--trace", "t.jsonl", "--requests", "5"], "--requests and --workload do not apply"),
     (["store", "purge", "--older-than", "soon"], "expected a number and a unit"),
     (["store", "ls", "--config", "memory"], None),
