@@ -43,6 +43,20 @@ def _backup_and_load(mirror, pool, dev, host, nbytes: int, repeat: int) -> tuple
     return backup, nbytes / best_of(load_all_layers, repeat) / 1e9
 
 
+def _record(results: dict, label: str, key: str, backup: float, backup_base: float, backup_unit: str,
+            load: float, load_base: float, load_unit: str) -> None:
+    print(f"{label} backup {backup:6.2f} GB/s ({backup / backup_base:.2f}{backup_unit})  "
+          f"load {load:6.2f} GB/s ({load / load_base:.2f}{load_unit})")
+    results[f"{key}/backup"] = backup / backup_base
+    results[f"{key}/load"] = load / load_base
+
+
+def _best(results: dict) -> tuple[float, float]:
+    """(best backup ratio, best load ratio) over every layout and path."""
+    return (max(v for k, v in results.items() if k.endswith("/backup")),
+            max(v for k, v in results.items() if k.endswith("/load")))
+
+
 def run_cuda(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, float]:
     """Pool on the GPU, pinned mirror: backup = D2H, load = H2D, against plain pinned copies."""
     if not torch.cuda.is_available():
@@ -72,13 +86,9 @@ def run_cuda(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str
             mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout, io=io))
             host_slots = ((torch.randperm(pages, generator=g) + 1)[:, None] * page_size + offsets).flatten()
             backup, load = _backup_and_load(mirror, pool, dev_slots, host_slots, nbytes, repeat)
-            print(f"{layout:12s} {io:8s} backup {backup:6.2f} GB/s ({backup / d2h:.2f}x D2H)  "
-                  f"load {load:6.2f} GB/s ({load / h2d:.2f}x H2D)")
-            results[f"{layout}/{io}/backup"] = backup / d2h
-            results[f"{layout}/{io}/load"] = load / h2d
+            _record(results, f"{layout:12s} {io:8s}", f"{layout}/{io}", backup, d2h, "x D2H", load, h2d, "x H2D")
             mirror = None
-    best_backup = max(v for k, v in results.items() if k.endswith("/backup"))
-    best_load = max(v for k, v in results.items() if k.endswith("/load"))
+    best_backup, best_load = _best(results)
     print(f"transfer (cuda): best backup {best_backup:.2f}x D2H, best load {best_load:.2f}x H2D")
     return results
 
@@ -118,13 +128,9 @@ def run(gib: float = 1.0, repeat: int = 3, page_size: int = 64) -> dict[str, flo
             host = (host_pages[:, None] * page_size + offsets).flatten()
             backup, load = _backup_and_load(mirror, pool, dev, host, nbytes, repeat)
             path = io if mirror.io == io else f"{io}->{mirror.io}"
-            print(f"{layout:12s} {path:16s} backup {backup:6.2f} GB/s ({backup / memcpy:.2f}x)  "
-                  f"load {load:6.2f} GB/s ({load / memcpy:.2f}x)")
-            results[f"{layout}/{io}/backup"] = backup / memcpy
-            results[f"{layout}/{io}/load"] = load / memcpy
+            _record(results, f"{layout:12s} {path:16s}", f"{layout}/{io}", backup, memcpy, "x", load, memcpy, "x")
             mirror = None
-    best_backup = max(v for k, v in results.items() if k.endswith("/backup"))
-    best_load = max(v for k, v in results.items() if k.endswith("/load"))
+    best_backup, best_load = _best(results)
     one = memcpy / memcpy_1t
     print(f"vs one-thread memcpy: best backup {best_backup * one:.2f}x, best load {best_load * one:.2f}x")
     print(f"transfer: best backup {best_backup:.2f}x memcpy, best load {best_load:.2f}x memcpy")

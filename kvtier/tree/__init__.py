@@ -3,9 +3,8 @@
 from kvtier.tree.key import RadixKey
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy
-from kvtier.tree.radix import (
-    DeviceEviction, HostEviction, HostInsertResult, InsertResult, MatchResult, RadixTree,
-)
+from kvtier.tree.radix import RadixTree
+from kvtier.tree.results import DeviceEviction, HostEviction, HostInsertResult, InsertResult, MatchResult
 
 __all__ = [
     "DeviceEviction", "EvictionPolicy", "HostEviction", "HostInsertResult", "InsertResult",

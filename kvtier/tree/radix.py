@@ -13,8 +13,6 @@ change (`_refresh`), and heapified per eviction pass by the policy key.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -23,68 +21,12 @@ from kvtier.tree.check import check_tree, render
 from kvtier.tree.key import RadixKey, child_key_at, common_prefix
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
+from kvtier.tree.results import (
+    DeviceEviction, HostEviction, HostInsertResult, InsertResult, MatchResult,
+)
 
 D, H = Tier.DEVICE, Tier.HOST
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass(slots=True, frozen=True)
-class MatchResult:
-    """`device_indices` cover exactly the path root..`last_device_node`.
-
-    `last_host_node` is the deepest matched node on any tier (the load-back target);
-    `host_hit_length` the tokens between the two. `best_match_node` anchors L3 prefetch:
-    the deepest node the tree knows for this key (nodes exist only while they hold data,
-    so it is `last_host_node`).
-    """
-
-    device_indices: torch.Tensor
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    best_match_node: TreeNode
-    host_hit_length: int
-
-
-@dataclass(slots=True, frozen=True)
-class InsertResult:
-    """The first `prefix_len` tokens were already on device: the caller frees its slots for
-    them. Slots past `prefix_len` now belong to the tree. `added` are new device nodes
-    (not backed up) in root-to-leaf order."""
-
-    prefix_len: int
-    last_node: TreeNode
-    added: list[TreeNode] = field(default_factory=list)
-
-
-@dataclass(slots=True, frozen=True)
-class HostInsertResult:
-    """Of the host slots given, the first `prefix_len` tokens were already on host (the
-    caller frees them); the rest now belong to the tree."""
-
-    prefix_len: int
-    last_node: TreeNode
-
-
-@dataclass(slots=True, frozen=True)
-class DeviceEviction:
-    """Free `device_indices`. `demoted` nodes stay on host; `removed` left the tree.
-    `needs_backup` (write-back only): unlocked leaves that must be backed up before they
-    can be evicted."""
-
-    device_indices: torch.Tensor
-    evicted_tokens: int
-    demoted: list[TreeNode]
-    removed: list[TreeNode]
-    needs_backup: list[TreeNode]
-
-
-@dataclass(slots=True, frozen=True)
-class HostEviction:
-    """Free `host_indices`; `removed` nodes left the tree."""
-
-    host_indices: torch.Tensor
-    evicted_tokens: int
-    removed: list[TreeNode]
 
 
 class RadixTree:

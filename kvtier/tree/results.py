@@ -1,0 +1,68 @@
+"""What the tree's operations hand back: slots and nodes the caller must act on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.tree.node import TreeNode
+
+
+@dataclass(slots=True, frozen=True)
+class MatchResult:
+    """`device_indices` cover exactly the path root..`last_device_node`.
+
+    `last_host_node` is the deepest matched node on any tier (the load-back target);
+    `host_hit_length` the tokens between the two. `best_match_node` anchors L3 prefetch:
+    the deepest node the tree knows for this key (nodes exist only while they hold data,
+    so it is `last_host_node`).
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    best_match_node: TreeNode
+    host_hit_length: int
+
+
+@dataclass(slots=True, frozen=True)
+class InsertResult:
+    """The first `prefix_len` tokens were already on device: the caller frees its slots for
+    them. Slots past `prefix_len` now belong to the tree. `added` are new device nodes
+    (not backed up) in root-to-leaf order."""
+
+    prefix_len: int
+    last_node: TreeNode
+    added: list[TreeNode] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class HostInsertResult:
+    """Of the host slots given, the first `prefix_len` tokens were already on host (the
+    caller frees them); the rest now belong to the tree."""
+
+    prefix_len: int
+    last_node: TreeNode
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceEviction:
+    """Free `device_indices`. `demoted` nodes stay on host; `removed` left the tree.
+    `needs_backup` (write-back only): unlocked leaves that must be backed up before they
+    can be evicted."""
+
+    device_indices: torch.Tensor
+    evicted_tokens: int
+    demoted: list[TreeNode]
+    removed: list[TreeNode]
+    needs_backup: list[TreeNode]
+
+
+@dataclass(slots=True, frozen=True)
+class HostEviction:
+    """Free `host_indices`; `removed` nodes left the tree."""
+
+    host_indices: torch.Tensor
+    evicted_tokens: int
+    removed: list[TreeNode]
