@@ -13,9 +13,12 @@ GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32, "dtype": "float3
 
 
 def small_cache(store: dict, pool: int = 1536) -> TieredCache:
+    # A mirror the size of the pool holds little besides copies of device pages: whether any
+    # prefix is served from it then depends on when the store's writes finish (a slow store
+    # once left none). 1.5x keeps host-only prefixes around at any store speed.
     return TieredCache(load_config(None, {
         "pool": {"size": pool, **GEOMETRY},
-        "mirror": {"ratio": 1.0},
+        "mirror": {"ratio": 1.5},
         "controller": {"prefetch_policy": "wait_complete"},
         "store": store,
     }, env={}))
