@@ -74,6 +74,7 @@ class CacheController:
         self.mirror = mirror
         self.config = config
         self.page_size = pool.config.page_size
+        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
         self.device_alloc = PagedAllocator(pool.config.size, self.page_size)
         self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
         self.write_stream = stream_factory("write", pool.device)
@@ -125,7 +126,7 @@ class CacheController:
         self.storage.wake(op)
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+        return (pages[:, None] * self.page_size + self._page_offsets).flatten()
 
     # -- device -> host -----------------------------------------------------------------------
 

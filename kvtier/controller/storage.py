@@ -104,7 +104,7 @@ class StorageWorker:
         self.futures: set[Future] = set()
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
         # ops submitted since the loop last woke up: one wake-up starts them all
-        self._pending: list[tuple[Any, Any, Future]] = []
+        self._pending: list = []  # callables for the loop
         self._pending_lock = threading.Lock()
         self._wake_scheduled = False
 
@@ -120,21 +120,26 @@ class StorageWorker:
         self._submit(self._backup, op)
 
     def _submit(self, run, op) -> None:
-        """Queue `run(op)` for the loop; the first op queued since the loop last took them
-        wakes it, the others ride along (a poll that starts ten ops wakes it once)."""
         fut: Future = Future()
         self._track(fut)
+        self._post(lambda: self.loop.create_task(run(op)).add_done_callback(lambda task: _settle(fut, task)))
+
+    def _post(self, fn) -> None:
+        """Run `fn` on the loop. The first call since the loop last took the queue wakes it
+        (one write to its self-pipe); the others ride along: a poll that starts ten ops and
+        grants five prefetches wakes the loop once. A wake-up is a syscall, and on a busy
+        machine a syscall on the scheduler thread can cost it the GIL for milliseconds."""
         with self._pending_lock:
-            self._pending.append((run, op, fut))
+            self._pending.append(fn)
             wake, self._wake_scheduled = not self._wake_scheduled, True
         if wake:
-            self.loop.call_soon_threadsafe(self._start_pending)
+            self.loop.call_soon_threadsafe(self._run_pending)
 
-    def _start_pending(self) -> None:
+    def _run_pending(self) -> None:
         with self._pending_lock:
             batch, self._pending, self._wake_scheduled = self._pending, [], False
-        for run, op, fut in batch:
-            self.loop.create_task(run(op)).add_done_callback(lambda task, fut=fut: _settle(fut, task))
+        for fn in batch:
+            fn()
 
     def _track(self, fut: Future) -> None:
         self.futures.add(fut)
@@ -142,8 +147,7 @@ class StorageWorker:
 
     def wake(self, op: PrefetchOp) -> None:
         """Called from the scheduler thread after `granted` or `stop` changed."""
-        if op.wake is not None:
-            self.loop.call_soon_threadsafe(op.wake.set)
+        self._post(lambda: op.wake is not None and op.wake.set())
 
     def _moved(self, op: PrefetchOp) -> None:
         op.progress.set()

@@ -132,13 +132,13 @@ class PagedAllocator:
         self.size = size
         self.num_pages = size // page_size
         self._free = _FreeList(self.num_pages, _debug_default() if debug is None else debug)
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
 
     def available_size(self) -> int:
         return self._free.available() * self.page_size
 
     def _slots(self, pages: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
-        return (pages[:, None] * self.page_size + offsets).flatten()
+        return (pages[:, None] * self.page_size + self._offsets).flatten()
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` slots (a multiple of page_size) as whole pages."""
