@@ -32,7 +32,7 @@ from kvtier.cache_sync import Applier
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController, LoadOp
-from kvtier.controller.streams import TransferError, make_stream
+from kvtier.controller.streams import Handle, TransferError, make_stream
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
@@ -46,17 +46,43 @@ D, H = Tier.DEVICE, Tier.HOST
 
 
 class LayerWaiter:
-    """The loads one forward must wait for; later loads belong to the next forward."""
+    """The loads one forward must wait for; later loads belong to the next forward.
 
-    def __init__(self, handles: list, timeout_s: float) -> None:
-        self.handles = handles
+    One rank: a failed or late load raises TransferError from `wait_layer` (the forward
+    stops; abort its requests). Under tensor parallelism it must not: every rank's forward
+    runs the same collectives, and a rank that stopped alone would hang the others. There
+    `wait_layer` notes the failure and returns; the forward runs to its end on every rank,
+    and `failed()` then names the requests whose load failed on any rank, agreed in one
+    collective: abort exactly those, on every rank (docs/design.md §7)."""
+
+    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, defer: bool) -> None:
+        self.loads = loads  # request id -> its load, in the caller's (replicated) order
         self.timeout_s = timeout_s
+        self.agreement = agreement
+        self.defer = defer
+        self.bad: dict[str, str] = {}  # request id -> why its load is unusable (this rank)
 
     def wait_layer(self, layer: int) -> None:
-        """Raises TransferError if a load failed or did not land in time: the forward must
-        not use the bytes (abort the request; it recomputes next time)."""
-        for h in self.handles:
-            h.wait_layer(layer, self.timeout_s)
+        for rid, h in self.loads.items():
+            if rid in self.bad:
+                continue
+            try:
+                h.wait_layer(layer, self.timeout_s)
+            except TransferError as exc:
+                if not self.defer:
+                    raise
+                self.bad[rid] = str(exc)
+
+    def failed(self) -> list[str]:
+        """After the forward, on every rank: the requests whose load failed on any rank
+        (their outputs are garbage; abort them). One collective iff the forward read loads,
+        which is the same on every rank."""
+        if not self.loads:
+            return []
+        rids = list(self.loads)
+        mine = [int(rid in self.bad or self.loads[rid].error is not None) for rid in rids]
+        _, agreed = self.agreement.agree([], mine)
+        return [rid for rid, bad in zip(rids, agreed) if bad]
 
 
 @dataclass(slots=True, frozen=True)
@@ -296,7 +322,10 @@ class TieredCache:
             return
         if not load.handle.is_done():
             load.handle.finished.wait(self.config.store.timeout_s + 30.0)  # its forward waited already
-        if load.ok:
+        ok = load.ok
+        if self.agreement.world_size > 1:  # every rank inserts, or none: one collective, on every rank
+            (ok,), _ = self.agreement.agree([int(ok)], [])
+        if ok:
             return
         error = load.handle.error or "did not finish"
         self.abort(request_id, kv_indices)
@@ -317,10 +346,16 @@ class TieredCache:
     def begin_forward(self, request_ids=None) -> LayerWaiter:
         """What the forward about to run must wait for: the loads of the requests in it
         (default: of every request; waiting for more than needed is only slower). A failed
-        load raises TransferError at every forward of its request until it is aborted."""
+        load raises TransferError at every forward of its request until it is aborted; under
+        tensor parallelism it is reported by `failed()` after the forward instead."""
         ids = self.requests if request_ids is None else request_ids
-        handles = [h.load.handle for h in (self.requests.get(rid) for rid in ids) if h is not None and h.load]
-        return LayerWaiter(handles, self.config.store.timeout_s + 30.0)
+        loads = {}
+        for rid in ids:
+            held = self.requests.get(rid)
+            if held is not None and held.load is not None:
+                loads[rid] = held.load.handle
+        return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement,
+                           defer=self.agreement.world_size > 1)
 
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be

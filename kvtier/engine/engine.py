@@ -182,6 +182,17 @@ class Engine:
                 active.remove(a)
                 done.append(self._fail(a, str(exc)))
             return
+        failed = set(waiter.failed())  # tensor parallel: the forward ran on; agreed on every rank
+        if failed:
+            kept = []
+            for a, tokens in batch:
+                if a.rid in failed:
+                    active.remove(a)
+                    done.append(self._fail(a, f"request {a.rid!r}: its host->device load failed on some rank"))
+                else:
+                    kept.append((a, tokens))
+            logits = [lg for (a, _), lg in zip(batch, logits) if a.rid not in failed]
+            batch = kept
         if self.report_prefill:
             prefill = sum(len(tokens) for a, tokens in batch if a.pos < len(a.prompt))
             self.cache.report_prefill(prefill, time.perf_counter() - started)

@@ -210,10 +210,10 @@ class FaultSim:
         row = torch.cat([req.row, own])
         waiter = self.cache.begin_forward([req.rid])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        self.note(f"forward {req.rid} [{req.pos}, {req.pos + n}) loads={len(waiter.handles)}")
+        self.note(f"forward {req.rid} [{req.pos}, {req.pos + n}) loads={len(waiter.loads)}")
         try:
             for layer in range(LAYERS):
-                self._land_or_not(waiter.handles)
+                self._land_or_not(list(waiter.loads.values()))
                 waiter.wait_layer(layer)
                 self._read_check(req, layer)
                 k, v = req.ref[layer]

@@ -48,3 +48,18 @@ def test_diverging_rank_is_caught_and_exits(tmp_path):
     codes, logs, _ = run_ranks(tmp_path, "diverge")
     assert DIVERGED_EXIT_CODE in codes, logs
     assert any("ranks diverged" in log for log in logs)
+
+
+def test_a_load_failing_on_one_rank_fails_its_request_on_every_rank(tmp_path):
+    """Rank 1's loads fail, rank 0's land: the forward runs on (no rank stops alone inside
+    a collective), `failed()` names the request on both ranks, both abort it, and the two
+    trees stay the same: every later decision agrees."""
+    codes, logs, outs = run_ranks(tmp_path, "fail_loads")
+    assert codes == [0, 0], logs
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    assert r0["decisions"] == r1["decisions"]
+    assert r0["collectives"] == r1["collectives"]
+    assert r1["stats"]["load_failures"] > 0 and r0["stats"]["load_failures"] == 0
+    failed = sum(d[4] for d in r0["decisions"])
+    assert failed > 0 and failed <= r1["stats"]["load_failures"]
+    assert sum(d[1] for d in r0["decisions"]) > failed  # requests that loaded and went on

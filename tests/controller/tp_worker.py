@@ -1,6 +1,9 @@
 """One tensor-parallel rank of the TP test (run as a subprocess by test_tp.py).
 
-argv: rank world_size port out_file [diverge]
+argv: rank world_size port out_file [diverge | fail_loads]
+
+fail_loads: every second host->device load of rank 1 fails after its first layer; rank 0's
+never do. The ranks must still agree on every decision and finish.
 """
 
 import json
@@ -12,13 +15,35 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvtier.controller.streams import CpuTransferStream, TransferError, make_stream
 from kvtier.controller.tp import Agreement
 from tests.controller.helpers import StallingStore, fill, make_cache
 
 
+class FailingLoads(CpuTransferStream):
+    """A real CPU stream whose every second job fails after layer 0 (having copied nothing)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.jobs = 0
+
+    def submit(self, job, handle):
+        self.jobs += 1
+        if self.jobs % 2 == 0:
+            def job(h):
+                h.layer_done(0)
+                raise TransferError("test: this rank's copy failed after layer 0")
+        return super().submit(job, handle)
+
+
 def main() -> None:
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    diverge = len(sys.argv) > 5
+    mode = sys.argv[5] if len(sys.argv) > 5 else ""
+    diverge = mode == "diverge"
+    streams = {}
+    if mode == "fail_loads" and rank == 1:
+        streams["stream_factory"] = lambda name, device: FailingLoads(name) if name == "load" \
+            else make_stream(name, device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if diverge and rank == 1:  # a bug on purpose: this rank reports a different decision
         check = Agreement.check
@@ -26,7 +51,7 @@ def main() -> None:
     # each rank's store answers at its own pace: local completion timing differs
     store = StallingStore(fast_reads=0, stall_s=0.002 * (rank + 1))
     cache = make_cache(pool_size=64, ratio=1.5, prefetch_policy="best_effort", store_obj=store,
-                       tp_group=dist.group.WORLD, consensus_check=diverge)
+                       tp_group=dist.group.WORLD, consensus_check=diverge, **streams)
     rng = random.Random(7)  # the scheduler's stream: identical on every rank
     jitter = random.Random(100 + rank)  # local timing: different per rank
     prefixes = [np.array([rng.randrange(40) for _ in range(8)]) for _ in range(4)]
@@ -43,10 +68,15 @@ def main() -> None:
         mine = cache.alloc(len(tokens) - cached)
         waiter = cache.begin_forward()
         for layer in range(cache.pool.num_layers):
-            waiter.wait_layer(layer)
+            waiter.wait_layer(layer)  # under TP a failed load does not raise here
         fill(cache, mine, seed=step)
-        cache.cache_finished(rid, tokens, torch.cat([got.indices, mine]))
-        decisions.append([got.device_hit, got.host_hit, got.storage_hit, cached])
+        kv = torch.cat([got.indices, mine])
+        failed = rid in waiter.failed()
+        if failed:
+            cache.abort(rid, kv)
+        else:
+            cache.cache_finished(rid, tokens, kv)
+        decisions.append([got.device_hit, got.host_hit, got.storage_hit, cached, int(failed)])
         time.sleep(jitter.random() * 0.003)
         cache.poll()
         if step % 40 == 39:
