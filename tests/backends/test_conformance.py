@@ -200,3 +200,38 @@ async def test_scan_check_and_manifest(store, harness):
     assert (await store.get_manifest("kvtier/test", ns))["model_id"] == "m"
     async for batch in store.scan():
         assert all("manifest" not in p.key for p in batch)  # never listed as a page
+
+
+@pytest.mark.parametrize("damage", ["none", "flip_first", "flip_last", "one_byte_short", "one_byte_more",
+                                    "header_only"])
+async def test_file_store_pages_bigger_than_a_hash_chunk(tmp_path, damage):
+    """Pages over 1 MiB are written and read in chunks hashed in cache: the same frame, and
+    every kind of damage anywhere in it is still a miss."""
+    from kvtier.backends import file as file_backend
+
+    harness = file_harness(tmp_path)
+    store = harness.make()
+    size = 2 * file_backend._HASH_CHUNK + 4096 * 3  # two whole chunks and a partial one
+    k, payload = new_key(), os.urandom(size)
+    assert await store.batch_set([k], [payload]) == [True]
+    blob = bytearray(harness.raw_get(k))
+    _, ns, h = split_key(k)
+    assert bytes(blob) == frame.encode(ns, h, payload)  # byte for byte the one-shot frame
+    if damage == "flip_first":
+        blob[frame.HEADER_SIZE + 5] ^= 0x80
+    elif damage == "flip_last":
+        blob[-1] ^= 0x01
+    elif damage == "one_byte_short":
+        blob = blob[:-1]
+    elif damage == "one_byte_more":
+        blob += b"\0"
+    elif damage == "header_only":
+        blob = blob[:frame.HEADER_SIZE]
+    harness.raw_put(k, bytes(blob))
+    buf = bytearray(size)
+    assert await store.batch_get_into([k], [buf]) == [damage == "none"]
+    if damage == "none":
+        assert bytes(buf) == payload
+    else:
+        assert store.stats()["frame_failures"] == 1
+    await store.close()
