@@ -7,6 +7,11 @@ Contracts shared by both allocators:
 - `available_size()` is exact at every moment.
 - Debug mode (constructor flag or env KVTIER_DEBUG_POOL=1) raises on a double free, on
   freeing slot 0 and on an index out of range.
+
+The bookkeeping is numpy; tensors exist only at the boundary (`torch.from_numpy`, no
+copy). These run on the scheduler thread several times a request on small arrays: a torch
+op releases the GIL, and on a busy machine getting it back cost ~100 us a call (measured
+in `benchmarks/cache.py`); numpy keeps it for arrays this small.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from kvtier.tiers.indices import check_indices, check_size
@@ -24,33 +30,52 @@ def _debug_default() -> bool:
     return os.environ.get("KVTIER_DEBUG_POOL", "") not in ("", "0")
 
 
+def _as_numpy(indices: torch.Tensor) -> np.ndarray:
+    return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+
+
+def _distinct(units: np.ndarray) -> np.ndarray:
+    """The distinct values of `units` (a fresh array). Runs of equal values (a page's slots
+    side by side, the usual case) collapse in one pass; a sort only if any value repeats
+    out of order."""
+    if units.size <= 1:
+        return units.copy()
+    keep = np.empty(units.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(units[1:], units[:-1], out=keep[1:])
+    out = units[keep]
+    if out.size > 1 and not (out[1:] > out[:-1]).all():
+        out = np.unique(out)
+    return out
+
+
 class _FreeList:
-    """Free units (slots or pages) 1..n as a sorted tensor plus lazily merged releases."""
+    """Free units (slots or pages) 1..n as a sorted array plus lazily merged releases."""
 
     def __init__(self, n: int, debug: bool) -> None:
         self.n = n
         self.debug = debug
-        self.free = torch.arange(1, n + 1, dtype=torch.int64)
-        self.released: list[torch.Tensor] = []
+        self.free = np.arange(1, n + 1, dtype=np.int64)
+        self.released: list[np.ndarray] = []
         self.released_count = 0
-        self.group: list[torch.Tensor] | None = None
-        self.held = torch.zeros(n + 1, dtype=torch.bool) if debug else None
+        self.group: list[np.ndarray] | None = None
+        self.held = np.zeros(n + 1, dtype=bool) if debug else None
 
     def available(self) -> int:
-        return self.free.numel() + self.released_count
+        return self.free.size + self.released_count
 
-    def take(self, k: int) -> torch.Tensor | None:
+    def take(self, k: int) -> np.ndarray | None:
         if k > self.available():
             return None
-        if k > self.free.numel():
+        if k > self.free.size:
             self.merge()
         out, self.free = self.free[:k], self.free[k:]
         if self.held is not None:
             self.held[out] = True
         return out
 
-    def give(self, units: torch.Tensor, what: str) -> None:
-        if units.numel() == 0:
+    def give(self, units: np.ndarray, what: str) -> None:
+        if units.size == 0:
             return
         if self.held is not None:
             self._check(units, what)
@@ -59,21 +84,21 @@ class _FreeList:
             self.group.append(units)
             return
         self.released.append(units)
-        self.released_count += units.numel()
+        self.released_count += units.size
 
-    def _check(self, units: torch.Tensor, what: str) -> None:
+    def _check(self, units: np.ndarray, what: str) -> None:
         bad = units[(units < 1) | (units > self.n)]
-        if bad.numel():
+        if bad.size:
             raise ValueError(f"free: {what} {bad[:8].tolist()} out of range 1..{self.n} (0 is padding)")
-        if torch.unique(units).numel() != units.numel():
+        if np.unique(units).size != units.size:
             raise ValueError(f"free: {what} listed twice in one call (double free)")
         not_held = units[~self.held[units]]
-        if not_held.numel():
+        if not_held.size:
             raise ValueError(f"free: {what} {not_held[:8].tolist()} are not allocated (double free?)")
 
     def merge(self) -> None:
         if self.released:
-            self.free = torch.sort(torch.cat([self.free, *self.released])).values
+            self.free = np.sort(np.concatenate([self.free, *self.released]))
             self.released.clear()
             self.released_count = 0
 
@@ -87,9 +112,9 @@ class _FreeList:
             if outer is None:
                 batch, self.group = self.group, None
                 if batch:
-                    merged = torch.cat(batch)
+                    merged = np.concatenate(batch)
                     self.released.append(merged)
-                    self.released_count += merged.numel()
+                    self.released_count += merged.size
 
 
 class TokenAllocator:
@@ -104,10 +129,11 @@ class TokenAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         check_size("n", n, minimum=0)
-        return self._free.take(n)
+        slots = self._free.take(n)
+        return None if slots is None else torch.from_numpy(slots)
 
     def free(self, indices: torch.Tensor) -> None:
-        self._free.give(check_indices("indices", indices), "slots")
+        self._free.give(_as_numpy(check_indices("indices", indices)).copy(), "slots")
 
     def free_group(self):
         """`with alloc.free_group(): ...` batches every free inside into one concat."""
@@ -132,13 +158,13 @@ class PagedAllocator:
         self.size = size
         self.num_pages = size // page_size
         self._free = _FreeList(self.num_pages, _debug_default() if debug is None else debug)
-        self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._offsets = np.arange(page_size, dtype=np.int64)
 
     def available_size(self) -> int:
         return self._free.available() * self.page_size
 
-    def _slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages[:, None] * self.page_size + self._offsets).flatten()
+    def _slots(self, pages: np.ndarray) -> np.ndarray:
+        return (pages[:, None] * self.page_size + self._offsets).ravel()
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` slots (a multiple of page_size) as whole pages."""
@@ -146,7 +172,7 @@ class PagedAllocator:
         if n % self.page_size:
             raise ValueError(f"alloc: n={n} must be a multiple of page_size={self.page_size}")
         pages = self._free.take(n // self.page_size)
-        return None if pages is None else self._slots(pages)
+        return None if pages is None else torch.from_numpy(self._slots(pages))
 
     def alloc_extend(
         self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]
@@ -173,11 +199,11 @@ class PagedAllocator:
         for p, s, last in zip(prefix_lens, seq_lens, last_loc):
             in_page = min(s, -(-p // ps) * ps) - p  # tokens that fit the partial last page
             if in_page:
-                out.append(torch.arange(last + 1, last + 1 + in_page, dtype=torch.int64))
+                out.append(np.arange(last + 1, last + 1 + in_page, dtype=np.int64))
             k = -(-s // ps) - -(-p // ps)
             out.append(self._slots(pages[cursor:cursor + k])[: s - p - in_page])
             cursor += k
-        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(out) if out else np.empty(0, dtype=np.int64))
 
     def alloc_decode(self, seq_lens: list[int], last_loc: list[int]) -> torch.Tensor | None:
         """One slot per request for token seq_len-1 (seq_lens include the new token)."""
@@ -185,8 +211,8 @@ class PagedAllocator:
 
     def free(self, indices: torch.Tensor) -> None:
         """Free the pages that `indices` touch (a partial tail page frees its whole page)."""
-        check_indices("indices", indices)
-        self._free.give(torch.unique(indices // self.page_size), "pages")
+        pages = _as_numpy(check_indices("indices", indices)) // self.page_size
+        self._free.give(_distinct(pages), "pages")
 
     def free_group(self):
         return self._free.grouped()

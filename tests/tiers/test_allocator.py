@@ -166,3 +166,15 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_paged_free_counts_each_page_once_in_any_order():
+    """Slots of one page side by side (the usual row) or scattered: each page freed once."""
+    a = PagedAllocator(64, 4, debug=True)
+    x = a.alloc(16)  # pages 1..4
+    scattered = torch.cat([x[4:8], x[12:14], x[4:6], x[0:1], x[13:16], x[0:4]])  # pages 2, 4, 2, 1, 4, 1
+    a.free(scattered)
+    assert a.available_size() == 64 - 16 + 3 * 4  # pages 1, 2, 4 back; page 3 still held
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(x[0:4])  # page 1 went back once already
+    assert sorted(set((a.alloc(60) // 4).tolist())) == [p for p in range(1, 17) if p != 3]
