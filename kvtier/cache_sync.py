@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from kvtier.controller.config import ControllerConfig, PrefetchPolicy, WritePolicy
@@ -202,7 +203,7 @@ class Applier:
         if self.ctl.storage is None or not self.cfg.storage_backup:
             return
         keys = [self.key_of(h) for h in self.tree.page_hashes(node)]
-        pages = node.host_value[:: self.page_size] // self.page_size
+        pages = node.values[Tier.HOST][:: self.page_size] // self.page_size
         self.tree.protect_host(node)
         self.ctl.backup(keys, pages, node)
 
@@ -238,7 +239,7 @@ class Applier:
             self.tree.release_host(node)
             return None
         # allocation may have applied completions that split nodes of the path: walk it again
-        host = torch.cat([n.host_value for n in self.tree.nodes_to_load(node)])
+        host = torch.from_numpy(np.concatenate([n.values[Tier.HOST] for n in self.tree.nodes_to_load(node)]))
         assert host.numel() == total, f"the host path to {node} changed length while allocating"
         op = self.ctl.load(host, device, node)
         self.counters.loads += 1

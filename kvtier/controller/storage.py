@@ -64,7 +64,7 @@ class PrefetchOp:
 @dataclass(eq=False)
 class BackupOp:
     keys: list[str]
-    host_pages: torch.Tensor
+    host_pages: torch.Tensor | "np.ndarray"  # page numbers (the tree hands numpy)
     tag: Any
     started: float = field(default_factory=time.perf_counter)
     ok: list[bool] | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from kvtier.tree.node import Tier, TreeNode
 
@@ -31,7 +31,7 @@ def check_tree(tree: "RadixTree") -> list[str]:
         problems.append(f"root locks are {root.locks}, expected [1, 1]")
     nodes = walk(root)
     evictable, protected = [0, 0], [0, 0]
-    held: list[list[torch.Tensor]] = [[], []]
+    held: list[list[np.ndarray]] = [[], []]
     for node in nodes:
         problems += _check_node(node, ps, root)
         for tier in Tier:
@@ -54,8 +54,8 @@ def check_tree(tree: "RadixTree") -> list[str]:
         if stale:
             problems.append(f"{name} leaf set holds removed nodes {sorted(stale)}")
         if held[tier]:
-            slots = torch.cat(held[tier])
-            if torch.unique(slots).numel() != slots.numel():
+            slots = np.concatenate(held[tier])
+            if np.unique(slots).size != slots.size:
                 problems.append(f"{name}: some slot is held by two tokens of the tree")
             if (slots < ps).any():
                 problems.append(f"{name}: the tree holds padding slots (< page_size={ps})")
@@ -69,13 +69,14 @@ def _check_node(node: TreeNode, ps: int, root: TreeNode) -> list[str]:
         out.append(f"{node}: parent does not list it under its child key")
     if len(node) == 0 or len(node) % ps:
         out.append(f"{node}: key length {len(node)} is not a positive multiple of page_size={ps}")
-    if node.values == [None, None]:
+    if all(v is None for v in node.values):
         out.append(f"{node}: holds no data on any tier")
     for tier in Tier:
         value = node.values[tier]
         name = tier.name.lower()
-        if value is not None and (value.dtype != torch.int64 or value.numel() != len(node)):
-            out.append(f"{node}: {name} value has dtype {value.dtype} and {value.numel()} slots for {len(node)} tokens")
+        if value is not None and (not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.size != len(node)):
+            out.append(f"{node}: {name} value is {type(value).__name__} {getattr(value, 'dtype', '')} of "
+                       f"{getattr(value, 'size', '?')} slots for {len(node)} tokens (want int64 numpy)")
         if value is not None and parent is not root and parent.values[tier] is None:
             out.append(f"{node}: on {name} but its parent {parent} is not (a hole)")
         if node.locks[tier] < 0 or (node.locks[tier] and value is None):

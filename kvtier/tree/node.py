@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from kvtier.tree.key import RadixKey
@@ -31,7 +32,7 @@ class TreeNode:
         self.key = key
         self.parent = parent
         self.children: dict = {}
-        self.values: list[torch.Tensor | None] = [None, None]
+        self.values: list[np.ndarray | None] = [None, None]  # int64 slots per tier
         self.locks = [0, 0]
         self.hit_count = 0
         self.last_access = clock
@@ -42,11 +43,14 @@ class TreeNode:
 
     @property
     def device_value(self) -> torch.Tensor | None:
-        return self.values[Tier.DEVICE]
+        """The node's device slots as a tensor (sharing the tree's numpy `values`: read only)."""
+        v = self.values[Tier.DEVICE]
+        return None if v is None else torch.from_numpy(v)
 
     @property
     def host_value(self) -> torch.Tensor | None:
-        return self.values[Tier.HOST]
+        v = self.values[Tier.HOST]
+        return None if v is None else torch.from_numpy(v)
 
     @property
     def on_device(self) -> bool:

@@ -27,6 +27,21 @@ from kvtier.tree.results import (
 
 D, H = Tier.DEVICE, Tier.HOST
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_NONE = np.empty(0, dtype=np.int64)
+
+
+def _np(indices: torch.Tensor) -> np.ndarray:
+    """A slot tensor's numpy view. Node values are numpy: the tree runs on the scheduler
+    thread, and every torch call gives up the GIL (on a busy machine ~100 us to get it
+    back); tensors exist only at the API boundary."""
+    return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+
+
+def _tensor(parts: list[np.ndarray]) -> torch.Tensor:
+    """One fresh tensor of the concatenated parts (never a view of a node's value)."""
+    if not parts:
+        return _EMPTY
+    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0].copy())
 
 
 class RadixTree:
@@ -52,7 +67,7 @@ class RadixTree:
         self._next_id = 0
         self.clock = 0
         self.root = self._new_node(RadixKey([]), None)
-        self.root.values = [_EMPTY, _EMPTY]
+        self.root.values = [_NONE, _NONE]
         self.root.locks = [1, 1]
         self._evictable = [0, 0]
         self._protected = [0, 0]
@@ -92,9 +107,8 @@ class RadixTree:
                 device_values.append(value)
             else:
                 host_hit += len(node)
-        indices = torch.cat(device_values) if device_values else _EMPTY
         deepest = path[-1] if path else self.root
-        return MatchResult(indices, last_device, deepest, deepest, host_hit)
+        return MatchResult(_tensor(device_values), last_device, deepest, deepest, host_hit)
 
     def _walk(self, key: RadixKey) -> list[TreeNode]:
         """Matched nodes root-down; the last one is split so the match ends on its end."""
@@ -127,7 +141,7 @@ class RadixTree:
         """
         self._check_aligned("insert", key)
         self._check_indices("device_indices", device_indices, len(key))
-        prefix_len, node, added = self._insert(self.root, key, device_indices, D, priority)
+        prefix_len, node, added = self._insert(self.root, key, _np(device_indices), D, priority)
         return InsertResult(prefix_len, node, added)
 
     def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor) -> HostInsertResult:
@@ -140,10 +154,10 @@ class RadixTree:
         self._check_indices("host_indices", host_indices, len(key))
         if anchor is not self.root and not anchor.backed_up:
             raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
-        prefix_len, node, _ = self._insert(anchor, key, host_indices, H, None)
+        prefix_len, node, _ = self._insert(anchor, key, _np(host_indices), H, None)
         return HostInsertResult(prefix_len, node)
 
-    def _insert(self, anchor: TreeNode, key: RadixKey, indices: torch.Tensor, tier: Tier,
+    def _insert(self, anchor: TreeNode, key: RadixKey, indices: np.ndarray, tier: Tier,
                 priority: int | None) -> tuple[int, TreeNode, list[TreeNode]]:
         """Walk `key` below `anchor`: tokens already on `tier` count into the prefix; nodes
         without a `tier` value take `indices`; the rest becomes a new node."""
@@ -165,7 +179,7 @@ class RadixTree:
                     assert prefix_len == offset, f"{child}: on {tier.name} below a node that is not (a hole)"
                     prefix_len += k
                 else:
-                    self._set_value(child, tier, indices[offset:offset + k].clone())
+                    self._set_value(child, tier, indices[offset:offset + k].copy())
                 offset += k
             child.last_access = self.clock
             if priority is not None:
@@ -183,7 +197,8 @@ class RadixTree:
         the store) keeps it, and its share of `host_indices` is returned to be freed.
         """
         self._check_indices("host_indices", host_indices)
-        chain, end, n = [], host_indices.numel(), node
+        host_indices = _np(host_indices)
+        chain, end, n = [], host_indices.size, node
         while end > 0:  # validate first: nothing changes on bad input
             if n is self.root or len(n) > end:
                 raise ValueError(f"mark_backed_up: {end} host slots left over at {n}; not a written node")
@@ -198,8 +213,8 @@ class RadixTree:
             if n.backed_up:
                 unused.append(part)
             else:
-                self._set_value(n, H, part.clone())
-        return torch.cat(unused) if unused else _EMPTY
+                self._set_value(n, H, part.copy())
+        return _tensor(unused)
 
     def nodes_to_load(self, node: TreeNode) -> list[TreeNode]:
         """Host-only nodes from the deepest device ancestor down to `node`, root-down."""
@@ -217,7 +232,7 @@ class RadixTree:
             raise ValueError(f"mark_loaded: {node} is already on device")
         if node.parent is not self.root and not node.parent.on_device:
             raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
-        self._set_value(node, D, device_indices.clone())
+        self._set_value(node, D, _np(device_indices).copy())
 
     def demote(self, node: TreeNode) -> torch.Tensor:
         """Take `node` off device (a load that failed): returns the device slots to free.
@@ -229,7 +244,7 @@ class RadixTree:
             raise ValueError(f"demote: {node} has a child on device; demote bottom-up")
         slots = node.values[D]
         self._set_value(node, D, None)
-        return slots
+        return torch.from_numpy(slots)
 
     # -- locks --------------------------------------------------------------------------------
 
@@ -291,8 +306,7 @@ class RadixTree:
             self._set_value(node, D, None)
             if not node.backed_up:
                 self._remove(node)
-        indices = torch.cat(freed) if freed else _EMPTY
-        return DeviceEviction(indices, evicted, demoted, removed, needs_backup)
+        return DeviceEviction(_tensor(freed), evicted, demoted, removed, needs_backup)
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
@@ -305,8 +319,7 @@ class RadixTree:
             self._set_value(node, H, None)
             self._remove(node)
             removed.append(node)
-        indices = torch.cat(freed) if freed else _EMPTY
-        return HostEviction(indices, evicted, removed)
+        return HostEviction(_tensor(freed), evicted, removed)
 
     def _eviction_order(self, tier: Tier):
         """Evictable leaves, smallest policy key first; a parent joins when it becomes a leaf.
@@ -348,10 +361,10 @@ class RadixTree:
         self._next_id += 1
         return node
 
-    def _add_child(self, parent: TreeNode, key: RadixKey, tier: Tier, indices: torch.Tensor) -> TreeNode:
+    def _add_child(self, parent: TreeNode, key: RadixKey, tier: Tier, indices: np.ndarray) -> TreeNode:
         child = self._new_node(key, parent)
         parent.children[key.child_key(self.page_size)] = child
-        self._set_value(child, tier, indices.clone())
+        self._set_value(child, tier, indices.copy())
         return child
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
@@ -373,7 +386,7 @@ class RadixTree:
         upper.children[child.key.child_key(self.page_size)] = child
         return upper
 
-    def _set_value(self, node: TreeNode, tier: Tier, value: torch.Tensor | None) -> None:
+    def _set_value(self, node: TreeNode, tier: Tier, value: np.ndarray | None) -> None:
         """The one place a node's tier value changes: sizes and leaf sets follow it."""
         sign = (value is not None) - (node.values[tier] is not None)
         if node.locks[tier]:
@@ -385,7 +398,7 @@ class RadixTree:
         self._refresh(node.parent)
 
     def _remove(self, node: TreeNode) -> None:
-        assert not node.children and node.values == [None, None], f"removing {node} which holds data"
+        assert not node.children and all(v is None for v in node.values), f"removing {node} which holds data"
         del node.parent.children[node.key.child_key(self.page_size)]
         for leaves in self._leaves:
             leaves.pop(node.id, None)
