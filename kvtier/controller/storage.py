@@ -30,6 +30,7 @@ import torch
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.controller.speed import LoadSpeed
+from kvtier.controller.waker import Waker
 from kvtier.errors import KvtierError
 from kvtier.tiers.mirror import HostMirror
 
@@ -98,15 +99,16 @@ class StorageWorker:
         self.chunk = max(1, min(CHUNK_BYTES // mirror.page_bytes, pages_in_flight))
         self._slots_count = max(1, pages_in_flight // self.chunk)
         self.loop = asyncio.new_event_loop()
+        # ops submitted since the loop last woke up: one wake-up starts them all
+        self._pending: list = []  # callables for the loop
+        self._pending_lock = threading.Lock()
+        self._wake_scheduled = False
+        self._waker = Waker(self.loop, self._run_pending)
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-storage", daemon=True)
         self._thread.start()
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
-        # ops submitted since the loop last woke up: one wake-up starts them all
-        self._pending: list = []  # callables for the loop
-        self._pending_lock = threading.Lock()
-        self._wake_scheduled = False
 
     def _call_soon(self, fn) -> Future:
         async def wrap():
@@ -126,14 +128,13 @@ class StorageWorker:
 
     def _post(self, fn) -> None:
         """Run `fn` on the loop. The first call since the loop last took the queue wakes it
-        (one write to its self-pipe); the others ride along: a poll that starts ten ops and
-        grants five prefetches wakes the loop once. A wake-up is a syscall, and on a busy
-        machine a syscall on the scheduler thread can cost it the GIL for milliseconds."""
+        (one byte on its pipe, written keeping the GIL: `waker.py`); the others ride along:
+        a poll that starts ten ops and grants five prefetches wakes the loop once."""
         with self._pending_lock:
             self._pending.append(fn)
             wake, self._wake_scheduled = not self._wake_scheduled, True
         if wake:
-            self.loop.call_soon_threadsafe(self._run_pending)
+            self._waker.wake()
 
     def _run_pending(self) -> None:
         with self._pending_lock:
@@ -305,4 +306,5 @@ class StorageWorker:
             log.warning("closing store: %s", exc)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+        self._waker.close(self.loop)
         self.loop.close()

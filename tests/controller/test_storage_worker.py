@@ -22,8 +22,8 @@ def test_ops_submitted_together_wake_the_storage_loop_once():
     wakeups = []
     hold = threading.Event()
     worker.loop.call_soon_threadsafe(hold.wait)  # the loop is busy while the step submits
-    write_to_self = worker.loop._write_to_self  # what call_soon_threadsafe does to wake the loop
-    worker.loop._write_to_self = lambda: (wakeups.append(1), write_to_self())[1]
+    wake = worker._waker.wake
+    worker._waker.wake = lambda: (wakeups.append(1), wake())[1]
     key = key_maker("t", "0" * 32)
     ops = [BackupOp([key(bytes([i]) * 32)], torch.tensor([i + 1]), tag=None) for i in range(10)]
     for op in ops:
@@ -37,3 +37,34 @@ def test_ops_submitted_together_wake_the_storage_loop_once():
     assert all(op.wake.is_set() for op in waiting)
     assert all(op.finished and op.ok == [True] for op in ops)
     worker.close()
+
+
+def test_waker_runs_on_the_loop_thread_and_never_blocks():
+    """`wake()` from the scheduler thread runs the callback on the loop's thread; a full pipe
+    (thousands of wake-ups the loop has not read yet) neither blocks nor raises."""
+    import asyncio
+    import sys
+    import threading
+
+    from kvtier.controller import waker as waker_mod
+
+    loop = asyncio.new_event_loop()
+    ran, hold = [], threading.Event()
+    w = waker_mod.Waker(loop, lambda: ran.append(threading.current_thread().name))
+    thread = threading.Thread(target=loop.run_forever, name="loop", daemon=True)
+    thread.start()
+    loop.call_soon_threadsafe(hold.wait)  # the loop reads nothing while we fill its pipe
+    for _ in range(200_000):
+        w.wake()
+    hold.set()
+    w.wake()
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: loop.call_soon(done.set))  # after the wake-ups were read
+    assert done.wait(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    w.close(loop)
+    loop.close()
+    assert ran and set(ran) == {"loop"}
+    if sys.platform.startswith("linux"):  # the GIL-holding libc write, not a GIL-releasing send
+        assert waker_mod._gil_holding_write() is not waker_mod._os_write
