@@ -24,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.backends.base import Store
@@ -222,7 +223,8 @@ class TieredCache:
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
         device_hit = m.device_indices.numel()
         self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
-        indices = m.device_indices if load is None else torch.cat([m.device_indices, load.device_indices])
+        indices = m.device_indices if load is None else \
+            torch.from_numpy(np.concatenate([m.device_indices.numpy(), load.device_indices.numpy()]))
         return Acquired(True, indices, device_hit, loaded - storage_hit, storage_hit)
 
     def lock(self, node: TreeNode) -> None:

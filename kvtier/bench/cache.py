@@ -138,7 +138,7 @@ def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_f
         sched.run()
         cache.close()
     prompt_tokens = sum(len(t.prompt) for t in trace)
-    bare = bare_tree_seconds(trace)
+    bare = min(bare_tree_seconds(trace) for _ in range(3))  # the floor: its best of three rounds
     rates = [x / prompt_tokens for x in sched.hits]
     total = sum(rates)
     n = len(trace)

@@ -38,10 +38,12 @@ def _np(indices: torch.Tensor) -> np.ndarray:
 
 
 def _tensor(parts: list[np.ndarray]) -> torch.Tensor:
-    """One fresh tensor of the concatenated parts (never a view of a node's value)."""
+    """The concatenated parts as a tensor; one part is not copied (a copy of a long array
+    gives up the GIL too). Node values are never written in place, so the view stays
+    right; callers must not write into it either (results are read-only)."""
     if not parts:
         return _EMPTY
-    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0].copy())
+    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
 
 
 class RadixTree:

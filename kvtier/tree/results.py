@@ -17,6 +17,9 @@ class MatchResult:
     `host_hit_length` the tokens between the two. `best_match_node` anchors L3 prefetch:
     the deepest node the tree knows for this key (nodes exist only while they hold data,
     so it is `last_host_node`).
+
+    Slot tensors the tree hands back may share memory with it: read them, never write
+    into them.
     """
 
     device_indices: torch.Tensor
