@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.backends.base import Store
@@ -74,7 +75,7 @@ class CacheController:
         self.mirror = mirror
         self.config = config
         self.page_size = pool.config.page_size
-        self._page_offsets = torch.arange(self.page_size, dtype=torch.int64)
+        self._page_offsets = np.arange(self.page_size, dtype=np.int64)
         self.device_alloc = PagedAllocator(pool.config.size, self.page_size)
         self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
         self.write_stream = stream_factory("write", pool.device)
@@ -116,7 +117,7 @@ class CacheController:
         with self.host_lock:
             take = min(pages, self.mirror.allocator.available_size() // ps)
             if take:
-                op.host_pages = self.mirror.allocator.alloc(take * ps)[::ps] // ps
+                op.host_pages = torch.from_numpy(self.mirror.allocator.alloc(take * ps).numpy()[::ps] // ps)
         op.granted.set()
         self.storage.wake(op)
         return take
@@ -126,7 +127,9 @@ class CacheController:
         self.storage.wake(op)
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return (pages[:, None] * self.page_size + self._page_offsets).flatten()
+        """The slots of `pages` (numpy inside: no torch call, so no GIL hand-off, on the
+        scheduler thread; docs/design.md §2)."""
+        return torch.from_numpy((pages.numpy()[:, None] * self.page_size + self._page_offsets).ravel())
 
     # -- device -> host -----------------------------------------------------------------------
 
