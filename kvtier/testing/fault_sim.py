@@ -210,16 +210,23 @@ class FaultSim:
         row = torch.cat([req.row, own])
         waiter = self.cache.begin_forward([req.rid])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        self.note(f"forward {req.rid} [{req.pos}, {req.pos + n}) loads={len(waiter.loads)}")
+        waiter.defer = self.rng.random() < 0.5  # as under tensor parallelism: the forward runs on
+        self.note(f"forward {req.rid} [{req.pos}, {req.pos + n}) loads={len(waiter.loads)} defer={waiter.defer}")
         try:
             for layer in range(LAYERS):
                 self._land_or_not(list(waiter.loads.values()))
                 waiter.wait_layer(layer)
-                self._read_check(req, layer)
+                if req.rid not in waiter.bad:  # a noted failure: the bytes are garbage, never used
+                    self._read_check(req, layer)
                 k, v = req.ref[layer]
                 self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
         except TransferError as exc:
             self.note(f"  {req.rid}: {exc}; abort")
+            req.row = row
+            self._abort(req)
+            return
+        if req.rid in waiter.failed():
+            self.note(f"  {req.rid}: its load failed ({waiter.bad.get(req.rid, 'after its last layer')}); abort")
             req.row = row
             self._abort(req)
             return
