@@ -28,6 +28,13 @@ def check_size(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def as_numpy(indices: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as numpy (a device tensor is copied to the host first). Not
+    `.cpu()` on a CPU tensor: even that is a torch call, and on the scheduler thread every
+    torch call gives up the GIL (docs/design.md §2)."""
+    return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+
+
 def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tuple[int, int, int]]:
     """Merge index pairs into runs `(src_start, dst_start, length)` where both advance by 1.
 
@@ -35,7 +42,7 @@ def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tup
     of a page-first mirror, where consecutive slots of two pages are not adjacent in memory).
     Computed in numpy over the tensors' memory (a few microseconds, not a torch op each).
     """
-    s, d = src.cpu().numpy(), dst.cpu().numpy()
+    s, d = as_numpy(src), as_numpy(dst)
     n = s.shape[0]
     if n == 0:
         return []

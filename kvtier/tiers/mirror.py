@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.tiers.allocator import PagedAllocator
-from kvtier.tiers.indices import check_indices, runs
+from kvtier.tiers.indices import as_numpy, check_indices, runs
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class HostMirror:
         check_indices("device_indices", device_indices)
         check_indices("host_indices", host_indices, device_indices.numel())
         ps = self.page_size
-        pages = _whole_pages(device_indices.cpu().numpy(), ps), _whole_pages(host_indices.cpu().numpy(), ps)
+        pages = _whole_pages(as_numpy(device_indices), ps), _whole_pages(as_numpy(host_indices), ps)
         if ps > 1 and pages[0] is not None and pages[1] is not None:
             d, h = pages
             merges = int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum())
