@@ -207,7 +207,7 @@ async def test_scan_check_and_manifest(store, harness):
 async def test_file_store_pages_bigger_than_a_hash_chunk(tmp_path, damage):
     """Pages over 1 MiB are written and read in chunks hashed in cache: the same frame, and
     every kind of damage anywhere in it is still a miss."""
-    from kvtier.backends import file as file_backend
+    from kvtier.backends import file_io as file_backend
 
     harness = file_harness(tmp_path)
     store = harness.make()
