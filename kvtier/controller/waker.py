@@ -49,7 +49,8 @@ class Waker:
         loop.add_reader(self._read.fileno(), self._woken)  # before the loop runs: no race
 
     def wake(self) -> None:
-        self._send(self._fd)
+        if self._fd >= 0:  # after close the number may name another file by now
+            self._send(self._fd)
 
     def _woken(self) -> None:
         try:
@@ -60,6 +61,7 @@ class Waker:
         self._on_wake()
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._fd = -1
         loop.remove_reader(self._read.fileno())
         self._read.close()
         self._write.close()

@@ -68,3 +68,26 @@ def test_waker_runs_on_the_loop_thread_and_never_blocks():
     assert ran and set(ran) == {"loop"}
     if sys.platform.startswith("linux"):  # the GIL-holding libc write, not a GIL-releasing send
         assert waker_mod._gil_holding_write() is not waker_mod._os_write
+
+
+def test_a_closed_waker_writes_nowhere(tmp_path):
+    """The wake-up is a raw write to a file descriptor: once closed, that number may be
+    reused by another file, which must not receive a byte."""
+    import asyncio
+    import os
+
+    from kvtier.controller.waker import Waker
+
+    loop = asyncio.new_event_loop()
+    w = Waker(loop, lambda: None)
+    number = w._fd
+    w.close(loop)
+    loop.close()
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    os.dup2(other, number)  # another file now has the waker's old number
+    try:
+        w.wake()
+        assert os.path.getsize(tmp_path / "other") == 0
+    finally:
+        os.close(number)
+        os.close(other)
