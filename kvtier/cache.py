@@ -54,7 +54,7 @@ class LayerWaiter:
     runs the same collectives, and a rank that stopped alone would hang the others. There
     `wait_layer` notes the failure and returns; the forward runs to its end on every rank,
     and `failed()` then names the requests whose load failed on any rank, agreed in one
-    collective: abort exactly those, on every rank (docs/design.md §7)."""
+    collective: abort exactly those, on every rank (docs/design.md §8)."""
 
     def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, defer: bool) -> None:
         self.loads = loads  # request id -> its load, in the caller's (replicated) order

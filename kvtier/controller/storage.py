@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.backends.base import Store
@@ -65,7 +66,7 @@ class PrefetchOp:
 @dataclass(eq=False)
 class BackupOp:
     keys: list[str]
-    host_pages: torch.Tensor | "np.ndarray"  # page numbers (the tree hands numpy)
+    host_pages: torch.Tensor | np.ndarray  # page numbers (the tree hands numpy)
     tag: Any
     started: float = field(default_factory=time.perf_counter)
     ok: list[bool] | None = None
