@@ -63,3 +63,15 @@ def test_a_load_failing_on_one_rank_fails_its_request_on_every_rank(tmp_path):
     failed = sum(d[4] for d in r0["decisions"])
     assert failed > 0 and failed <= r1["stats"]["load_failures"]
     assert sum(d[1] for d in r0["decisions"]) > failed  # requests that loaded and went on
+
+
+def test_a_load_failing_late_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """Rank 1's load lands every layer, then fails after the forward asked `failed()`: only
+    `cache_finished` sees it. It agrees the outcome, so both ranks refuse the insert."""
+    codes, logs, outs = run_ranks(tmp_path, "fail_late")
+    assert codes == [0, 0], logs
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    assert r0["decisions"] == r1["decisions"]
+    assert r0["collectives"] == r1["collectives"]
+    refused = sum(d[5] for d in r0["decisions"])
+    assert refused > 0 and r1["stats"]["load_failures"] > 0 and r0["stats"]["load_failures"] == 0

@@ -1,14 +1,17 @@
 """One tensor-parallel rank of the TP test (run as a subprocess by test_tp.py).
 
-argv: rank world_size port out_file [diverge | fail_loads]
+argv: rank world_size port out_file [diverge | fail_loads | fail_late]
 
 fail_loads: every second host->device load of rank 1 fails after its first layer; rank 0's
-never do. The ranks must still agree on every decision and finish.
+never do. fail_late: every second load of rank 1 lands all its layers, then fails after the
+forward has asked `failed()` (only `cache_finished` can see it). Either way the ranks must
+agree on every decision and finish.
 """
 
 import json
 import random
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,19 +23,28 @@ from kvtier.controller.tp import Agreement
 from tests.controller.helpers import StallingStore, fill, make_cache
 
 
-class FailingLoads(CpuTransferStream):
-    """A real CPU stream whose every second job fails after layer 0 (having copied nothing)."""
+AFTER_FORWARD = threading.Event()  # set once the forward has asked failed()
 
-    def __init__(self, name: str) -> None:
+
+class FailingLoads(CpuTransferStream):
+    """A real CPU stream whose every second job fails: after layer 0 (having copied
+    nothing), or `late`: after every layer has landed and the forward has asked failed()."""
+
+    def __init__(self, name: str, late: bool) -> None:
         super().__init__(name)
-        self.jobs = 0
+        self.jobs, self.late = 0, late
 
     def submit(self, job, handle):
         self.jobs += 1
-        if self.jobs % 2 == 0:
+        if self.jobs % 2 == 0 and not self.late:
             def job(h):
                 h.layer_done(0)
                 raise TransferError("test: this rank's copy failed after layer 0")
+        elif self.jobs % 2 == 0:
+            def job(h, copy=job):
+                copy(h)  # every layer lands and is signalled
+                AFTER_FORWARD.wait(30)
+                raise TransferError("test: this rank's copy failed after its last layer")
         return super().submit(job, handle)
 
 
@@ -41,9 +53,9 @@ def main() -> None:
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
     diverge = mode == "diverge"
     streams = {}
-    if mode == "fail_loads" and rank == 1:
-        streams["stream_factory"] = lambda name, device: FailingLoads(name) if name == "load" \
-            else make_stream(name, device)
+    if mode in ("fail_loads", "fail_late") and rank == 1:
+        streams["stream_factory"] = lambda name, device: FailingLoads(name, mode == "fail_late") \
+            if name == "load" else make_stream(name, device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if diverge and rank == 1:  # a bug on purpose: this rank reports a different decision
         check = Agreement.check
@@ -71,12 +83,17 @@ def main() -> None:
             waiter.wait_layer(layer)  # under TP a failed load does not raise here
         fill(cache, mine, seed=step)
         kv = torch.cat([got.indices, mine])
-        failed = rid in waiter.failed()
+        failed, refused = rid in waiter.failed(), False
+        AFTER_FORWARD.set()
         if failed:
             cache.abort(rid, kv)
         else:
-            cache.cache_finished(rid, tokens, kv)
-        decisions.append([got.device_hit, got.host_hit, got.storage_hit, cached, int(failed)])
+            try:
+                cache.cache_finished(rid, tokens, kv)
+            except TransferError:  # agreed on every rank: none inserted it
+                refused = True
+        AFTER_FORWARD.clear()
+        decisions.append([got.device_hit, got.host_hit, got.storage_hit, cached, int(failed), int(refused)])
         time.sleep(jitter.random() * 0.003)
         cache.poll()
         if step % 40 == 39:
