@@ -424,14 +424,19 @@ class Applier:
                    lambda op: self.tree.release_host(op.tag))
         for i, p in enumerate(live):
             present, landed, finished = agreed[3 + 3 * i: 6 + 3 * i]
-            if not (finished or stops[i] or p.broken or landed > p.op.inserted) and \
-                    (present < 0 or p.op.granted.is_set()):
-                continue  # nothing moved that the scheduler acts on (most polls, most prefetches)
+            if self._idle(p, present, landed, finished, stops[i]):
+                continue  # most polls, most prefetches
             self._each("prefetch", [p], lambda p: self._poll_prefetch(p, present, landed, finished, stops[i]),
                        self._release_prefetch)
         self._free_settled()
         self._mark_ready()
         self.agreement.check(agreed + stops)
+
+    @staticmethod
+    def _idle(p: _Prefetch, present: int, landed: int, finished: int, stop: int) -> bool:
+        """Would `_poll_prefetch` do nothing? (No grant due, no stop, no page landed, not finished.)"""
+        return not (finished or stop or p.broken or landed > p.op.inserted) and \
+            (present < 0 or p.op.granted.is_set())
 
     def _poll_prefetch(self, p: _Prefetch, present: int, landed: int, finished: int, stop: int) -> None:
         if p.broken:

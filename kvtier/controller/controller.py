@@ -23,7 +23,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtier.backends.base import Store
@@ -32,6 +31,7 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
 from kvtier.tiers.allocator import PagedAllocator
+from kvtier.tiers.indices import as_numpy, page_slots
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -75,7 +75,6 @@ class CacheController:
         self.mirror = mirror
         self.config = config
         self.page_size = pool.config.page_size
-        self._page_offsets = np.arange(self.page_size, dtype=np.int64)
         self.device_alloc = PagedAllocator(pool.config.size, self.page_size)
         self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
         self.write_stream = stream_factory("write", pool.device)
@@ -129,7 +128,7 @@ class CacheController:
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """The slots of `pages` (numpy inside: no torch call, so no GIL hand-off, on the
         scheduler thread; docs/design.md §2)."""
-        return torch.from_numpy((pages.numpy()[:, None] * self.page_size + self._page_offsets).ravel())
+        return torch.from_numpy(page_slots(as_numpy(pages), self.page_size))
 
     # -- device -> host -----------------------------------------------------------------------
 

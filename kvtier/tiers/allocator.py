@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from kvtier.tiers.indices import as_numpy, check_indices, check_size
+from kvtier.tiers.indices import as_numpy, check_indices, check_size, page_slots
 
 
 def _debug_default() -> bool:
@@ -158,13 +158,9 @@ class PagedAllocator:
         self.size = size
         self.num_pages = size // page_size
         self._free = _FreeList(self.num_pages, _debug_default() if debug is None else debug)
-        self._offsets = np.arange(page_size, dtype=np.int64)
 
     def available_size(self) -> int:
         return self._free.available() * self.page_size
-
-    def _slots(self, pages: np.ndarray) -> np.ndarray:
-        return (pages[:, None] * self.page_size + self._offsets).ravel()
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` slots (a multiple of page_size) as whole pages."""
@@ -172,7 +168,7 @@ class PagedAllocator:
         if n % self.page_size:
             raise ValueError(f"alloc: n={n} must be a multiple of page_size={self.page_size}")
         pages = self._free.take(n // self.page_size)
-        return None if pages is None else torch.from_numpy(self._slots(pages))
+        return None if pages is None else torch.from_numpy(page_slots(pages, self.page_size))
 
     def alloc_extend(
         self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]
@@ -201,7 +197,7 @@ class PagedAllocator:
             if in_page:
                 out.append(np.arange(last + 1, last + 1 + in_page, dtype=np.int64))
             k = -(-s // ps) - -(-p // ps)
-            out.append(self._slots(pages[cursor:cursor + k])[: s - p - in_page])
+            out.append(page_slots(pages[cursor:cursor + k], ps)[: s - p - in_page])
             cursor += k
         return torch.from_numpy(np.concatenate(out) if out else np.empty(0, dtype=np.int64))
 

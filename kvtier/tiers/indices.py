@@ -35,6 +35,11 @@ def as_numpy(indices: torch.Tensor) -> np.ndarray:
     return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
 
 
+def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order."""
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
+
+
 def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tuple[int, int, int]]:
     """Merge index pairs into runs `(src_start, dst_start, length)` where both advance by 1.
 
