@@ -9,6 +9,7 @@ function of their inputs: never Python's `hash()`, never seeded per process.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -160,6 +161,14 @@ def validate_key(key: str) -> str:
 
 
 def split_key(key: str) -> tuple[str, str, bytes]:
-    """(prefix, namespace id, page hash) of a validated key."""
+    """(prefix, namespace id, page hash) of a validated key. A store parses each key of
+    a batch several times (check, path, index): the recent ones are remembered."""
+    if not isinstance(key, str):
+        _parse_key(key)  # raises, naming it
+    return _split_recent(key)
+
+
+@functools.lru_cache(maxsize=8192)
+def _split_recent(key: str) -> tuple[str, str, bytes]:
     m = _parse_key(key)
     return m["prefix"], m["ns"], bytes.fromhex(m["hash"])

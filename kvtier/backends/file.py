@@ -94,9 +94,9 @@ class FileStore(Store):
 
     def _file(self, key: str) -> str:
         """`path(key)` as a string (the hot paths: no Path objects per page)."""
-        prefix, ns, h = split_key(key)
-        hx = h.hex()
-        return os.path.join(self._root_str, prefix, ns, hx[:2], hx[2:4], hx)
+        split_key(key)  # validates it
+        head, _, hx = key.rpartition("/")
+        return f"{self._root_str}/{head}/{hx[:2]}/{hx[2:4]}/{hx}"
 
     def path(self, key: str) -> Path:
         prefix, ns, h = split_key(key)

@@ -252,7 +252,7 @@ class StorageWorker:
     async def _read(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
         mirror = self.mirror
         if mirror.config.layout == "page_first":
-            views = [mirror.page_view(int(p)).numpy() for p in pages]
+            views = mirror.page_views(pages)
             return await self.store.batch_get_into(keys, views)
         temps = [bytearray(mirror.page_bytes) for _ in keys]
         ok = await self.store.batch_get_into(keys, temps)
@@ -270,7 +270,7 @@ class StorageWorker:
                 return
             if self.manifest is not None:
                 await self._write_manifest()
-            payloads = [self.mirror.page_view(int(p)).numpy() for p in op.host_pages]
+            payloads = self._payloads(op.host_pages)
             op.ok = await self._guarded(self.store.batch_set(op.keys, payloads))
         except KvtierError as exc:
             op.error = str(exc)
@@ -289,6 +289,11 @@ class StorageWorker:
             await settled
             op.finished = True
             self.progress.set()
+
+    def _payloads(self, pages: torch.Tensor) -> list:
+        if self.mirror.config.layout == "page_first":
+            return self.mirror.page_views(pages)
+        return [self.mirror.page_view(int(p)).numpy() for p in pages]
 
     def drain(self, timeout: float) -> None:
         """Wait for every submitted op to finish (they all end: each store call has a timeout)."""

@@ -147,6 +147,7 @@ class HostMirror:
             return [[p[layer].view(pages, ps, w) for p, w in zip(self._all_layers, widths)] for layer in range(layers)]
         per_layer = ps * sum(widths)
         self.data = empty(pages, layers * per_layer)
+        self._page_bytes_np = self.data.view(torch.uint8).numpy()  # [pages, page_bytes], shares memory
         by_layer = self.data.view(pages, layers, per_layer)
         self._all_layers, offset = [], 0
         for w in widths:
@@ -299,6 +300,18 @@ class HostMirror:
             return self.data[host_page].view(torch.uint8)
         blocks = [self._views[l][p][host_page].reshape(-1) for l in range(self.num_layers) for p in range(len(self.widths))]
         return torch.cat(blocks).view(torch.uint8)
+
+    def page_views(self, host_pages) -> list[np.ndarray]:
+        """`page_view` of each page as a numpy uint8 array (page_first only): numpy views of
+        one array made once, for the store's batches (no torch call per page, so the storage
+        thread keeps the GIL instead of handing it to the scheduler and back)."""
+        if self.config.layout != "page_first":
+            raise ValueError("page_views: layout='page_first' only (a layer_first page is not contiguous)")
+        pages = as_numpy(host_pages) if isinstance(host_pages, torch.Tensor) else np.asarray(host_pages, np.int64)
+        if pages.size and (pages.min() < 1 or pages.max() > self.size // self.page_size):
+            raise ValueError(f"page_views: pages must be in [1, {self.size // self.page_size}] (0 is padding)")
+        whole = self._page_bytes_np
+        return [whole[p] for p in pages.tolist()]
 
     def write_page(self, host_page: int, data: bytes | bytearray | memoryview | torch.Tensor) -> None:
         """Overwrite one page with `page_bytes` bytes (as laid out by `page_view`)."""

@@ -84,11 +84,26 @@ def test_bad_keys_are_refused(bad, tmp_path):
     store = FileStore(FileStoreConfig(root=str(tmp_path)))
     with pytest.raises(ValueError):
         store.path(bad)
+    with pytest.raises(ValueError):
+        store._file(bad)
+
+
+def test_file_store_hot_path_names_the_documented_path(tmp_path):
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    for k in (make_key("kvtier/a/b", NS, bytes(range(32))), make_key("p", NS, b"\xab" * 16)):
+        assert store._file(k) == str(store.path(k))
+        hx = k.rpartition("/")[2]
+        assert store.path(k).relative_to(tmp_path).parts[-4:] == (NS, hx[:2], hx[2:4], hx)
 
 
 def test_key_round_trip():
     k = make_key("kvtier/a", NS, b"\x01" * 32)
     assert split_key(k) == ("kvtier/a", NS, b"\x01" * 32)
+    assert split_key(k) == ("kvtier/a", NS, b"\x01" * 32)  # remembered: the same answer
+    for bad in (k + "0", k.encode(), None):  # refused every time, never remembered
+        for _ in range(2):
+            with pytest.raises(StoreKeyError, match="expected '<prefix>/<32 hex namespace id>"):
+                split_key(bad)
     with pytest.raises(KvtierConfigError, match="key prefix='a b'"):
         make_key("a b", NS, b"\x01" * 32)
 

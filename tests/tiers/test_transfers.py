@@ -77,6 +77,25 @@ def test_page_first_view_is_zero_copy():
     assert not mirror.view(0, 0)[1].any() and not mirror.view(1, 1)[1].any()
 
 
+def test_page_views_are_the_pages_zero_copy():
+    """The store's batch views: the same bytes as `page_view`, sharing the mirror's memory
+    (a read written into one lands in the mirror); out-of-range pages and layer_first refused."""
+    pool = filled_pool("mha", 4)
+    mirror = HostMirror(pool, MirrorConfig(layout="page_first"))
+    mirror.backup(pool, torch.arange(4, 12), torch.arange(4, 12))
+    views = mirror.page_views(torch.tensor([2, 1, 2]))
+    assert [bytes(v) for v in views] == [bytes(mirror.page_view(p).numpy()) for p in (2, 1, 2)]
+    views[1][:] = 7
+    assert (mirror.page_view(1).numpy() == 7).all() and not (mirror.page_view(2).numpy() == 7).all()
+    last = mirror.size // mirror.page_size
+    assert len(mirror.page_views([last])[0]) == mirror.page_bytes
+    for bad in ([0], [last + 1], [-1]):
+        with pytest.raises(ValueError, match=r"page_views: pages must be in \[1, "):
+            mirror.page_views(bad)
+    with pytest.raises(ValueError, match="page_first"):
+        HostMirror(pool, MirrorConfig(layout="layer_first")).page_views([1])
+
+
 def test_kernel_falls_back_to_direct_on_cpu_without_interpreter(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with caplog.at_level(logging.INFO):
