@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.backends.base import Store
@@ -31,7 +32,7 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
 from kvtier.tiers.allocator import PagedAllocator
-from kvtier.tiers.indices import as_numpy, page_slots
+from kvtier.tiers.indices import as_numpy, check_indices, page_slots
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -145,8 +146,8 @@ class CacheController:
         if not self._queued_writes:
             return
         ops, self._queued_writes = self._queued_writes, []
-        dev = torch.cat([op.device_indices for op in ops])
-        host = torch.cat([op.host_indices for op in ops])
+        dev = _joined([op.device_indices for op in ops])
+        host = _joined([op.host_indices for op in ops])
         mirror, pool = self.mirror, self.pool
         handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle())
         for op in ops:
@@ -158,10 +159,11 @@ class CacheController:
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, tag: Any) -> LoadOp:
         """Copy host slots into (already allocated) device slots, one layer at a time."""
         mirror, pool = self.mirror, self.pool
-
-        plan = mirror.plan(device_indices, host_indices)
+        check_indices("host_indices", host_indices)
+        check_indices("device_indices", device_indices, host_indices.numel())
 
         def job(h: Handle) -> None:
+            plan = mirror.plan(device_indices, host_indices)  # in the worker: not the scheduler's time
             for layer in range(pool.num_layers):
                 mirror.load_layer(pool, host_indices, device_indices, layer, plan)
                 h.layer_done(layer)
@@ -240,6 +242,13 @@ class CacheController:
         self.load_stream.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One index tensor of `parts`, joined in numpy (no torch call on the scheduler thread)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.from_numpy(np.concatenate([as_numpy(t) for t in parts]))
 
 
 def _leading(queue: deque, done) -> int:
