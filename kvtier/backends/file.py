@@ -211,23 +211,45 @@ class FileStore(Store):
     async def _enforce_capacity(self, added: int = 0) -> None:
         """Hold `capacity_bytes` for the whole root, whichever processes wrote it: evict
         this process's least recently used pages; if none are left, re-read the root and
-        evict the oldest of anyone's."""
+        evict the oldest of anyone's.
+
+        The root's lock is never held across an await: another coroutine of this loop
+        taking it would block the loop thread for good (flock is per open file, so this
+        process would wait on itself). Victims leave the index and the count under the
+        lock; their files are unlinked after it, and a file that held other bytes than
+        the index said (gone already, or rewritten) is corrected under the lock again."""
         with self._shared() as usage:
             if len(usage) == 1:
                 usage[0] += added
-            rescanned = False
-            while usage[0] > self.config.capacity_bytes:
-                if not self._sizes:
-                    if rescanned:
-                        break
-                    self._rebuild_index()
-                    usage[0], rescanned = self.used_bytes, True
-                    continue
-                victim = next(iter(self._sizes))
-                self._forget(victim)
-                self.counters.evictions += 1
-                [removed] = await self._batch(_unlink_quietly, [(self.path(victim),)])
-                usage[0] -= removed if isinstance(removed, int) else 0
+            victims = self._choose_victims(usage)
+        if not victims:
+            return
+        removed = await self._batch(_unlink_quietly, [(self._file(k),) for k, _ in victims])
+        error = sum(size - (r if isinstance(r, int) else 0) for (_, size), r in zip(victims, removed))
+        if error:
+            with self._shared() as usage:
+                usage[0] += error
+
+    def _choose_victims(self, usage: list) -> list[tuple[str, int]]:
+        """(key, bytes) of the pages to evict so that `usage[0]` fits the capacity; taken
+        off the index and the count now (the caller holds the root's lock)."""
+        victims, rescanned = [], False
+        while usage[0] > self.config.capacity_bytes:
+            if not self._sizes:
+                if rescanned:
+                    break
+                self._rebuild_index()
+                for key, _ in victims:  # chosen already: their files are not gone yet
+                    self._forget(key)
+                usage[0] = self.used_bytes
+                rescanned = True
+                continue
+            victim, size = next(iter(self._sizes.items()))
+            self._forget(victim)
+            self.counters.evictions += 1
+            victims.append((victim, size))
+            usage[0] -= size
+        return victims
 
     async def _delete(self, keys):
         present = [k for k in keys if k in self._sizes]

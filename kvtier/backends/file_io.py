@@ -27,7 +27,7 @@ _RUN = uuid.uuid4().hex[:12] + "-"
 _TEMP_IDS = itertools.count()  # with a per-process random part: temp names never collide
 
 
-def _unlink_quietly(path: Path) -> int:
+def _unlink_quietly(path: str | Path) -> int:
     """Bytes this call removed (0 if the file was gone already)."""
     try:
         size = os.stat(path).st_size

@@ -248,6 +248,38 @@ async def test_file_store_capacity_holds_across_processes_sharing_a_root(tmp_pat
     await b.close()
 
 
+def test_file_store_evicting_under_concurrent_writes_does_not_block_its_loop(tmp_path):
+    """Two batches written at once into a full root both evict. The root's lock must not be
+    held across an await: the second writer's flock (same process, another open file)
+    would block the event loop thread for good, and no store timeout could fire. The
+    loop runs on its own thread here so that a regression fails instead of hanging."""
+    import asyncio
+    import threading
+
+    from kvtier.backends import frame
+
+    cap = 16 * (1024 + frame.HEADER_SIZE)
+    store = FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=cap))
+    outcome = {}
+
+    async def writes():
+        await store.batch_set([new_key() for _ in range(16)], [bytes(1024)] * 16)  # full
+        batches = [[new_key() for _ in range(8)] for _ in range(3)]
+        outcome["ok"] = await asyncio.gather(*(store.batch_set(b, [bytes([i]) * 1024] * 8)
+                                               for i, b in enumerate(batches)))
+        outcome["last"] = await store.batch_exists(batches[-1])
+
+    worker = threading.Thread(target=lambda: asyncio.run(writes()), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the store's event loop is blocked (a lock held across an await?)"
+    assert outcome["ok"] == [[True] * 8] * 3 and outcome["last"] == 8
+    pages = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".kvtier")]
+    assert len(pages) == 16 and sum(p.stat().st_size for p in pages) <= cap
+    assert store.stats()["evictions"] == 24
+    assert int((tmp_path / ".kvtier-usage").read_text()) == sum(p.stat().st_size for p in pages)
+
+
 def test_unknown_kvtier_variables_are_errors():
     with pytest.raises(KvtierConfigError, match="env KVTIER_FOO_BAR: no such setting"):
         load_config(None, env={"KVTIER_FOO_BAR": "1"})
