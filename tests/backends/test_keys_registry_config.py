@@ -280,6 +280,29 @@ def test_file_store_evicting_under_concurrent_writes_does_not_block_its_loop(tmp
     assert int((tmp_path / ".kvtier-usage").read_text()) == sum(p.stat().st_size for p in pages)
 
 
+async def test_file_store_root_count_survives_a_lost_or_damaged_usage_file(tmp_path):
+    """The shared byte count is rewritten in place; lost or unreadable, it is recounted
+    from the directory, and the next write leaves exactly the new count."""
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    usage = tmp_path / ".kvtier-usage"
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".kvtier"))
+
+    await store.batch_set([new_key()], [bytes(1000)])
+    assert usage.read_text() == "%020d" % on_disk()
+    usage.unlink()
+    await store.batch_set([new_key()], [bytes(2000)])
+    assert usage.read_text() == "%020d" % on_disk()
+    usage.write_text("garbage that is longer than twenty digits")
+    await store.batch_set([new_key()], [bytes(3000)])
+    assert usage.read_text() == "%020d" % on_disk()
+    usage.write_text("7")  # a short count, as another version may write it: read, then widened
+    await store.batch_set([new_key()], [bytes(10)])
+    assert int(usage.read_text()) == 7 + 10 + 80 and len(usage.read_text()) == 20
+    await store.close()
+
+
 def test_unknown_kvtier_variables_are_errors():
     with pytest.raises(KvtierConfigError, match="env KVTIER_FOO_BAR: no such setting"):
         load_config(None, env={"KVTIER_FOO_BAR": "1"})
