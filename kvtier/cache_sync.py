@@ -186,15 +186,20 @@ class Applier:
             self.ctl.free_host(op.host_indices)
 
     def _write_waiting_children(self, node: TreeNode, written: int) -> None:
-        """Children inserted while this write was in flight under a half split off from
-        `node` could not be written then: that half had no host copy and no write of its
-        own. `written` tokens cover `node` and any such halves above it."""
+        """Children that could not be written while their parent had no host copy: those
+        of `node` (inserted under a child whose own write was refused, they wait for it)
+        and those of any half split off from `node` while its write was in flight (that
+        half had no write of its own). `written` tokens cover `node` and those halves.
+        Each child written here does the same for its own children when it lands, so a
+        whole chain of turns reaches host, root-down."""
         if self.cfg.write_policy != WritePolicy.WRITE_THROUGH:
             return
-        covered, n = len(node), node
+        landed, covered, n = [node], len(node), node
         while covered < written and n.parent is not self.tree.root:
             n = n.parent
             covered += len(n)
+            landed.append(n)
+        for n in landed:
             for child in list(n.children.values()):
                 if child.on_device and not child.backed_up and child.id not in self.writing:
                     self.write_node(child)
