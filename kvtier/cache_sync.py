@@ -131,7 +131,7 @@ class Applier:
         if node.backed_up or node.id in self.writing or not node.on_device or not self.has_mirror:
             return node.backed_up or node.id in self.writing
         parent = node.parent
-        if parent is not self.tree.root and not parent.backed_up and parent.id not in self.writing:
+        if parent is not self.tree.root and not self._host_copy_coming(parent):
             return False  # backed-up nodes form a prefix from the root
         if self.ctl.host_available() < len(node):
             self.evict_host(len(node) - self.ctl.host_available())
@@ -142,6 +142,18 @@ class Applier:
         self.tree.lock(node)
         self.writing.add(node.id)
         return True
+
+    def _host_copy_coming(self, node: TreeNode) -> bool:
+        """Has `node` a host copy, or will a write already queued give it one? Its own, or,
+        for a half split off a node while that node's write was in flight, the write of the
+        lower half (a child on the way down) that covers it. Writes apply in the order they
+        were queued, so a child's write queued now applies after the one it depends on (or
+        fails with it)."""
+        if node.backed_up or node.id in self.writing:
+            return True
+        # a write is in flight below only under a parent that had (or was getting) a host
+        # copy when it was queued: not backed up now, this node is a half split off since
+        return any(not c.backed_up and c.on_device and self._host_copy_coming(c) for c in node.children.values())
 
     def drain_writes(self) -> None:
         """Wait for every queued write to land and apply it (write-back eviction)."""

@@ -264,25 +264,32 @@ def test_child_under_a_half_split_during_its_write_is_written_after_it():
     check(cache)
 
 
-def test_descendants_refused_a_write_are_written_once_their_parent_lands():
-    """A chain inserted under a half split off during its write: the child waits for the
-    half, the grandchild for the child, and so on. Each is written once its parent lands;
-    one left unwritten would never reach host or store, nor would anything under it (a
-    session's later turns), and eviction would drop it (lost hit rate, seen as 0.87-0.96x
-    bound in `benchmarks/cache.py` runs)."""
+def test_a_chain_under_a_half_split_during_its_write_is_kept_through_eviction():
+    """Turns inserted one under another below a half split off during its write (the
+    half gets its host copy from that write). Each turn's write is queued at once, behind
+    the write it depends on: it is locked until it lands, so eviction cannot drop it, and
+    the whole chain reaches host. Refused instead (waiting for the parent), an unwritten
+    turn was an unlocked device leaf that eviction removed from every tier: the hit rate
+    of `benchmarks/cache.py` fell to 0.875-0.976x bound in some runs."""
     cache = make_cache(pool_size=128)
     compute(cache, A, seed=13)  # one 16-token node; its write is queued, not applied
-    tokens = A[:4]
+    tokens, computed = A[:4], []
     for turn in range(3):  # each turn extends the last: child, grandchild, great-grandchild
         tokens = np.concatenate([tokens, np.arange(900 + 8 * turn, 908 + 8 * turn)])
-        compute(cache, tokens, seed=14 + turn)
-    deepest = cache.match_prefix(tokens, count=False).last_device_node
-    chain = []
-    n = deepest
+        computed.append(compute(cache, tokens, seed=14 + turn))
+    chain, n = [], cache.match_prefix(tokens, count=False).last_device_node
     while n is not cache.tree.root:
         chain.append(n)
         n = n.parent
-    assert len(chain) == 4 and not any(n.backed_up for n in chain)  # split half + three turns
+    assert len(chain) == 4 and not any(n.backed_up for n in chain)  # three turns + the split half
+    assert all(n.id in cache.sync.writing for n in chain[:3])  # on their way, locked
+    cache.evict(10_000)  # device pressure before any write has landed
     settle(cache)
     assert all(n.backed_up for n in chain), [str(n) for n in chain if not n.backed_up]
+    cache.evict(10_000)
+    got, kv = read_back(cache, tokens, "again")
+    assert got.indices.numel() == len(tokens) and got.device_hit == 0  # all of it, from host
+    turns = [(torch.cat([c[layer][0] for c in computed]), torch.cat([c[layer][1] for c in computed]))
+             for layer in range(cache.pool.num_layers)]
+    assert same_kv([(k[4:], v[4:]) for k, v in kv], turns)  # bitwise what the turns computed
     check(cache)
