@@ -81,17 +81,9 @@ class FileStore(Store):
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 path = self.root / USAGE
+                fd, count = _read_usage(path)
                 try:
-                    fd = os.open(path, os.O_RDWR)
-                except FileNotFoundError:
-                    fd = None
-                try:
-                    try:
-                        if fd is None:
-                            raise ValueError("no usage file")
-                        usage = [int(os.pread(fd, 64, 0) or 0)]
-                    except (OSError, ValueError):
-                        usage = [_bytes_under(self.root), "recounted"]
+                    usage = [count] if count is not None else [_bytes_under(self.root), "recounted"]
                     before = usage[0]
                     yield usage
                     if usage[0] != before or len(usage) > 1:
@@ -309,6 +301,18 @@ class FileStore(Store):
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
 STALE_TEMP_S = 3600.0
+
+
+def _read_usage(path: Path) -> tuple[int | None, int | None]:
+    """(open descriptor or None, the count or None where it is missing or unreadable)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None, None
+    try:
+        return fd, int(os.pread(fd, 64, 0) or 0)
+    except (OSError, ValueError):
+        return fd, None
 
 
 def _store_usage(path: Path, fd: int | None, used: int) -> None:
