@@ -143,17 +143,22 @@ class Applier:
         self.writing.add(node.id)
         return True
 
-    def _host_copy_coming(self, node: TreeNode) -> bool:
-        """Has `node` a host copy, or will a write already queued give it one? Its own, or,
-        for a half split off a node while that node's write was in flight, the write of the
-        lower half (a child on the way down) that covers it. Writes apply in the order they
-        were queued, so a child's write queued now applies after the one it depends on (or
-        fails with it)."""
+    def _host_copy_coming(self, node: TreeNode, budget: int = 64) -> bool:
+        """Has `node` a host copy, or will a queued write give it one: its own, or (a half
+        split off during a write) the lower half's below it. Writes apply in queue order:
+        a child's after its parent's, or it fails with it. Past `budget` nodes looked at,
+        no (a wide subtree never written stays cheap); docs/design.md §7."""
         if node.backed_up or node.id in self.writing:
             return True
-        # a write is in flight below only under a parent that had (or was getting) a host
-        # copy when it was queued: not backed up now, this node is a half split off since
-        return any(not c.backed_up and c.on_device and self._host_copy_coming(c) for c in node.children.values())
+        stack = [node]
+        while stack and budget > 0:
+            for c in stack.pop().children.values():
+                budget -= 1
+                if c.id in self.writing:
+                    return True
+                if not c.backed_up and c.on_device:
+                    stack.append(c)
+        return False
 
     def drain_writes(self) -> None:
         """Wait for every queued write to land and apply it (write-back eviction)."""
@@ -198,12 +203,9 @@ class Applier:
             self.ctl.free_host(op.host_indices)
 
     def _write_waiting_children(self, node: TreeNode, written: int) -> None:
-        """Children that could not be written while their parent had no host copy: those
-        of `node` (inserted under a child whose own write was refused, they wait for it)
-        and those of any half split off from `node` while its write was in flight (that
-        half had no write of its own). `written` tokens cover `node` and those halves.
-        Each child written here does the same for its own children when it lands, so a
-        whole chain of turns reaches host, root-down."""
+        """Write the children refused while their parent had no host copy coming: those of
+        `node` and of the halves split off it during its write (`written` tokens cover
+        them all). Each does the same for its own children when it lands."""
         if self.cfg.write_policy != WritePolicy.WRITE_THROUGH:
             return
         landed, covered, n = [node], len(node), node
