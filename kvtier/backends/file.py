@@ -101,9 +101,8 @@ class FileStore(Store):
         return f"{self._root_str}/{head}/{hx[:2]}/{hx[2:4]}/{hx}"
 
     def path(self, key: str) -> Path:
-        prefix, ns, h = split_key(key)
-        hx = h.hex()
-        return self.root.joinpath(*prefix.split("/"), ns, hx[:2], hx[2:4], hx)
+        """Where `key`'s page lives: `<root>/<prefix>/<namespace>/<h[:2]>/<h[2:4]>/<h>`."""
+        return Path(self._file(key))
 
     def _rebuild_index(self) -> None:
         """Index every page under the root by age (a page of another process too: this
@@ -257,7 +256,7 @@ class FileStore(Store):
         present = [k for k in keys if k in self._sizes]
         for k in present:
             self._forget(k)
-        removed = await self._batch(_unlink_quietly, [(self.path(k),) for k in present])
+        removed = await self._batch(_unlink_quietly, [(self._file(k),) for k in present])
         with self._shared() as usage:
             usage[0] -= sum(r for r in removed if isinstance(r, int))
         return len(present)
@@ -278,7 +277,7 @@ class FileStore(Store):
         keys = list(self._sizes)
         for start in range(0, len(keys), batch):
             chunk = keys[start:start + batch]
-            mtimes = await self._batch(_mtime, [(self.path(k),) for k in chunk])
+            mtimes = await self._batch(_mtime, [(self._file(k),) for k in chunk])
             yield [StoredPage(k, self._sizes.get(k, 0), None if isinstance(m, OSError) else m)
                    for k, m in zip(chunk, mtimes)]
 

@@ -71,7 +71,7 @@ def _sizes_of(paths: list[Path], leading: bool) -> list[int | None]:
     return out
 
 
-def _mtime(path: Path) -> float:
+def _mtime(path: str | Path) -> float:
     return os.stat(path).st_mtime
 
 
