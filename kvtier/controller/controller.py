@@ -163,7 +163,7 @@ class CacheController:
         check_indices("device_indices", device_indices, host_indices.numel())
 
         def job(h: Handle) -> None:
-            plan = mirror.plan(device_indices, host_indices)  # in the worker: not the scheduler's time
+            plan = mirror.plan(device_indices, host_indices)  # by whoever runs the job (streams.py)
             for layer in range(pool.num_layers):
                 mirror.load_layer(pool, host_indices, device_indices, layer, plan)
                 h.layer_done(layer)

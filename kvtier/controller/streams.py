@@ -1,16 +1,17 @@
 """Transfer streams: where pool<->mirror copies run, and how their completion is signalled.
 
 `CpuTransferStream` runs jobs in order on one worker thread and signals with
-threading.Events (used when there is no GPU, and in every test). `CudaTransferStream`
-has a worker thread enqueue the same jobs on a side CUDA stream (never the scheduler
+threading.Events (used when there is no GPU, and in every test); a thread that would
+block on a job the worker has not started runs it (and the jobs queued before it) itself.
+`CudaTransferStream` has a worker thread enqueue the same jobs on a side CUDA stream (never the scheduler
 thread) and signals with CUDA events. A job's completion is reported only by the copy that
 finished: an exception is stored on the handle and re-raised to whoever waits on it.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ class Handle:
         self.finished = threading.Event()
         self.error: BaseException | None = None
         self.cuda_events: list | None = None
+        self.run_here: Callable[[], None] | None = None  # CPU stream: run the job on the waiter's thread if not started
 
     def layer_done(self, layer: int) -> None:
         if self.cuda_events is not None:
@@ -48,6 +50,8 @@ class Handle:
         layer's copy and recorded its event (microseconds), then the caller's stream waits
         on that event on the device: the host never waits for the copy itself. (Waiting on
         an event not yet recorded would be a no-op: the forward would read unloaded KV.)"""
+        if self.run_here is not None and not self.layers[layer].is_set():
+            self.run_here()
         if not self.layers[layer].wait(timeout):
             raise TransferError(f"layer {layer} did not land within {timeout}s")
         if self.cuda_events is not None and self.error is None:
@@ -77,40 +81,92 @@ class TransferStream(ABC):
 
 
 class _Finisher:
-    """A worker thread that runs `step(item)` for each queued (item, handle) in order and
-    settles the handle: failed with the exception, or finished."""
+    """Runs `step(item)` for each queued (item, handle) in order and settles the handle:
+    failed with the exception, or finished. Its thread runs them; `run_until(handle)` lets
+    a thread that would wait for `handle` run the queue up to it instead. One runner at a
+    time (`_busy`), always the oldest job first: the order holds whoever runs a job."""
 
     def __init__(self, name: str, step: Callable[[Any], None]) -> None:
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._items: deque = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._busy = False  # a job is running (on the thread or a waiter's)
         self._step = step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, item: Any, handle: Handle) -> None:
-        self._items.put((item, handle))
+        with self._cv:
+            self._items.append((item, handle))
+            self._cv.notify()
+
+    def _take(self):
+        """The oldest job, now ours to run; None if it is someone else's turn or none is queued."""
+        if self._busy or not self._items or self._items[0] is None:
+            return None
+        self._busy = True
+        return self._items.popleft()
+
+    def _settle(self, item: Any, handle: Handle) -> None:
+        try:
+            self._step(item)
+        except BaseException as exc:  # the waiter learns of it; the runner keeps going
+            handle.fail(exc)
+            if not isinstance(exc, Exception) and threading.current_thread() is not self._thread:
+                raise  # a waiter's KeyboardInterrupt stays its own
+        else:
+            handle.finished.set()
+        finally:
+            handle.run_here = None  # (it refers to the handle: no cycle outlives the job)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def _run(self) -> None:
-        while (entry := self._items.get()) is not None:
-            item, handle = entry
-            try:
-                self._step(item)
-            except BaseException as exc:  # the waiter learns of it; the thread keeps going
-                handle.fail(exc)
-            else:
-                handle.finished.set()
+        while True:
+            with self._cv:
+                while (entry := self._take()) is None:
+                    if self._items and self._items[0] is None and not self._busy:
+                        return
+                    self._cv.wait()
+            self._settle(*entry)
+
+    def run_until(self, handle: Handle) -> None:
+        """Run queued jobs, oldest first, on this thread until `handle`'s has run; return
+        at once when a job is running elsewhere (the caller then waits as usual)."""
+        while not handle.finished.is_set():
+            with self._cv:
+                entry = self._take()
+            if entry is None:
+                return
+            self._settle(*entry)
 
     def close(self) -> None:
-        self._items.put(None)
+        with self._cv:
+            self._items.append(None)
+            self._cv.notify_all()
         self._thread.join()
 
 
 class CpuTransferStream(TransferStream):
-    def __init__(self, name: str) -> None:
+    """Jobs run in order on a worker thread. A thread about to wait for a job the worker has
+    not started runs it itself (with the jobs queued before it): on a CPU pool the copy is
+    the wait, and a hand-off to a thread that must first win the GIL costs more than the
+    bytes (docs/design.md §2). `help_waiters=False` keeps every job on the worker."""
+
+    def __init__(self, name: str, help_waiters: bool = True) -> None:
         self._worker = _Finisher(f"kvtier-{name}", lambda item: item[0](item[1]))
+        self._help = help_waiters
 
     def submit(self, job: Job, handle: Handle) -> Handle:
+        if self._help:
+            handle.run_here = lambda: self._worker.run_until(handle)
         self._worker.put((job, handle), handle)
         return handle
+
+    def wait(self, handle: Handle, timeout: float) -> bool:
+        if self._help:
+            self._worker.run_until(handle)
+        return handle.finished.wait(timeout)
 
     def close(self) -> None:
         self._worker.close()

@@ -31,7 +31,7 @@ class FailingLoads(CpuTransferStream):
     nothing), or `late`: after every layer has landed and the forward has asked failed()."""
 
     def __init__(self, name: str, late: bool) -> None:
-        super().__init__(name)
+        super().__init__(name, help_waiters=not late)  # a late failure needs the job off the forward's thread
         self.jobs, self.late = 0, late
 
     def submit(self, job, handle):

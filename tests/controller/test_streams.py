@@ -1,0 +1,111 @@
+"""The CPU transfer stream: jobs run once each, in submission order, whoever runs them (its
+worker, or a thread that would otherwise wait for one the worker has not started)."""
+
+import threading
+
+import pytest
+
+from kvtier.controller.streams import CpuTransferStream, Handle, _Finisher
+
+
+class _Parked(_Finisher):
+    """A finisher whose thread takes no job: every job is run by a waiter (what happens
+    when the worker has not won the GIL by the time the scheduler waits)."""
+
+    def _run(self) -> None:
+        return
+
+
+def test_a_waiter_runs_the_queue_up_to_its_job_in_order_on_its_own_thread():
+    ran = []
+    worker = _Parked("test", lambda item: item())
+    handles = [Handle() for _ in range(4)]
+    for i, h in enumerate(handles):
+        worker.put(lambda i=i: ran.append((i, threading.current_thread())), h)
+    worker.run_until(handles[2])
+    assert ran == [(0, threading.current_thread()), (1, threading.current_thread()), (2, threading.current_thread())]
+    assert [h.is_done() for h in handles] == [True, True, True, False]
+    worker.run_until(handles[1])  # already done: runs nothing more
+    assert len(ran) == 3
+
+
+def test_a_job_that_fails_under_a_waiter_fails_its_handle_and_the_next_still_runs():
+    worker = _Parked("test", lambda item: item())
+    bad, good = Handle(1), Handle()
+
+    def boom():
+        raise RuntimeError("copy failed")
+    worker.put(boom, bad)
+    worker.put(lambda: None, good)
+    worker.run_until(good)
+    assert bad.is_done() and isinstance(bad.error, RuntimeError)
+    assert bad.layers[0].is_set()  # a layer waiter wakes up and sees the error
+    assert good.is_done() and good.error is None
+
+
+def test_a_waiters_keyboard_interrupt_is_its_own():
+    worker = _Parked("test", lambda item: item())
+    h = Handle()
+
+    def interrupted():
+        raise KeyboardInterrupt
+    worker.put(interrupted, h)
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_until(h)
+    assert h.is_done()  # nobody waits forever on it either
+
+
+def test_a_waiter_does_not_overtake_a_job_running_on_the_worker():
+    stream = CpuTransferStream("test")
+    try:
+        release, started, ran = threading.Event(), threading.Event(), []
+
+        def first(h):
+            started.set()
+            assert release.wait(10)
+            ran.append(1)
+        stream.submit(first, Handle())
+        assert started.wait(10)
+        second = stream.submit(lambda h: ran.append(2), Handle())
+        stream._worker.run_until(second)  # the worker is busy with the first: nothing runs here
+        assert ran == [] and not second.is_done()
+        release.set()
+        assert stream.wait(second, 10)
+        assert ran == [1, 2]
+    finally:
+        stream.close()
+
+
+def test_jobs_run_once_each_in_order_with_the_worker_and_two_waiters_racing():
+    stream = CpuTransferStream("test")
+    ran: list[int] = []
+
+    def job(h, i):
+        ran.append(i)
+        h.layer_done(0)
+    handles = [stream.submit(lambda h, i=i: job(h, i), Handle(1)) for i in range(400)]
+
+    def wait_on(hs):  # as a forward does (per layer), and as a drain does (whole job)
+        for k, h in enumerate(hs):
+            h.wait_layer(0, timeout=10) if k % 2 else stream.wait(h, 10)
+    waiters = [threading.Thread(target=wait_on, args=(handles[k::3],)) for k in (1, 2)]
+    for t in waiters:
+        t.start()
+    wait_on(handles[::5])
+    for t in waiters:
+        t.join(30)
+    assert stream.wait(handles[-1], 10)
+    stream.close()
+    assert ran == list(range(400))
+
+
+def test_without_helping_every_job_runs_on_the_worker():
+    stream = CpuTransferStream("test", help_waiters=False)
+    try:
+        where = []
+        handles = [stream.submit(lambda h: where.append(threading.current_thread()), Handle()) for _ in range(20)]
+        for h in handles:
+            assert stream.wait(h, 10)
+        assert threading.current_thread() not in where and len(where) == 20
+    finally:
+        stream.close()
