@@ -28,6 +28,20 @@ log = logging.getLogger(__name__)
 
 Layout = Literal["layer_first", "page_first"]
 _memmove = ctypes.memmove  # releases the GIL while it copies
+_SMALL_BYTES = 64 << 10  # blocks below this are copied keeping the GIL (see _move)
+
+
+def _gil_memmove():
+    """libc's memmove called keeping the GIL (ctypes.PyDLL), or None where it cannot be loaded."""
+    try:
+        fn = ctypes.PyDLL(None).memmove
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_memmove_small = _gil_memmove() or _memmove
 _SPLIT_BYTES = 4 << 20  # a layer copy this big is split with a helper thread (when there is a second core)
 _helper: ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
@@ -45,17 +59,19 @@ def _copy_helper() -> ThreadPoolExecutor | None:
 
 
 def _move(blocks) -> None:
+    """Small blocks keep the GIL: letting it go for a copy of a microsecond invites another
+    thread in, and winning it back can cost milliseconds (docs/design.md §2)."""
     for d, s, n in blocks:
-        _memmove(d, s, n)
+        (_memmove_small if n < _SMALL_BYTES else _memmove)(d, s, n)
 IoPath = Literal["direct", "kernel"]
 
 
 @dataclass(slots=True, frozen=True)
 class CopyPlan:
-    """Either page numbers on both sides (whole pages) or merged slot runs."""
+    """Either page numbers on both sides (whole pages, int64 arrays) or merged slot runs."""
 
-    device_pages: list[int] | None
-    host_pages: list[int] | None
+    device_pages: np.ndarray | None
+    host_pages: np.ndarray | None
     runs: list[tuple[int, int, int]] | None
 
 
@@ -126,6 +142,8 @@ class HostMirror:
         if not self.pinned:
             log.info("host mirror in plain memory: CUDA is not available, so it is not pinned")
         self._views = self._allocate(pages + 1)
+        self._arrays_of: DeviceKVPool | None = None  # the pool `_arrays` views (CPU copies)
+        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self.io = config.io
         # GPU pool: copies are asynchronous DMA from/to pinned memory on the transfer
         # stream; whoever needs the bytes waits on that stream's events (controller/streams.py)
@@ -195,7 +213,7 @@ class HostMirror:
             d, h = pages
             merges = int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum())
             if 4 * merges < d.shape[0]:
-                return CopyPlan(d.tolist(), h.tolist(), None)
+                return CopyPlan(d, h, None)
         split = ps if self.config.layout == "page_first" else 0
         return CopyPlan(None, None, runs(device_indices, host_indices, split))
 
@@ -235,8 +253,8 @@ class HostMirror:
         for d_rows, h_view in zip(pool.rows(layer), self._views[layer]):
             if plan.device_pages is not None:
                 d_pages = d_rows.view(-1, ps, d_rows.shape[-1])
-                ds = [d_pages[p] for p in plan.device_pages]
-                hs = [h_view[p] for p in plan.host_pages]
+                ds = [d_pages[p] for p in plan.device_pages.tolist()]
+                hs = [h_view[p] for p in plan.host_pages.tolist()]
             else:
                 h_rows = None if split else h_view.view(-1, h_view.shape[-1])
                 ds, hs = [], []
@@ -258,8 +276,10 @@ class HostMirror:
         views' strides; every index is bounds-checked first, as torch indexing would."""
         ps = self.page_size
         if plan.device_pages is not None:
-            dev = np.asarray(plan.device_pages, dtype=np.int64) * ps
-            host = np.asarray(plan.host_pages, dtype=np.int64) * ps
+            if ps * max(self.widths) * self.dtype.itemsize < _SMALL_BYTES:
+                self._copy_small_pages(pool, layer, plan.device_pages, plan.host_pages, to_host)
+                return
+            dev, host = plan.device_pages * ps, plan.host_pages * ps
             sizes = np.full(dev.shape, ps, dtype=np.int64)
         else:
             dev, host, sizes = (np.asarray(c, dtype=np.int64) for c in zip(*plan.runs)) if plan.runs else \
@@ -290,6 +310,36 @@ class HostMirror:
             _move(blocks[: len(blocks) // 2])
         finally:
             half.result()  # the helper never outlives the copy it was given
+
+    def _copy_small_pages(self, pool: DeviceKVPool, layer: int, dev: np.ndarray, host: np.ndarray,
+                          to_host: bool) -> None:
+        """Small whole pages (CPU pool): one numpy gather-scatter per part instead of a memmove
+        per page; it keeps the GIL for the few microseconds it takes (docs/design.md §2)."""
+        if dev.size == 0:
+            return
+        dev_views, host_views = self._page_arrays(pool, layer)
+        if dev.min() < 0 or host.min() < 0 or dev.max() >= dev_views[0].shape[0] or host.max() >= host_views[0].shape[0]:
+            raise IndexError(f"copy plan pages out of range (pool {dev_views[0].shape[0]}, "
+                             f"mirror {host_views[0].shape[0]} pages)")
+        for d, h in zip(dev_views, host_views):
+            if to_host:
+                h[host] = d[dev]
+            else:
+                d[dev] = h[host]
+
+    def _page_arrays(self, pool: DeviceKVPool, layer: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """`[pages, page bytes]` uint8 numpy views of each part of `layer`, pool side and
+        mirror side; made once per pool and layer (they share memory with the tensors)."""
+        if self._arrays_of is not pool:
+            self._arrays_of, self._arrays = pool, {}
+        got = self._arrays.get(layer)
+        if got is None:
+            def pages_of(t: torch.Tensor) -> np.ndarray:  # [slots or pages, ..., width] -> [pages, bytes]
+                a = t.view(torch.uint8).numpy()
+                return a.reshape(-1, self.page_size * a.shape[-1], copy=False)  # raises rather than copy
+            got = ([pages_of(r) for r in pool.rows(layer)], [pages_of(v) for v in self._views[layer]])
+            self._arrays[layer] = got
+        return got
 
     # -- pages for L3 ------------------------------------------------------------------------
 
