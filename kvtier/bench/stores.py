@@ -17,12 +17,12 @@ import argparse
 import asyncio
 import os
 import tempfile
-import time
 from pathlib import Path
 
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.bench import servers
+from kvtier.bench.timing import alternate
 from kvtier.hashing import make_key
 
 NS = "0" * 32
@@ -31,12 +31,6 @@ SHAPES = [(32, 1 << 20), (8, 8 << 20)]
 
 def _keys(n: int, tag: str) -> list[str]:
     return [make_key(f"bench/{tag}", NS, os.urandom(32)) for _ in range(n)]
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def store_ops(store, n: int, size: int, loop: asyncio.AbstractEventLoop):
@@ -115,17 +109,6 @@ def raw_s3(url: str, bucket: str, n: int, size: int, threads: int):
 
     return (lambda: _threaded(pool, write, list(enumerate(pages)), threads),
             lambda: _threaded(pool, read, [(i,) for i in range(n)], threads))
-
-
-def alternate(fns: dict, repeat: int) -> dict[str, float]:
-    """Best time of each fn over `repeat` rounds, the fns taking turns within a round."""
-    for fn in fns.values():
-        fn()  # warm-up (and the pages exist before the first timed read)
-    best = {k: float("inf") for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            best[k] = min(best[k], _timed(fn))
-    return best
 
 
 def run(repeat: int = 5, only: list[str] | None = None) -> dict[str, tuple[float, float]]:
