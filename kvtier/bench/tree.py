@@ -63,6 +63,26 @@ def scaling(page_size: int = 1, repeat: int = 2000) -> tuple[float, float, float
     return times[0], times[1], times[1] / times[0]
 
 
+def eviction_scaling(page_size: int = 16, evictions: int = 500) -> tuple[float, float]:
+    """Seconds per one-page eviction (LRU, nothing locked) in trees of ~1k and ~50k leaves:
+    a pass pops what it evicts, so this should not grow with the tree."""
+    rng = np.random.default_rng(2)
+    times = []
+    for leaves in (1_000, 50_000):
+        tree = RadixTree(page_size=page_size)
+        rows = rng.integers(0, 32000, (leaves, 2 * page_size))
+        for i, row in enumerate(rows):
+            tree.insert(RadixKey(row), torch.arange(page_size + i * len(row), page_size + (i + 1) * len(row)))
+        for i in range(0, leaves, 7):
+            tree.match_prefix(RadixKey(rows[i]))  # touched leaves: their heap keys go stale
+        start = time.perf_counter()
+        for _ in range(evictions):
+            tree.evict_device(page_size)
+        times.append((time.perf_counter() - start) / evictions)
+        tree.sanity_check()
+    return times[0], times[1]
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--sessions", type=int, default=400)
@@ -77,6 +97,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
               f"matched tokens {r['matched']} (again {r['matched_again']})")
     small, large, ratio = scaling()
     print(f"scaling: one 2k-token match {small * 1e6:.1f} us at ~1k nodes, {large * 1e6:.1f} us at ~100k nodes")
+    few, many = eviction_scaling()
+    print(f"eviction: one page {few * 1e6:.1f} us at ~1k leaves, {many * 1e6:.1f} us at ~50k leaves "
+          f"({many / few:.2f}x)")
     print(f"tree: match time ratio 100k/1k nodes {ratio:.2f}x")
 
 

@@ -53,6 +53,7 @@ def check_tree(tree: "RadixTree") -> list[str]:
         stale = set(tree._leaves[tier]) - live
         if stale:
             problems.append(f"{name} leaf set holds removed nodes {sorted(stale)}")
+        problems += tree._leaves[tier].problems(name)
         if held[tier]:
             slots = np.concatenate(held[tier])
             if np.unique(slots).size != slots.size:

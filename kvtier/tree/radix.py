@@ -7,17 +7,20 @@ Only the scheduler thread calls it.
 Per tier, every token the tree holds is either *evictable* (its node's lock count is 0)
 or *protected*; the two sizes move at the statement that changes a lock count. Leaves
 that may be evicted are kept in a set per tier, updated wherever a node's predicate can
-change (`_refresh`), and heapified per eviction pass by the policy key.
+change (`_refresh`), with a heap by the policy key that an eviction pass pops from
+(`leaves.py`).
 """
 
 from __future__ import annotations
 
-import heapq
+from contextlib import closing
+
 import numpy as np
 import torch
 
 from kvtier.hashing import page_hashes
 from kvtier.tree.check import check_tree, render
+from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.key import RadixKey, child_key_at, common_prefix
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
@@ -73,7 +76,8 @@ class RadixTree:
         self.root.locks = [1, 1]
         self._evictable = [0, 0]
         self._protected = [0, 0]
-        self._leaves: list[dict[int, TreeNode]] = [{}, {}]
+        grow = self.policy != EvictionPolicy.MRU  # touches raise every other policy's keys
+        self._leaves = [EvictableLeaves(self._key, grow), EvictableLeaves(self._key, grow)]
 
     # -- sizes -------------------------------------------------------------------------------
 
@@ -293,53 +297,37 @@ class RadixTree:
         """
         freed, demoted, removed, needs_backup = [], [], [], []
         evicted = 0
-        for node in self._eviction_order(D):
-            if evicted >= num_tokens:
-                break
-            if node.backed_up:
-                demoted.append(node)
-            elif backup_first:
-                needs_backup.append(node)
-                continue
-            else:
-                removed.append(node)
-            freed.append(node.values[D])
-            evicted += len(node)
-            self._set_value(node, D, None)
-            if not node.backed_up:
-                self._remove(node)
+        with closing(self._leaves[D].order()) as order:  # closed: what it did not take goes back
+            for node in order:
+                if evicted >= num_tokens:
+                    break
+                if node.backed_up:
+                    demoted.append(node)
+                elif backup_first:
+                    needs_backup.append(node)
+                    continue
+                else:
+                    removed.append(node)
+                freed.append(node.values[D])
+                evicted += len(node)
+                self._set_value(node, D, None)
+                if not node.backed_up:
+                    self._remove(node)
         return DeviceEviction(_tensor(freed), evicted, demoted, removed, needs_backup)
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
         freed, removed, evicted = [], [], 0
-        for node in self._eviction_order(H):
-            if evicted >= num_tokens:
-                break
-            freed.append(node.values[H])
-            evicted += len(node)
-            self._set_value(node, H, None)
-            self._remove(node)
-            removed.append(node)
+        with closing(self._leaves[H].order()) as order:
+            for node in order:
+                if evicted >= num_tokens:
+                    break
+                freed.append(node.values[H])
+                evicted += len(node)
+                self._set_value(node, H, None)
+                self._remove(node)
+                removed.append(node)
         return HostEviction(_tensor(freed), evicted, removed)
-
-    def _eviction_order(self, tier: Tier):
-        """Evictable leaves, smallest policy key first; a parent joins when it becomes a leaf.
-
-        The consumer must evict (or skip) each yielded node before asking for the next.
-        """
-        heap = [(self._key(n), n.id, n) for n in self._leaves[tier].values()]
-        heapq.heapify(heap)
-        queued = {n.id for n in self._leaves[tier].values()}
-        while heap:
-            _, _, node = heapq.heappop(heap)
-            if node.id not in self._leaves[tier]:
-                continue  # stale entry
-            parent = node.parent
-            yield node
-            if parent.id in self._leaves[tier] and parent.id not in queued:
-                queued.add(parent.id)  # cascade: the parent just became a leaf
-                heapq.heappush(heap, (self._key(parent), parent.id, parent))
 
     # -- hashes -------------------------------------------------------------------------------
 
@@ -403,15 +391,15 @@ class RadixTree:
         assert not node.children and all(v is None for v in node.values), f"removing {node} which holds data"
         del node.parent.children[node.key.child_key(self.page_size)]
         for leaves in self._leaves:
-            leaves.pop(node.id, None)
+            leaves.discard(node)
         self._refresh(node.parent)
 
     def _refresh(self, node: TreeNode) -> None:
         for tier in (D, H):
             if node is not self.root and is_evictable_leaf(node, tier):
-                self._leaves[tier][node.id] = node
+                self._leaves[tier].add(node)
             else:
-                self._leaves[tier].pop(node.id, None)
+                self._leaves[tier].discard(node)
 
     def _check_aligned(self, what: str, key: RadixKey) -> None:
         if len(key) % self.page_size:

@@ -1,5 +1,7 @@
 """The tree against a reference model: which token prefixes live on which tier, at which slot."""
 
+from contextlib import closing
+
 import numpy as np
 import torch
 from hypothesis import settings, strategies as st
@@ -21,10 +23,11 @@ def path_tokens(node):
 
 class TreeMachine(RuleBasedStateMachine):
     page_size = 1
+    policy = "lru"
 
     @initialize()
     def setup(self):
-        self.tree = RadixTree(page_size=self.page_size)
+        self.tree = RadixTree(page_size=self.page_size, eviction_policy=self.policy)
         self.dev: dict[tuple, int] = {}   # token prefix -> device slot
         self.host: dict[tuple, int] = {}  # token prefix -> host slot
         self.next_slot = [self.page_size, self.page_size]
@@ -99,11 +102,20 @@ class TreeMachine(RuleBasedStateMachine):
             out |= {toks[: i + 1] for i in range(len(toks))}
         return out
 
+    def _policy_order(self, tier):
+        """The reference: evictable leaves sorted by (policy key, id)."""
+        leaves = self.tree._leaves[tier].nodes.values()
+        return sorted(leaves, key=lambda n: (self.tree._key(n), n.id))
+
     @rule(n=st.integers(0, 12))
     def evict_device(self, n):
         before = self.tree.evictable_size(D)
+        first = self._policy_order(D)[:1]
+        first_slots = first[0].values[D].tolist() if first else []
         r = self.tree.evict_device(n)
         freed = r.device_indices.tolist()
+        if n and first:
+            assert freed[: len(first_slots)] == first_slots, "the first victim is not the policy's first leaf"
         assert len(freed) == len(set(freed)) == r.evicted_tokens >= min(n, before)
         by_slot = {s: p for p, s in self.dev.items()}
         assert set(freed) <= set(by_slot), "freed a slot the tree did not hold"
@@ -149,6 +161,20 @@ class TreeMachine(RuleBasedStateMachine):
                 self.dev[toks[: len(toks) - len(node) + j + 1]] = s
 
     @invariant()
+    def eviction_order_is_the_policy_order(self):
+        """A pass that evicts nothing yields every leaf in policy order and leaves that
+        order as it was, whether it ran to the end or stopped halfway."""
+        if not hasattr(self, "tree"):
+            return
+        for tier in (D, H):
+            expect = [n.id for n in self._policy_order(tier)]
+            with closing(self.tree._leaves[tier].order()) as order:
+                assert [n.id for _, n in zip(range(len(expect) // 2), order)] == expect[: len(expect) // 2]
+            for _ in range(2):
+                with closing(self.tree._leaves[tier].order()) as order:
+                    assert [n.id for n in order] == expect
+
+    @invariant()
     def consistent(self):
         if not hasattr(self, "tree"):
             return
@@ -165,6 +191,14 @@ class TreeMachinePage16(TreeMachine):
     page_size = 16
 
 
+class TreeMachineLFU(TreeMachine):
+    policy = "lfu"
+
+
+class TreeMachineMRU(TreeMachine):  # keys shrink on a touch: the order heapifies per pass
+    policy = "mru"
+
+
 _settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestTreePage1 = TreeMachine.TestCase
 TestTreePage1.settings = _settings
@@ -172,3 +206,7 @@ TestTreePage4 = TreeMachinePage4.TestCase
 TestTreePage4.settings = _settings
 TestTreePage16 = TreeMachinePage16.TestCase
 TestTreePage16.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestTreeLFU = TreeMachineLFU.TestCase
+TestTreeLFU.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+TestTreeMRU = TreeMachineMRU.TestCase
+TestTreeMRU.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
