@@ -46,12 +46,14 @@ class Handle:
         self.finished.set()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """CPU: until the layer has landed. CUDA: until the worker has *enqueued* the
+        """CPU: until the layer has landed (running the job here if the worker has not
+        started it: `CpuTransferStream`). CUDA: until the worker has *enqueued* the
         layer's copy and recorded its event (microseconds), then the caller's stream waits
         on that event on the device: the host never waits for the copy itself. (Waiting on
         an event not yet recorded would be a no-op: the forward would read unloaded KV.)"""
-        if self.run_here is not None and not self.layers[layer].is_set():
-            self.run_here()
+        run = self.run_here  # read once: the runner clears it when the job ends
+        if run is not None and not self.layers[layer].is_set():
+            run()
         if not self.layers[layer].wait(timeout):
             raise TransferError(f"layer {layer} did not land within {timeout}s")
         if self.cuda_events is not None and self.error is None:
