@@ -146,7 +146,10 @@ def _runqueue_seconds() -> float | None:
 def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_flight: int = 8) -> dict:
     trace = multiturn(sessions=sessions, turns=turns, system_prompts=6, system_len=512, msg_len=(32, 200), seed=3)
     bound, working_set = infinite_bound(trace)
-    size = max(PAGE * 64, int(working_set * device_fraction) // PAGE * PAGE)
+    longest = max(len(t.prompt) + len(t.output) for t in trace)
+    # room for two of the longest requests: one that cannot fit alone would be aborted and
+    # retried forever (a small --sessions gives a pool of ~1k tokens, below one long turn)
+    size = max(PAGE * 64, -(-2 * longest // PAGE) * PAGE, int(working_set * device_fraction) // PAGE * PAGE)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, {
             "pool": {"size": size, "num_layers": 2, "page_size": PAGE, "num_kv_heads": 1, "head_dim": 16,
