@@ -3,16 +3,17 @@
 `CpuTransferStream` runs jobs in order on one worker thread and signals with
 threading.Events (used when there is no GPU, and in every test); a thread that would
 block on a job the worker has not started runs it (and the jobs queued before it) itself.
-`CudaTransferStream` has a worker thread enqueue the same jobs on a side CUDA stream (never the scheduler
-thread) and signals with CUDA events. A job's completion is reported only by the copy that
-finished: an exception is stored on the handle and re-raised to whoever waits on it.
+`CudaTransferStream` has a worker thread enqueue the same jobs on a side CUDA stream
+(never the scheduler thread) and signals with CUDA events. A job's completion is reported
+only by the copy that finished: an exception is stored on the handle and re-raised to
+whoever waits on it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, Callable
 
 import torch

@@ -63,6 +63,8 @@ def _move(blocks) -> None:
     thread in, and winning it back can cost milliseconds (docs/design.md §2)."""
     for d, s, n in blocks:
         (_memmove_small if n < _SMALL_BYTES else _memmove)(d, s, n)
+
+
 IoPath = Literal["direct", "kernel"]
 
 
@@ -318,9 +320,9 @@ class HostMirror:
         if dev.size == 0:
             return
         dev_views, host_views = self._page_arrays(pool, layer)
-        if dev.min() < 0 or host.min() < 0 or dev.max() >= dev_views[0].shape[0] or host.max() >= host_views[0].shape[0]:
-            raise IndexError(f"copy plan pages out of range (pool {dev_views[0].shape[0]}, "
-                             f"mirror {host_views[0].shape[0]} pages)")
+        dev_pages, host_pages = dev_views[0].shape[0], host_views[0].shape[0]
+        if dev.min() < 0 or host.min() < 0 or dev.max() >= dev_pages or host.max() >= host_pages:
+            raise IndexError(f"copy plan pages out of range (pool {dev_pages}, mirror {host_pages} pages)")
         for d, h in zip(dev_views, host_views):
             if to_host:
                 h[host] = d[dev]
