@@ -284,7 +284,7 @@ class RadixTree:
                 moved = len(node) if delta > 0 else -len(node)
                 self._evictable[tier] -= moved
                 self._protected[tier] += moved
-                self._refresh(node)
+                self._refresh(node, (tier,))  # a tier's lock count decides only that tier's membership
             node = node.parent
 
     # -- eviction -----------------------------------------------------------------------------
@@ -394,8 +394,8 @@ class RadixTree:
             leaves.discard(node)
         self._refresh(node.parent)
 
-    def _refresh(self, node: TreeNode) -> None:
-        for tier in (D, H):
+    def _refresh(self, node: TreeNode, tiers: tuple[Tier, ...] = (D, H)) -> None:
+        for tier in tiers:
             if node is not self.root and is_evictable_leaf(node, tier):
                 self._leaves[tier].add(node)
             else:
