@@ -67,7 +67,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "timeout_s")
-        if not _PREFIX_RE.match(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
+        if not _PREFIX_RE.fullmatch(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
             raise ValueError(f"key_prefix={self.key_prefix!r}: path segments of [A-Za-z0-9_.-] separated by '/'")
 
 

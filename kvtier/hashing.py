@@ -27,8 +27,10 @@ KEY_FORMAT_VERSION = 1
 SEED = b"kvtier/page-hash-chain/v1"
 NAMESPACE_ID_HEX = 32
 
-_KEY_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*)/(?P<ns>[0-9a-f]{32})/(?P<hash>[0-9a-f]{32}|[0-9a-f]{64})$")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*$")
+# fullmatch everywhere: `$` would also match before a trailing newline
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
+_NS_RE = re.compile(r"[0-9a-f]{32}")
+_HASH_RE = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
 _DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")  # a '.' or '..' path segment
 
 
@@ -138,20 +140,23 @@ def key_maker(prefix: str, namespace_id: str):
 
 def make_key(prefix: str, namespace_id: str, page_hash: bytes) -> str:
     """`<prefix>/<namespace id>/<hex page hash>`, validated."""
-    if not _PREFIX_RE.match(prefix):
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
         raise KvtierConfigError(
             f"key prefix={prefix!r}: allowed are path segments of [A-Za-z0-9_.-] separated by '/'"
         )
     return validate_key(f"{prefix}/{namespace_id}/{page_hash.hex()}")
 
 
-def _parse_key(key: str) -> re.Match:
-    m = _KEY_RE.match(key) if isinstance(key, str) else None
-    if m is None or _DOT_SEGMENT.search(key):
+def _parse_key(key: str) -> tuple[str, str, str]:
+    """(prefix, namespace id, hex page hash). The last two segments are split off, not
+    found by one regex over the whole key: that one backtracked, 5 us a key."""
+    parts = key.rsplit("/", 2) if isinstance(key, str) else ()
+    if len(parts) != 3 or not (_HASH_RE.fullmatch(parts[2]) and _NS_RE.fullmatch(parts[1])
+                               and _PREFIX_RE.fullmatch(parts[0])) or _DOT_SEGMENT.search(parts[0]):
         raise StoreKeyError(
             f"key={key!r}: expected '<prefix>/<32 hex namespace id>/<32 or 64 hex page hash>'"
         )
-    return m
+    return parts[0], parts[1], parts[2]
 
 
 def validate_key(key: str) -> str:
@@ -170,5 +175,5 @@ def split_key(key: str) -> tuple[str, str, bytes]:
 
 @functools.lru_cache(maxsize=8192)
 def _split_recent(key: str) -> tuple[str, str, bytes]:
-    m = _parse_key(key)
-    return m["prefix"], m["ns"], bytes.fromhex(m["hash"])
+    prefix, ns, hx = _parse_key(key)
+    return prefix, ns, bytes.fromhex(hx)

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = f"pip install --no-deps sglang=={SGLANG_VERSION}"
-_HEX_HASH = re.compile(r"^(?:[0-9a-f]{32}|[0-9a-f]{64})$")
+_HEX_HASH = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")  # fullmatch: `$` would pass a trailing newline
 # extra_config keys this adapter reads; SGLang's own keys pass through untouched
 EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
 
@@ -54,10 +54,10 @@ EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
 def page_hash_of(key: str) -> bytes:
     """The page-hash part of kvtier's key for one SGLang key: SGLang's sha256 hex as is,
     any other string (a test key, a suffixed sidecar key) through sha256 with a tag."""
-    if _HEX_HASH.match(key):
-        return bytes.fromhex(key)
     if not isinstance(key, str) or not key:
         raise ValueError(f"key={key!r}: expected a non-empty string (SGLang's page hash)")
+    if _HEX_HASH.fullmatch(key):
+        return bytes.fromhex(key)
     return hashlib.sha256(b"kvtier/sglang-key\x00" + key.encode()).digest()
 
 

@@ -363,3 +363,22 @@ def test_bad_yaml_fails_with_the_right_message(name, tmp_path):
 def test_missing_config_file():
     with pytest.raises(KvtierConfigError, match="config file 'nope.yaml': not found"):
         load_config("nope.yaml")
+
+
+def test_a_trailing_newline_makes_no_key_valid():
+    """`$` in a regex also matches before a final newline: a key, a prefix or an SGLang
+    page hash ending in one was taken as valid (and named a different file)."""
+    from kvtier.config import StoreConfig
+    from kvtier.integrations.sglang import page_hash_of
+
+    k = make_key("kvtier", NS, b"\x01" * 32)
+    for bad in (k + "\n", k.replace("kvtier", "kvtier\n"), k.replace(f"/{NS}/", f"/{NS}\n/")):
+        with pytest.raises(StoreKeyError, match="expected '<prefix>/<32 hex namespace id>"):
+            validate_key(bad)
+    with pytest.raises(KvtierConfigError, match="key prefix"):
+        make_key("kvtier\n", NS, b"\x01" * 32)
+    with pytest.raises(ValueError, match="key_prefix"):
+        StoreConfig(key_prefix="kvtier\n")
+    h = "ab" * 32
+    assert page_hash_of(h) == bytes.fromhex(h)
+    assert page_hash_of(h + "\n") != page_hash_of(h)  # another string: hashed with a tag, not read as hex
