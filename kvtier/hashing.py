@@ -150,9 +150,10 @@ def make_key(prefix: str, namespace_id: str, page_hash: bytes) -> str:
 def _parse_key(key: str) -> tuple[str, str, str]:
     """(prefix, namespace id, hex page hash). The last two segments are split off, not
     found by one regex over the whole key: that one backtracked, 5 us a key."""
-    parts = key.rsplit("/", 2) if isinstance(key, str) else ()
-    if len(parts) != 3 or not (_HASH_RE.fullmatch(parts[2]) and _NS_RE.fullmatch(parts[1])
-                               and _PREFIX_RE.fullmatch(parts[0])) or _DOT_SEGMENT.search(parts[0]):
+    parts = key.rsplit("/", 2) if isinstance(key, str) else []
+    well_formed = (len(parts) == 3 and _HASH_RE.fullmatch(parts[2]) and _NS_RE.fullmatch(parts[1])
+                   and _PREFIX_RE.fullmatch(parts[0]) and not _DOT_SEGMENT.search(parts[0]))
+    if not well_formed:
         raise StoreKeyError(
             f"key={key!r}: expected '<prefix>/<32 hex namespace id>/<32 or 64 hex page hash>'"
         )

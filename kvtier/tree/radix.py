@@ -20,8 +20,8 @@ import torch
 
 from kvtier.hashing import page_hashes
 from kvtier.tree.check import check_tree, render
-from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.key import RadixKey, child_key_at, common_prefix
+from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
 from kvtier.tree.results import (
