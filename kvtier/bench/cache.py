@@ -73,16 +73,16 @@ class Scheduler:
             row[2] += 1
 
     def run(self) -> None:
-        import torch
-
         start_wait = _runqueue_seconds()
         try:
-            self._loop(torch)
+            self._loop()
         finally:
             end_wait = _runqueue_seconds()
             self.runqueue = None if start_wait is None or end_wait is None else end_wait - start_wait
 
-    def _loop(self, torch) -> None:
+    def _loop(self) -> None:
+        import torch
+
         cache = self.cache
         queue = deque(enumerate(self.trace))
         parked: dict[str, tuple[int, object]] = {}

@@ -33,15 +33,16 @@ def best_of(fn, repeat: int) -> float:
 
 
 def _backup_and_load(mirror, pool, dev, host, nbytes: int, repeat: int) -> tuple[float, float]:
-    """GB/s of an all-layer backup, and of a load as the controller runs one: one plan,
-    then layer by layer."""
+    """GB/s of an all-layer backup, and of a load as the controller runs one."""
     backup = nbytes / best_of(lambda: mirror.backup(pool, dev, host), repeat) / 1e9
+    return backup, nbytes / best_of(lambda: _load_all_layers(mirror, pool, dev, host), repeat) / 1e9
 
-    def load_all_layers():
-        plan = mirror.plan(dev, host) if mirror.io == "direct" else None
-        for layer in range(pool.num_layers):
-            mirror.load_layer(pool, host, dev, layer, plan)
-    return backup, nbytes / best_of(load_all_layers, repeat) / 1e9
+
+def _load_all_layers(mirror, pool, dev, host) -> None:
+    """A load as the controller runs one: one plan, then layer by layer."""
+    plan = mirror.plan(dev, host) if mirror.io == "direct" else None
+    for layer in range(pool.num_layers):
+        mirror.load_layer(pool, host, dev, layer, plan)
 
 
 def _record(results: dict, label: str, key: str, backup: float, backup_base: float, backup_unit: str,
@@ -129,13 +130,8 @@ def run(gib: float = 1.0, repeat: int = 5, page_size: int = 64) -> dict[str, flo
             mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout, io=io))
             host_pages = torch.randperm(pages, generator=g) + 1
             host = (host_pages[:, None] * page_size + offsets).flatten()
-
-            def load_all_layers():  # as the controller runs a load: one plan, then layer by layer
-                plan = mirror.plan(dev, host) if mirror.io == "direct" else None
-                for layer in range(pool.num_layers):
-                    mirror.load_layer(pool, host, dev, layer, plan)
             best = alternate({"memcpy": lambda: dst.copy_(src), "backup": lambda: mirror.backup(pool, dev, host),
-                              "load": load_all_layers}, repeat)
+                              "load": lambda: _load_all_layers(mirror, pool, dev, host)}, repeat)
             memcpy, backup, load = (nbytes / best[k] / 1e9 for k in ("memcpy", "backup", "load"))
             memcpy_best = max(memcpy_best, memcpy)
             path = io if mirror.io == io else f"{io}->{mirror.io}"
