@@ -38,6 +38,7 @@ from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
+from kvtier.tiers.indices import concat, pages_of, slots_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
@@ -182,7 +183,7 @@ class TieredCache:
         key = self.key(tokens, extra_key)
         m = self.tree.match_prefix(key, touch=count)
         if count:
-            self._count_lookup(len(key), m.device_indices.numel(), m.host_hit_length, 0)
+            self._count_lookup(len(key), m.device_slots.size, m.host_hit_length, 0)
         if count and self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.sync.write_hot_path(m.last_device_node)
         return m
@@ -217,15 +218,14 @@ class TieredCache:
             self.sync.write_hot_path(m.last_device_node)
         self.lock(m.last_device_node)
         load = self.sync.start_load(m.last_host_node) if m.host_hit_length else None
-        self.requests[request_id] = _Held(m.last_device_node, m.device_indices.numel(), load)
-        loaded = 0 if load is None else load.device_indices.numel()
+        device_hit = m.device_slots.size
+        self.requests[request_id] = _Held(m.last_device_node, device_hit, load)
+        loaded = 0 if load is None else load.device_slots.size
         self.request_pages += loaded // self.page_size
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
-        device_hit = m.device_indices.numel()
         self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
-        indices = m.device_indices if load is None else \
-            torch.from_numpy(np.concatenate([m.device_indices.numpy(), load.device_indices.numpy()]))
-        return Acquired(True, indices, device_hit, loaded - storage_hit, storage_hit)
+        slots = m.device_slots if load is None else concat([m.device_slots, load.device_slots])
+        return Acquired(True, tensor(slots), device_hit, loaded - storage_hit, storage_hit)
 
     def lock(self, node: TreeNode) -> None:
         if node is not self.tree.root:
@@ -244,13 +244,16 @@ class TieredCache:
         if slots is None:
             return None
         self.request_pages += pages
-        return slots[:n]
+        return tensor(slots[:n])
 
     def free(self, indices: torch.Tensor) -> None:
         """Give back a request's own slots (not ones `acquire` handed out: `abort` those)."""
-        if indices.numel():
-            self.request_pages -= torch.unique(indices // self.page_size).numel()
-            self.controller.device_alloc.free(indices)
+        self._free(slots_of(indices))
+
+    def _free(self, slots: np.ndarray) -> None:
+        if slots.size:
+            self.request_pages -= len(set(pages_of(slots, self.page_size).tolist()))
+            self.controller.device_alloc.free_slots(slots)
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
@@ -267,10 +270,11 @@ class TieredCache:
         request held is released, and TransferError is raised: its KV was never right."""
         held = self._held(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
-        self._check_load(request_id, held, kv_indices)
+        kv = slots_of(kv_indices)  # the one torch call: numpy from here on (docs/design.md §2)
+        self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
-        r = self.tree.insert(key[:aligned], kv_indices[:aligned], priority)
-        self._give_back(kv_indices, held.tree_len, r.prefix_len, aligned, len(key))
+        r = self.tree.insert(key[:aligned], kv[:aligned], priority)
+        self._give_back(kv, held.tree_len, r.prefix_len, aligned, len(key))
         self.unlock(held.node)
         del self.requests[request_id]
         self.sync.after_insert(r.added)
@@ -281,19 +285,20 @@ class TieredCache:
         tokens [0, aligned) — repoint the request's row to them."""
         held = self._held(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
-        self._check_load(request_id, held, kv_indices)
+        kv = slots_of(kv_indices)
+        self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
-        r = self.tree.insert(key[:aligned], kv_indices[:aligned])
-        self._give_back(kv_indices, held.tree_len, r.prefix_len, aligned, aligned)
+        r = self.tree.insert(key[:aligned], kv[:aligned])
+        self._give_back(kv, held.tree_len, r.prefix_len, aligned, aligned)
         m = self.tree.match_prefix(key[:aligned], touch=False)
-        assert m.device_indices.numel() == aligned, "a just-inserted chunk is not on device"
+        assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
         self.lock(m.last_device_node)
         self.unlock(held.node)
         self.requests[request_id] = _Held(m.last_device_node, aligned, None)
         self.sync.after_insert(r.added)
-        return m.device_indices
+        return tensor(m.device_slots)
 
-    def abort(self, request_id: str, kv_indices: torch.Tensor | None = None) -> None:
+    def abort(self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None) -> None:
         """Release whatever the request holds, in any state: its prefetch, its lock, the
         slots of its load (once the copy has stopped) and, given its row `kv_indices`, its
         own slots. Unknown or already released requests are a no-op."""
@@ -305,11 +310,11 @@ class TieredCache:
         self.unlock(held.node)
         loaded = 0
         if held.load is not None:
-            loaded = held.load.device_indices.numel()
+            loaded = held.load.device_slots.size
             self.request_pages -= loaded // self.page_size
             self.sync.orphan_load(held.load)
         if kv_indices is not None:
-            self.free(kv_indices[held.tree_len + loaded:])
+            self._free(slots_of(kv_indices)[held.tree_len + loaded:])
 
     def _held(self, request_id: str, what: str) -> _Held:
         held = self.requests.get(request_id)
@@ -317,7 +322,7 @@ class TieredCache:
             raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
         return held
 
-    def _check_load(self, request_id: str, held: _Held, kv_indices: torch.Tensor) -> None:
+    def _check_load(self, request_id: str, held: _Held, kv: np.ndarray) -> None:
         """Fail closed: a request whose load did not land intact must not insert anything."""
         load = held.load
         if load is None:
@@ -330,17 +335,17 @@ class TieredCache:
         if ok:
             return
         error = load.handle.error or "did not finish"
-        self.abort(request_id, kv_indices)
+        self.abort(request_id, kv)
         raise TransferError(f"request {request_id!r}: its host->device load failed ({error}); nothing was cached")
 
-    def _give_back(self, kv: torch.Tensor, tree_len: int, prefix_len: int, aligned: int, end: int) -> None:
+    def _give_back(self, kv: np.ndarray, tree_len: int, prefix_len: int, aligned: int, end: int) -> None:
         """Request slots [tree_len, end) leave the request: the tree took [prefix_len,
         aligned); duplicates [tree_len, prefix_len) and the tail [aligned, end) are freed."""
         with self.controller.device_alloc.free_group():
             if prefix_len > tree_len:
-                self.controller.device_alloc.free(kv[tree_len:prefix_len])
+                self.controller.device_alloc.free_slots(kv[tree_len:prefix_len])
             if end > aligned:
-                self.controller.device_alloc.free(kv[aligned:end])
+                self.controller.device_alloc.free_slots(kv[aligned:end])
         self.request_pages -= -(-end // self.page_size) - tree_len // self.page_size
 
     # -- steps --------------------------------------------------------------------------------
@@ -389,10 +394,10 @@ class TieredCache:
         if locked:
             raise ValueError(f"flush: {locked} device tokens are locked by requests; finish them first")
         ev = self.tree.evict_device(self.tree.total_size(D))
-        self.controller.device_alloc.free(ev.device_indices)
+        self.controller.device_alloc.free_slots(ev.device_slots)
         if self.mirror is not None:
             hv = self.tree.evict_host(self.tree.total_size(H))
-            self.controller.free_host(hv.host_indices)
+            self.controller.free_host(hv.host_slots)
         assert self.tree.total_size(D) == self.tree.total_size(H) == 0, "flush left tokens in the tree"
 
     def close(self) -> None:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import torch
 
 from kvtier.controller.config import ControllerConfig, PrefetchPolicy, WritePolicy
 from kvtier.controller.controller import CacheController, LoadOp
@@ -28,6 +27,7 @@ from kvtier.controller.stats import CacheStats
 from kvtier.controller.storage import PrefetchOp
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import key_maker, page_hashes
+from kvtier.tiers.indices import concat
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,12 @@ class Applier:
 
     # -- device slots -------------------------------------------------------------------------
 
-    def alloc_device(self, n: int) -> torch.Tensor | None:
+    def alloc_device(self, n: int) -> np.ndarray | None:
         """`n` device slots (a multiple of page_size), evicting on demand; None if short."""
         alloc = self.ctl.device_alloc
         if alloc.available_size() < n:
             self.evict_device(n - alloc.available_size())
-        return alloc.alloc(n)
+        return alloc.alloc_slots(n)
 
     def evict_device(self, n: int) -> int:
         write_back = self.cfg.write_policy == WritePolicy.WRITE_BACK and self.has_mirror
@@ -100,12 +100,12 @@ class Applier:
         return evicted
 
     def _free_evicted(self, ev) -> None:
-        self.ctl.device_alloc.free(ev.device_indices)
+        self.ctl.device_alloc.free_slots(ev.device_slots)
         self.counters.device_evicted_tokens += ev.evicted_tokens
 
     def evict_host(self, n: int) -> int:
         ev = self.tree.evict_host(n)
-        self.ctl.free_host(ev.host_indices)
+        self.ctl.free_host(ev.host_slots)
         self.counters.host_evicted_tokens += ev.evicted_tokens
         return ev.evicted_tokens
 
@@ -135,7 +135,7 @@ class Applier:
             return False  # backed-up nodes form a prefix from the root
         if self.ctl.host_available() < len(node):
             self.evict_host(len(node) - self.ctl.host_available())
-        host = self.ctl.write(node.device_value, node)
+        host = self.ctl.write(node.values[D], node)
         if host is None:
             self.counters.writes_skipped_no_host_space += 1
             return False
@@ -175,22 +175,22 @@ class Applier:
             self._write_failed(op, f"device->host write failed: {op.handle.error}")
             return
         try:  # validates before it changes anything
-            unused = self.tree.mark_backed_up(node, op.host_indices)
+            unused = self.tree.mark_backed_up(node, op.host_slots)
         except ValueError as exc:  # its parent's write failed: a child's copy fails with it
             self._write_failed(op, f"write of {node} depends on a failed write ({exc})")
             return
         op.applied = True  # from here on the tree owns the host slots
         self.ctl.free_host(unused)  # a prefetch from the store may have given part of it a host copy
-        self._write_waiting_children(node, op.host_indices.numel())
+        self._write_waiting_children(node, op.host_slots.size)
         self.counters.writes += 1
-        self.counters.d2h_bytes += op.host_indices.numel() * self.ctl.pool.bytes_per_token
+        self.counters.d2h_bytes += op.host_slots.size * self.ctl.pool.bytes_per_token
         self.latency["write"].observe(time.perf_counter() - op.started)
         self._backup_to_store(node)
 
     def _write_failed(self, op, why: str) -> None:
         self.counters.write_failures += 1
         self._complain("write", why)
-        self.ctl.free_host(op.host_indices)
+        self.ctl.free_host(op.host_slots)
         op.applied = True
 
     def _release_write(self, op) -> None:
@@ -200,7 +200,7 @@ class Applier:
             self.writing.discard(op.tag.id)
             self.tree.unlock(op.tag)
         if not op.applied:
-            self.ctl.free_host(op.host_indices)
+            self.ctl.free_host(op.host_slots)
 
     def _write_waiting_children(self, node: TreeNode, written: int) -> None:
         """Write the children refused while their parent had no host copy coming: those of
@@ -258,8 +258,8 @@ class Applier:
             self.tree.release_host(node)
             return None
         # allocation may have applied completions that split nodes of the path: walk it again
-        host = torch.from_numpy(np.concatenate([n.values[Tier.HOST] for n in self.tree.nodes_to_load(node)]))
-        assert host.numel() == total, f"the host path to {node} changed length while allocating"
+        host = concat([n.values[Tier.HOST] for n in self.tree.nodes_to_load(node)])
+        assert host.size == total, f"the host path to {node} changed length while allocating"
         op = self.ctl.load(host, device, node)
         self.counters.loads += 1
         return op
@@ -268,10 +268,10 @@ class Applier:
         """The request that started `op` let go of it: its slots are freed once the worker
         has returned (now, if it has)."""
         if op.handle.is_done() and op not in self.ctl.loads:
-            self.ctl.device_alloc.free(op.device_indices)
+            self.ctl.device_alloc.free_slots(op.device_slots)
             return
         op.orphaned = True
-        self.orphaned_pages += op.device_indices.numel() // self.page_size
+        self.orphaned_pages += op.device_slots.size // self.page_size
 
     def _apply_load(self, op: LoadOp) -> None:
         self.tree.release_host(op.tag)
@@ -279,7 +279,7 @@ class Applier:
             self.counters.load_failures += 1
             self._complain("load", f"host->device load failed: {op.handle.error}; the request recomputes")
         else:
-            self.counters.h2d_bytes += op.device_indices.numel() * self.ctl.pool.bytes_per_token
+            self.counters.h2d_bytes += op.device_slots.size * self.ctl.pool.bytes_per_token
             self.latency["load"].observe(time.perf_counter() - op.started)
         if op.orphaned:
             self._free_orphan(op)
@@ -290,8 +290,8 @@ class Applier:
 
     def _free_orphan(self, op: LoadOp) -> None:
         op.orphaned = False
-        self.orphaned_pages -= op.device_indices.numel() // self.page_size
-        self.ctl.device_alloc.free(op.device_indices)
+        self.orphaned_pages -= op.device_slots.size // self.page_size
+        self.ctl.device_alloc.free_slots(op.device_slots)
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -301,7 +301,7 @@ class Applier:
         anchor = match.best_match_node
         if anchor is not self.tree.root and not anchor.backed_up:
             return False  # prefetched pages need a parent on host
-        start = match.device_indices.numel() + match.host_hit_length
+        start = match.device_slots.size + match.host_hit_length
         ps = self.page_size
         pages = (len(key) - start) // ps
         if pages <= 0 or pages * ps < self.cfg.prefetch_min_tokens:
@@ -404,7 +404,7 @@ class Applier:
         for op in self.ctl.unsettled:
             if not op.settled:
                 keep.append(op)
-            elif op.host_pages is not None and op.host_pages.numel() > op.inserted:
+            elif op.host_pages is not None and op.host_pages.size > op.inserted:
                 self.ctl.free_host(self.ctl.page_slots(op.host_pages[op.inserted:]))  # unused or unagreed
         self.ctl.unsettled = keep
 

@@ -35,7 +35,7 @@ def infinite_bound(trace) -> tuple[float, int]:
     import torch
 
     for t in trace:
-        hit += tree.match_prefix(RadixKey(t.prompt)).device_indices.numel()
+        hit += tree.match_prefix(RadixKey(t.prompt)).device_slots.size
         total += len(t.prompt)
         full = np.concatenate([t.prompt, t.output])
         full = full[: len(full) - len(full) % PAGE]

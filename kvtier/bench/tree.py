@@ -26,14 +26,14 @@ def replay(trace, page_size: int) -> dict[str, float]:
     matched, used = 0, 0
     start = time.perf_counter()
     for prompt, full in keys:
-        matched += tree.match_prefix(prompt).device_indices.numel()
+        matched += tree.match_prefix(prompt).device_slots.size
         tree.insert(full, slots[used:used + len(full)])  # fresh slots, as an allocator would give
         used += len(full)
     both = time.perf_counter() - start
     start = time.perf_counter()
     matched_again = 0
     for prompt, _ in keys:
-        matched_again += tree.match_prefix(prompt).device_indices.numel()
+        matched_again += tree.match_prefix(prompt).device_slots.size
     match_only = time.perf_counter() - start
     tree.sanity_check()
     tokens = sum(len(k[0]) for k in keys)

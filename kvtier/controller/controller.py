@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import BreakerConfig
@@ -32,15 +31,15 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
 from kvtier.tiers.allocator import PagedAllocator
-from kvtier.tiers.indices import as_numpy, check_indices, page_slots
+from kvtier.tiers.indices import check_slots, concat, page_slots
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 
 
 @dataclass(eq=False)
 class WriteOp:
-    device_indices: torch.Tensor
-    host_indices: torch.Tensor
+    device_slots: np.ndarray
+    host_slots: np.ndarray
     tag: Any
     handle: Handle | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -54,8 +53,8 @@ class LoadOp:
     points at them while the copy is in flight. `orphaned`: the request let go before the
     copy ended, so the scheduler frees the slots when it applies the op."""
 
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
+    host_slots: np.ndarray
+    device_slots: np.ndarray
     tag: Any
     handle: Handle
     started: float = field(default_factory=time.perf_counter)
@@ -98,14 +97,14 @@ class CacheController:
 
     # -- host slots (the lock makes accounting snapshots consistent) --------------------------
 
-    def alloc_host(self, n: int) -> torch.Tensor | None:
+    def alloc_host(self, n: int) -> np.ndarray | None:
         with self.host_lock:
-            return self.mirror.allocator.alloc(n)
+            return self.mirror.allocator.alloc_slots(n)
 
-    def free_host(self, indices: torch.Tensor) -> None:
-        if indices.numel():
+    def free_host(self, slots: np.ndarray) -> None:
+        if slots.size:
             with self.host_lock:
-                self.mirror.allocator.free(indices)
+                self.mirror.allocator.free_slots(slots)
 
     def host_available(self) -> int:
         with self.host_lock:
@@ -117,7 +116,7 @@ class CacheController:
         with self.host_lock:
             take = min(pages, self.mirror.allocator.available_size() // ps)
             if take:
-                op.host_pages = torch.from_numpy(self.mirror.allocator.alloc(take * ps).numpy()[::ps] // ps)
+                op.host_pages = self.mirror.allocator.alloc_slots(take * ps)[::ps] // ps
         op.granted.set()
         self.storage.wake(op)
         return take
@@ -126,19 +125,18 @@ class CacheController:
         op.stop.set()
         self.storage.wake(op)
 
-    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        """The slots of `pages` (numpy inside: no torch call, so no GIL hand-off, on the
-        scheduler thread; docs/design.md §2)."""
-        return torch.from_numpy(page_slots(as_numpy(pages), self.page_size))
+    def page_slots(self, pages: np.ndarray) -> np.ndarray:
+        """The slots of `pages` (numpy: no GIL hand-off on the scheduler thread; docs/design.md §2)."""
+        return page_slots(pages, self.page_size)
 
     # -- device -> host -----------------------------------------------------------------------
 
-    def write(self, device_indices: torch.Tensor, tag: Any) -> torch.Tensor | None:
+    def write(self, device_slots: np.ndarray, tag: Any) -> np.ndarray | None:
         """Reserve host slots and queue a device->host copy; None if the mirror is full."""
-        host = self.alloc_host(device_indices.numel())
+        host = self.alloc_host(device_slots.size)
         if host is None:
             return None
-        self._queued_writes.append(WriteOp(device_indices, host, tag))
+        self._queued_writes.append(WriteOp(device_slots, host, tag))
         return host
 
     def flush_writes(self) -> None:
@@ -146,8 +144,8 @@ class CacheController:
         if not self._queued_writes:
             return
         ops, self._queued_writes = self._queued_writes, []
-        dev = _joined([op.device_indices for op in ops])
-        host = _joined([op.host_indices for op in ops])
+        dev = _joined([op.device_slots for op in ops])
+        host = _joined([op.host_slots for op in ops])
         mirror, pool = self.mirror, self.pool
         handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle())
         for op in ops:
@@ -156,26 +154,26 @@ class CacheController:
 
     # -- host -> device -----------------------------------------------------------------------
 
-    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, tag: Any) -> LoadOp:
+    def load(self, host_slots: np.ndarray, device_slots: np.ndarray, tag: Any) -> LoadOp:
         """Copy host slots into (already allocated) device slots, one layer at a time."""
         mirror, pool = self.mirror, self.pool
-        check_indices("host_indices", host_indices)
-        check_indices("device_indices", device_indices, host_indices.numel())
+        check_slots("host_slots", host_slots)
+        check_slots("device_slots", device_slots, host_slots.size)
 
         def job(h: Handle) -> None:
-            plan = mirror.plan(device_indices, host_indices)  # by whoever runs the job (streams.py)
+            plan = mirror.plan(device_slots, host_slots)  # by whoever runs the job (streams.py)
             for layer in range(pool.num_layers):
-                mirror.load_layer(pool, host_indices, device_indices, layer, plan)
+                mirror.load_layer(pool, host_slots, device_slots, layer, plan)
                 h.layer_done(layer)
 
         handle = self.load_stream.submit(job, Handle(pool.num_layers))
-        op = LoadOp(host_indices, device_indices, tag, handle)
+        op = LoadOp(host_slots, device_slots, tag, handle)
         self.loads.append(op)
         return op
 
     # -- host <-> store -----------------------------------------------------------------------
 
-    def backup(self, keys: list[str], host_pages: torch.Tensor, tag: Any) -> BackupOp | None:
+    def backup(self, keys: list[str], host_pages: np.ndarray, tag: Any) -> BackupOp | None:
         if self.storage is None:
             return None
         op = BackupOp(keys, host_pages, tag)
@@ -206,11 +204,11 @@ class CacheController:
             return self.mirror.allocator.available_size(), self._in_flight_host_slots()
 
     def _in_flight_host_slots(self) -> int:
-        n = sum(op.host_indices.numel() for op in self._queued_writes)
-        n += sum(op.host_indices.numel() for op in self.writes)
+        n = sum(op.host_slots.size for op in self._queued_writes)
+        n += sum(op.host_slots.size for op in self.writes)
         for op in [*self.prefetches.values(), *self.unsettled]:
             if op.host_pages is not None:
-                n += (op.host_pages.numel() - op.inserted) * self.page_size
+                n += (op.host_pages.size - op.inserted) * self.page_size
         return n
 
     def busy(self) -> bool:
@@ -244,11 +242,9 @@ class CacheController:
             self.storage.close()
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """One index tensor of `parts`, joined in numpy (no torch call on the scheduler thread)."""
-    if len(parts) == 1:
-        return parts[0]
-    return torch.from_numpy(np.concatenate([as_numpy(t) for t in parts]))
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """One slot array of `parts` (`concat` keeps the GIL on the scheduler thread)."""
+    return parts[0] if len(parts) == 1 else concat(parts)
 
 
 def _leading(queue: deque, done) -> int:

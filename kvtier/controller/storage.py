@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import Breaker, BreakerConfig
@@ -50,7 +49,7 @@ class PrefetchOp:
     granted: threading.Event = field(default_factory=threading.Event)
     progress: threading.Event = field(default_factory=threading.Event)  # set on every state change
     wake: asyncio.Event | None = None  # the storage loop's view of `granted` / `stop`
-    host_pages: torch.Tensor | None = None  # set by the scheduler before `granted`
+    host_pages: np.ndarray | None = None  # page numbers, set by the scheduler before `granted`
     # written by the storage thread
     present: int = -1  # -1 until batch_exists answered
     landed: int = 0
@@ -66,7 +65,7 @@ class PrefetchOp:
 @dataclass(eq=False)
 class BackupOp:
     keys: list[str]
-    host_pages: torch.Tensor | np.ndarray  # page numbers (the tree hands numpy)
+    host_pages: np.ndarray  # page numbers
     tag: Any
     started: float = field(default_factory=time.perf_counter)
     ok: list[bool] | None = None
@@ -193,19 +192,19 @@ class StorageWorker:
                 op.outcome = "stopped"
                 return
             pages = op.host_pages
-            if pages is None or pages.numel() == 0:
+            if pages is None or len(pages) == 0:
                 op.outcome = "no_space"
                 return
-            op.outcome = "done" if pages.numel() == op.present else "partial"
-            for start in range(0, pages.numel(), self.chunk):
+            op.outcome = "done" if len(pages) == op.present else "partial"
+            for start in range(0, len(pages), self.chunk):
                 if op.stop.is_set():
                     op.outcome = "stopped"
                     return
                 chunk = pages[start:start + self.chunk]
                 async with self._slots:
                     asked = self.clock()
-                    ok = await self._guarded(self._read(op.keys[start:start + chunk.numel()], chunk))
-                    self.speed.observe_read(chunk.numel(), self.clock() - asked)
+                    ok = await self._guarded(self._read(op.keys[start:start + len(chunk)], chunk))
+                    self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
                 self._moved(op)
@@ -249,7 +248,7 @@ class StorageWorker:
             return False
         return op.granted.is_set() and not op.stop.is_set()
 
-    async def _read(self, keys: list[str], pages: torch.Tensor) -> list[bool]:
+    async def _read(self, keys: list[str], pages: np.ndarray) -> list[bool]:
         mirror = self.mirror
         if mirror.config.layout == "page_first":
             views = mirror.page_views(pages)
@@ -290,7 +289,7 @@ class StorageWorker:
             op.finished = True
             self.progress.set()
 
-    def _payloads(self, pages: torch.Tensor) -> list:
+    def _payloads(self, pages: np.ndarray) -> list:
         if self.mirror.config.layout == "page_first":
             return self.mirror.page_views(pages)
         return [self.mirror.page_view(int(p)).numpy() for p in pages]

@@ -265,7 +265,7 @@ def infinite_hit_rate(results: list[Result], page_size: int) -> float:
     slot = page_size
     for r in results:
         key = np.asarray(r.prompt[:-1], dtype=np.int64)
-        hit += tree.match_prefix(RadixKey(key)).device_indices.numel()
+        hit += tree.match_prefix(RadixKey(key)).device_slots.size
         total += len(r.prompt)
         fed = np.asarray(r.prompt + r.output[:-1], dtype=np.int64)
         fed = fed[: len(fed) - len(fed) % page_size]

@@ -9,9 +9,10 @@ Contracts shared by both allocators:
   freeing slot 0 and on an index out of range.
 
 The bookkeeping is numpy; tensors exist only at the boundary (`torch.from_numpy`, no
-copy). These run on the scheduler thread several times a request on small arrays: a torch
-op releases the GIL, and on a busy machine getting it back cost ~100 us a call (measured
-in `benchmarks/cache.py`); numpy keeps it for arrays this small.
+copy), and kvtier's own code uses the numpy forms (`alloc_slots`, `free_slots`). These run
+on the scheduler thread several times a request: a torch call, a numpy sort or a numpy op
+over 500 elements releases the GIL, and on a busy machine getting it back cost ~100 us a
+call (measured in `benchmarks/cache.py`); the helpers of `indices.py` keep it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from kvtier.tiers.indices import as_numpy, check_indices, check_size, page_slots
+from kvtier.tiers.indices import GIL_CHUNK, as_numpy, check_indices, check_size, concat, page_slots, pages_of, tensor
 
 
 def _debug_default() -> bool:
@@ -31,22 +32,33 @@ def _debug_default() -> bool:
 
 
 def _distinct(units: np.ndarray) -> np.ndarray:
-    """The distinct values of `units` (a fresh array). Runs of equal values (a page's slots
-    side by side, the usual case) collapse in one pass; a sort (4x faster than np.unique
-    at these sizes) only if the result is not increasing, then the pass again."""
+    """The distinct values of `units` (a fresh array, any order). Runs of equal values (a
+    page's slots side by side, the usual case) collapse in one pass; duplicates left after
+    that go through a Python set, not `np.unique` (a numpy sort always gives up the GIL)."""
     out = _collapse_runs(units)
-    if out.size > 1 and not (out[1:] > out[:-1]).all():
-        out = _collapse_runs(np.sort(out))
+    values = out.tolist()
+    distinct = set(values)
+    if len(distinct) != len(values):
+        out = np.array(sorted(distinct), dtype=np.int64)
     return out
 
 
 def _collapse_runs(units: np.ndarray) -> np.ndarray:
-    if units.size <= 1:
+    """`units` without the repeats inside runs of equal values, in pieces of at most
+    GIL_CHUNK (docs/design.md §2)."""
+    n = units.size
+    if n <= 1:
         return units.copy()
-    keep = np.empty(units.size, dtype=bool)
+    keep = np.empty(n, dtype=bool)
     keep[0] = True
-    np.not_equal(units[1:], units[:-1], out=keep[1:])
-    return units[keep]
+    parts = []
+    for i in range(0, n, GIL_CHUNK):
+        j = min(n, i + GIL_CHUNK)
+        if i:
+            keep[i] = units[i] != units[i - 1]
+        np.not_equal(units[i + 1:j], units[i:j - 1], out=keep[i + 1:j])
+        parts.append(units[i:j][keep[i:j]])
+    return concat(parts)
 
 
 class _FreeList:
@@ -98,7 +110,7 @@ class _FreeList:
 
     def merge(self) -> None:
         if self.released:
-            self.free = np.sort(np.concatenate([self.free, *self.released]))
+            self.free = np.sort(np.concatenate([self.free, *self.released]))  # rare: gives up the GIL
             self.released.clear()
             self.released_count = 0
 
@@ -112,7 +124,7 @@ class _FreeList:
             if outer is None:
                 batch, self.group = self.group, None
                 if batch:
-                    merged = np.concatenate(batch)
+                    merged = concat(batch)
                     self.released.append(merged)
                     self.released_count += merged.size
 
@@ -130,10 +142,10 @@ class TokenAllocator:
     def alloc(self, n: int) -> torch.Tensor | None:
         check_size("n", n, minimum=0)
         slots = self._free.take(n)
-        return None if slots is None else torch.from_numpy(slots)
+        return None if slots is None else tensor(slots)
 
     def free(self, indices: torch.Tensor) -> None:
-        self._free.give(as_numpy(check_indices("indices", indices)).copy(), "slots")
+        self._free.give(concat([as_numpy(check_indices("indices", indices))]), "slots")
 
     def free_group(self):
         """`with alloc.free_group(): ...` batches every free inside into one concat."""
@@ -164,11 +176,16 @@ class PagedAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` slots (a multiple of page_size) as whole pages."""
+        slots = self.alloc_slots(n)
+        return None if slots is None else tensor(slots)
+
+    def alloc_slots(self, n: int) -> np.ndarray | None:
+        """`alloc` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
         check_size("n", n, minimum=0)
         if n % self.page_size:
             raise ValueError(f"alloc: n={n} must be a multiple of page_size={self.page_size}")
         pages = self._free.take(n // self.page_size)
-        return None if pages is None else torch.from_numpy(page_slots(pages, self.page_size))
+        return None if pages is None else page_slots(pages, self.page_size)
 
     def alloc_extend(
         self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]
@@ -199,7 +216,7 @@ class PagedAllocator:
             k = -(-s // ps) - -(-p // ps)
             out.append(page_slots(pages[cursor:cursor + k], ps)[: s - p - in_page])
             cursor += k
-        return torch.from_numpy(np.concatenate(out) if out else np.empty(0, dtype=np.int64))
+        return tensor(concat(out))
 
     def alloc_decode(self, seq_lens: list[int], last_loc: list[int]) -> torch.Tensor | None:
         """One slot per request for token seq_len-1 (seq_lens include the new token)."""
@@ -207,8 +224,11 @@ class PagedAllocator:
 
     def free(self, indices: torch.Tensor) -> None:
         """Free the pages that `indices` touch (a partial tail page frees its whole page)."""
-        pages = as_numpy(check_indices("indices", indices)) // self.page_size
-        self._free.give(_distinct(pages), "pages")
+        self.free_slots(as_numpy(check_indices("indices", indices)))
+
+    def free_slots(self, slots: np.ndarray) -> None:
+        """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
+        self._free.give(_distinct(pages_of(slots, self.page_size)), "pages")
 
     def free_group(self):
         return self._free.grouped()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -35,19 +36,83 @@ def as_numpy(indices: torch.Tensor) -> np.ndarray:
     return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
 
 
+# numpy gives up the GIL for an elementwise op over more than 500 elements
+# (NPY_BEGIN_THREADS_THRESHOLDED) and for every sort; on the scheduler thread each hand-off
+# may cost a switch interval (docs/design.md §2). The helpers below stay under it.
+GIL_CHUNK = 500
+
+
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
-    """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order."""
-    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
+    """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order;
+    computed in pieces of at most GIL_CHUNK slots, so the GIL is kept."""
+    n = pages.shape[0]
+    if page_size == 1:
+        return concat([pages])
+    out = np.empty((n, page_size), dtype=np.int64)
+    offsets = _offsets(page_size)
+    step = max(1, GIL_CHUNK // page_size)
+    for i in range(0, n, step):
+        np.add(pages[i:i + step, None] * page_size, offsets, out=out[i:i + step])
+    return out.reshape(-1)
 
 
-def runs(src: torch.Tensor, dst: torch.Tensor, split_every: int = 0) -> list[tuple[int, int, int]]:
+@functools.lru_cache(maxsize=8)
+def _offsets(page_size: int) -> np.ndarray:
+    return np.arange(page_size, dtype=np.int64)
+
+
+def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The page of every slot (`slots // page_size`), keeping the GIL."""
+    if page_size == 1:
+        return slots
+    out = np.empty_like(slots)
+    for i in range(0, slots.shape[0], GIL_CHUNK):
+        np.floor_divide(slots[i:i + GIL_CHUNK], page_size, out=out[i:i + GIL_CHUNK])
+    return out
+
+
+def concat(parts: list[np.ndarray]) -> np.ndarray:
+    """The int64 arrays `parts` joined into a fresh writable array. The bytes are joined by
+    CPython (a memcpy that keeps the GIL), not by `np.concatenate`, which gives it up past
+    500 elements."""
+    if any(not p.flags.c_contiguous for p in parts):
+        parts = [np.ascontiguousarray(p) for p in parts]
+    return np.frombuffer(bytearray().join(parts), dtype=np.int64)
+
+
+def tensor(slots: np.ndarray) -> torch.Tensor:
+    """A tensor over `slots` (no copy), for a caller outside kvtier: the one torch call an
+    API that hands slots back makes (every torch call gives up the GIL)."""
+    return torch.from_numpy(slots)
+
+
+def slots_of(indices: torch.Tensor | np.ndarray) -> np.ndarray:
+    """numpy slots of what a caller handed in: a tensor is viewed once (`as_numpy`)."""
+    return indices if isinstance(indices, np.ndarray) else as_numpy(indices)
+
+
+def check_slots(name: str, indices: object, length: int | None = None) -> np.ndarray:
+    """numpy slots of `indices`: a 1-D int64 tensor, or numpy array (kvtier's own callers),
+    of `length` slots when given; else ValueError naming it."""
+    if isinstance(indices, np.ndarray):
+        if indices.dtype != np.int64 or indices.ndim != 1:
+            raise ValueError(f"{name}: expected 1-D int64 slots, got numpy dtype={indices.dtype} shape={indices.shape}")
+        slots = indices
+    else:
+        slots = as_numpy(check_indices(name, indices))
+    if length is not None and slots.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} indices, got {slots.shape[0]}")
+    return slots
+
+
+def runs(src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_every: int = 0) -> list[tuple[int, int, int]]:
     """Merge index pairs into runs `(src_start, dst_start, length)` where both advance by 1.
 
     With `split_every` > 0, a run never crosses a multiple of it in `dst` (page boundaries
     of a page-first mirror, where consecutive slots of two pages are not adjacent in memory).
     Computed in numpy over the tensors' memory (a few microseconds, not a torch op each).
     """
-    s, d = as_numpy(src), as_numpy(dst)
+    s, d = slots_of(src), slots_of(dst)
     n = s.shape[0]
     if n == 0:
         return []

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.tiers.allocator import PagedAllocator
-from kvtier.tiers.indices import as_numpy, check_indices, runs
+from kvtier.tiers.indices import as_numpy, check_slots, page_slots, runs
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,12 @@ def _whole_pages(indices: np.ndarray, ps: int) -> np.ndarray | None:
     """Page numbers if `indices` are whole pages in slot order, else None."""
     if indices.shape[0] == 0 or indices.shape[0] % ps:
         return None
-    rows = indices.reshape(-1, ps)
-    first = rows[:, 0]
-    if (first % ps).any() or not np.array_equal(rows - first[:, None], np.broadcast_to(np.arange(ps), rows.shape)):
+    first = indices[::ps]
+    if (first % ps).any():
         return None
-    return first // ps
+    pages = first // ps
+    # compared as bytes: numpy would give up the GIL on this scheduler-thread path (indices.py)
+    return pages if page_slots(pages, ps).tobytes() == indices.tobytes() else None
 
 
 @dataclass(slots=True, frozen=True)
@@ -180,10 +181,11 @@ class HostMirror:
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def backup(self, pool: DeviceKVPool, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+    def backup(self, pool: DeviceKVPool, device_indices: torch.Tensor | np.ndarray,
+               host_indices: torch.Tensor | np.ndarray) -> None:
         """Copy all layers of `device_indices` (pool) to `host_indices` (mirror)."""
-        check_indices("device_indices", device_indices)
-        check_indices("host_indices", host_indices, device_indices.numel())
+        dev = check_slots("device_indices", device_indices)
+        check_slots("host_indices", host_indices, dev.shape[0])
         if self.io == "kernel":
             for layer in range(self.num_layers):
                 self._copy_kernel(pool, layer, device_indices, host_indices, to_host=True)
@@ -202,22 +204,22 @@ class HostMirror:
                 srcs.append(d_all[:, d0:d0 + n])
         torch._foreach_copy_(dsts, srcs, non_blocking=self._async)
 
-    def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> "CopyPlan":
+    def plan(self, device_indices: torch.Tensor | np.ndarray, host_indices: torch.Tensor | np.ndarray) -> "CopyPlan":
         """How to copy this pairing, computed once for all the layers of a load.
 
         Whole pages that rarely continue each other are copied by page number (integer
         indexing is the cheapest view torch makes); anything else as merged slot runs."""
-        check_indices("device_indices", device_indices)
-        check_indices("host_indices", host_indices, device_indices.numel())
+        dev = check_slots("device_indices", device_indices)
+        host = check_slots("host_indices", host_indices, dev.shape[0])
         ps = self.page_size
-        pages = _whole_pages(as_numpy(device_indices), ps), _whole_pages(as_numpy(host_indices), ps)
+        pages = _whole_pages(dev, ps), _whole_pages(host, ps)
         if ps > 1 and pages[0] is not None and pages[1] is not None:
             d, h = pages
             merges = int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum())
             if 4 * merges < d.shape[0]:
                 return CopyPlan(d, h, None)
         split = ps if self.config.layout == "page_first" else 0
-        return CopyPlan(None, None, runs(device_indices, host_indices, split))
+        return CopyPlan(None, None, runs(dev, host, split))
 
     def load_layer(self, pool: DeviceKVPool, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int,
                    plan: "CopyPlan | None" = None) -> None:
@@ -226,8 +228,8 @@ class HostMirror:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer}: must be in [0, {self.num_layers})")
         if self.io == "kernel":
-            check_indices("host_indices", host_indices)
-            check_indices("device_indices", device_indices, host_indices.numel())
+            host = check_slots("host_indices", host_indices)
+            check_slots("device_indices", device_indices, host.shape[0])
             self._copy_kernel(pool, layer, device_indices, host_indices, to_host=False)
             return
         self._copy(pool, layer, plan or self.plan(device_indices, host_indices), to_host=False)
@@ -240,6 +242,7 @@ class HostMirror:
     def _copy_kernel(self, pool: DeviceKVPool, layer: int, dev: torch.Tensor, host: torch.Tensor, to_host: bool) -> None:
         from kvtier.tiers.kernels import copy_rows
 
+        dev, host = (t if isinstance(t, torch.Tensor) else torch.from_numpy(t) for t in (dev, host))
         for d_rows, h_rows in zip(pool.rows(layer), self._views[layer]):
             if to_host:
                 copy_rows(d_rows, h_rows, dev.to(d_rows.device), host.to(d_rows.device))

@@ -74,6 +74,7 @@ class DeviceKVPool:
         # once; buffers[layer][part] are views of it.
         self.parts = [torch.zeros(c.num_layers, *s, dtype=self.dtype, device=self.device) for s in shapes]
         self.buffers = [[part[layer] for part in self.parts] for layer in range(c.num_layers)]
+        self._rows = [[b.view(b.shape[0], -1) for b in bufs] for bufs in self.buffers]
 
     @property
     def num_layers(self) -> int:
@@ -93,8 +94,9 @@ class DeviceKVPool:
         return self.buffers[layer][1]
 
     def rows(self, layer: int) -> list[torch.Tensor]:
-        """2-D `[slots, width]` views of each buffer of `layer`: what transfers copy."""
-        return [b.view(b.shape[0], -1) for b in self.buffers[layer]]
+        """2-D `[slots, width]` views of each buffer of `layer`: what transfers copy. Made
+        once: a load's copy may run on the scheduler thread, and `view` gives up the GIL."""
+        return list(self._rows[layer])
 
     def all_layer_rows(self) -> list[torch.Tensor]:
         """3-D `[layers, slots, width]` views, one per part: what all-layer backups copy."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvtier.hashing import page_hashes
+from kvtier.tiers.indices import concat, slots_of
 from kvtier.tree.check import check_tree, render
 from kvtier.tree.key import RadixKey, child_key_at, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
@@ -29,24 +30,18 @@ from kvtier.tree.results import (
 )
 
 D, H = Tier.DEVICE, Tier.HOST
-_EMPTY = torch.empty(0, dtype=torch.int64)
 _NONE = np.empty(0, dtype=np.int64)
 
 
-def _np(indices: torch.Tensor) -> np.ndarray:
-    """A slot tensor's numpy view. Node values are numpy: the tree runs on the scheduler
-    thread, and every torch call gives up the GIL (on a busy machine ~100 us to get it
-    back); tensors exist only at the API boundary."""
-    return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
-
-
-def _tensor(parts: list[np.ndarray]) -> torch.Tensor:
-    """The concatenated parts as a tensor; one part is not copied (a copy of a long array
-    gives up the GIL too). Node values are never written in place, so the view stays
-    right; callers must not write into it either (results are read-only)."""
+def _slots(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts joined (`concat` keeps the GIL); one part is not copied. Node values are
+    never written in place, so a view stays right; callers must not write into it either
+    (results are read-only). Node values and results are numpy: the tree runs on the
+    scheduler thread, where every torch call gives up the GIL (docs/design.md §2); results
+    make tensors only when a caller asks (`MatchResult.device_indices`)."""
     if not parts:
-        return _EMPTY
-    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        return _NONE
+    return concat(parts) if len(parts) > 1 else parts[0]
 
 
 class RadixTree:
@@ -114,7 +109,7 @@ class RadixTree:
             else:
                 host_hit += len(node)
         deepest = path[-1] if path else self.root
-        return MatchResult(_tensor(device_values), last_device, deepest, deepest, host_hit)
+        return MatchResult(_slots(device_values), last_device, deepest, deepest, host_hit)
 
     def _walk(self, key: RadixKey) -> list[TreeNode]:
         """Matched nodes root-down; the last one is split so the match ends on its end."""
@@ -139,18 +134,19 @@ class RadixTree:
                 break
         return path
 
-    def insert(self, key: RadixKey, device_indices: torch.Tensor, priority: int = 0) -> InsertResult:
-        """Cache `key` -> `device_indices` (cloned). See InsertResult for slot ownership.
+    def insert(self, key: RadixKey, device_indices: torch.Tensor | np.ndarray, priority: int = 0) -> InsertResult:
+        """Cache `key` -> `device_indices` (copied). See InsertResult for slot ownership.
 
         A host-only node on the path takes the given slots (the KV was just recomputed);
         its host copy stays.
         """
         self._check_aligned("insert", key)
         self._check_indices("device_indices", device_indices, len(key))
-        prefix_len, node, added = self._insert(self.root, key, _np(device_indices), D, priority)
+        prefix_len, node, added = self._insert(self.root, key, slots_of(device_indices), D, priority)
         return InsertResult(prefix_len, node, added)
 
-    def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor) -> HostInsertResult:
+    def insert_host(self, anchor: TreeNode, key: RadixKey,
+                    host_indices: torch.Tensor | np.ndarray) -> HostInsertResult:
         """Host-only nodes for `key` (continuing below `anchor`) from slots filled by L3.
 
         `anchor` must be on host (or the root): backed-up nodes form a prefix from the root.
@@ -160,7 +156,7 @@ class RadixTree:
         self._check_indices("host_indices", host_indices, len(key))
         if anchor is not self.root and not anchor.backed_up:
             raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
-        prefix_len, node, _ = self._insert(anchor, key, _np(host_indices), H, None)
+        prefix_len, node, _ = self._insert(anchor, key, slots_of(host_indices), H, None)
         return HostInsertResult(prefix_len, node)
 
     def _insert(self, anchor: TreeNode, key: RadixKey, indices: np.ndarray, tier: Tier,
@@ -185,7 +181,7 @@ class RadixTree:
                     assert prefix_len == offset, f"{child}: on {tier.name} below a node that is not (a hole)"
                     prefix_len += k
                 else:
-                    self._set_value(child, tier, indices[offset:offset + k].copy())
+                    self._set_value(child, tier, concat([indices[offset:offset + k]]))
                 offset += k
             child.last_access = self.clock
             if priority is not None:
@@ -195,15 +191,16 @@ class RadixTree:
 
     # -- tier moves ---------------------------------------------------------------------------
 
-    def mark_backed_up(self, node: TreeNode, host_indices: torch.Tensor) -> torch.Tensor:
-        """`node`'s KV is now also at `host_indices`; returns the slots the caller must free.
+    def mark_backed_up(self, node: TreeNode, host_indices: torch.Tensor | np.ndarray) -> np.ndarray:
+        """`node`'s KV is now also at `host_indices`; returns the slots the caller must free
+        (numpy, like every slot array inside kvtier).
 
         If `node` was split while its write was in flight, `host_indices` also covers the
         split-off ancestors (leading part first). A part that got a host copy meanwhile (from
         the store) keeps it, and its share of `host_indices` is returned to be freed.
         """
         self._check_indices("host_indices", host_indices)
-        host_indices = _np(host_indices)
+        host_indices = slots_of(host_indices)
         chain, end, n = [], host_indices.size, node
         while end > 0:  # validate first: nothing changes on bad input
             if n is self.root or len(n) > end:
@@ -219,8 +216,8 @@ class RadixTree:
             if n.backed_up:
                 unused.append(part)
             else:
-                self._set_value(n, H, part.copy())
-        return _tensor(unused)
+                self._set_value(n, H, concat([part]))
+        return concat(unused)
 
     def nodes_to_load(self, node: TreeNode) -> list[TreeNode]:
         """Host-only nodes from the deepest device ancestor down to `node`, root-down."""
@@ -238,7 +235,7 @@ class RadixTree:
             raise ValueError(f"mark_loaded: {node} is already on device")
         if node.parent is not self.root and not node.parent.on_device:
             raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
-        self._set_value(node, D, _np(device_indices).copy())
+        self._set_value(node, D, concat([slots_of(device_indices)]))
 
     def demote(self, node: TreeNode) -> torch.Tensor:
         """Take `node` off device (a load that failed): returns the device slots to free.
@@ -313,7 +310,7 @@ class RadixTree:
                 self._set_value(node, D, None)
                 if not node.backed_up:
                     self._remove(node)
-        return DeviceEviction(_tensor(freed), evicted, demoted, removed, needs_backup)
+        return DeviceEviction(_slots(freed), evicted, demoted, removed, needs_backup)
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
@@ -327,7 +324,7 @@ class RadixTree:
                 self._set_value(node, H, None)
                 self._remove(node)
                 removed.append(node)
-        return HostEviction(_tensor(freed), evicted, removed)
+        return HostEviction(_slots(freed), evicted, removed)
 
     # -- hashes -------------------------------------------------------------------------------
 
@@ -354,7 +351,7 @@ class RadixTree:
     def _add_child(self, parent: TreeNode, key: RadixKey, tier: Tier, indices: np.ndarray) -> TreeNode:
         child = self._new_node(key, parent)
         parent.children[key.child_key(self.page_size)] = child
-        self._set_value(child, tier, indices.copy())
+        self._set_value(child, tier, concat([indices]))
         return child
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
@@ -407,11 +404,18 @@ class RadixTree:
 
     @staticmethod
     def _check_indices(name: str, indices: object, length: int | None = None) -> None:
-        if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64 or indices.dim() != 1:
-            got = f"dtype={indices.dtype} shape={tuple(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
+        """A 1-D int64 tensor, or numpy array (kvtier's own callers), of `length` slots."""
+        if isinstance(indices, np.ndarray):
+            ok, got, n = indices.dtype == np.int64 and indices.ndim == 1, f"numpy {indices.dtype} {indices.shape}", indices.size
+        elif isinstance(indices, torch.Tensor):
+            ok, got, n = indices.dtype == torch.int64 and indices.dim() == 1, \
+                f"dtype={indices.dtype} shape={tuple(indices.shape)}", indices.numel()
+        else:
+            ok, got, n = False, type(indices).__name__, 0
+        if not ok:
             raise ValueError(f"{name}: expected a 1-D torch.int64 tensor, got {got}")
-        if length is not None and indices.numel() != length:
-            raise ValueError(f"{name}: expected {length} indices (the key's length), got {indices.numel()}")
+        if length is not None and n != length:
+            raise ValueError(f"{name}: expected {length} indices (the key's length), got {n}")
 
     # -- checks -------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.tree.node import TreeNode
@@ -11,22 +12,27 @@ from kvtier.tree.node import TreeNode
 
 @dataclass(slots=True, frozen=True)
 class MatchResult:
-    """`device_indices` cover exactly the path root..`last_device_node`.
+    """`device_slots` cover exactly the path root..`last_device_node`.
 
     `last_host_node` is the deepest matched node on any tier (the load-back target);
     `host_hit_length` the tokens between the two. `best_match_node` anchors L3 prefetch:
     the deepest node the tree knows for this key (nodes exist only while they hold data,
     so it is `last_host_node`).
 
-    Slot tensors the tree hands back may share memory with it: read them, never write
-    into them.
+    Slots the tree hands back may share memory with it: read them, never write into them.
+    `device_slots` is numpy (kvtier's own code uses it); `device_indices` the same slots as
+    a tensor, made when asked for.
     """
 
-    device_indices: torch.Tensor
+    device_slots: np.ndarray
     last_device_node: TreeNode
     last_host_node: TreeNode
     best_match_node: TreeNode
     host_hit_length: int
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        return torch.from_numpy(self.device_slots)
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,21 +57,30 @@ class HostInsertResult:
 
 @dataclass(slots=True, frozen=True)
 class DeviceEviction:
-    """Free `device_indices`. `demoted` nodes stay on host; `removed` left the tree.
+    """Free `device_slots` (`device_indices` as a tensor). `demoted` nodes stay on host;
+    `removed` left the tree.
     `needs_backup` (write-back only): unlocked leaves that must be backed up before they
     can be evicted."""
 
-    device_indices: torch.Tensor
+    device_slots: np.ndarray
     evicted_tokens: int
     demoted: list[TreeNode]
     removed: list[TreeNode]
     needs_backup: list[TreeNode]
 
+    @property
+    def device_indices(self) -> torch.Tensor:
+        return torch.from_numpy(self.device_slots)
+
 
 @dataclass(slots=True, frozen=True)
 class HostEviction:
-    """Free `host_indices`; `removed` nodes left the tree."""
+    """Free `host_slots` (`host_indices` as a tensor); `removed` nodes left the tree."""
 
-    host_indices: torch.Tensor
+    host_slots: np.ndarray
     evicted_tokens: int
     removed: list[TreeNode]
+
+    @property
+    def host_indices(self) -> torch.Tensor:
+        return torch.from_numpy(self.host_slots)

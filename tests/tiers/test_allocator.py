@@ -1,9 +1,11 @@
+import numpy as np
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.tiers.allocator import PagedAllocator, TokenAllocator
+from kvtier.tiers.allocator import PagedAllocator, TokenAllocator, _distinct
+from kvtier.tiers.indices import concat, page_slots, pages_of
 
 
 def test_token_allocator_exact_ids_and_lazy_merge():
@@ -178,3 +180,20 @@ def test_paged_free_counts_each_page_once_in_any_order():
     with pytest.raises(ValueError, match="not allocated"):
         a.free(x[0:4])  # page 1 went back once already
     assert sorted(set((a.alloc(60) // 4).tolist())) == [p for p in range(1, 17) if p != 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 40), max_size=1300), page_size=st.sampled_from([1, 3, 16, 600]))
+def test_gil_keeping_helpers_equal_numpy_across_chunk_boundaries(values, page_size):
+    """page_slots, pages_of, concat and _distinct work in pieces of GIL_CHUNK elements (numpy
+    gives up the GIL past 500); at any length they equal the one-call numpy versions."""
+    units = np.array(values, dtype=np.int64)
+    slots = (units[:, None] * page_size + np.arange(page_size)).ravel()
+    assert np.array_equal(page_slots(units, page_size), slots)
+    assert np.array_equal(pages_of(slots, page_size), slots // page_size)
+    joined = concat([units, units[::2], units[:0]])
+    assert np.array_equal(joined, np.concatenate([units, units[::2]])) and joined.flags.writeable
+    runs = np.repeat(units, 3)  # runs of equal values straddle every chunk boundary
+    for case in (units, runs, np.sort(runs)):
+        out = _distinct(case)
+        assert sorted(out.tolist()) == sorted(set(case.tolist())) and out.size == len(set(case.tolist()))
