@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import KvtierConfigError, StoreKeyError
+from kvtier.numpy_gil import GIL_CHUNK
 
 HashAlgo = Literal["sha256", "xxh3_128"]
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxh3_128")
@@ -39,8 +40,12 @@ def _field(tag: bytes, value: bytes) -> bytes:
 
 
 def token_bytes(tokens: np.ndarray) -> bytes:
-    """Canonical encoding of token ids: little-endian uint32."""
-    return np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+    """Canonical encoding of token ids: little-endian uint32. Cast in pieces of GIL_CHUNK:
+    one numpy cast of a whole prompt gives up the GIL on the scheduler thread."""
+    out = np.empty(len(tokens), dtype="<u4")
+    for i in range(0, len(tokens), GIL_CHUNK):
+        out[i:i + GIL_CHUNK] = tokens[i:i + GIL_CHUNK]
+    return out.tobytes()
 
 
 @dataclass(slots=True, frozen=True)

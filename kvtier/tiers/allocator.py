@@ -18,13 +18,15 @@ call (measured in `benchmarks/cache.py`); the helpers of `indices.py` keep it.
 from __future__ import annotations
 
 import os
+from array import array
 from contextlib import contextmanager
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from kvtier.tiers.indices import GIL_CHUNK, as_numpy, check_indices, check_size, concat, page_slots, pages_of, tensor
+from kvtier.numpy_gil import GIL_CHUNK
+from kvtier.tiers.indices import as_numpy, check_indices, check_size, concat, page_slots, pages_of, tensor
 
 
 def _debug_default() -> bool:
@@ -109,8 +111,18 @@ class _FreeList:
             raise ValueError(f"free: {what} {not_held[:8].tolist()} are not allocated (double free?)")
 
     def merge(self) -> None:
+        """Released units back into the sorted free array (allocations stay runs). Up to
+        GIL_CHUNK units are sorted by Python (~20 us, what a GIL hand-off costs the
+        scheduler thread); more by numpy, whose sort always gives the GIL up."""
         if self.released:
-            self.free = np.sort(np.concatenate([self.free, *self.released]))  # rare: gives up the GIL
+            if self.free.size + self.released_count <= GIL_CHUNK:
+                units = self.free.tolist()
+                for part in self.released:
+                    units += part.tolist()
+                units.sort()
+                self.free = np.frombuffer(array("q", units), dtype=np.int64)
+            else:
+                self.free = np.sort(np.concatenate([self.free, *self.released]))
             self.released.clear()
             self.released_count = 0
 

@@ -8,6 +8,8 @@ import os
 import numpy as np
 import torch
 
+from kvtier.numpy_gil import GIL_CHUNK
+
 
 def check_indices(name: str, indices: object, length: int | None = None) -> torch.Tensor:
     """Return `indices` if it is a 1-D int64 tensor (of `length`, when given); else ValueError."""
@@ -35,11 +37,6 @@ def as_numpy(indices: torch.Tensor) -> np.ndarray:
     torch call gives up the GIL (docs/design.md §2)."""
     return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
 
-
-# numpy gives up the GIL for an elementwise op over more than 500 elements
-# (NPY_BEGIN_THREADS_THRESHOLDED) and for every sort; on the scheduler thread each hand-off
-# may cost a switch interval (docs/design.md §2). The helpers below stay under it.
-GIL_CHUNK = 500
 
 
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:

@@ -1,0 +1,6 @@
+"""numpy gives up the GIL for an elementwise op over more than 500 elements
+(NPY_BEGIN_THREADS_THRESHOLDED) and for every sort. On the scheduler thread each hand-off
+may cost a switch interval (docs/design.md §2), so its hot paths work in pieces of at most
+GIL_CHUNK elements. No torch here: the CLI's help must not import it."""
+
+GIL_CHUNK = 500
