@@ -197,3 +197,15 @@ def test_gil_keeping_helpers_equal_numpy_across_chunk_boundaries(values, page_si
     for case in (units, runs, np.sort(runs)):
         out = _distinct(case)
         assert sorted(out.tolist()) == sorted(set(case.tolist())) and out.size == len(set(case.tolist()))
+
+
+@pytest.mark.parametrize("pages", [40, 1200])  # merged by Python (<= 500 pages) and by numpy
+def test_merge_returns_released_pages_in_order(pages):
+    a = PagedAllocator(pages * 4, 4, debug=True)
+    held = a.alloc(pages * 4).reshape(-1, 4)
+    order = np.random.default_rng(pages).permutation(pages)
+    for chunk in np.array_split(order, 7):  # released out of order, in several frees
+        a.free(held[torch.from_numpy(chunk)].reshape(-1))
+    assert a.available_size() == pages * 4
+    again = a.alloc(pages * 4)
+    assert again.tolist() == list(range(4, pages * 4 + 4)), "pages come back as one ascending run"
