@@ -24,7 +24,7 @@ import numpy as np
 from kvtier.controller.config import ControllerConfig, PrefetchPolicy, WritePolicy
 from kvtier.controller.controller import CacheController, LoadOp
 from kvtier.controller.stats import CacheStats
-from kvtier.controller.storage import PrefetchOp
+from kvtier.controller.storage import PageKeys, PrefetchOp
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import key_maker, page_hashes
 from kvtier.tiers.indices import concat
@@ -221,7 +221,7 @@ class Applier:
     def _backup_to_store(self, node: TreeNode) -> None:
         if self.ctl.storage is None or not self.cfg.storage_backup:
             return
-        keys = [self.key_of(h) for h in self.tree.page_hashes(node)]
+        keys = PageKeys(self.tree.page_hashes(node), self.key_of)
         pages = node.values[Tier.HOST][:: self.page_size] // self.page_size
         self.tree.protect_host(node)
         self.ctl.backup(keys, pages, node)
@@ -309,7 +309,7 @@ class Applier:
         suffix = key[start:start + pages * ps]
         prev = self.tree.page_hashes(anchor)[-1] if anchor is not self.tree.root else None
         hashes = page_hashes(suffix.tokens, ps, self.tree.namespace_id, key.extra_key, prev, self.tree.hash_algo)
-        keys = [self.key_of(h) for h in hashes]
+        keys = PageKeys(hashes, self.key_of)
         op = PrefetchOp(request_id, keys, tag=None, tokens=pages * ps)
         deadline = None
         if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:

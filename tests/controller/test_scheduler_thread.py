@@ -1,7 +1,8 @@
 """The scheduler thread keeps the GIL inside kvtier (docs/design.md §2): in steady state a
 request's pass through the cache makes no torch call besides making the tensor it hands
 out (`acquire`, `alloc`) or viewing the one it is handed (`cache_finished`). Every other
-torch call gives the GIL up, and on a busy server each one may cost a switch interval."""
+torch call gives the GIL up, and on a busy server each one may cost a switch interval.
+Store keys are made by the storage thread, from the page hashes the scheduler hands over."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import sys
 import numpy as np
 import torch
 
+from kvtier.hashing import key_maker
 from tests.controller.helpers import fill, make_cache
 
+_MAKE_KEY = key_maker("p", "0" * 32).__code__  # the function that turns a page hash into a store key
 # tensor metadata read without giving up the GIL (checked with a spinning thread beside them)
 _KEEPS_GIL = {"stride", "data_ptr", "element_size", "is_contiguous", "numel", "dim"}
 
@@ -31,6 +34,7 @@ class TorchCalls:
 
     def __init__(self) -> None:
         self.by_call: dict[str, list[list[str]]] = {}
+        self.keys_made = 0  # store keys made here (the storage thread makes them: PageKeys)
 
     def __call__(self, fn, *args):
         seen: list[str] = []
@@ -39,6 +43,8 @@ class TorchCalls:
         def hook(frame, event, arg):
             if event == "c_call" and _is_torch(arg) and arg.__name__ not in _KEEPS_GIL:
                 seen.append(f"{arg.__qualname__} at {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}")
+            elif event == "call" and frame.f_code is _MAKE_KEY:
+                self.keys_made += 1
 
         sys.setprofile(hook)
         try:
@@ -88,6 +94,7 @@ def test_a_request_makes_no_torch_call_besides_the_tensors_it_exchanges(tmp_path
     excess = {name: seen for name, runs in calls.by_call.items() for seen in runs if len(seen) > allowed.get(name, 0)}
     assert not excess, f"torch calls on the scheduler thread: {excess}"
     assert {"poll", "wait_layer", "evict", "begin_forward"} <= set(calls.by_call)
+    assert calls.keys_made == 0, "store keys made on the scheduler thread"
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
