@@ -42,6 +42,7 @@ from kvtier.tiers.indices import concat, pages_of, slots_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
+from kvtier.tree.results import KnownHashes
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
@@ -110,6 +111,7 @@ class _Held:
     node: TreeNode
     tree_len: int
     load: LoadOp | None
+    hashed: tuple[RadixKey, KnownHashes] | None = None  # page hashes its prefetch computed for this key
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -211,7 +213,7 @@ class TieredCache:
         m = self.tree.match_prefix(key, touch=first)
         if first and self.sync.start_prefetch(request_id, key, m):
             return Acquired(False, _EMPTY)
-        storage = self.sync.take_prefetch(request_id)
+        storage, hashed = self.sync.take_prefetch(request_id)
         if not first:
             m = self.tree.match_prefix(key, touch=False)  # the prefetch hung pages under it
         if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
@@ -219,7 +221,7 @@ class TieredCache:
         self.lock(m.last_device_node)
         load = self.sync.start_load(m.last_host_node) if m.host_hit_length else None
         device_hit = m.device_slots.size
-        self.requests[request_id] = _Held(m.last_device_node, device_hit, load)
+        self.requests[request_id] = _Held(m.last_device_node, device_hit, load, None if hashed is None else (key, hashed))
         loaded = 0 if load is None else load.device_slots.size
         self.request_pages += loaded // self.page_size
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
@@ -273,7 +275,7 @@ class TieredCache:
         kv = slots_of(kv_indices)  # the one torch call: numpy from here on (docs/design.md §2)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
-        r = self.tree.insert(key[:aligned], kv[:aligned], priority)
+        r = self.tree.insert(key[:aligned], kv[:aligned], priority, self._known_hashes(held, key))
         self._give_back(kv, held.tree_len, r.prefix_len, aligned, len(key))
         self.unlock(held.node)
         del self.requests[request_id]
@@ -321,6 +323,19 @@ class TieredCache:
         if held is None:
             raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
         return held
+
+    def _known_hashes(self, held: _Held, key: RadixKey) -> KnownHashes | None:
+        """The page hashes the request's prefetch computed, if the finished key starts with
+        the tokens they were computed from (a hash covers every token before its page too):
+        its prompt pages are not hashed a second time when they are backed up."""
+        if held.hashed is None:
+            return None
+        asked, hashes = held.hashed
+        end = (hashes.first + len(hashes.chain)) * self.page_size
+        if key.extra_key != asked.extra_key or len(key) < end or \
+                key.tokens[:end].tobytes() != asked.tokens[:end].tobytes():
+            return None
+        return hashes
 
     def _check_load(self, request_id: str, held: _Held, kv: np.ndarray) -> None:
         """Fail closed: a request whose load did not land intact must not insert anything."""

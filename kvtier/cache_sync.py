@@ -29,6 +29,7 @@ from kvtier.controller.tp import Agreement
 from kvtier.hashing import key_maker, page_hashes
 from kvtier.tiers.indices import concat
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
+from kvtier.tree.results import KnownHashes
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
@@ -39,7 +40,8 @@ class _Prefetch:
     """Scheduler-side state of one prefetch: the key it continues and its current anchor."""
 
     op: PrefetchOp
-    key: RadixKey
+    key: RadixKey  # the pages asked for: a suffix of the request's key
+    hashes: KnownHashes  # their page hashes, as pages of the request's key (the tree keeps them)
     anchor: TreeNode
     deadline: float | None
     want_stop: bool = False
@@ -316,7 +318,7 @@ class Applier:
             deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)
         if anchor is not self.tree.root:
             self.tree.protect_host(anchor)
-        self.prefetches[request_id] = _Prefetch(op, suffix, anchor, deadline)
+        self.prefetches[request_id] = _Prefetch(op, suffix, KnownHashes(start // ps, hashes), anchor, deadline)
         self.ctl.prefetch(op)
         self.counters.prefetches += 1
         return True
@@ -325,18 +327,19 @@ class Applier:
         p = self.prefetches.get(request_id)
         return p is None or p.ready
 
-    def take_prefetch(self, request_id: str) -> int:
-        """Tokens the request's (ready) prefetch put on host; an unfinished one is stopped
-        and finishes on a later poll, nobody waiting for it."""
+    def take_prefetch(self, request_id: str) -> tuple[int, KnownHashes | None]:
+        """(Tokens the request's (ready) prefetch put on host, the page hashes it computed
+        for the key's pages past its match); an unfinished one is stopped and finishes on a
+        later poll, nobody waiting for it."""
         p = self.prefetches.get(request_id)
         if p is None:
-            return 0
+            return 0, None
         taken = p.op.inserted * self.page_size
         if p.result is None:
             p.want_stop, p.discard = True, True
         else:
             del self.prefetches[request_id]
-        return taken
+        return taken, p.hashes
 
     def abort_prefetch(self, request_id: str) -> None:
         self.take_prefetch(request_id)  # what it landed stays on host for others
@@ -414,7 +417,7 @@ class Applier:
         pages = op.host_pages[op.inserted:landed]
         slots = self.ctl.page_slots(pages)
         key = p.key[op.inserted * ps:landed * ps]
-        r = self.tree.insert_host(p.anchor, key, slots)
+        r = self.tree.insert_host(p.anchor, key, slots, KnownHashes(0, p.hashes.chain[op.inserted:landed]))
         self.ctl.free_host(slots[: r.prefix_len])  # already on host: the tree keeps its own copy
         self.tree.protect_host(r.last_node)
         if p.anchor is not self.tree.root:

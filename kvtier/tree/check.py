@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.hashing import page_hashes
 from kvtier.tree.node import Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def check_tree(tree: "RadixTree") -> list[str]:
             expected = is_evictable_leaf(node, tier)
             if expected != (node.id in tree._leaves[tier]):
                 problems.append(f"{node}: {tier.name} leaf-set membership is {not expected}, predicate says {expected}")
+    problems += _check_hashes(tree, nodes)
     live = {n.id for n in nodes}
     for tier in Tier:
         name = tier.name.lower()
@@ -86,6 +88,21 @@ def _check_node(node: TreeNode, ps: int, root: TreeNode) -> list[str]:
             out.append(f"{node}: {name} lock {node.locks[tier]} exceeds its parent's {parent.locks[tier]}")
     if node.hashes is not None and len(node.hashes) != len(node) // ps:
         out.append(f"{node}: {len(node.hashes)} page hashes for {len(node) // ps} pages")
+    return out
+
+
+def _check_hashes(tree: "RadixTree", nodes: list[TreeNode]) -> list[str]:
+    """Every page hash a node keeps equals its chain recomputed from the root: a wrong one
+    would store or look up pages under another prefix's key."""
+    out, last = [], {tree.root.id: None}  # node id -> hash of its last page, recomputed
+    for node in nodes:  # parents first
+        fresh = page_hashes(node.key.tokens, tree.page_size, tree.namespace_id, node.key.extra_key,
+                            last[node.parent.id], tree.hash_algo)
+        last[node.id] = fresh[-1] if fresh else last[node.parent.id]
+        if node.hashes is not None and node.hashes != fresh:
+            bad = next(i for i, (a, b) in enumerate(zip(node.hashes, fresh)) if a != b) \
+                if len(node.hashes) == len(fresh) else "count"
+            out.append(f"{node}: kept page hashes differ from the chain recomputed from the root (page {bad})")
     return out
 
 

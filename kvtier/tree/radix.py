@@ -26,7 +26,7 @@ from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
 from kvtier.tree.results import (
-    DeviceEviction, HostEviction, HostInsertResult, InsertResult, MatchResult,
+    DeviceEviction, HostEviction, HostInsertResult, InsertResult, KnownHashes, MatchResult,
 )
 
 D, H = Tier.DEVICE, Tier.HOST
@@ -134,19 +134,21 @@ class RadixTree:
                 break
         return path
 
-    def insert(self, key: RadixKey, device_indices: torch.Tensor | np.ndarray, priority: int = 0) -> InsertResult:
+    def insert(self, key: RadixKey, device_indices: torch.Tensor | np.ndarray, priority: int = 0,
+               hashes: KnownHashes | None = None) -> InsertResult:
         """Cache `key` -> `device_indices` (copied). See InsertResult for slot ownership.
 
         A host-only node on the path takes the given slots (the KV was just recomputed);
-        its host copy stays.
+        its host copy stays. `hashes`: page hashes of `key` the caller already computed
+        (new nodes they cover keep them instead of hashing their pages again).
         """
         self._check_aligned("insert", key)
         self._check_indices("device_indices", device_indices, len(key))
-        prefix_len, node, added = self._insert(self.root, key, slots_of(device_indices), D, priority)
+        prefix_len, node, added = self._insert(self.root, key, slots_of(device_indices), D, priority, hashes)
         return InsertResult(prefix_len, node, added)
 
-    def insert_host(self, anchor: TreeNode, key: RadixKey,
-                    host_indices: torch.Tensor | np.ndarray) -> HostInsertResult:
+    def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor | np.ndarray,
+                    hashes: KnownHashes | None = None) -> HostInsertResult:
         """Host-only nodes for `key` (continuing below `anchor`) from slots filled by L3.
 
         `anchor` must be on host (or the root): backed-up nodes form a prefix from the root.
@@ -156,11 +158,11 @@ class RadixTree:
         self._check_indices("host_indices", host_indices, len(key))
         if anchor is not self.root and not anchor.backed_up:
             raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
-        prefix_len, node, _ = self._insert(anchor, key, slots_of(host_indices), H, None)
+        prefix_len, node, _ = self._insert(anchor, key, slots_of(host_indices), H, None, hashes)
         return HostInsertResult(prefix_len, node)
 
     def _insert(self, anchor: TreeNode, key: RadixKey, indices: np.ndarray, tier: Tier,
-                priority: int | None) -> tuple[int, TreeNode, list[TreeNode]]:
+                priority: int | None, hashes: KnownHashes | None) -> tuple[int, TreeNode, list[TreeNode]]:
         """Walk `key` below `anchor`: tokens already on `tier` count into the prefix; nodes
         without a `tier` value take `indices`; the rest becomes a new node."""
         self.clock += 1
@@ -171,6 +173,8 @@ class RadixTree:
             child = node.children.get(child_key_at(tokens, offset, ps, extra))
             if child is None:
                 child = self._add_child(node, key[offset:], tier, indices[offset:])
+                if hashes is not None:
+                    self._take_hashes(child, hashes.leading(offset // ps, len(child) // ps))
                 added.append(child)
                 offset = end
             else:
@@ -340,6 +344,15 @@ class RadixTree:
             n.hashes = page_hashes(n.key.tokens, self.page_size, self.namespace_id,
                                    n.key.extra_key, prev, self.hash_algo)
         return node.hashes if node is not self.root else []
+
+    def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
+        """A new node starts with pages whose hashes the caller knows: keep them and chain
+        the rest on (its pages past a prompt are hashed now, not the prompt's again later)."""
+        if not known:
+            return
+        rest = node.key.tokens[len(known) * self.page_size:]
+        node.hashes = known + page_hashes(rest, self.page_size, self.namespace_id, node.key.extra_key,
+                                          known[-1], self.hash_algo) if len(rest) else list(known)
 
     # -- structure ----------------------------------------------------------------------------
 

@@ -84,3 +84,21 @@ class HostEviction:
     @property
     def host_indices(self) -> torch.Tensor:
         return torch.from_numpy(self.host_slots)
+
+
+@dataclass(slots=True, frozen=True)
+class KnownHashes:
+    """Page hashes a caller already computed for part of a key it inserts: pages
+    [first, first + len(chain)) of the key (page 0 = the key's first page). A page's hash is
+    a function of the tokens from the root to its end, so they are right for the nodes that
+    hold those pages however the tree is split; the caller vouches that they were computed
+    for this key's tokens, extra key and namespace (`sanity_check` recomputes them)."""
+
+    first: int
+    chain: list[bytes]
+
+    def leading(self, start: int, count: int) -> list[bytes]:
+        """The known hashes of the key's pages [start, start + count) up to the first unknown
+        one (empty if page `start` is not known)."""
+        i = start - self.first
+        return self.chain[i:i + count] if 0 <= i < len(self.chain) else []

@@ -293,3 +293,28 @@ def test_a_chain_under_a_half_split_during_its_write_is_kept_through_eviction():
              for layer in range(cache.pool.num_layers)]
     assert same_kv([(k[4:], v[4:]) for k, v in kv], turns)  # bitwise what the turns computed
     check(cache)
+
+
+@pytest.mark.parametrize("same_prompt", [True, False])
+def test_prompt_pages_hashed_for_the_prefetch_are_not_hashed_again(same_prompt):
+    """The prefetch hashed the prompt's pages to ask the store; the finished request's new
+    node keeps those hashes and chains its output pages on (sanity_check recomputes each
+    from the root). A finished key that does not start with the hashed prompt gets none."""
+    cache = make_cache()
+    prompt = np.arange(300, 316)
+    got = acquire(cache, prompt, "r")  # the store holds nothing: a prefetch asked, found 0
+    new = cache.alloc(24)
+    forward(cache, "r")
+    finished = np.concatenate([prompt if same_prompt else prompt + 1, np.arange(900, 908)])
+    cache.cache_finished("r", finished, torch.cat([got.indices, new]))
+    node = cache.match_prefix(finished, count=False).last_device_node
+    assert cache.stats()["counters"]["prefetches"] == 1
+    assert node.parent is cache.tree.root and len(node) == 24
+    if same_prompt:  # the prompt's 4 pages kept, the output's 2 chained on
+        assert node.hashes is not None and len(node.hashes) == 6
+    else:
+        assert node.hashes is None  # hashed when backed up, from the root
+    cache.tree.sanity_check()  # before any backup hashed the rest
+    settle(cache)
+    check(cache)
+    cache.close()

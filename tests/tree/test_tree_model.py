@@ -7,7 +7,9 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvtier.hashing import page_hashes
 from kvtier.tree import RadixKey, RadixTree, Tier
+from kvtier.tree.results import KnownHashes
 from kvtier.tree.check import walk
 
 D, H = Tier.DEVICE, Tier.HOST
@@ -42,12 +44,20 @@ class TreeMachine(RuleBasedStateMachine):
     def _seq(self, pages, alphabet):
         return np.asarray([t for p in pages for t in [p % alphabet] * self.page_size], dtype=np.int64)
 
-    @rule(pages=st.lists(st.integers(0, 3), min_size=1, max_size=6))
-    def insert(self, pages):
+    @rule(pages=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+          known=st.none() | st.tuples(st.integers(0, 6), st.integers(0, 6)))
+    def insert(self, pages, known):
+        """`known`: hand the tree the page hashes of pages [first, first + count) (computed
+        like a prefetch does); sanity_check recomputes every kept hash from the root."""
         seq = self._seq(pages, 4)
         slots = self._slots(D, len(seq))
         existing = sum(1 for i in range(len(seq)) if tuple(seq[: i + 1].tolist()) in self.dev)
-        r = self.tree.insert(RadixKey(seq), slots)
+        hashes = None
+        if known is not None:
+            first, count = known
+            chain = page_hashes(seq, self.page_size, self.tree.namespace_id)[first:first + count]
+            hashes = KnownHashes(min(first, len(pages)), chain)
+        r = self.tree.insert(RadixKey(seq), slots, hashes=hashes)
         assert r.prefix_len == existing
         for i in range(len(seq)):
             p = tuple(seq[: i + 1].tolist())
@@ -159,6 +169,13 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.mark_loaded(node, slots)
             for j, s in enumerate(slots.tolist()):
                 self.dev[toks[: len(toks) - len(node) + j + 1]] = s
+
+    @rule(i=st.integers(0, 50))
+    def hash_path(self, i):
+        """The tree's lazy hashing, mixed with hashes handed in by inserts."""
+        nodes = walk(self.tree.root)
+        if nodes:
+            assert len(self.tree.page_hashes(nodes[i % len(nodes)])) == len(nodes[i % len(nodes)]) // self.page_size
 
     @invariant()
     def eviction_order_is_the_policy_order(self):
