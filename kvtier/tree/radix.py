@@ -285,7 +285,7 @@ class RadixTree:
                 moved = len(node) if delta > 0 else -len(node)
                 self._evictable[tier] -= moved
                 self._protected[tier] += moved
-                self._refresh(node, (tier,))  # a tier's lock count decides only that tier's membership
+                self._refresh(node, (D, H) if tier == D else (H,))  # a tier's lock count decides only that tier's membership
             node = node.parent
 
     # -- eviction -----------------------------------------------------------------------------
@@ -394,15 +394,18 @@ class RadixTree:
         else:
             self._evictable[tier] += sign * len(node)
         node.values[tier] = value
-        self._refresh(node)
-        self._refresh(node.parent)
+        # the node's own membership: a device value also decides host evictability (only
+        # host-only nodes leave the host); its parent's: only the tier whose child changed
+        self._refresh(node, (D, H) if tier == D else (H,))
+        self._refresh(node.parent, (tier,))
 
     def _remove(self, node: TreeNode) -> None:
+        """Drop an empty leaf. Its parent's membership stays: a child without values never
+        kept it from being a leaf (and `_set_value` refreshed it when they went)."""
         assert not node.children and all(v is None for v in node.values), f"removing {node} which holds data"
         del node.parent.children[node.key.child_key(self.page_size)]
         for leaves in self._leaves:
             leaves.discard(node)
-        self._refresh(node.parent)
 
     def _refresh(self, node: TreeNode, tiers: tuple[Tier, ...] = (D, H)) -> None:
         for tier in tiers:
