@@ -26,7 +26,7 @@ from kvtier.controller.controller import CacheController, LoadOp
 from kvtier.controller.stats import CacheStats
 from kvtier.controller.storage import PageKeys, PrefetchOp
 from kvtier.controller.tp import Agreement
-from kvtier.hashing import key_maker, page_hashes
+from kvtier.hashing import key_maker
 from kvtier.tiers.indices import concat
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
 from kvtier.tree.results import KnownHashes
@@ -59,7 +59,6 @@ class Applier:
         self.tree = tree
         self.ctl = controller
         self.cfg = config
-        self.key_prefix = key_prefix
         self.key_of = key_maker(key_prefix, tree.namespace_id)  # page hash -> store key
         self.page_size = tree.page_size
         self.counters = stats.counters
@@ -309,10 +308,8 @@ class Applier:
         if pages <= 0 or pages * ps < self.cfg.prefetch_min_tokens:
             return False
         suffix = key[start:start + pages * ps]
-        prev = self.tree.page_hashes(anchor)[-1] if anchor is not self.tree.root else None
-        hashes = page_hashes(suffix.tokens, ps, self.tree.namespace_id, key.extra_key, prev, self.tree.hash_algo)
-        keys = PageKeys(hashes, self.key_of)
-        op = PrefetchOp(request_id, keys, tag=None, tokens=pages * ps)
+        hashes = self.tree.hashes_below(anchor, suffix)
+        op = PrefetchOp(request_id, PageKeys(hashes, self.key_of), tag=None, tokens=pages * ps)
         deadline = None
         if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:
             deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)

@@ -345,6 +345,12 @@ class RadixTree:
                                    n.key.extra_key, prev, self.hash_algo)
         return node.hashes if node is not self.root else []
 
+    def hashes_below(self, anchor: TreeNode, key: RadixKey) -> list[bytes]:
+        """Hash chain of `key`'s pages as they would hang below `anchor` (what a prefetch
+        asks the store for)."""
+        prev = self.page_hashes(anchor)[-1] if anchor is not self.root else None
+        return page_hashes(key.tokens, self.page_size, self.namespace_id, key.extra_key, prev, self.hash_algo)
+
     def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
         """A new node starts with pages whose hashes the caller knows: keep them and chain
         the rest on (its pages past a prompt are hashed now, not the prompt's again later)."""
