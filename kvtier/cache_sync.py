@@ -405,7 +405,7 @@ class Applier:
             if not op.settled:
                 keep.append(op)
             elif op.host_pages is not None and op.host_pages.size > op.inserted:
-                self.ctl.free_host(self.ctl.page_slots(op.host_pages[op.inserted:]))  # unused or unagreed
+                self.ctl.free_host_pages(op.host_pages[op.inserted:])  # unused or unagreed
         self.ctl.unsettled = keep
 
     def _insert_landed(self, p: _Prefetch, landed: int) -> None:

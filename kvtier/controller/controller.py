@@ -106,6 +106,11 @@ class CacheController:
             with self.host_lock:
                 self.mirror.allocator.free_slots(slots)
 
+    def free_host_pages(self, pages: np.ndarray) -> None:
+        if pages.size:
+            with self.host_lock:
+                self.mirror.allocator.free_pages(pages)
+
     def host_available(self) -> int:
         with self.host_lock:
             return self.mirror.allocator.available_size()
@@ -116,7 +121,7 @@ class CacheController:
         with self.host_lock:
             take = min(pages, self.mirror.allocator.available_size() // ps)
             if take:
-                op.host_pages = self.mirror.allocator.alloc_slots(take * ps)[::ps] // ps
+                op.host_pages = self.mirror.allocator.alloc_pages(take)
         op.granted.set()
         self.storage.wake(op)
         return take

@@ -199,6 +199,15 @@ class PagedAllocator:
         pages = self._free.take(n // self.page_size)
         return None if pages is None else page_slots(pages, self.page_size)
 
+    def alloc_pages(self, n: int) -> np.ndarray | None:
+        """`n` whole pages as page numbers (a prefetch reserves pages, not slots)."""
+        pages = self._free.take(check_size("n", n, minimum=0))
+        return None if pages is None else concat([pages])
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Free pages given by number (each listed once)."""
+        self._free.give(concat([pages]), "pages")
+
     def alloc_extend(
         self, prefix_lens: list[int], seq_lens: list[int], last_loc: list[int]
     ) -> torch.Tensor | None:

@@ -209,3 +209,14 @@ def test_merge_returns_released_pages_in_order(pages):
     assert a.available_size() == pages * 4
     again = a.alloc(pages * 4)
     assert again.tolist() == list(range(4, pages * 4 + 4)), "pages come back as one ascending run"
+
+
+def test_alloc_pages_and_free_pages_by_number():
+    a = PagedAllocator(32, 4, debug=True)
+    pages = a.alloc_pages(3)
+    assert pages.tolist() == [1, 2, 3] and a.available_size() == 32 - 12
+    assert a.alloc_pages(6) is None and a.available_size() == 32 - 12  # short: no side effect
+    a.free_pages(pages[1:])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free_pages(pages[2:])  # page 3 went back already
+    assert a.available_size() == 32 - 4 and a.alloc_slots(4).tolist() == [16, 17, 18, 19]  # page 4: never used
