@@ -304,7 +304,7 @@ class TieredCache:
         """Release whatever the request holds, in any state: its prefetch, its lock, the
         slots of its load (once the copy has stopped) and, given its row `kv_indices`, its
         own slots. Unknown or already released requests are a no-op."""
-        self.sync.abort_prefetch(request_id)
+        self.sync.take_prefetch(request_id)  # stopped; what it landed stays on host for others
         held = self.requests.pop(request_id, None)
         if held is None:
             return

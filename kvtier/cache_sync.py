@@ -40,8 +40,8 @@ class _Prefetch:
     """Scheduler-side state of one prefetch: the key it continues and its current anchor."""
 
     op: PrefetchOp
-    key: RadixKey  # the pages asked for: a suffix of the request's key
-    hashes: KnownHashes  # their page hashes, as pages of the request's key (the tree keeps them)
+    key: RadixKey  # the pages asked for: a suffix of the request's key, from its page `first`
+    first: int
     anchor: TreeNode
     deadline: float | None
     want_stop: bool = False
@@ -308,14 +308,14 @@ class Applier:
         if pages <= 0 or pages * ps < self.cfg.prefetch_min_tokens:
             return False
         suffix = key[start:start + pages * ps]
-        hashes = self.tree.hashes_below(anchor, suffix)
-        op = PrefetchOp(request_id, PageKeys(hashes, self.key_of), tag=None, tokens=pages * ps)
+        hashing = self.tree.hashing_below(anchor, suffix)  # run by the storage thread (PageKeys)
+        op = PrefetchOp(request_id, PageKeys(hashing, self.key_of, pages), tag=None, tokens=pages * ps)
         deadline = None
         if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:
             deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)
         if anchor is not self.tree.root:
             self.tree.protect_host(anchor)
-        self.prefetches[request_id] = _Prefetch(op, suffix, KnownHashes(start // ps, hashes), anchor, deadline)
+        self.prefetches[request_id] = _Prefetch(op, suffix, start // ps, anchor, deadline)
         self.ctl.prefetch(op)
         self.counters.prefetches += 1
         return True
@@ -336,10 +336,8 @@ class Applier:
             p.want_stop, p.discard = True, True
         else:
             del self.prefetches[request_id]
-        return taken, p.hashes
-
-    def abort_prefetch(self, request_id: str) -> None:
-        self.take_prefetch(request_id)  # what it landed stays on host for others
+        chain = p.op.keys.hashes  # None if the storage thread never hashed them (store down)
+        return taken, None if chain is None else KnownHashes(p.first, chain)
 
     def _mark_ready(self) -> None:
         """Which waiting requests may go on (per the prefetch policy), after this poll."""
@@ -414,7 +412,7 @@ class Applier:
         pages = op.host_pages[op.inserted:landed]
         slots = self.ctl.page_slots(pages)
         key = p.key[op.inserted * ps:landed * ps]
-        r = self.tree.insert_host(p.anchor, key, slots, KnownHashes(0, p.hashes.chain[op.inserted:landed]))
+        r = self.tree.insert_host(p.anchor, key, slots, KnownHashes(0, op.keys.hashes[op.inserted:landed]))
         self.ctl.free_host(slots[: r.prefix_len])  # already on host: the tree keeps its own copy
         self.tree.protect_host(r.last_node)
         if p.anchor is not self.tree.root:

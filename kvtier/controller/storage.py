@@ -39,22 +39,31 @@ CHUNK_BYTES = 8 << 20
 
 
 class PageKeys(Sequence):
-    """The store keys of a run of page hashes, made on first use: by the storage thread,
-    where the scheduler would have spent ~5% of its time in `benchmarks/cache.py` keying
-    every page it backs up or asks for."""
+    """The store keys of `count` pages, made on first use by the storage thread from their
+    hashes — given, or computed then by `hashing()` (a prefetch's chain over the prompt):
+    keying and hashing every page it backs up or asks for cost the scheduler thread ~15% of
+    its time in `benchmarks/cache.py`. `hashes` stays None until computed; the scheduler
+    only reads it (a finished attribute store, under the GIL)."""
 
-    __slots__ = ("hashes", "key_of", "_keys")
+    __slots__ = ("hashes", "count", "key_of", "_hashing", "_keys")
 
-    def __init__(self, hashes: list[bytes], key_of: Callable[[bytes], str]) -> None:
-        self.hashes, self.key_of, self._keys = hashes, key_of, None
+    def __init__(self, hashes: list[bytes] | Callable[[], list[bytes]], key_of: Callable[[bytes], str],
+                 count: int | None = None) -> None:
+        lazy = callable(hashes)
+        self.hashes = None if lazy else hashes
+        self._hashing = hashes if lazy else None
+        self.count = len(hashes) if count is None else count
+        self.key_of, self._keys = key_of, None
 
     def _made(self) -> list[str]:
         if self._keys is None:
+            if self.hashes is None:
+                self.hashes = self._hashing()
             self._keys = [self.key_of(h) for h in self.hashes]
         return self._keys
 
     def __len__(self) -> int:
-        return len(self.hashes)
+        return self.count
 
     def __getitem__(self, i):
         return self._made()[i]

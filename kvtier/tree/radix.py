@@ -14,6 +14,8 @@ change (`_refresh`), with a heap by the policy key that an eviction pass pops fr
 from __future__ import annotations
 
 from contextlib import closing
+from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -345,11 +347,12 @@ class RadixTree:
                                    n.key.extra_key, prev, self.hash_algo)
         return node.hashes if node is not self.root else []
 
-    def hashes_below(self, anchor: TreeNode, key: RadixKey) -> list[bytes]:
-        """Hash chain of `key`'s pages as they would hang below `anchor` (what a prefetch
-        asks the store for)."""
+    def hashing_below(self, anchor: TreeNode, key: RadixKey) -> Callable[[], list[bytes]]:
+        """A function that computes the hash chain of `key`'s pages as they would hang below
+        `anchor` (what a prefetch asks the store for; another thread may run it: it reads
+        only `key` and the anchor's last hash, taken now)."""
         prev = self.page_hashes(anchor)[-1] if anchor is not self.root else None
-        return page_hashes(key.tokens, self.page_size, self.namespace_id, key.extra_key, prev, self.hash_algo)
+        return partial(page_hashes, key.tokens, self.page_size, self.namespace_id, key.extra_key, prev, self.hash_algo)
 
     def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
         """A new node starts with pages whose hashes the caller knows: keep them and chain

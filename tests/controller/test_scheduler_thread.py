@@ -2,7 +2,7 @@
 request's pass through the cache makes no torch call besides making the tensor it hands
 out (`acquire`, `alloc`) or viewing the one it is handed (`cache_finished`). Every other
 torch call gives the GIL up, and on a busy server each one may cost a switch interval.
-Store keys are made by the storage thread, from the page hashes the scheduler hands over."""
+Store keys are made by the storage thread, and a prefetch's page hashes are computed there."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import torch
 
-from kvtier.hashing import key_maker
+from kvtier.hashing import key_maker, page_hashes
 from tests.controller.helpers import fill, make_cache
 
 _MAKE_KEY = key_maker("p", "0" * 32).__code__  # the function that turns a page hash into a store key
@@ -35,6 +35,7 @@ class TorchCalls:
     def __init__(self) -> None:
         self.by_call: dict[str, list[list[str]]] = {}
         self.keys_made = 0  # store keys made here (the storage thread makes them: PageKeys)
+        self.hashed: list[str] = []  # kvtier calls that hashed pages here
 
     def __call__(self, fn, *args):
         seen: list[str] = []
@@ -45,6 +46,8 @@ class TorchCalls:
                 seen.append(f"{arg.__qualname__} at {frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}")
             elif event == "call" and frame.f_code is _MAKE_KEY:
                 self.keys_made += 1
+            elif event == "call" and frame.f_code is page_hashes.__code__:
+                self.hashed.append(fn.__name__)
 
         sys.setprofile(hook)
         try:
@@ -61,12 +64,13 @@ def _request(cache, calls: TorchCalls, tokens: np.ndarray, rid: str, seed: int) 
             got = calls(cache.acquire, tokens, rid)
         else:
             cache.wait_progress(0.01)
-    new = calls(cache.alloc, len(tokens) - got.indices.numel())
+    finished = np.concatenate([tokens, np.arange(4) + 7000 + 4 * seed])  # and one generated page
+    new = calls(cache.alloc, len(finished) - got.indices.numel())
     waiter = calls(cache.begin_forward, [rid])
     for layer in range(cache.pool.num_layers):
         calls(waiter.wait_layer, layer)
     fill(cache, new, seed)  # the forward writes the new KV (the engine's torch, not kvtier's)
-    calls(cache.cache_finished, rid, tokens, torch.cat([got.indices, new]))
+    calls(cache.cache_finished, rid, finished, torch.cat([got.indices, new]))
     calls(cache.poll)
 
 
@@ -95,6 +99,8 @@ def test_a_request_makes_no_torch_call_besides_the_tensors_it_exchanges(tmp_path
     assert not excess, f"torch calls on the scheduler thread: {excess}"
     assert {"poll", "wait_layer", "evict", "begin_forward"} <= set(calls.by_call)
     assert calls.keys_made == 0, "store keys made on the scheduler thread"
+    assert "acquire" not in calls.hashed, "a prefetch's pages hashed on the scheduler thread"
+    assert "cache_finished" in calls.hashed  # the generated page chains on here: the probe sees hashing
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
