@@ -431,13 +431,14 @@ class RadixTree:
     def _check_indices(name: str, indices: object, length: int | None = None) -> None:
         """A 1-D int64 tensor, or numpy array (kvtier's own callers), of `length` slots."""
         if isinstance(indices, np.ndarray):
-            ok, got, n = indices.dtype == np.int64 and indices.ndim == 1, f"numpy {indices.dtype} {indices.shape}", indices.size
+            ok, n = indices.dtype == np.int64 and indices.ndim == 1, indices.size
         elif isinstance(indices, torch.Tensor):
-            ok, got, n = indices.dtype == torch.int64 and indices.dim() == 1, \
-                f"dtype={indices.dtype} shape={tuple(indices.shape)}", indices.numel()
+            ok, n = indices.dtype == torch.int64 and indices.dim() == 1, indices.numel()
         else:
-            ok, got, n = False, type(indices).__name__, 0
+            ok, n = False, 0
         if not ok:
+            got = f"dtype={indices.dtype} shape={tuple(indices.shape)}" if hasattr(indices, "dtype") else \
+                type(indices).__name__
             raise ValueError(f"{name}: expected a 1-D torch.int64 tensor, got {got}")
         if length is not None and n != length:
             raise ValueError(f"{name}: expected {length} indices (the key's length), got {n}")
