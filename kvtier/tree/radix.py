@@ -287,7 +287,7 @@ class RadixTree:
                 moved = len(node) if delta > 0 else -len(node)
                 self._evictable[tier] -= moved
                 self._protected[tier] += moved
-                self._refresh(node, (D, H) if tier == D else (H,))  # a tier's lock count decides only that tier's membership
+                self._refresh(node, (tier,))  # a tier's lock count decides only that tier's membership
             node = node.parent
 
     # -- eviction -----------------------------------------------------------------------------
