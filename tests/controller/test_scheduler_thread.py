@@ -27,10 +27,10 @@ def _is_torch(fn) -> bool:
         getattr(owner, "__name__", "").startswith("torch")
 
 
-class TorchCalls:
-    """Torch calls this thread makes inside each kvtier call: per call name, one list per
-    invocation (sys.setprofile sees only the thread that set it: kvtier's own threads are
-    not counted)."""
+class Probe:
+    """What this thread does inside each kvtier call: its torch calls (per call name, one
+    list per invocation), the store keys it makes, the calls in which it hashes pages.
+    sys.setprofile sees only the thread that set it: kvtier's own threads are not counted."""
 
     def __init__(self) -> None:
         self.by_call: dict[str, list[list[str]]] = {}
@@ -56,7 +56,7 @@ class TorchCalls:
             sys.setprofile(None)
 
 
-def _request(cache, calls: TorchCalls, tokens: np.ndarray, rid: str, seed: int) -> None:
+def _request(cache, calls: Probe, tokens: np.ndarray, rid: str, seed: int) -> None:
     """acquire (waiting while it prefetches) -> alloc -> forward -> finish, as a server runs it."""
     got = calls(cache.acquire, tokens, rid)
     while not got.ready:
@@ -74,7 +74,7 @@ def _request(cache, calls: TorchCalls, tokens: np.ndarray, rid: str, seed: int) 
     calls(cache.poll)
 
 
-def _round(cache, calls: TorchCalls, base: int) -> None:
+def _round(cache, calls: Probe, base: int) -> None:
     """A device miss, a load back from host, and a prefetch from the store."""
     tokens = np.arange(base, base + 48)
     _request(cache, calls, tokens, f"miss-{base}", 1)
@@ -87,10 +87,10 @@ def _round(cache, calls: TorchCalls, base: int) -> None:
     cache.sync.drain()
 
 
-def test_a_request_makes_no_torch_call_besides_the_tensors_it_exchanges(tmp_path):
+def test_a_request_makes_no_torch_call_no_key_and_no_prefetch_hash_on_the_scheduler_thread(tmp_path):
     cache = make_cache(tmp_path, store="file", pool_size=128)
-    _round(cache, TorchCalls(), 1000)  # first use makes the copy's cached views
-    calls = TorchCalls()
+    _round(cache, Probe(), 1000)  # first use makes the copy's cached views
+    calls = Probe()
     _round(cache, calls, 2000)
     c = cache.stats()["counters"]
     assert c["loads"] >= 2 and c["l3_read_pages"] >= 12, "the round did not exercise loads and prefetches"
