@@ -41,8 +41,7 @@ from kvtier.hashing import Namespace
 from kvtier.tiers.indices import concat, pages_of, slots_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
-from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
-from kvtier.tree.results import KnownHashes
+from kvtier.tree import KnownHashes, MatchResult, RadixKey, RadixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST

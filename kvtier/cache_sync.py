@@ -28,8 +28,7 @@ from kvtier.controller.storage import PageKeys, PrefetchOp
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import key_maker
 from kvtier.tiers.indices import concat
-from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
-from kvtier.tree.results import KnownHashes
+from kvtier.tree import KnownHashes, MatchResult, RadixKey, RadixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.hashing import page_hashes
-from kvtier.tiers.indices import concat, slots_of
+from kvtier.tiers.indices import check_slots, concat
 from kvtier.tree.check import check_tree, render
 from kvtier.tree.key import RadixKey, child_key_at, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
@@ -145,8 +145,8 @@ class RadixTree:
         (new nodes they cover keep them instead of hashing their pages again).
         """
         self._check_aligned("insert", key)
-        self._check_indices("device_indices", device_indices, len(key))
-        prefix_len, node, added = self._insert(self.root, key, slots_of(device_indices), D, priority, hashes)
+        slots = check_slots("device_indices", device_indices, len(key))
+        prefix_len, node, added = self._insert(self.root, key, slots, D, priority, hashes)
         return InsertResult(prefix_len, node, added)
 
     def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor | np.ndarray,
@@ -157,10 +157,10 @@ class RadixTree:
         A device-only node on the path takes the given host slots as its backup.
         """
         self._check_aligned("insert_host", key)
-        self._check_indices("host_indices", host_indices, len(key))
+        slots = check_slots("host_indices", host_indices, len(key))
         if anchor is not self.root and not anchor.backed_up:
             raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
-        prefix_len, node, _ = self._insert(anchor, key, slots_of(host_indices), H, None, hashes)
+        prefix_len, node, _ = self._insert(anchor, key, slots, H, None, hashes)
         return HostInsertResult(prefix_len, node)
 
     def _insert(self, anchor: TreeNode, key: RadixKey, indices: np.ndarray, tier: Tier,
@@ -205,8 +205,7 @@ class RadixTree:
         split-off ancestors (leading part first). A part that got a host copy meanwhile (from
         the store) keeps it, and its share of `host_indices` is returned to be freed.
         """
-        self._check_indices("host_indices", host_indices)
-        host_indices = slots_of(host_indices)
+        host_indices = check_slots("host_indices", host_indices)
         chain, end, n = [], host_indices.size, node
         while end > 0:  # validate first: nothing changes on bad input
             if n is self.root or len(n) > end:
@@ -236,12 +235,12 @@ class RadixTree:
 
     def mark_loaded(self, node: TreeNode, device_indices: torch.Tensor) -> None:
         """`node` (host-only, parent on device) is on device at `device_indices` from now."""
-        self._check_indices("device_indices", device_indices, len(node))
+        slots = check_slots("device_indices", device_indices, len(node))
         if node.on_device:
             raise ValueError(f"mark_loaded: {node} is already on device")
         if node.parent is not self.root and not node.parent.on_device:
             raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
-        self._set_value(node, D, concat([slots_of(device_indices)]))
+        self._set_value(node, D, concat([slots]))
 
     def demote(self, node: TreeNode) -> torch.Tensor:
         """Take `node` off device (a load that failed): returns the device slots to free.
@@ -360,8 +359,8 @@ class RadixTree:
         if not known:
             return
         rest = node.key.tokens[len(known) * self.page_size:]
-        node.hashes = known + page_hashes(rest, self.page_size, self.namespace_id, node.key.extra_key,
-                                          known[-1], self.hash_algo) if len(rest) else list(known)
+        node.hashes = known + page_hashes(rest, self.page_size, self.namespace_id, node.key.extra_key, known[-1],
+                                          self.hash_algo)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -426,22 +425,6 @@ class RadixTree:
     def _check_aligned(self, what: str, key: RadixKey) -> None:
         if len(key) % self.page_size:
             raise ValueError(f"{what}: key length {len(key)} is not a multiple of page_size={self.page_size}")
-
-    @staticmethod
-    def _check_indices(name: str, indices: object, length: int | None = None) -> None:
-        """A 1-D int64 tensor, or numpy array (kvtier's own callers), of `length` slots."""
-        if isinstance(indices, np.ndarray):
-            ok, n = indices.dtype == np.int64 and indices.ndim == 1, indices.size
-        elif isinstance(indices, torch.Tensor):
-            ok, n = indices.dtype == torch.int64 and indices.dim() == 1, indices.numel()
-        else:
-            ok, n = False, 0
-        if not ok:
-            got = f"dtype={indices.dtype} shape={tuple(indices.shape)}" if hasattr(indices, "dtype") else \
-                type(indices).__name__
-            raise ValueError(f"{name}: expected a 1-D torch.int64 tensor, got {got}")
-        if length is not None and n != length:
-            raise ValueError(f"{name}: expected {length} indices (the key's length), got {n}")
 
     # -- checks -------------------------------------------------------------------------------
 

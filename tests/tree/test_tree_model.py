@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvtier.hashing import page_hashes
 from kvtier.tree import RadixKey, RadixTree, Tier
-from kvtier.tree.results import KnownHashes
+from kvtier.tree import KnownHashes
 from kvtier.tree.check import walk
 
 D, H = Tier.DEVICE, Tier.HOST
