@@ -51,23 +51,25 @@ def test_round_trip_is_bitwise(attention, layout, io, page_size):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout):
-    """Small whole pages in no order are copied as bytes (one gather-scatter per part on a
-    CPU pool): bitwise in every dtype, bfloat16 included (numpy has none), NaN payloads kept."""
+@pytest.mark.parametrize("n", [9, 140])  # one by one under the GIL / numpy's gather-scatter (_LOOP_PAGES)
+def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout, n):
+    """Small whole pages in no order are copied as bytes (a memmove per page and part, or
+    one gather-scatter per part for many pages, on a CPU pool): bitwise in every dtype,
+    bfloat16 included (numpy has none), NaN payloads kept."""
     ps = 4
-    cfg = PoolConfig(size=32 * ps, num_layers=3, page_size=ps, num_kv_heads=2, head_dim=8, v_head_dim=4, dtype=dtype)
+    cfg = PoolConfig(size=160 * ps, num_layers=3, page_size=ps, num_kv_heads=2, head_dim=8, v_head_dim=4, dtype=dtype)
     pool = DeviceKVPool(cfg)
     g = torch.Generator().manual_seed(1)
     for part in pool.parts:
         part.view(torch.uint8).copy_(torch.randint(0, 256, part.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
     mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout))
-    pages = torch.randperm(32, generator=g)[:9] + 1
+    pages = torch.randperm(159, generator=g)[:n] + 1
     dev = (pages[:, None] * ps + torch.arange(ps)).flatten()
     host = mirror.allocator.alloc(dev.numel()).view(-1, ps).flip(0).flatten()  # pages in reverse
     assert mirror.plan(dev, host).device_pages is not None  # the whole-page path
     mirror.backup(pool, dev, host)
     target = DeviceKVPool(cfg)
-    dst_pages = torch.randperm(32, generator=g)[:9] + 1
+    dst_pages = torch.randperm(159, generator=g)[:n] + 1
     dst = (dst_pages[:, None] * ps + torch.arange(ps)).flatten()
     mirror.load(target, host, dst)
     for layer in range(cfg.num_layers):
@@ -76,6 +78,22 @@ def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout):
             rest = torch.ones(b.shape[0], dtype=torch.bool)
             rest[dst] = False
             assert not b[rest].view(torch.uint8).any()
+
+
+def test_page_first_copies_whole_pages_by_number_even_when_they_continue_each_other():
+    """In page_first a page's slots of one layer are never next to the next page's, so
+    merging runs gains nothing there: the plan stays by page. layer_first merges them."""
+    ps = 4
+    pool = filled_pool("mha", ps)
+    dev = torch.arange(ps, 4 * ps)  # pages 1-3, in order
+    for layout, by_page in (("page_first", True), ("layer_first", False)):
+        mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout))
+        host = mirror.allocator.alloc(3 * ps)
+        assert torch.equal(host, torch.arange(ps, 4 * ps))  # pages 1-3 there too
+        plan = mirror.plan(dev, host)
+        assert (plan.device_pages is not None) == by_page, layout
+        if not by_page:
+            assert plan.runs == [(ps, ps, 3 * ps)]
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
