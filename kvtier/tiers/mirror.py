@@ -200,6 +200,12 @@ class HostMirror:
             for layer in range(self.num_layers):
                 self._copy_kernel(pool, layer, device_indices, host_indices, to_host=True)
             return
+        if pool.device.type == "cpu" and self._small_pages():
+            plan = self.plan(dev, host_indices)
+            if plan.device_pages is not None:  # small whole pages: as a load copies them
+                for layer in range(self.num_layers):
+                    self._copy_small_pages(pool, layer, plan.device_pages, plan.host_pages, to_host=True)
+                return
         # direct: one copy per slot run and part covers every layer (strided over layers)
         split = self.page_size if self.config.layout == "page_first" else 0
         pieces = runs(device_indices, host_indices, split)
@@ -292,7 +298,7 @@ class HostMirror:
         views' strides; every index is bounds-checked first, as torch indexing would."""
         ps = self.page_size
         if plan.device_pages is not None:
-            if ps * max(self.widths) * self.dtype.itemsize < _SMALL_BYTES:
+            if self._small_pages():
                 self._copy_small_pages(pool, layer, plan.device_pages, plan.host_pages, to_host)
                 return
             dev, host = plan.device_pages * ps, plan.host_pages * ps
@@ -326,6 +332,10 @@ class HostMirror:
             _move(blocks[: len(blocks) // 2])
         finally:
             half.result()  # the helper never outlives the copy it was given
+
+    def _small_pages(self) -> bool:
+        """Is a page of one part of one layer small enough to copy keeping the GIL?"""
+        return self.page_size * max(self.widths) * self.dtype.itemsize < _SMALL_BYTES
 
     def _copy_small_pages(self, pool: DeviceKVPool, layer: int, dev: np.ndarray, host: np.ndarray,
                           to_host: bool) -> None:

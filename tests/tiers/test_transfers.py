@@ -36,12 +36,14 @@ def test_round_trip_is_bitwise(attention, layout, io, page_size):
     dev = torch.cat([torch.arange(3 * ps, 4 * ps), torch.arange(1 * ps, 2 * ps)])
     host = mirror.allocator.alloc(2 * ps)
     host = torch.cat([host[ps:], host[:ps]])
+    before = [layer_bytes(pool, layer, dev) for layer in range(pool.num_layers)]  # copies (index lists)
     mirror.backup(pool, dev, host)
     target = DeviceKVPool(pool.config)
     dst = torch.arange(5 * ps, 7 * ps)
     for layer in range(pool.num_layers):
         mirror.load_layer(target, host, dst, layer)
-        for a, b in zip(layer_bytes(pool, layer, dev), layer_bytes(target, layer, dst)):
+        assert all(torch.equal(a, b) for a, b in zip(before[layer], layer_bytes(pool, layer, dev)))
+        for a, b in zip(before[layer], layer_bytes(target, layer, dst)):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     # nothing else on the target was written
     untouched = torch.ones(target.buffers[0][0].shape[0], dtype=torch.bool)
@@ -67,13 +69,16 @@ def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout, 
     dev = (pages[:, None] * ps + torch.arange(ps)).flatten()
     host = mirror.allocator.alloc(dev.numel()).view(-1, ps).flip(0).flatten()  # pages in reverse
     assert mirror.plan(dev, host).device_pages is not None  # the whole-page path
+    before = [[b.clone() for b in layer] for layer in pool.buffers]
     mirror.backup(pool, dev, host)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for la, lb in zip(before, pool.buffers) for a, b in zip(la, lb))  # a backup only reads the pool
     target = DeviceKVPool(cfg)
     dst_pages = torch.randperm(159, generator=g)[:n] + 1
     dst = (dst_pages[:, None] * ps + torch.arange(ps)).flatten()
     mirror.load(target, host, dst)
     for layer in range(cfg.num_layers):
-        for a, b in zip(pool.buffers[layer], target.buffers[layer]):
+        for a, b in zip(before[layer], target.buffers[layer]):
             assert torch.equal(a[dev].view(torch.uint8), b[dst].view(torch.uint8))
             rest = torch.ones(b.shape[0], dtype=torch.bool)
             rest[dst] = False
