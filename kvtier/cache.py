@@ -209,9 +209,10 @@ class TieredCache:
         first = request_id not in self.sync.prefetches
         if not self.sync.is_ready(request_id):
             return Acquired(False, _EMPTY)
-        m = self.tree.match_prefix(key, touch=first)
-        if first and self.sync.start_prefetch(request_id, key, m):
-            return Acquired(False, _EMPTY)
+        if first:
+            m = self.tree.match_prefix(key)
+            if self.sync.start_prefetch(request_id, key, m):
+                return Acquired(False, _EMPTY)
         storage, hashed = self.sync.take_prefetch(request_id)
         if not first:
             m = self.tree.match_prefix(key, touch=False)  # the prefetch hung pages under it
