@@ -6,6 +6,10 @@ against the same requests' match+insert on a bare RadixTree.
 Device pool ~10% of the working set, a 2x host mirror, the file store. Wall time inside
 kvtier is its CPU time plus time runnable but waiting for a core (Linux schedstat, printed):
 on a small machine kvtier's own storage and copy threads take cores from the scheduler.
+The file store creates a file per page and the run deletes them all at its end. On ext4,
+creating a file skips inodes freed in the last few minutes (the kernel reads each one's
+deletion time), so back-to-back runs slow each other's store down, and with it, on a
+small machine, the scheduler. To time kvtier alone, put the store on tmpfs: TMPDIR=/dev/shm.
 Run: python benchmarks/cache.py   (or: tierctl bench cache)
 """
 
