@@ -224,16 +224,19 @@ class HostMirror:
         """How to copy this pairing, computed once for all the layers of a load.
 
         Whole pages are copied by page number (integer indexing is the cheapest view torch
-        makes; a CPU pool gathers them in one numpy call) when merging gains nothing: in
-        `page_first` a page's slots of one layer are never next to the next page's, and in
-        `layer_first` when pages rarely continue each other. Anything else as merged runs."""
+        makes; a CPU pool copies small ones page by page, `_copy_small_pages`) when merging
+        gains nothing: in `page_first` a page's slots of one layer are never next to the next
+        page's, and in `layer_first` when pages rarely continue each other. Anything else
+        as merged runs."""
         dev = check_slots("device_indices", device_indices)
         host = check_slots("host_indices", host_indices, dev.shape[0])
         ps = self.page_size
         pages = _whole_pages(dev, ps), _whole_pages(host, ps)
         if ps > 1 and pages[0] is not None and pages[1] is not None:
             d, h = pages
-            if self.config.layout == "page_first" or 4 * int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum()) < d.shape[0]:
+            if self.config.layout == "page_first":
+                return CopyPlan(d, h, None)
+            if 4 * int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum()) < d.shape[0]:
                 return CopyPlan(d, h, None)
         split = ps if self.config.layout == "page_first" else 0
         return CopyPlan(None, None, runs(dev, host, split))
