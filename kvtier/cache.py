@@ -213,8 +213,9 @@ class TieredCache:
             m = self.tree.match_prefix(key)
             if self.sync.start_prefetch(request_id, key, m):
                 return Acquired(False, _EMPTY)
-        storage, hashed = self.sync.take_prefetch(request_id)
-        if not first:
+            storage, hashed = 0, None
+        else:
+            storage, hashed = self.sync.take_prefetch(request_id)
             m = self.tree.match_prefix(key, touch=False)  # the prefetch hung pages under it
         if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.sync.write_hot_path(m.last_device_node)

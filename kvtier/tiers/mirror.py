@@ -156,7 +156,7 @@ class HostMirror:
             log.info("host mirror in plain memory: CUDA is not available, so it is not pinned")
         self._views = self._allocate(pages + 1)
         self._arrays_of: DeviceKVPool | None = None  # the pool `_arrays` views (CPU copies)
-        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray], list]] = {}  # _page_arrays
         self.io = config.io
         # GPU pool: copies are asynchronous DMA from/to pinned memory on the transfer
         # stream; whoever needs the bytes waits on that stream's events (controller/streams.py)
