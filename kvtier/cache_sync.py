@@ -70,14 +70,19 @@ class Applier:
         self.newly_ready: list[str] = []  # prefetching requests that became ready
         self.orphaned_pages = 0  # device pages of orphaned loads, freed when applied
         self._complained: set[str] = set()
+        # tokens an eviction frees beyond the demand, per tier (whole pages)
+        pages = lambda size: int(size * config.evict_headroom) // self.page_size * self.page_size
+        self.device_headroom = pages(controller.device_alloc.size)
+        self.host_headroom = pages(controller.mirror.size) if has_mirror else 0
 
     # -- device slots -------------------------------------------------------------------------
 
     def alloc_device(self, n: int) -> np.ndarray | None:
-        """`n` device slots (a multiple of page_size), evicting on demand; None if short."""
+        """`n` device slots (a multiple of page_size), evicting on demand (and the headroom
+        beyond it); None if short."""
         alloc = self.ctl.device_alloc
         if alloc.available_size() < n:
-            self.evict_device(n - alloc.available_size())
+            self.evict_device(n - alloc.available_size() + self.device_headroom)
         return alloc.alloc_slots(n)
 
     def evict_device(self, n: int) -> int:
@@ -102,6 +107,12 @@ class Applier:
     def _free_evicted(self, ev) -> None:
         self.ctl.device_alloc.free_slots(ev.device_slots)
         self.counters.device_evicted_tokens += ev.evicted_tokens
+
+    def _make_host_room(self, n: int) -> None:
+        """Evict host tokens until `n` are free, and the headroom beyond, if they are short."""
+        free = self.ctl.host_available()
+        if free < n:
+            self.evict_host(n - free + self.host_headroom)
 
     def evict_host(self, n: int) -> int:
         ev = self.tree.evict_host(n)
@@ -133,8 +144,7 @@ class Applier:
         parent = node.parent
         if parent is not self.tree.root and not self._host_copy_coming(parent):
             return False  # backed-up nodes form a prefix from the root
-        if self.ctl.host_available() < len(node):
-            self.evict_host(len(node) - self.ctl.host_available())
+        self._make_host_room(len(node))
         host = self.ctl.write(node.values[D], node)
         if host is None:
             self.counters.writes_skipped_no_host_space += 1
@@ -353,8 +363,8 @@ class Applier:
     def _grant(self, p: _Prefetch, present: int) -> None:
         """Make room on host for the pages the store holds (agreed on every rank), reserve them."""
         need = present * self.page_size
-        if present > 0 and self.ctl.host_available() < need:
-            self.evict_host(need - self.ctl.host_available())
+        if present > 0:
+            self._make_host_room(need)
         self.ctl.grant(p.op, present)
 
     def _apply_prefetch(self, p: _Prefetch, landed: int, finished: bool, stop: bool) -> None:

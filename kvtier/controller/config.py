@@ -30,6 +30,9 @@ class ControllerConfig:
     prefetch_min_tokens: int = 1
     max_inflight_prefetch_bytes: int = 256 << 20
     load_back_min_tokens: int = 1
+    # an allocation that finds its tier short evicts this fraction of the tier beyond what
+    # it needs, so evictions come in batches, not one pass per allocation (docs/design.md §4)
+    evict_headroom: float = 0.03
     consensus_check: bool = False
     store_down_after_failures: int = 3  # consecutive failed/timed-out store calls
     store_probe_backoff_s: float = 1.0  # first probe of a down store; doubles up to the max
@@ -44,6 +47,8 @@ class ControllerConfig:
                      "store_probe_backoff_s", "store_probe_max_backoff_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 0")
+        if not 0 <= self.evict_headroom <= 0.5:
+            raise ValueError(f"evict_headroom={self.evict_headroom!r}: must be a fraction of the tier in [0, 0.5]")
 
     def prefetch_timeout(self, tokens: int) -> float:
         return min(self.prefetch_timeout_max_s,

@@ -318,3 +318,35 @@ def test_prompt_pages_hashed_for_the_prefetch_are_not_hashed_again(same_prompt):
     settle(cache)
     check(cache)
     cache.close()
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.125])
+def test_an_allocation_that_finds_a_tier_short_evicts_the_headroom_beyond_it(headroom):
+    """Evictions come in batches: a short tier frees what the request needs and
+    `evict_headroom` of the tier beyond it (0: exactly what it needs), and the KV that
+    stays is still served bitwise."""
+    cache = make_cache(pool_size=128, ratio=1.0, evict_headroom=headroom)
+    extra = int(128 * headroom)  # 16 tokens = 4 pages, on device and on host alike
+    prompts = [np.arange(1000 * i, 1000 * i + 16) for i in range(8)]  # 8 nodes of 4 pages fill both tiers
+    kvs = [compute(cache, p, seed=i) for i, p in enumerate(prompts)]
+    settle(cache)
+    assert cache.controller.device_alloc.available_size() == 0
+    assert cache.controller.host_available() == 0
+
+    compute(cache, np.arange(9000, 9016), seed=9)  # 4 new pages: both tiers short by 16 tokens
+    settle(cache)
+    assert cache.controller.device_alloc.available_size() == extra
+    assert cache.controller.host_available() == extra
+    assert cache.stats()["counters"]["device_evicted_tokens"] == 16 + extra  # whole nodes, oldest first
+    assert cache.stats()["counters"]["host_evicted_tokens"] == 16 + extra
+
+    got, kv = read_back(cache, prompts[7], "newest")
+    assert got.device_hit == 16
+    assert same_kv(kv, kvs[7])
+    check(cache)
+    cache.close()
+
+
+def test_evict_headroom_out_of_range_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"evict_headroom=0\.9: must be a fraction of the tier in \[0, 0\.5\]"):
+        make_cache(evict_headroom=0.9)
