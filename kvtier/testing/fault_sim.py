@@ -63,13 +63,15 @@ class Setup:
     io: str
     write_policy: str
     prefetch_policy: str
+    evict_headroom: float = 0.0  # the sim's pools are a few pages: 3% would round to none
 
     @classmethod
     def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
         return cls(rng.choice([1, 4, 16]), rng.choice(["page_first", "layer_first"]),
                    "kernel" if allow_kernel and rng.random() < 0.1 else "direct",
                    rng.choice(["write_through", "write_through", "write_through_selective", "write_back"]),
-                   rng.choice(["best_effort", "wait_complete", "timeout"]))
+                   rng.choice(["best_effort", "wait_complete", "timeout"]),
+                   rng.choice([0.0, 0.25]))  # drawn last: the fields above stay what each seed drew
 
 
 @dataclass(eq=False)
@@ -100,7 +102,7 @@ class FaultSim:
                      "dtype": "float32"},
             "mirror": {"ratio": 1.0, "layout": setup.layout, "io": setup.io},  # small: pages go to the store
             "controller": {"write_policy": setup.write_policy, "prefetch_policy": setup.prefetch_policy,
-                           "write_threshold": 2, "prefetch_timeout_base_s": 1.0,
+                           "write_threshold": 2, "prefetch_timeout_base_s": 1.0, "evict_headroom": setup.evict_headroom,
                            "prefetch_timeout_per_1k_tokens_s": 0.0},
             "store": {"backend": "none"},
         }
