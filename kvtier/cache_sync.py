@@ -71,9 +71,9 @@ class Applier:
         self.orphaned_pages = 0  # device pages of orphaned loads, freed when applied
         self._complained: set[str] = set()
         # tokens an eviction frees beyond the demand, per tier (whole pages)
-        pages = lambda size: int(size * config.evict_headroom) // self.page_size * self.page_size
-        self.device_headroom = pages(controller.device_alloc.size)
-        self.host_headroom = pages(controller.mirror.size) if has_mirror else 0
+        whole_pages = lambda size: int(size * config.evict_headroom) // self.page_size * self.page_size
+        self.device_headroom = whole_pages(controller.device_alloc.size)
+        self.host_headroom = whole_pages(controller.mirror.size) if has_mirror else 0
 
     # -- device slots -------------------------------------------------------------------------
 
@@ -82,12 +82,14 @@ class Applier:
         beyond it); None if short."""
         alloc = self.ctl.device_alloc
         if alloc.available_size() < n:
-            self.evict_device(n - alloc.available_size() + self.device_headroom)
+            self.evict_device(n - alloc.available_size(), self.device_headroom)
         return alloc.alloc_slots(n)
 
-    def evict_device(self, n: int) -> int:
+    def evict_device(self, n: int, headroom: int = 0) -> int:
+        """Evict at least `n` device tokens if possible, and up to `headroom` more where no
+        write must land first: under write_back, only a demand not met waits for backups."""
         write_back = self.cfg.write_policy == WritePolicy.WRITE_BACK and self.has_mirror
-        ev = self.tree.evict_device(n, backup_first=write_back)
+        ev = self.tree.evict_device(n + headroom, backup_first=write_back)
         self._free_evicted(ev)
         evicted = ev.evicted_tokens
         if evicted < n and ev.needs_backup:
@@ -99,7 +101,7 @@ class Applier:
                 for node in reversed(path):
                     self.write_node(node)
             self.drain_writes()
-            ev = self.tree.evict_device(n - evicted, backup_first=True)
+            ev = self.tree.evict_device(n + headroom - evicted, backup_first=True)
             self._free_evicted(ev)
             evicted += ev.evicted_tokens
         return evicted

@@ -350,3 +350,28 @@ def test_an_allocation_that_finds_a_tier_short_evicts_the_headroom_beyond_it(hea
 def test_evict_headroom_out_of_range_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"evict_headroom=0\.9: must be a fraction of the tier in \[0, 0\.5\]"):
         make_cache(evict_headroom=0.9)
+
+
+def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
+    """Under write_back, evicting a node that is not backed up means waiting for its write.
+    A demand that backed-up nodes can meet never waits just to free the headroom."""
+    cache = make_cache(pool_size=128, write_policy="write_back", evict_headroom=0.125)
+    prompts = [np.arange(1000 * i, 1000 * i + 16) for i in range(8)]  # 8 nodes of 4 pages fill the pool
+    for i, p in enumerate(prompts):
+        compute(cache, p, seed=i)
+    cache.evict(16)  # nothing backed up: every leaf is written (waited for), the oldest demoted
+    fresh = np.arange(9000, 9016)
+    compute(cache, fresh, seed=8)  # not backed up: write_back writes on eviction only
+    held = {f"held-{i}": acquire(cache, prompts[i], f"held-{i}") for i in range(2, 8)}  # locked: not evictable
+    writes = cache.stats()["counters"]["writes"]
+
+    compute(cache, np.arange(9100, 9116), seed=9)  # short by 16: prompts[1], backed up, covers it
+    assert cache.stats()["counters"]["writes"] == writes, "a write was waited for only to free the headroom"
+    assert cache.controller.device_alloc.available_size() == 0  # the headroom would have needed `fresh` written
+    m = cache.match_prefix(fresh, count=False)
+    assert m.device_slots.size == 16 and not m.last_device_node.backed_up
+    for i, (rid, got) in enumerate(held.items(), start=2):
+        forward(cache, rid)
+        cache.cache_finished(rid, prompts[i], got.indices)
+    check(cache)
+    cache.close()
