@@ -38,7 +38,6 @@ def as_numpy(indices: torch.Tensor) -> np.ndarray:
     return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
 
 
-
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order;
     computed in pieces of at most GIL_CHUNK slots, so the GIL is kept."""
