@@ -344,7 +344,7 @@ class TieredCache:
         if load is None:
             return
         if not load.handle.is_done():
-            load.handle.finished.wait(self.config.store.timeout_s + 30.0)  # its forward waited already
+            load.handle.wait(self.config.store.timeout_s + 30.0)  # its forward waited already
         ok = load.ok
         if self.agreement.world_size > 1:  # every rank inserts, or none: one collective, on every rank
             (ok,), _ = self.agreement.agree([int(ok)], [])

@@ -1,10 +1,11 @@
 """Transfer streams: where pool<->mirror copies run, and how their completion is signalled.
 
-`CpuTransferStream` runs jobs in order on one worker thread and signals with
-threading.Events (used when there is no GPU, and in every test); a thread that would
+`CpuTransferStream` runs jobs in order on one worker thread and signals through the
+handle (layers landed, done) under one condition (used when there is no GPU, and in
+every test); a thread that would
 block on a job the worker has not started runs it (and the jobs queued before it) itself.
 `CudaTransferStream` has a worker thread enqueue the same jobs on a side CUDA stream
-(never the scheduler thread) and signals with CUDA events. A job's completion is reported
+(never the scheduler thread) and signals with CUDA events, made by that worker. A job's completion is reported
 only by the copy that finished: an exception is stored on the handle and re-raised to
 whoever waits on it.
 """
@@ -25,26 +26,47 @@ class TransferError(KvtierError):
     """A pool<->mirror copy failed; the pages it was moving are not usable."""
 
 
+# One condition for every handle: a handle costs no lock or Event of its own (a load over 80
+# layers would make 81 Events on the scheduler thread). Waiters are few (the scheduler
+# thread, a drain); a notify wakes them all and each checks its own handle again.
+_SIGNAL = threading.Condition(threading.Lock())
+
+
 class Handle:
-    """Completion of one job: `done` overall and, for loads, one signal per layer."""
+    """Completion of one job: `landed` layers (in order, for loads) and `done` overall.
+    The job's runner signals (`layer_done`, `finish`, `fail`); anyone may wait."""
+
+    __slots__ = ("num_layers", "landed", "done", "error", "cuda_events", "run_here")
 
     def __init__(self, num_layers: int = 0) -> None:
-        self.layers = [threading.Event() for _ in range(num_layers)]
-        self.finished = threading.Event()
+        self.num_layers = num_layers
+        self.landed = 0  # layers [0, landed) have landed (all of them once done)
+        self.done = False
         self.error: BaseException | None = None
-        self.cuda_events: list | None = None
+        self.cuda_events: list | None = None  # CUDA stream: one per layer, made by its worker
         self.run_here: Callable[[], None] | None = None  # CPU stream: run the job on the waiter's thread if not started
 
     def layer_done(self, layer: int) -> None:
         if self.cuda_events is not None:
             self.cuda_events[layer].record()  # on the side stream the job runs under
-        self.layers[layer].set()
+        with _SIGNAL:
+            self.landed = max(self.landed, layer + 1)
+            _SIGNAL.notify_all()
+
+    def finish(self) -> None:
+        with _SIGNAL:
+            self.landed, self.done = self.num_layers, True
+            _SIGNAL.notify_all()
 
     def fail(self, exc: BaseException) -> None:
+        """Every waiter wakes up (layer waiters too) and sees the error."""
         self.error = exc
-        for ev in self.layers:
-            ev.set()
-        self.finished.set()
+        self.finish()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the job has finished (or failed); False on timeout."""
+        with _SIGNAL:
+            return _SIGNAL.wait_for(lambda: self.done, timeout)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> None:
         """CPU: until the layer has landed (running the job here if the worker has not
@@ -53,17 +75,19 @@ class Handle:
         on that event on the device: the host never waits for the copy itself. (Waiting on
         an event not yet recorded would be a no-op: the forward would read unloaded KV.)"""
         run = self.run_here  # read once: the runner clears it when the job ends
-        if run is not None and not self.layers[layer].is_set():
+        if run is not None and self.landed <= layer:
             run()
-        if not self.layers[layer].wait(timeout):
-            raise TransferError(f"layer {layer} did not land within {timeout}s")
+        if self.landed <= layer:
+            with _SIGNAL:
+                if not _SIGNAL.wait_for(lambda: self.landed > layer, timeout):
+                    raise TransferError(f"layer {layer} did not land within {timeout}s")
         if self.cuda_events is not None and self.error is None:
             torch.cuda.current_stream().wait_event(self.cuda_events[layer])
         if self.error is not None:
             raise TransferError(f"load failed: {self.error}") from self.error
 
     def is_done(self) -> bool:
-        return self.finished.is_set()
+        return self.done
 
 
 Job = Callable[[Handle], None]
@@ -80,7 +104,7 @@ class TransferStream(ABC):
     def wait(self, handle: Handle, timeout: float) -> bool:
         """Block until `handle`'s job has finished (or failed); False on timeout. Only
         drains and write-back eviction wait like this, never a forward."""
-        return handle.finished.wait(timeout)
+        return handle.wait(timeout)
 
 
 class _Finisher:
@@ -117,7 +141,7 @@ class _Finisher:
             if not isinstance(exc, Exception) and threading.current_thread() is not self._thread:
                 raise  # a waiter's KeyboardInterrupt stays its own
         else:
-            handle.finished.set()
+            handle.finish()
         finally:
             handle.run_here = None  # (it refers to the handle: no cycle outlives the job)
             with self._cv:
@@ -136,7 +160,7 @@ class _Finisher:
     def run_until(self, handle: Handle) -> None:
         """Run queued jobs, oldest first, on this thread until `handle`'s has run; return
         at once when a job is running elsewhere (the caller then waits as usual)."""
-        while not handle.finished.is_set():
+        while not handle.done:
             with self._cv:
                 entry = self._take()
             if entry is None:
@@ -169,7 +193,7 @@ class CpuTransferStream(TransferStream):
     def wait(self, handle: Handle, timeout: float) -> bool:
         if self._help:
             self._worker.run_until(handle)
-        return handle.finished.wait(timeout)
+        return handle.wait(timeout)
 
     def close(self) -> None:
         self._worker.close()
@@ -192,7 +216,6 @@ class CudaTransferStream(TransferStream):
         self._worker = _Finisher(f"kvtier-{name}", self._run)
 
     def submit(self, job: Job, handle: Handle) -> Handle:
-        handle.cuda_events = [torch.cuda.Event() for _ in handle.layers]
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))  # KV written before we copy it
         self._worker.put((job, handle, ready), handle)
@@ -201,6 +224,7 @@ class CudaTransferStream(TransferStream):
     def _run(self, item) -> None:
         job, handle, ready = item
         torch.cuda.set_device(self.device)
+        handle.cuda_events = [torch.cuda.Event() for _ in range(handle.num_layers)]  # here, not on the scheduler
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             job(handle)

@@ -62,14 +62,14 @@ class SimStreams:
             if outcome == "fail_before":
                 raise TransferError("sim: copy failed before it started")
             if outcome == "fail_after":
-                layers = len(h.layers)
+                layers = h.num_layers
                 job.run(_FailAfter(h, rng.randrange(layers)) if layers else h)
                 raise TransferError("sim: copy failed after it wrote")
             job.run(h)
         except TransferError as exc:
             h.fail(exc)
         else:
-            h.finished.set()
+            h.finish()
 
     def resolve_all(self, rng: random.Random) -> None:
         while self.pending:
@@ -94,7 +94,7 @@ class SimStream(TransferStream):
         """Whoever blocks on a pending job (a drain, write-back eviction) makes it run now."""
         for job in [j for j in self.owner.pending if j.handle is handle]:
             self.owner.resolve(job, self.owner.rng.choice(["ok", "ok", "ok", "fail_before"]), self.owner.rng)
-        return handle.finished.is_set()
+        return handle.done
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from kvtier.controller.streams import CpuTransferStream, Handle, _Finisher
+from kvtier.controller.streams import CpuTransferStream, Handle, TransferError, _Finisher
 
 
 class _Parked(_Finisher):
@@ -39,7 +39,8 @@ def test_a_job_that_fails_under_a_waiter_fails_its_handle_and_the_next_still_run
     worker.put(lambda: None, good)
     worker.run_until(good)
     assert bad.is_done() and isinstance(bad.error, RuntimeError)
-    assert bad.layers[0].is_set()  # a layer waiter wakes up and sees the error
+    with pytest.raises(TransferError, match="copy failed"):
+        bad.wait_layer(0, timeout=0)  # a layer waiter wakes up and sees the error
     assert good.is_done() and good.error is None
 
 
@@ -108,4 +109,25 @@ def test_without_helping_every_job_runs_on_the_worker():
             assert stream.wait(h, 10)
         assert threading.current_thread() not in where and len(where) == 20
     finally:
+        stream.close()
+
+
+def test_a_layer_waiter_goes_on_as_its_layer_lands_while_the_worker_copies_the_next():
+    stream = CpuTransferStream("test", help_waiters=False)
+    go_on = threading.Event()
+
+    def job(h: Handle) -> None:
+        h.layer_done(0)
+        assert go_on.wait(10)  # layer 1 is still being copied while the forward reads layer 0
+        h.layer_done(1)
+
+    try:
+        h = stream.submit(job, Handle(2))
+        h.wait_layer(0, timeout=10)
+        assert h.landed == 1 and not h.is_done()
+        go_on.set()
+        h.wait_layer(1, timeout=10)
+        assert stream.wait(h, 10) and h.landed == 2 and h.error is None
+    finally:
+        go_on.set()
         stream.close()

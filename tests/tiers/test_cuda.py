@@ -53,6 +53,6 @@ def test_cuda_stream_signals_each_layer():
         handle.wait_layer(layer)
     torch.cuda.current_stream().synchronize()
     assert torch.equal(dst, src)
-    assert handle.finished.wait(10)
+    assert handle.wait(10)
     assert launched_on and launched_on[0] != threading.get_ident()  # a worker launched the copies
     stream.close()
