@@ -12,6 +12,7 @@ whoever waits on it.
 
 from __future__ import annotations
 
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
@@ -30,6 +31,16 @@ class TransferError(KvtierError):
 # layers would make 81 Events on the scheduler thread). Waiters are few (the scheduler
 # thread, a drain); a notify wakes them all and each checks its own handle again.
 _SIGNAL = threading.Condition(threading.Lock())
+
+
+def _fresh_signal_after_fork() -> None:
+    """A child forked while a worker held the condition's lock would inherit it held."""
+    global _SIGNAL
+    _SIGNAL = threading.Condition(threading.Lock())
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_signal_after_fork)
 
 
 class Handle:

@@ -1,10 +1,14 @@
 """The CPU transfer stream: jobs run once each, in submission order, whoever runs them (its
 worker, or a thread that would otherwise wait for one the worker has not started)."""
 
+import os
+import signal
 import threading
+import warnings
 
 import pytest
 
+from kvtier.controller import streams
 from kvtier.controller.streams import CpuTransferStream, Handle, TransferError, _Finisher
 
 
@@ -131,3 +135,19 @@ def test_a_layer_waiter_goes_on_as_its_layer_lands_while_the_worker_copies_the_n
     finally:
         go_on.set()
         stream.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_the_signal_lock_is_held_can_still_signal_and_wait():
+    with streams._SIGNAL:  # as if a worker were notifying at the moment of the fork
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # forking with threads running
+            pid = os.fork()
+        if pid == 0:  # the child: an inherited held lock would hang here (the alarm ends it)
+            signal.alarm(10)
+            h = Handle(1)
+            h.layer_done(0)
+            h.finish()
+            os._exit(0 if h.wait(1) and h.landed == 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
