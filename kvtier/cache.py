@@ -33,6 +33,7 @@ from kvtier.cache_sync import Applier
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController, LoadOp
+from kvtier.controller.cpus import check_cpus
 from kvtier.controller.streams import Handle, TransferError, make_stream
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.stats import CacheStats, PrometheusCollector
@@ -121,6 +122,7 @@ class TieredCache:
                  clock=time.monotonic) -> None:
         """`store` overrides the configured one; `stream_factory` and `clock` let a test
         schedule every copy and every deadline itself."""
+        check_cpus(config.controller.cpus)  # on this machine, before the store connects or a thread starts
         self.config = config
         self.pool = DeviceKVPool(config.pool)
         self.mirror = HostMirror(self.pool, config.mirror) if config.mirror is not None else None

@@ -28,6 +28,7 @@ import numpy as np
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.config import ControllerConfig
+from kvtier.controller.cpus import check_cpus, confine
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
 from kvtier.tiers.allocator import PagedAllocator
@@ -71,6 +72,7 @@ class CacheController:
                  config: ControllerConfig, stream_factory=make_stream, clock=time.monotonic) -> None:
         """`stream_factory(name, device)` makes the write and load streams (a test passes
         one whose every copy it schedules itself); `clock` times the store breaker's probes."""
+        cpus = check_cpus(config.cpus)  # before any thread starts: a bad value leaves nothing behind
         self.pool = pool
         self.mirror = mirror
         self.config = config
@@ -79,11 +81,13 @@ class CacheController:
         self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
         self.write_stream = stream_factory("write", pool.device)
         self.load_stream = stream_factory("load", pool.device)
+        for t in [*self.write_stream.threads(), *self.load_stream.threads()]:
+            confine(t.native_id, cpus)  # they start no threads of their own: no race
         self.storage = None
         if store is not None and mirror is not None:
             breaker = BreakerConfig(config.store_down_after_failures, config.store_probe_backoff_s,
                                     config.store_probe_max_backoff_s)
-            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock)
+            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock, cpus)
         self._queued_writes: list[WriteOp] = []
         self.writes: deque[WriteOp] = deque()
         self.loads: deque[LoadOp] = deque()

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import Breaker, BreakerConfig
+from kvtier.controller.cpus import confine
 from kvtier.controller.speed import LoadSpeed
 from kvtier.controller.waker import Waker
 from kvtier.errors import KvtierError
@@ -121,7 +122,9 @@ class StorageWorker:
     """Runs store coroutines on its own event loop thread; never blocks the scheduler."""
 
     def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int,
-                 breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic) -> None:
+                 breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic,
+                 cpus: frozenset[int] | None = None) -> None:
+        """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py)."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
         self.clock = clock
@@ -138,11 +141,18 @@ class StorageWorker:
         self._pending_lock = threading.Lock()
         self._wake_scheduled = False
         self._waker = Waker(self.loop, self._run_pending)
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtier-storage", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(cpus,), name="kvtier-storage", daemon=True)
         self._thread.start()
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
+
+    def _run(self, cpus: frozenset[int] | None) -> None:
+        try:
+            confine(threading.get_native_id(), cpus)  # before any store thread is started from here
+        except OSError as exc:  # checked when the cache was made: a CPU gone offline since
+            log.warning("kvtier-storage: could not keep to CPUs %s (%s); running anywhere", sorted(cpus or ()), exc)
+        self.loop.run_forever()
 
     def _call_soon(self, fn) -> Future:
         async def wrap():

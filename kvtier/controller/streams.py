@@ -112,6 +112,10 @@ class TransferStream(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def threads(self) -> list[threading.Thread]:
+        """The threads this stream runs jobs on (to keep them on `controller.cpus`)."""
+        return []
+
     def wait(self, handle: Handle, timeout: float) -> bool:
         """Block until `handle`'s job has finished (or failed); False on timeout. Only
         drains and write-back eviction wait like this, never a forward."""
@@ -129,8 +133,8 @@ class _Finisher:
         self._cv = threading.Condition(threading.Lock())
         self._busy = False  # a job is running (on the thread or a waiter's)
         self._step = step
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
 
     def put(self, item: Any, handle: Handle) -> None:
         with self._cv:
@@ -149,7 +153,7 @@ class _Finisher:
             self._step(item)
         except BaseException as exc:  # the waiter learns of it; the runner keeps going
             handle.fail(exc)
-            if not isinstance(exc, Exception) and threading.current_thread() is not self._thread:
+            if not isinstance(exc, Exception) and threading.current_thread() is not self.thread:
                 raise  # a waiter's KeyboardInterrupt stays its own
         else:
             handle.finish()
@@ -182,7 +186,7 @@ class _Finisher:
         with self._cv:
             self._items.append(None)
             self._cv.notify_all()
-        self._thread.join()
+        self.thread.join()
 
 
 class CpuTransferStream(TransferStream):
@@ -205,6 +209,9 @@ class CpuTransferStream(TransferStream):
         if self._help:
             self._worker.run_until(handle)
         return handle.wait(timeout)
+
+    def threads(self) -> list[threading.Thread]:
+        return [self._worker.thread]
 
     def close(self) -> None:
         self._worker.close()
@@ -242,6 +249,9 @@ class CudaTransferStream(TransferStream):
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()  # this worker waits, not the scheduler
+
+    def threads(self) -> list[threading.Thread]:
+        return [self._worker.thread]
 
     def close(self) -> None:
         self._worker.close()

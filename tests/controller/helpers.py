@@ -138,3 +138,13 @@ class StallingStore(MemoryStore):
         if self.reads > self.fast_reads:
             await asyncio.sleep(self.stall_s)
         return await super()._get(keys)
+
+
+def read_back(cache, tokens, rid):
+    """A request over `tokens`: acquire, wait for its loads, read its prefix, finish it.
+    Returns (what acquire said, the KV the forward read)."""
+    got = acquire(cache, tokens, rid)
+    forward(cache)
+    kv = read(cache, got.indices)
+    cache.cache_finished(rid, tokens[:got.indices.numel()], got.indices)  # nothing computed
+    return got, kv

@@ -5,20 +5,11 @@ import pytest
 import torch
 
 from tests.controller.helpers import (
-    CorruptingStore, FailingStore, StallingStore, acquire, compute, forward, make_cache, read, same_kv, settle,
+    CorruptingStore, FailingStore, StallingStore, acquire, compute, forward, make_cache, read, read_back, same_kv,
+    settle,
 )
 
 A = np.arange(100, 116)  # 16 tokens = 4 pages of 4
-
-
-def read_back(cache, tokens, rid):
-    """A request over `tokens`: acquire, wait for its loads, read its prefix, finish it.
-    Returns (what acquire said, the KV the forward read)."""
-    got = acquire(cache, tokens, rid)
-    forward(cache)
-    kv = read(cache, got.indices)
-    cache.cache_finished(rid, tokens[:got.indices.numel()], got.indices)  # nothing computed
-    return got, kv
 
 
 def check(cache):
