@@ -10,12 +10,18 @@ The file store creates a file per page and the run deletes them all at its end. 
 creating a file skips inodes freed in the last few minutes (the kernel reads each one's
 deletion time), so back-to-back runs slow each other's store down, and with it, on a
 small machine, the scheduler. To time kvtier alone, put the store on tmpfs: TMPDIR=/dev/shm.
+
+kvtier's own threads run on every CPU but the first (`controller.cpus`), as a server that
+gives its scheduler a core would set it: where they share the scheduler's core, each of its
+calls runs on caches they left cold (about 1.5x the CPU time on 2 cores). `--kvtier-cpus all`
+lets them run anywhere, to compare.
 Run: python benchmarks/cache.py   (or: tierctl bench cache)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import threading
 import time
@@ -26,6 +32,7 @@ import numpy as np
 from kvtier.bench.trace import multiturn
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
+from kvtier.controller.cpus import format_cpu_list
 from kvtier.tree import RadixKey, RadixTree
 
 PAGE = 16
@@ -147,7 +154,19 @@ def _runqueue_seconds() -> float | None:
         return None
 
 
-def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_flight: int = 8) -> dict:
+def kvtier_cpus(choice: str) -> str | None:
+    """`controller.cpus` for the run: "auto" = every CPU this process may use but the
+    first (none kept on a single CPU), "all" = no confinement, else a CPU list."""
+    if choice == "all":
+        return None
+    if choice != "auto":
+        return choice
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return format_cpu_list(allowed[1:]) if len(allowed) >= 2 else None
+
+
+def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_flight: int = 8,
+        cpus: str = "auto") -> dict:
     trace = multiturn(sessions=sessions, turns=turns, system_prompts=6, system_len=512, msg_len=(32, 200), seed=3)
     bound, working_set = infinite_bound(trace)
     longest = max(len(t.prompt) + len(t.output) for t in trace)
@@ -159,7 +178,8 @@ def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_f
             "pool": {"size": size, "num_layers": 2, "page_size": PAGE, "num_kv_heads": 1, "head_dim": 16,
                      "dtype": "float16"},
             "mirror": {"ratio": 2.0, "layout": "page_first"},
-            "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"},
+            "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
+                           "cpus": kvtier_cpus(cpus)},
             "store": {"backend": "file", "root": tmp, "capacity_bytes": 1 << 34},
         }, env={})
         cache = TieredCache(cfg)
@@ -172,7 +192,8 @@ def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_f
     total = sum(rates)
     n = len(trace)
     print(f"{n} requests ({in_flight} in flight), {prompt_tokens} prompt tokens, working set {working_set} tokens, "
-          f"device pool {size} tokens ({size / working_set:.0%}), mirror 2x, file store")
+          f"device pool {size} tokens ({size / working_set:.0%}), mirror 2x, file store; kvtier's threads on CPUs "
+          f"{cfg.controller.cpus or 'any'}")
     print(f"hit rate: device {rates[0]:.3f} + host {rates[1]:.3f} + storage {rates[2]:.3f} = {total:.3f} "
           f"(infinite cache {bound:.3f})")
     print(f"scheduler time inside kvtier: {sched.inside / n * 1e3:.3f} ms per request, of which CPU "
@@ -212,8 +233,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p.add_argument("--sessions", type=int, default=150)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--in-flight", type=int, default=8, help="requests the scheduler keeps in flight")
+    p.add_argument("--kvtier-cpus", default="auto",
+                   help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3")
     args = p.parse_args(argv)
-    run(args.sessions, args.turns, in_flight=args.in_flight)
+    run(args.sessions, args.turns, in_flight=args.in_flight, cpus=args.kvtier_cpus)
 
 
 if __name__ == "__main__":
