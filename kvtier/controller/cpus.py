@@ -10,7 +10,9 @@ Linux only; null (the default) leaves every thread where the process may run.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 from kvtier.errors import KvtierConfigError
 
@@ -60,6 +62,16 @@ def confine(native_id: int, cpus: frozenset[int] | None) -> None:
     """Keep the thread `native_id` on `cpus` (threads it starts later inherit them)."""
     if cpus is not None:
         os.sched_setaffinity(native_id, cpus)
+
+
+def keep_to(cpus: frozenset[int] | None) -> None:
+    """Confine the calling thread (a thread's first act, before it starts others). A CPU
+    gone offline since `check_cpus` is logged, not raised: the thread must still run."""
+    try:
+        confine(threading.get_native_id(), cpus)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("%s: could not keep to CPUs %s (%s); running anywhere",
+                                            threading.current_thread().name, format_cpu_list(cpus or ()), exc)
 
 
 def format_cpu_list(cpus) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import Breaker, BreakerConfig
-from kvtier.controller.cpus import confine
+from kvtier.controller.cpus import keep_to
 from kvtier.controller.speed import LoadSpeed
 from kvtier.controller.waker import Waker
 from kvtier.errors import KvtierError
@@ -148,10 +148,7 @@ class StorageWorker:
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
 
     def _run(self, cpus: frozenset[int] | None) -> None:
-        try:
-            confine(threading.get_native_id(), cpus)  # before any store thread is started from here
-        except OSError as exc:  # checked when the cache was made: a CPU gone offline since
-            log.warning("kvtier-storage: could not keep to CPUs %s (%s); running anywhere", sorted(cpus or ()), exc)
+        keep_to(cpus)  # before any store thread is started from here: they inherit it
         self.loop.run_forever()
 
     def _call_soon(self, fn) -> Future:

@@ -39,6 +39,7 @@ from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.breaker import Breaker, BreakerConfig
+from kvtier.controller.cpus import check_cpus, keep_to
 from kvtier.errors import KvtierConfigError, StoreError, StoreTimeout
 from kvtier.hashing import Namespace, make_key
 
@@ -62,12 +63,17 @@ def page_hash_of(key: str) -> bytes:
 
 
 class _LoopThread:
-    """One asyncio loop on a daemon thread: the only place the store is used."""
+    """One asyncio loop on a daemon thread: the only place the store is used. `cpus`
+    (`controller.cpus`) keeps it, and the store threads it starts, off SGLang's cores."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: frozenset[int] | None = None) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kvtier-sglang-store", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(cpus,), name="kvtier-sglang-store", daemon=True)
         self.thread.start()
+
+    def _run(self, cpus: frozenset[int] | None) -> None:
+        keep_to(cpus)  # before any store thread is started from here: they inherit it
+        self.loop.run_forever()
 
     def run(self, coro: Awaitable) -> Any:
         fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -110,7 +116,7 @@ class KvtierStorageBase:
         self.kv_cache_dtype = kv_cache_dtype
         self.key_prefix = config.store.key_prefix
         c = config.controller
-        self._loop = _LoopThread()
+        self._loop = _LoopThread(check_cpus(c.cpus))
         self.store: Store = self._loop.run(self._build(config))
         self.breaker = Breaker(self.store.name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
                                                               c.store_probe_max_backoff_s))

@@ -49,11 +49,13 @@ def _store_section(kind: str, request, tmp_path) -> dict:
     raise AssertionError(kind)
 
 
-def write_yaml(tmp_path, store: dict, **namespace) -> str:
+def write_yaml(tmp_path, store: dict, controller: dict | None = None, **namespace) -> str:
     path = tmp_path / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
     doc = {"store": {"timeout_s": 5.0, **store}}
     if namespace:
         doc["namespace"] = namespace
+    if controller:
+        doc["controller"] = controller
     path.write_text(yaml.safe_dump(doc))
     return str(path)
 
@@ -314,6 +316,26 @@ def test_bad_extra_config_names_the_field(sg, tmp_path):
     with pytest.raises(ValueError, match="bytes; this pool's pages are"):
         backend.set(page_keys(1)[0], torch.zeros(3, dtype=torch.bfloat16))
     backend.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="needs Linux and two CPUs this process may use (it keeps one for kvtier)")
+def test_controller_cpus_keeps_the_store_threads_off_the_callers_cores(sg, tmp_path):
+    mine = {max(os.sched_getaffinity(0))}
+    before = os.sched_getaffinity(0)
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")}, controller={"cpus": str(*mine)})
+    pool = rt.make_mha_pool(sg)
+    backend = attach(sg, pool, path)
+    keys, src = page_keys(2), fill(pool, 2, seed=5)
+    assert backend.batch_set_v1(keys, src) == [True, True]  # the file store's I/O threads start now
+    ours = [t for t in threading.enumerate() if t.name.startswith(("kvtier-sglang-store", "kvtier-file"))]
+    assert sorted({t.name.split("_")[0] for t in ours}) == ["kvtier-file", "kvtier-sglang-store"]
+    assert {t.name: os.sched_getaffinity(t.native_id) for t in ours} == {t.name: mine for t in ours}
+    assert os.sched_getaffinity(0) == before  # SGLang's calling thread is not moved
+    backend.close()
+    with pytest.raises(KvtierConfigError, match="controller.cpus='4096'"):
+        attach(sg, pool, write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")},
+                                    controller={"cpus": "4096"}))
 
 
 def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
