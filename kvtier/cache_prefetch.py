@@ -97,7 +97,7 @@ class PrefetchSide:
 
     def _apply_prefetch(self, p: PrefetchState, landed: int, finished: bool, stop: bool) -> None:
         op = p.op
-        if stop and not op.stop.is_set():
+        if stop and not op.stop:
             self.ctl.stop_prefetch(op)
         if landed > op.inserted:
             self._insert_landed(p, landed)
@@ -109,7 +109,7 @@ class PrefetchSide:
         c.l3_read_pages += landed
         c.l3_read_bytes += landed * self.ctl.mirror.page_bytes
         c.prefetch_stopped_early += op.outcome == "stopped"
-        c.prefetch_timed_out += bool(p.deadline is not None and op.stop.is_set())
+        c.prefetch_timed_out += bool(p.deadline is not None and op.stop)
         c.prefetch_errors += op.outcome == "error"
         c.prefetch_skipped_store_down += op.outcome == "store_down"
         c.prefetch_skipped_slow += op.outcome == "slow_store"
@@ -161,11 +161,11 @@ class PrefetchSide:
     def _idle(p: PrefetchState, present: int, landed: int, finished: int, stop: int) -> bool:
         """Would `_poll_prefetch` do nothing? (No grant due, no stop, no page landed, not finished.)"""
         return not (finished or stop or p.broken or landed > p.op.inserted) and \
-            (present < 0 or p.op.granted.is_set())
+            (present < 0 or p.op.granted)
 
     def _poll_prefetch(self, p: PrefetchState, present: int, landed: int, finished: int, stop: int) -> None:
         if p.broken:
             landed, stop = p.op.inserted, 1
-        if present >= 0 and not p.op.granted.is_set() and not p.broken:
+        if present >= 0 and not p.op.granted and not p.broken:
             self._grant(p, present)
         self._apply_prefetch(p, landed, bool(finished), bool(stop))

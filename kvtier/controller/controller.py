@@ -126,12 +126,12 @@ class CacheController:
             take = min(pages, self.mirror.allocator.available_size() // ps)
             if take:
                 op.host_pages = self.mirror.allocator.alloc_pages(take)
-        op.granted.set()
+        op.granted = True
         self.storage.wake(op)
         return take
 
     def stop_prefetch(self, op: PrefetchOp) -> None:
-        op.stop.set()
+        op.stop = True
         self.storage.wake(op)
 
     def page_slots(self, pages: np.ndarray) -> np.ndarray:

@@ -79,10 +79,10 @@ class PrefetchOp:
     keys: Sequence[str]  # a list, or PageKeys (made on the storage thread)
     tag: Any  # the scheduler's anchor; opaque here
     tokens: int  # tokens the keys cover
-    stop: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
-    granted: threading.Event = field(default_factory=threading.Event)
-    progress: threading.Event = field(default_factory=threading.Event)  # set on every state change
+    # written by the scheduler, then `StorageWorker.wake` (plain flags: nothing blocks on them)
+    stop: bool = False
+    granted: bool = False
     wake: asyncio.Event | None = None  # the storage loop's view of `granted` / `stop`
     host_pages: np.ndarray | None = None  # page numbers, set by the scheduler before `granted`
     # written by the storage thread
@@ -192,7 +192,6 @@ class StorageWorker:
         self._post(lambda: op.wake is not None and op.wake.set())
 
     def _moved(self, op: PrefetchOp) -> None:
-        op.progress.set()
         self.progress.set()
 
     async def _prefetch(self, op: PrefetchOp) -> None:
@@ -210,7 +209,7 @@ class StorageWorker:
     async def _prefetch_pages(self, op: PrefetchOp):
         """Read the op's pages; returns what to await before its pages are free (or None)."""
         op.wake = asyncio.Event()
-        if op.granted.is_set() or op.stop.is_set():
+        if op.granted or op.stop:
             op.wake.set()
         try:
             if not self.breaker.admit():
@@ -238,7 +237,7 @@ class StorageWorker:
                 return
             op.outcome = "done" if len(pages) == op.present else "partial"
             for start in range(0, len(pages), self.chunk):
-                if op.stop.is_set():
+                if op.stop:
                     op.outcome = "stopped"
                     return
                 chunk = pages[start:start + self.chunk]
@@ -282,12 +281,12 @@ class StorageWorker:
         """Wait for the scheduler to reserve host pages (it does so in its next poll);
         False if stopped or not granted within the store timeout."""
         try:
-            while not (op.granted.is_set() or op.stop.is_set()):
+            while not (op.granted or op.stop):
                 await asyncio.wait_for(op.wake.wait(), self.store.timeout_s)
                 op.wake.clear()
         except asyncio.TimeoutError:
             return False
-        return op.granted.is_set() and not op.stop.is_set()
+        return op.granted and not op.stop
 
     async def _read(self, keys: list[str], pages: np.ndarray) -> list[bool]:
         mirror = self.mirror
