@@ -13,7 +13,7 @@ small machine, the scheduler. To time kvtier alone, put the store on tmpfs: TMPD
 
 kvtier's own threads run on every CPU but the first (`controller.cpus`), as a server that
 gives its scheduler a core would set it: where they share the scheduler's core, each of its
-calls runs on caches they left cold (about 1.5x the CPU time on 2 cores). `--kvtier-cpus all`
+calls runs on caches they left cold (about 1.3x the scheduler's time on 2 cores). `--kvtier-cpus all`
 lets them run anywhere, to compare.
 Run: python benchmarks/cache.py   (or: tierctl bench cache)
 """

@@ -59,19 +59,20 @@ def check_cpus(text: str | None) -> frozenset[int] | None:
 
 
 def confine(native_id: int, cpus: frozenset[int] | None) -> None:
-    """Keep the thread `native_id` on `cpus` (threads it starts later inherit them)."""
-    if cpus is not None:
+    """Keep the thread `native_id` on `cpus` (threads it starts later inherit them). A CPU
+    gone offline since `check_cpus` is logged, not raised: the thread must still run."""
+    if cpus is None:
+        return
+    try:
         os.sched_setaffinity(native_id, cpus)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("thread %d: could not keep to CPUs %s (%s); running anywhere",
+                                            native_id, format_cpu_list(cpus), exc)
 
 
 def keep_to(cpus: frozenset[int] | None) -> None:
-    """Confine the calling thread (a thread's first act, before it starts others). A CPU
-    gone offline since `check_cpus` is logged, not raised: the thread must still run."""
-    try:
-        confine(threading.get_native_id(), cpus)
-    except OSError as exc:
-        logging.getLogger(__name__).warning("%s: could not keep to CPUs %s (%s); running anywhere",
-                                            threading.current_thread().name, format_cpu_list(cpus or ()), exc)
+    """Confine the calling thread: a thread's first act, before it starts others."""
+    confine(threading.get_native_id(), cpus)
 
 
 def format_cpu_list(cpus) -> str:

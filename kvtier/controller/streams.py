@@ -1,13 +1,13 @@
 """Transfer streams: where pool<->mirror copies run, and how their completion is signalled.
 
 `CpuTransferStream` runs jobs in order on one worker thread and signals through the
-handle (layers landed, done) under one condition (used when there is no GPU, and in
-every test); a thread that would
-block on a job the worker has not started runs it (and the jobs queued before it) itself.
+handle (layers landed, done) under one shared condition (used when there is no GPU, and
+in every test); a thread that would block on a job the worker has not started runs it
+(and the jobs queued before it) itself.
 `CudaTransferStream` has a worker thread enqueue the same jobs on a side CUDA stream
-(never the scheduler thread) and signals with CUDA events, made by that worker. A job's completion is reported
-only by the copy that finished: an exception is stored on the handle and re-raised to
-whoever waits on it.
+(never the scheduler thread) and signals with CUDA events, made by that worker. A job's
+completion is reported only by the copy that finished: an exception is stored on the
+handle and re-raised to whoever waits on it.
 """
 
 from __future__ import annotations
