@@ -1,6 +1,7 @@
 """tierctl: replay, serve + stats --url, stats --config, bench, and bad input (exit 2, one line)."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -150,6 +151,18 @@ def test_console_script_is_installed():
 def test_bench_tree_runs(capsys):
     assert main(["bench", "tree", "--sessions", "20", "--turns", "2"]) == 0
     assert "tree: match time ratio" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cpus", ["auto", "all"])
+def test_bench_cache_ends_with_the_line_the_issue_reads(capsys, cpus):
+    """The last line's exact shape (ratios only: no timing is asserted), and the header
+    names where kvtier's threads ran."""
+    assert main(["bench", "cache", "--sessions", "8", "--turns", "3", "--kvtier-cpus", cpus]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]
+    assert re.search(r"kvtier's threads on CPUs \S+$", lines[0]), lines[0]
+    if cpus == "all":
+        assert lines[0].endswith("CPUs any")
 
 
 def test_replay_plot_writes_a_png(cache_home, tmp_path, capsys):
