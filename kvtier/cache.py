@@ -171,7 +171,8 @@ class TieredCache:
         store = self.controller.store
         return (f"tree page_size={c.pool.page_size} eviction={c.tree.eviction_policy.value} hash={c.tree.hash_algo} | "
                 f"pool {c.pool.attention} {c.pool.num_layers} layers {c.pool.size} slots {c.pool.dtype} {c.pool.device} | "
-                f"mirror {mirror} | write={c.controller.write_policy.value} prefetch={c.controller.prefetch_policy.value} | "
+                f"mirror {mirror} | write={c.controller.write_policy.value} prefetch={c.controller.prefetch_policy.value} "
+                f"threads on CPUs {c.controller.cpus or 'any'} | "
                 f"store {store.name if store else 'none'} | namespace {self.namespace.id}")
 
     # -- lookups ------------------------------------------------------------------------------

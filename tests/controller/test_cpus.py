@@ -33,6 +33,7 @@ def test_kvtier_threads_keep_to_their_cpus_through_a_store_round_trip_and_the_sc
     assert names == ["kvtier-file", "kvtier-load", "kvtier-storage", "kvtier-write"]  # the store's, started later, too
     assert {t.name: os.sched_getaffinity(t.native_id) for t in ours} == {t.name: mine for t in ours}
     assert os.sched_getaffinity(0) == before  # the scheduler (this) thread is not moved
+    assert f"threads on CPUs {format_cpu_list(mine)} |" in cache.describe()  # the start log line says where
     cache.tree.sanity_check()
     cache.close()
 

@@ -237,7 +237,7 @@ def test_start_log_line_names_every_component(caplog):
         cache = make_cache()
     line = caplog.text
     for part in ("tree page_size=4 eviction=lru", "pool mha 2 layers 64 slots", "mirror page_first 128 slots",
-                 "write=write_through prefetch=wait_complete", "store memory", "namespace "):
+                 "write=write_through prefetch=wait_complete threads on CPUs any", "store memory", "namespace "):
         assert part in line
     check(cache)
     cache.close()
