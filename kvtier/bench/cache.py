@@ -21,7 +21,6 @@ Run: python benchmarks/cache.py   (or: tierctl bench cache)
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import threading
 import time
@@ -32,7 +31,7 @@ import numpy as np
 from kvtier.bench.trace import multiturn
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
-from kvtier.controller.cpus import format_cpu_list
+from kvtier.controller.cpus import allowed_cpus, format_cpu_list
 from kvtier.tree import RadixKey, RadixTree
 
 PAGE = 16
@@ -161,7 +160,7 @@ def kvtier_cpus(choice: str) -> str | None:
         return None
     if choice != "auto":
         return choice
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    allowed = sorted(allowed_cpus() or ())
     return format_cpu_list(allowed[1:]) if len(allowed) >= 2 else None
 
 

@@ -191,20 +191,17 @@ class StorageWorker:
         """Called from the scheduler thread after `granted` or `stop` changed."""
         self._post(lambda: op.wake is not None and op.wake.set())
 
-    def _moved(self, op: PrefetchOp) -> None:
-        self.progress.set()
-
     async def _prefetch(self, op: PrefetchOp) -> None:
         settled = None
         try:
             settled = await self._prefetch_pages(op)
         finally:
             op.finished = True
-            self._moved(op)
+            self.progress.set()
         if settled is not None:
             await settled
         op.settled = True
-        self._moved(op)
+        self.progress.set()
 
     async def _prefetch_pages(self, op: PrefetchOp):
         """Read the op's pages; returns what to await before its pages are free (or None)."""
@@ -221,10 +218,10 @@ class StorageWorker:
             if present and not self.speed.worth_loading(present, -(-present // self.chunk),
                                                         present * op.tokens // len(op.keys)):
                 op.present, op.outcome = 0, "slow_store"
-                self._moved(op)
+                self.progress.set()
                 return None
             op.present = present
-            self._moved(op)
+            self.progress.set()
             if op.present == 0:
                 op.outcome = "done"
                 return
@@ -247,7 +244,7 @@ class StorageWorker:
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
-                self._moved(op)
+                self.progress.set()
                 if run < len(ok):
                     op.outcome = "partial"  # a miss or a page that did not verify: stop at it
                     return
