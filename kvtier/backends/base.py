@@ -343,18 +343,31 @@ class Store(ABC):
 
     @staticmethod
     async def _in_threads(futures: list) -> list:
-        """Await thread-pool jobs that read or write the caller's buffers. If cancelled, wait
-        until every job has returned before letting the cancellation through, so a buffer
-        is never written after the call ended."""
-        try:  # shielded: cancelling the gather must not mark the jobs' futures done early
-            return await asyncio.gather(*(asyncio.shield(f) for f in futures))
-        except asyncio.CancelledError:
-            while not all(f.done() for f in futures):
-                try:
-                    await asyncio.wait(futures)
-                except asyncio.CancelledError:
-                    continue
-            raise
+        """Await thread-pool jobs that read or write the caller's buffers: their results, in
+        order. The call ends only once every job has returned, whatever happens: where a job
+        fails, the first failure (in job order) is raised after the others have returned;
+        where the call is cancelled, the cancellation goes through after they have. So a
+        buffer is never touched after the call ended (a failed batch whose other jobs went
+        on reading pages the caller had already reused could store wrong bytes under a
+        good checksum). Every job's error is retrieved, so asyncio logs none at exit."""
+        if not futures:
+            return []
+        cancelled = None
+        while True:
+            try:  # asyncio.wait never cancels what it waits for
+                await asyncio.wait(futures)
+                break
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+                if all(f.done() for f in futures):
+                    break
+        errors = [f.exception() for f in futures if not f.cancelled()]
+        if cancelled is not None:
+            raise cancelled
+        for error in errors:
+            if error is not None:
+                raise error
+        return [f.result() for f in futures]
 
     def complain(self, kind: str, message: str) -> None:
         """Log the first failure of each kind (error, timeout, rejected, corrupt), then
