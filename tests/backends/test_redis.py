@@ -61,3 +61,40 @@ async def test_a_write_to_a_hung_server_lets_go_of_the_pages_after_the_store_tim
     finally:
         hole.stop()  # the server hangs up: any writer still blocked ends now
         await store.close()
+
+
+async def test_small_pages_go_out_together_and_a_big_one_between_them_stays_whole(redis_server):
+    """The write thread batches small SETs into one send and sends a big page alone; TTL and
+    NX options follow every payload, whatever the batch boundaries."""
+    store = RedisStore(RedisStoreConfig(url=redis_server.url, overwrite=False, ttl_s=600, write_threads=1))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        pages = [i.to_bytes(2, "little") * 2048 for i in range(300)]  # 300 small SETs: over one send's parts
+        pages[150] = b"\x07" * (3 << 20)  # bigger than one send's bytes
+        keys = [new_key() for _ in pages]
+        assert await store.batch_set(keys, pages) == [True] * len(pages)
+        assert await store.batch_get(keys) == pages
+        assert all(0 < raw.ttl(k) <= 600 for k in keys[::37])
+        assert store.counters.set_failures == 0
+    finally:
+        raw.close()
+        await store.close()
+
+
+def test_a_page_that_cannot_be_hashed_fails_its_write_without_hanging_it(redis_server):
+    """The hashing thread's error reaches the sending thread (which would otherwise wait for
+    that header forever), and the connection goes back to the pool."""
+    from kvtier.backends.frame import Frame
+
+    store = RedisStore(RedisStoreConfig(url=redis_server.url, write_threads=1))
+    try:
+        gone = memoryview(bytearray(4096))
+        gone.release()
+        frames = [Frame("0" * 32, b"\x01" * 32, memoryview(b"a" * 4096)), Frame("0" * 32, b"\x02" * 32, gone)]
+        with pytest.raises(ValueError):
+            store._send_sets([new_key(), new_key()], frames)
+        assert store._send_sets([new_key()], frames[:1]) == [True]
+    finally:
+        import asyncio
+
+        asyncio.run(store.close())
