@@ -37,7 +37,12 @@ from kvtier.bench.timing import alternate
 from kvtier.hashing import make_key
 
 NS = "0" * 32
-SHAPES = [(32, 1 << 20), (8, 8 << 20)]
+SHAPES = [(256, 64 << 10), (32, 1 << 20), (8, 8 << 20)]  # (pages, bytes per page)
+SLOW_SMALL = {"s3"}  # moto's server spends ~6 ms a request: 64 KiB pages time moto, not us
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def page_aligned(n: int, size: int) -> list[memoryview]:
@@ -152,6 +157,8 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[floa
                 store, raw = make()
                 set_r, get_r = [], []
                 for n, size in SHAPES:
+                    if name in SLOW_SMALL and size < 1 << 20:
+                        continue
                     # both sides write the same pages and read into the same page-aligned
                     # buffers: where a buffer lies moved raw reads by up to 3x (docstring)
                     pages = [os.urandom(size) for _ in range(n)]
@@ -164,7 +171,7 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[floa
                     bufs[0][:1] = bufs[-1][-1:] = b"?"
                     s_get()
                     assert bufs == pages, "read back differs"
-                    line = f"{name:7s} {n:2d} x {size >> 20} MiB: set {gbs['set']:6.2f} GB/s  get {gbs['get']:6.2f} GB/s"
+                    line = f"{name:7s} {n:3d} x {_size(size)}: set {gbs['set']:6.2f} GB/s  get {gbs['get']:6.2f} GB/s"
                     if raw is not None:
                         set_r.append(gbs["set"] / gbs["raw set"])
                         get_r.append(gbs["get"] / gbs["raw get"])
