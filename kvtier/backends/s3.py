@@ -64,8 +64,11 @@ class S3Store(Store):
             endpoint_url=config.endpoint_url,
             config=Config(
                 retries={"max_attempts": config.max_attempts, "mode": "standard"},
-                connect_timeout=config.connect_timeout_s,
-                read_timeout=config.read_timeout_s,
+                # a call the store gave up on (timeout_s) must not hold its thread, and so
+                # the caller's pages (and a close), much longer: each attempt's socket
+                # times out no later than that
+                connect_timeout=min(config.connect_timeout_s, timeout_s),
+                read_timeout=min(config.read_timeout_s, timeout_s),
                 max_pool_connections=config.max_workers,
             ),
         )

@@ -56,6 +56,26 @@ async def test_s3_endpoint_down_is_mapped_within_timeout():
     await store.close()
 
 
+async def test_a_put_to_a_hung_s3_endpoint_lets_go_of_the_page_after_the_store_timeout():
+    """Each attempt's socket times out with the store call, not after read_timeout_s: a
+    backup's host pages are not held (nor a close, nor the process's exit, which joins the
+    pool's threads) for minutes by an endpoint that accepts and never answers."""
+    from kvtier.bench.servers import BlackHole
+
+    hole = BlackHole()
+    store = S3Store(S3StoreConfig(endpoint_url=f"http://127.0.0.1:{hole.port}", max_attempts=1,
+                                  connect_timeout_s=120.0, read_timeout_s=120.0,
+                                  access_key_id="x", secret_access_key="y"), timeout_s=0.3)
+    try:
+        with pytest.raises(StoreTimeout) as err:
+            await store.batch_set([new_key()], [b"x" * 4096])
+        await asyncio.wait({err.value.settled}, timeout=30)
+        assert err.value.settled.done()  # without the fix: held until the 120 s read timeout
+    finally:
+        hole.stop()  # the endpoint hangs up: any put still blocked ends now
+        await store.close()
+
+
 async def test_stalled_store_times_out(redis_server):
     """A server that accepts but never answers: StoreTimeout at timeout_s."""
     import socket
