@@ -21,6 +21,22 @@ def new_key(ns: str = NS) -> str:
     return make_key("kvtier/test", ns, os.urandom(32))
 
 
+async def write_lets_go_in_time(store) -> bool:
+    """A write to a hung server: StoreTimeout at the store's timeout, and (`settled`) its
+    threads let go of the caller's page within 30 s, long before the sockets' own timeouts
+    the caller set (120 s). True if they did."""
+    import asyncio
+
+    import pytest
+
+    from kvtier.errors import StoreTimeout
+
+    with pytest.raises(StoreTimeout) as err:
+        await store.batch_set([new_key()], [b"x" * 4096])
+    await asyncio.wait({err.value.settled}, timeout=30)
+    return err.value.settled.done()
+
+
 @dataclass
 class Harness:
     name: str
