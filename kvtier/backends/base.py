@@ -15,7 +15,7 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from kvtier.backends import frame
 from kvtier.backends.frame import Buffer, FrameError
@@ -296,15 +296,23 @@ class Store(ABC):
         ends when the call has really stopped touching the caller's buffers (a thread job
         of the file or s3 store finishes its page first). Buffers are the caller's again
         only after `settled`."""
-        task = asyncio.ensure_future(coro)
-        timer = asyncio.ensure_future(self._deadline(op, task))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(coro)
+        woken = loop.create_future()  # by the call's end or its deadline, whichever comes first
+
+        def wake(_=None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        task.add_done_callback(wake)
+        disarm = self._arm_deadline(op, task, wake)
         try:
-            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+            await woken
         except asyncio.CancelledError:
             task.cancel()
             raise
         finally:
-            timer.cancel()
+            disarm()
         if not task.done():
             task.cancel()
             self.counters.timeouts += 1
@@ -337,9 +345,11 @@ class Store(ABC):
                 self.complain("error", str(mapped))
             raise mapped from exc
 
-    async def _deadline(self, op: str, task: asyncio.Future) -> None:
-        """Ends when the call `task` of `op` has run out of time (a test store decides it)."""
-        await asyncio.sleep(self.timeout_s)
+    def _arm_deadline(self, op: str, task: asyncio.Future, fire: Callable[[], None]) -> Callable[[], None]:
+        """Call `fire` once the call `task` of `op` has run out of time (a test store decides
+        when); returns what disarms it. A timer, not a task: a store call costs ~20 us less
+        on the storage thread."""
+        return asyncio.get_running_loop().call_later(self.timeout_s, fire).cancel
 
     @staticmethod
     async def _in_threads(futures: list) -> list:

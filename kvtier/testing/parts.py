@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvtier.backends.base import verify_into
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
@@ -120,20 +120,16 @@ class SimStore(MemoryStore):
     def __init__(self) -> None:
         super().__init__(MemoryStoreConfig(capacity_bytes=1 << 30), timeout_s=1e9)
         self.pending: list[Call] = []
-        self.deadlines: dict[asyncio.Task, asyncio.Future] = {}
+        self.deadlines: dict[asyncio.Task, Callable[[], None]] = {}
         self.auto: random.Random | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- the store's side (its event loop) ----------------------------------------------------
 
-    async def _deadline(self, op: str, task: asyncio.Task) -> None:
+    def _arm_deadline(self, op: str, task: asyncio.Task, fire: Callable[[], None]) -> Callable[[], None]:
         """A call's deadline is the test's to fire (`fire_deadline`)."""
-        fut = asyncio.get_running_loop().create_future()
-        self.deadlines[task] = fut
-        try:
-            await fut
-        finally:
-            del self.deadlines[task]
+        self.deadlines[task] = fire
+        return lambda: self.deadlines.pop(task, None)
 
     async def _wait(self, op: str, keys: list[str], *args) -> Call:
         self.loop = asyncio.get_running_loop()
@@ -157,7 +153,7 @@ class SimStore(MemoryStore):
 
     # -- the test's side (its thread) ---------------------------------------------------------
 
-    def deadline_of(self, call: Call) -> asyncio.Future | None:
+    def deadline_of(self, call: Call) -> Callable[[], None] | None:
         return self.deadlines.get(call.task)
 
     def resolve(self, call: Call, outcome: str, rng: random.Random) -> None:
@@ -191,11 +187,11 @@ class SimStore(MemoryStore):
     def fire_deadline(self, call: Call) -> bool:
         """The call runs out of time now; it stays pending and completes (late) when
         resolved. False if its deadline is not armed."""
-        fut = self.deadline_of(call)
-        if fut is None or call.timed_out:
+        fire = self.deadline_of(call)
+        if fire is None or call.timed_out:
             return False
         call.timed_out = True
-        self.loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        self.loop.call_soon_threadsafe(fire)
         return True
 
     def _do_exists(self, call: Call, outcome: str, rng):
