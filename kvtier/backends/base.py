@@ -297,7 +297,7 @@ class Store(ABC):
         of the file or s3 store finishes its page first). Buffers are the caller's again
         only after `settled`."""
         loop = asyncio.get_running_loop()
-        task = loop.create_task(coro)
+        task = asyncio.ensure_future(coro)  # a backend may hand back any awaitable
         woken = loop.create_future()  # by the call's end or its deadline, whichever comes first
 
         def wake(_=None) -> None:
