@@ -1,4 +1,7 @@
-"""kvtier's own small exception tree. Client errors are mapped onto it at the boundary."""
+"""kvtier's own small exception tree (client errors are mapped onto it at the boundary),
+and how repeated failures are logged."""
+
+import logging
 
 
 class KvtierError(Exception):
@@ -23,3 +26,20 @@ class StoreUnavailable(StoreError):
 
 class StoreKeyError(StoreError, ValueError):
     """A key is not of the form `<prefix>/<namespace id>/<hex page hash>`."""
+
+
+class Complaints:
+    """Logs the first failure of each kind, then every `every`-th with the running count. A
+    sick store fails every call: a line per call would bury the log (counters keep them all)."""
+
+    def __init__(self, logger: logging.Logger, prefix: str = "", every: int = 100) -> None:
+        self.log, self.prefix, self.every = logger, prefix, every
+        self.seen: dict[str, int] = {}
+
+    def __call__(self, kind: str, message: str) -> None:
+        seen = self.seen.get(kind, 0) + 1
+        self.seen[kind] = seen
+        if seen == 1:
+            self.log.warning("%s%s", self.prefix, message)
+        elif seen % self.every == 0:
+            self.log.warning("%s%d %s failures so far; latest: %s", self.prefix, seen, kind, message)

@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from kvtier.backends import frame
 from kvtier.backends.frame import Buffer, FrameError
-from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
+from kvtier.errors import Complaints, KvtierError, StoreError, StoreTimeout, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Store(ABC):
             raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0")
         self.timeout_s = timeout_s
         self.counters = StoreCounters()
-        self._complaints: dict[str, int] = {}
+        self._complaints = Complaints(log, f"{self.name} store: ")
 
     # -- public API ------------------------------------------------------------------------
 
@@ -382,12 +382,7 @@ class Store(ABC):
     def complain(self, kind: str, message: str) -> None:
         """Log the first failure of each kind (error, timeout, rejected, corrupt), then
         every 100th with the running count; `stats()` counts them all."""
-        seen = self._complaints.get(kind, 0) + 1
-        self._complaints[kind] = seen
-        if seen == 1:
-            log.warning("%s store: %s", self.name, message)
-        elif seen % 100 == 0:
-            log.warning("%s store: %d %s failures so far; latest: %s", self.name, seen, kind, message)
+        self._complaints(kind, message)
 
     def _check(self, keys: Sequence[str]) -> list[tuple[str, str, bytes]]:
         if isinstance(keys, str):

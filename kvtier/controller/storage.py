@@ -32,7 +32,7 @@ from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.controller.cpus import keep_to
 from kvtier.controller.speed import LoadSpeed
 from kvtier.controller.waker import Waker
-from kvtier.errors import KvtierError
+from kvtier.errors import Complaints, KvtierError
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class StorageWorker:
         """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py)."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
+        self._complain = Complaints(log)  # a full disk fails every backup: not a line each
         self.clock = clock
         self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
         self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to write once
@@ -250,7 +251,7 @@ class StorageWorker:
                     return
         except KvtierError as exc:
             op.outcome, op.error = "error", str(exc)
-            log.warning("prefetch %s: %s (its pages are misses)", op.request_id, exc)
+            self._complain("prefetch", f"prefetch {op.request_id}: {exc} (its pages are misses)")
             return getattr(exc, "settled", None)
         except Exception as exc:  # never leave an op unfinished
             op.outcome, op.error = "error", f"{type(exc).__name__}: {exc}"
@@ -312,7 +313,7 @@ class StorageWorker:
             op.error = str(exc)
             op.ok = [False] * len(op.keys)
             settled = getattr(exc, "settled", None)
-            log.warning("backup of %d pages failed: %s", len(op.keys), exc)
+            self._complain("backup", f"backup of {len(op.keys)} pages failed: {exc}")
         except Exception as exc:
             op.error = f"{type(exc).__name__}: {exc}"
             op.ok = [False] * len(op.keys)

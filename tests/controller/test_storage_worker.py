@@ -91,3 +91,39 @@ def test_a_closed_waker_writes_nowhere(tmp_path):
     finally:
         os.close(number)
         os.close(other)
+
+
+def test_a_store_failing_every_backup_logs_the_first_and_every_100th(tmp_path, monkeypatch, caplog):
+    """A full disk fails every backup: the storage thread logs the first failure and then
+    every 100th with the running count (the counters keep them all), not a line each."""
+    import errno
+    import logging
+
+    import torch
+
+    from kvtier.backends import file_io
+    from kvtier.backends.file import FileStore, FileStoreConfig
+    from kvtier.controller.breaker import BreakerConfig
+    from kvtier.controller.storage import BackupOp, StorageWorker
+    from kvtier.hashing import key_maker
+    from kvtier.tiers.mirror import HostMirror, MirrorConfig
+    from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+
+    def no_room(fd, frame):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_io, "_write_page", no_room)  # a disk with no room and nothing to evict
+    pool = DeviceKVPool(PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8))
+    mirror = HostMirror(pool, MirrorConfig(ratio=1.0))
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    worker = StorageWorker(store, mirror, 1 << 20, breaker=BreakerConfig(failures=10_000))  # never down
+    key = key_maker("t", "0" * 32)
+    ops = [BackupOp([key(i.to_bytes(32, "little"))], torch.tensor([1]), tag=None) for i in range(150)]
+    with caplog.at_level(logging.WARNING, logger="kvtier.controller.storage"):
+        for op in ops:
+            worker.submit_backup(op)
+        worker.drain(60)
+    worker.close()
+    assert all(op.finished and op.ok == [False] for op in ops)
+    lines = [r.getMessage() for r in caplog.records if "backup of" in r.getMessage()]
+    assert len(lines) == 2 and "100 backup failures so far" in lines[1], lines
