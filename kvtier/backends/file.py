@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -66,6 +67,7 @@ class FileStore(Store):
             raise StoreUnavailable(f"file store root={str(self.root)!r}: {exc}") from exc
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
         self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
+        self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file")
         with self._shared() as usage:
             self._rebuild_index()
@@ -190,6 +192,7 @@ class FileStore(Store):
         fits = [f.size <= self.config.capacity_bytes for f in frames]
         items = [(self._file(k), f, self.config.fsync) for k, f, ok in zip(keys, frames, fits) if ok]
         results = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
+        await self._retry_if_disk_full(results, items)
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
         if failed and len(failed) == len(keys):
             k, err = next(iter(failed.items()))
@@ -209,6 +212,28 @@ class FileStore(Store):
         await self._enforce_capacity(added)
         return ok
 
+    async def _retry_if_disk_full(self, results: dict, items: list[tuple]) -> None:
+        """The disk filled up before `capacity_bytes` did (other files share it, or the
+        capacity was set above its size): evict least recently used pages worth the bytes
+        the batch could not write, then write those pages once more. The store keeps
+        working as an LRU cache as big as the disk lets it be, instead of refusing every
+        write from then on (and being marked down, its stored pages unread)."""
+        full = [(k, it) for (k, r), it in zip(results.items(), items)
+                if isinstance(r, OSError) and r.errno in (errno.ENOSPC, errno.EDQUOT)]
+        if not full:
+            return
+        need = sum(it[1].size for _, it in full)
+        with self._shared() as usage:
+            victims = self._choose_victims(usage, max(0, usage[0] - need))
+        if not victims:
+            return
+        await self._unlink_victims(victims)
+        self.disk_full_evictions += len(victims)
+        self.complain("disk_full", f"disk full under {self._root_str}: evicted {len(victims)} pages "
+                                   f"({sum(n for _, n in victims)} bytes) to write {len(full)}")
+        retried = await self._batch(_write_atomically, [it for _, it in full])
+        results.update(zip([k for k, _ in full], retried))
+
     async def _enforce_capacity(self, added: int = 0) -> None:
         """Hold `capacity_bytes` for the whole root, whichever processes wrote it: evict
         this process's least recently used pages; if none are left, re-read the root and
@@ -222,20 +247,23 @@ class FileStore(Store):
         with self._shared() as usage:
             if len(usage) == 1:
                 usage[0] += added
-            victims = self._choose_victims(usage)
-        if not victims:
-            return
+            victims = self._choose_victims(usage, self.config.capacity_bytes)
+        if victims:
+            await self._unlink_victims(victims)
+
+    async def _unlink_victims(self, victims: list[tuple[str, int]]) -> None:
+        """Remove the files of pages `_choose_victims` took off the index and the count."""
         removed = await self._batch(_unlink_quietly, [(self._file(k),) for k, _ in victims])
         error = sum(size - (r if isinstance(r, int) else 0) for (_, size), r in zip(victims, removed))
         if error:
             with self._shared() as usage:
                 usage[0] += error
 
-    def _choose_victims(self, usage: list) -> list[tuple[str, int]]:
-        """(key, bytes) of the pages to evict so that `usage[0]` fits the capacity; taken
-        off the index and the count now (the caller holds the root's lock)."""
+    def _choose_victims(self, usage: list, limit: int) -> list[tuple[str, int]]:
+        """(key, bytes) of the pages to evict so that `usage[0]` fits `limit`; taken off
+        the index and the count now (the caller holds the root's lock)."""
         victims, rescanned = [], False
-        while usage[0] > self.config.capacity_bytes:
+        while usage[0] > limit:
             if not self._sizes:
                 if rescanned:
                     break
@@ -295,7 +323,8 @@ class FileStore(Store):
 
     def _extra_stats(self):
         return {"pages": len(self._sizes), "used_bytes": self.used_bytes,
-                "capacity_bytes": self.config.capacity_bytes, "root": str(self.root)}
+                "capacity_bytes": self.config.capacity_bytes, "root": str(self.root),
+                "disk_full_evictions": self.disk_full_evictions}
 
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"

@@ -107,3 +107,38 @@ async def test_no_client_error_escapes_unmapped(tmp_path):
     assert isinstance(err.value.__cause__, OSError)
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))  # no half page left
     assert await store.batch_exists([k]) == 0  # a failed write is never visible
+
+
+async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_storing(tmp_path, monkeypatch):
+    """A file store whose disk fills up first (other files share it, or capacity_bytes is
+    above the disk's size) goes on as an LRU cache as big as the disk, instead of refusing
+    every write from then on. The disk is emulated: page writes past 20 pages' worth of
+    bytes under the root fail with ENOSPC, as a full filesystem's write does."""
+    import errno
+
+    from kvtier.backends import file_io
+    from kvtier.backends.file import FileStore, FileStoreConfig, _bytes_under
+
+    page = 8192
+    disk = 20 * (page + 64)
+    real_write = file_io._write_page
+
+    def write_page(fd, frame):
+        if _bytes_under(tmp_path) + frame.size > disk:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(fd, frame)
+
+    monkeypatch.setattr(file_io, "_write_page", write_page)
+    store = FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1))
+    try:
+        keys = [new_key() for _ in range(60)]
+        pages = [os.urandom(page) for _ in keys]
+        for i in range(0, len(keys), 6):
+            assert await store.batch_set(keys[i:i + 6], pages[i:i + 6]) == [True] * 6
+        assert await store.batch_get(keys[-12:]) == pages[-12:]  # the newest are all kept
+        assert await store.batch_get(keys[:6]) == [None] * 6  # the oldest made room
+        stats = store.stats()
+        assert stats["disk_full_evictions"] >= 40 and stats["set_failures"] == 0
+        assert _bytes_under(tmp_path) <= disk
+    finally:
+        await store.close()
