@@ -191,8 +191,9 @@ class FileStore(Store):
         counted); when none could be written the batch fails as a store error."""
         fits = [f.size <= self.config.capacity_bytes for f in frames]
         items = [(self._file(k), f, self.config.fsync) for k, f, ok in zip(keys, frames, fits) if ok]
-        results = dict(zip([k for k, ok in zip(keys, fits) if ok], await self._batch(_write_atomically, items)))
-        await self._retry_if_disk_full(results, items)
+        outcomes = await self._batch(_write_atomically, items)
+        await self._retry_if_disk_full(items, outcomes)
+        results = dict(zip([k for k, ok in zip(keys, fits) if ok], outcomes))
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
         if failed and len(failed) == len(keys):
             k, err = next(iter(failed.items()))
@@ -212,17 +213,17 @@ class FileStore(Store):
         await self._enforce_capacity(added)
         return ok
 
-    async def _retry_if_disk_full(self, results: dict, items: list[tuple]) -> None:
+    async def _retry_if_disk_full(self, items: list[tuple], outcomes: list) -> None:
         """The disk filled up before `capacity_bytes` did (other files share it, or the
         capacity was set above its size): evict least recently used pages worth the bytes
-        the batch could not write, then write those pages once more. The store keeps
-        working as an LRU cache as big as the disk lets it be, instead of refusing every
-        write from then on (and being marked down, its stored pages unread)."""
-        full = [(k, it) for (k, r), it in zip(results.items(), items)
-                if isinstance(r, OSError) and r.errno in (errno.ENOSPC, errno.EDQUOT)]
+        the batch could not write, then write those pages once more (their `outcomes`
+        replaced). The store keeps working as an LRU cache as big as the disk lets it be,
+        instead of refusing every write from then on (and being marked down, its stored
+        pages unread)."""
+        full = [i for i, r in enumerate(outcomes) if isinstance(r, OSError) and r.errno in _DISK_FULL]
         if not full:
             return
-        need = sum(it[1].size for _, it in full)
+        need = sum(items[i][1].size for i in full)
         with self._shared() as usage:
             victims = self._choose_victims(usage, max(0, usage[0] - need))
         if not victims:
@@ -231,8 +232,8 @@ class FileStore(Store):
         self.disk_full_evictions += len(victims)
         self.complain("disk_full", f"disk full under {self._root_str}: evicted {len(victims)} pages "
                                    f"({sum(n for _, n in victims)} bytes) to write {len(full)}")
-        retried = await self._batch(_write_atomically, [it for _, it in full])
-        results.update(zip([k for k, _ in full], retried))
+        for i, r in zip(full, await self._batch(_write_atomically, [items[i] for i in full])):
+            outcomes[i] = r
 
     async def _enforce_capacity(self, added: int = 0) -> None:
         """Hold `capacity_bytes` for the whole root, whichever processes wrote it: evict
@@ -328,6 +329,7 @@ class FileStore(Store):
 
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 STALE_TEMP_S = 3600.0
 
 
