@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_jobs
 from dataclasses import dataclass, field
@@ -179,12 +180,12 @@ class RedisStore(Store):
         argc = b"*%d\r\n$3\r\nSET\r\n" % (3 + len(extra))
         end = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)  # after each payload
         headers: queue.SimpleQueue = queue.SimpleQueue()
-        stop = []
+        stop = threading.Event()  # the sending ended early: hash no further
 
         def hash_ahead() -> None:
             try:
                 for f in frames:
-                    if stop:
+                    if stop.is_set():
                         return
                     headers.put(f.header)
             except BaseException as exc:  # the sender must not wait for a header that never comes
@@ -218,7 +219,7 @@ class RedisStore(Store):
             conn.disconnect()  # a half-read pipeline must not be reused
             raise
         finally:
-            stop.append(True)
+            stop.set()
             if hashing is not None:
                 wait_for_jobs([hashing])  # it reads the caller's pages: done before the job ends
             self._writer.release(conn)
