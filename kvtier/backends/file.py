@@ -191,9 +191,10 @@ class FileStore(Store):
         counted); when none could be written the batch fails as a store error."""
         fits = [f.size <= self.config.capacity_bytes for f in frames]
         items = [(self._file(k), f, self.config.fsync) for k, f, ok in zip(keys, frames, fits) if ok]
+        written = [k for k, ok in zip(keys, fits) if ok]
         outcomes = await self._batch(_write_atomically, items)
-        await self._retry_if_disk_full(items, outcomes)
-        results = dict(zip([k for k, ok in zip(keys, fits) if ok], outcomes))
+        await self._retry_if_disk_full(written, items, outcomes)
+        results = dict(zip(written, outcomes))
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
         if failed and len(failed) == len(keys):
             k, err = next(iter(failed.items()))
@@ -213,17 +214,19 @@ class FileStore(Store):
         await self._enforce_capacity(added)
         return ok
 
-    async def _retry_if_disk_full(self, items: list[tuple], outcomes: list) -> None:
+    async def _retry_if_disk_full(self, keys: list[str], items: list[tuple], outcomes: list) -> None:
         """The disk filled up before `capacity_bytes` did (other files share it, or the
         capacity was set above its size): evict least recently used pages worth the bytes
-        the batch could not write, then write those pages once more (their `outcomes`
-        replaced). The store keeps working as an LRU cache as big as the disk lets it be,
-        instead of refusing every write from then on (and being marked down, its stored
-        pages unread)."""
+        the batch could not write (pages of `keys`, the batch's own, last), then write those
+        pages once more (their `outcomes` replaced). The store keeps working as an LRU cache
+        as big as the disk lets it be, instead of refusing every write from then on (and
+        being marked down, its stored pages unread)."""
         full = [i for i, r in enumerate(outcomes) if isinstance(r, OSError) and r.errno in _DISK_FULL]
         if not full:
             return
         need = sum(items[i][1].size for i in full)
+        for key in keys:  # a page this batch rewrote must not be what makes room for the rest
+            self._touch(key)
         with self._shared() as usage:
             victims = self._choose_victims(usage, max(0, usage[0] - need))
         if not victims:

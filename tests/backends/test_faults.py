@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from kvtier.backends import frame
+from kvtier.backends.file import FileStore, FileStoreConfig, _bytes_under
 from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
 from kvtier.backends.s3 import S3Store, S3StoreConfig
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
@@ -96,8 +98,6 @@ async def test_stalled_store_times_out(redis_server):
 
 async def test_no_client_error_escapes_unmapped(tmp_path):
     """Every client failure surfaces as a StoreError subclass with the original chained."""
-    from kvtier.backends.file import FileStore, FileStoreConfig
-
     store = FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
     k = new_key()
     store.path(k).parent.mkdir(parents=True)
@@ -109,26 +109,30 @@ async def test_no_client_error_escapes_unmapped(tmp_path):
     assert await store.batch_exists([k]) == 0  # a failed write is never visible
 
 
-async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_storing(tmp_path, monkeypatch):
-    """A file store whose disk fills up first (other files share it, or capacity_bytes is
-    above the disk's size) goes on as an LRU cache as big as the disk, instead of refusing
-    every write from then on. The disk is emulated: page writes past 20 pages' worth of
-    bytes under the root fail with ENOSPC, as a full filesystem's write does."""
+def _small_disk(root, monkeypatch, size: int) -> int:
+    """Page writes under `root` fail with ENOSPC, as a full filesystem's do, once the pages
+    there and the one being written would pass `size` bytes."""
     import errno
 
     from kvtier.backends import file_io
-    from kvtier.backends.file import FileStore, FileStoreConfig, _bytes_under
 
-    page = 8192
-    disk = 20 * (page + 64)
     real_write = file_io._write_page
 
-    def write_page(fd, frame):
-        if _bytes_under(tmp_path) + frame.size > disk:
+    def write_page(fd, page):
+        if _bytes_under(root) + page.size > size:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(fd, frame)
+        real_write(fd, page)
 
     monkeypatch.setattr(file_io, "_write_page", write_page)
+    return size
+
+
+async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_storing(tmp_path, monkeypatch):
+    """A file store whose disk fills up first (other files share it, or capacity_bytes is
+    above the disk's size) goes on as an LRU cache as big as the disk, instead of refusing
+    every write from then on. The disk (`_small_disk`) holds 20 pages."""
+    page = 8192
+    disk = _small_disk(tmp_path, monkeypatch, 20 * (page + frame.HEADER_SIZE))
     store = FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1))
     try:
         keys = [new_key() for _ in range(60)]
@@ -140,5 +144,26 @@ async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_
         stats = store.stats()
         assert stats["disk_full_evictions"] >= 40 and stats["set_failures"] == 0
         assert _bytes_under(tmp_path) <= disk
+    finally:
+        await store.close()
+
+
+async def test_a_page_rewritten_by_the_batch_that_fills_the_disk_is_not_its_victim(tmp_path, monkeypatch):
+    """The oldest page is written again in a batch whose last page finds the disk full:
+    room is made from other pages, so the rewritten one (the newest now) stays readable."""
+    page = 8192
+    _small_disk(tmp_path, monkeypatch, 20 * (page + frame.HEADER_SIZE))
+    store = FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1))
+    try:
+        keys = [new_key() for _ in range(19)]
+        pages = [os.urandom(page) for _ in keys]
+        for k, p in zip(keys, pages):  # one at a time: keys[0] is the least recently used
+            assert await store.batch_set([k], [p]) == [True]
+        fresh = [new_key(), new_key()]
+        batch = [keys[0], *fresh]  # keys[0] and fresh[0] fit; fresh[1] finds the disk full
+        data = [pages[0], os.urandom(page), os.urandom(page)]
+        assert await store.batch_set(batch, data) == [True] * 3
+        assert store.stats()["disk_full_evictions"] >= 1
+        assert await store.batch_get(batch) == data
     finally:
         await store.close()
