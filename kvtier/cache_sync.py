@@ -103,7 +103,18 @@ class Applier(PrefetchSide):
         ev = self.tree.evict_host(n)
         self.ctl.free_host(ev.host_slots)
         self.counters.host_evicted_tokens += ev.evicted_tokens
+        self._touch_in_store(ev.removed)
         return ev.evicted_tokens
+
+    def _touch_in_store(self, nodes: list[TreeNode]) -> None:
+        """Pages that left host live on in the store only: make them its newest there. A
+        page hit on device or host never reaches the store, so by access order alone the
+        store would evict the pages used most first."""
+        if self.ctl.storage is None:
+            return
+        hashes = [h for node in nodes if node.hashes for h in node.hashes]
+        if hashes:
+            self.ctl.storage.touch(PageKeys(hashes, self.key_of))
 
     # -- writes -------------------------------------------------------------------------------
 

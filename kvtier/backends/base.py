@@ -176,6 +176,12 @@ class Store(ABC):
             self.complain("rejected", f"{len(ok) - sum(ok)} of {len(ok)} pages not stored (the store refused them)")
         return list(ok)
 
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark stored pages as just used: their copies above the store are gone, so the
+        store's copy is now the one that counts. A store that keeps its own eviction order
+        (file: least recently used first) makes them its newest; the others ignore it. No
+        I/O: called on the store's loop thread."""
+
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys`; returns how many were present."""
         self._check(keys)

@@ -296,6 +296,10 @@ class FileStore(Store):
     async def _close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def touch(self, keys) -> None:
+        for key in keys:
+            self._touch(key)
+
     def _touch(self, key: str) -> None:
         if key in self._sizes:
             self._sizes.move_to_end(key)

@@ -188,6 +188,17 @@ class StorageWorker:
         self.futures.add(fut)
         fut.add_done_callback(self.futures.discard)
 
+    def touch(self, keys: "PageKeys") -> None:
+        """Called from the scheduler thread: these pages just left host, so the store's
+        copies are the ones left (`Store.touch`). Rides along with the next wake-up."""
+        self._post(lambda: self._touch_now(keys))
+
+    def _touch_now(self, keys: "PageKeys") -> None:
+        try:
+            self.store.touch(keys)
+        except Exception:  # an order hint: never worth an op
+            log.exception("touching %d pages in the store failed", len(keys))
+
     def wake(self, op: PrefetchOp) -> None:
         """Called from the scheduler thread after `granted` or `stop` changed."""
         self._post(lambda: op.wake is not None and op.wake.set())

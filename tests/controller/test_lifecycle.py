@@ -366,3 +366,34 @@ def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
         cache.cache_finished(rid, prompts[i], got.indices)
     check(cache)
     cache.close()
+
+
+def test_pages_that_leave_host_become_the_newest_in_the_store(tmp_path):
+    """A page hit on device or host never reaches the store, so the store's own access
+    order would evict first what is used most. When host evicts a page, the store's copy is
+    the one left: it becomes the store's newest, and an older page makes room instead.
+
+    Device 32 tokens, host 32, a file store of 8 pages: A and B fill device and host (and
+    the store, A oldest); C needs device and host room, so A goes to host and then leaves
+    it (B stays on device); C's backup makes the store evict 4 pages: B's, not A's."""
+    from kvtier.backends import frame
+    from kvtier.backends.file import FileStore, FileStoreConfig
+
+    page_file = 4 * 2 * 2 * 2 * 4 * 4 + frame.HEADER_SIZE  # 4 tokens x layers x K,V x heads x dim x fp32
+    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3"), capacity_bytes=8 * page_file))
+    cache = make_cache(pool_size=32, ratio=1.0, store_obj=store)
+    B, C = np.arange(200, 216), np.arange(300, 316)
+    kv_a = compute(cache, A, seed=1)
+    settle(cache)
+    compute(cache, B, seed=2)
+    settle(cache)
+    compute(cache, C, seed=3)
+    settle(cache)
+    assert cache.match_prefix(A, count=False).host_hit_length == 0  # A lives on in the store only
+    assert store.stats()["evictions"] == 4
+    cache.evict(16)  # device room: B goes to host only, so host can make room for A's pages
+    got, got_kv = read_back(cache, A, "again")
+    assert got.storage_hit == 16 and same_kv(got_kv, kv_a)
+    settle(cache)
+    check(cache)
+    cache.close()
