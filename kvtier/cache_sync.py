@@ -110,8 +110,8 @@ class Applier(PrefetchSide):
         """Pages that left host live on in the store only: make them its newest there. A
         page hit on device or host never reaches the store, so by access order alone the
         store would evict the pages used most first."""
-        if self.ctl.storage is None:
-            return
+        if self.ctl.storage is None or not self.ctl.storage.keeps_page_order:
+            return  # no hashes gathered on the scheduler thread for a store that ignores them
         hashes = [h for node in nodes if node.hashes for h in node.hashes]
         if hashes:
             self.ctl.storage.touch(PageKeys(hashes, self.key_of))

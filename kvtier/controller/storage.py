@@ -128,6 +128,7 @@ class StorageWorker:
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
         self._complain = Complaints(log)  # a full disk fails every backup: not a line each
+        self.keeps_page_order = type(store).touch is not Store.touch  # else `touch` would do nothing
         self.clock = clock
         self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
         self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to write once
