@@ -30,7 +30,7 @@ from pathlib import Path
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import FrameError
 from kvtier.backends.file_io import (
-    _TMP, _mtime, _read_file, _read_page_into, _run_all, _sizes_of, _unlink_quietly, _write_atomically, _write_small,
+    _TMP, _mtime, _read_file, _read_pages_into, _run_all, _sizes_of, _unlink_quietly, _write_atomically, _write_small,
 )
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
@@ -69,6 +69,8 @@ class FileStore(Store):
         self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
         self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file")
+        # checksums of big pages read, made while the I/O threads read the next (file_io)
+        self._hashers = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file-hash")
         with self._shared() as usage:
             self._rebuild_index()
             usage[0] = self.used_bytes
@@ -148,11 +150,12 @@ class FileStore(Store):
                 self._sizes[key] = size
                 self.used_bytes += size
 
-    async def _batch(self, fn, items: list[tuple]) -> list:
-        """`fn(*item)` for every item, in `max_concurrency` thread jobs; results in order."""
+    async def _batch(self, fn, items: list[tuple], job=_run_all) -> list:
+        """`fn(*item)` for every item, in `max_concurrency` thread jobs (each one
+        `job(fn, its items)`); results in order."""
         groups = min(self.config.max_concurrency, len(items))
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._pool, _run_all, fn, items[g::groups]) for g in range(groups)]
+        jobs = [loop.run_in_executor(self._pool, job, fn, items[g::groups]) for g in range(groups)]
         done = await self._in_threads(jobs)
         out: list = [None] * len(items)
         for g, results in enumerate(done):
@@ -168,7 +171,8 @@ class FileStore(Store):
     async def _get_into(self, keys, parsed, views):
         await self._adopt(keys)
         items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
-        got = await self._batch(_read_page_into, [(self._file(k), ns, h, v) for k, ns, h, v in items])
+        got = await self._batch(self._hashers, [(self._file(k), ns, h, v) for k, ns, h, v in items],
+                                job=_read_pages_into)
         results = dict(zip([it[0] for it in items], got))
         return [self._after_read(k, results.get(k)) for k in keys]
 
@@ -295,6 +299,7 @@ class FileStore(Store):
 
     async def _close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._hashers.shutdown(wait=True)
 
     def touch(self, keys) -> None:
         for key in keys:

@@ -14,9 +14,11 @@ bytes start 16 bytes into a page, and on AMD Zen 3 the kernel's copy from the pa
 runs 3x slower when the destination lies exactly 16 bytes past the source within a page
 (the raw file, payload at offset 0: 2.6 GB/s; the store's, past an 80-byte header:
 7.5 GB/s), so bytearrays made the raw side look slow. The file store's get verifies a
-checksum over every page (xxh3, in the reading thread): hashing a 1 MiB page just read takes
-0.2x the read's time (0.6x once it has left the caches), so that pass alone holds the store
-to about 0.83x a plain read.
+checksum over every page (xxh3): hashing a 1 MiB page just read takes 0.2x the read's time,
+so in the reading thread that pass alone held the store to about 0.83x a plain read; pages
+of 1 MiB and more are hashed on a second thread while the next chunk is read. What is left
+is the event loop's cost: the store call's two thread wake-ups (through the loop's
+self-pipe) cost 2-3x the raw side's on a 2-core VM, ~0.4 ms a call.
 
 Run: python benchmarks/stores.py   (or: tierctl bench stores)
 """

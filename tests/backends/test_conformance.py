@@ -205,8 +205,9 @@ async def test_scan_check_and_manifest(store, harness):
 @pytest.mark.parametrize("damage", ["none", "flip_first", "flip_last", "one_byte_short", "one_byte_more",
                                     "header_only"])
 async def test_file_store_pages_bigger_than_a_hash_chunk(tmp_path, damage):
-    """Pages over 1 MiB are written and read in chunks hashed in cache: the same frame, and
-    every kind of damage anywhere in it is still a miss."""
+    """Pages over 1 MiB are written in chunks hashed in cache, and read back with their
+    checksum made on a hashing thread: the same frame, and every kind of damage anywhere
+    in it is still a miss."""
     from kvtier.backends import file_io as file_backend
 
     harness = file_harness(tmp_path)
