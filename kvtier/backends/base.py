@@ -178,9 +178,10 @@ class Store(ABC):
 
     def touch(self, keys: Sequence[str]) -> None:
         """Mark stored pages as just used: their copies above the store are gone, so the
-        store's copy is now the one that counts. A store that keeps its own eviction order
-        (file: least recently used first) makes them its newest; the others ignore it. No
-        I/O: called on the store's loop thread."""
+        store's copy is now the one that counts. A store that keeps an eviction order
+        makes them its newest (file: its LRU index; Redis: a TOUCH, for its maxmemory
+        policy); the others ignore it. Called on the store's loop thread, and must not
+        block it: a store that needs I/O for it sends that in the background."""
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys`; returns how many were present."""

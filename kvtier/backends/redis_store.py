@@ -24,7 +24,7 @@ from concurrent.futures import wait as wait_for_jobs
 from dataclasses import dataclass, field
 
 from kvtier.backends.base import Store, StoredPage
-from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
+from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import redact_url
 from kvtier.tiers.indices import check_positive, io_threads
 
@@ -52,6 +52,8 @@ class RedisStoreConfig:
         check_positive(self, "socket_timeout_s", "connect_timeout_s")
 
 
+_TOUCH_BATCH = 1000  # keys per pipelined TOUCH round trip
+_TOUCH_BACKLOG = 100_000  # keys waiting to be touched, at most
 _SEND_BYTES = 1 << 20  # small pages go out together, up to this many bytes per send
 _SEND_PARTS = 256
 
@@ -88,6 +90,9 @@ class RedisStore(Store):
             self._hashers = ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvtier-redis-hash")
         self._slots = asyncio.Semaphore(config.pool_size)
         self._page_bytes = 0  # last page size seen: picks pipelined vs concurrent
+        self._to_touch: list[str] = []  # keys `touch` was given, not sent yet
+        self._toucher: asyncio.Task | None = None  # sends them, one batch at a time
+        self.touched = 0  # keys sent in TOUCH (or EXPIRE) commands
 
     def _concurrent(self) -> bool:
         return self._page_bytes >= self.config.concurrent_min_bytes
@@ -254,7 +259,43 @@ class RedisStore(Store):
     async def _get_meta(self, name):
         return await self.client.get(name)
 
+    def touch(self, keys) -> None:
+        """Pages that just left host: their copies here are now the ones that count, yet
+        Redis saw them only when they were written. With `maxmemory-policy allkeys-lru` (or
+        -lfu), as docs/stores.md advises, Redis would evict first the pages served from
+        host all day. So they are sent a TOUCH (with `ttl_s`: an EXPIRE, which also renews
+        their time to live), which counts as an access. In the background on the store's
+        loop, one pipelined batch at a time; keys given meanwhile wait for it (up to
+        `_TOUCH_BACKLOG`, the rest dropped: it is an order hint). A failure is counted and
+        logged once by the store call, never raised."""
+        self._to_touch.extend(list(keys)[:max(0, _TOUCH_BACKLOG - len(self._to_touch))])
+        if self._to_touch and (self._toucher is None or self._toucher.done()):
+            self._toucher = asyncio.get_running_loop().create_task(self._touch_all())
+
+    async def _touch_all(self) -> None:
+        while self._to_touch:
+            keys, self._to_touch = self._to_touch[:_TOUCH_BATCH], self._to_touch[_TOUCH_BATCH:]
+            try:
+                await self._call("touch", self._touch(keys))
+            except KvtierError:  # counted and logged by _call; the rest are only hints
+                self._to_touch.clear()
+                return
+            self.touched += len(keys)
+
+    async def _touch(self, keys: list[str]) -> None:
+        ttl = self.config.ttl_s
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                if ttl is None:
+                    pipe.touch(k)
+                else:
+                    pipe.expire(k, ttl)
+            await pipe.execute(raise_on_error=False)  # a key gone meanwhile answers 0: fine
+
     async def _close(self):
+        if self._toucher is not None and not self._toucher.done():
+            self._toucher.cancel()
+            await asyncio.gather(self._toucher, return_exceptions=True)
         await self.client.aclose()
         if self._writer is not None:
             self._threads.shutdown(wait=True)
@@ -273,4 +314,4 @@ class RedisStore(Store):
         return super()._map_error(op, exc)
 
     def _extra_stats(self):
-        return {"url": redact_url(self.config.url), "cluster": self.config.cluster}
+        return {"url": redact_url(self.config.url), "cluster": self.config.cluster, "touched": self.touched}

@@ -195,6 +195,8 @@ class StorageWorker:
         self._post(lambda: self._touch_now(keys))
 
     def _touch_now(self, keys: "PageKeys") -> None:
+        if self.breaker.down:  # a hint is not worth a timeout (nor a probe)
+            return
         try:
             self.store.touch(keys)
         except Exception:  # an order hint: never worth an op

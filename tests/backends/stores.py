@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -86,3 +87,18 @@ def s3_harness(url: str) -> Harness:
                    lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(),
                    lambda k, b: client.put_object(Bucket=bucket, Key=k, Body=b),
                    persistent=True, overwrites=False, capacity=False)
+
+
+@contextlib.contextmanager
+def exact_lfu(raw):
+    """The Redis server evicting by LFU, its counter exact (lfu-log-factor 0): OBJECT FREQ
+    then counts every access. Its settings come back after."""
+    policy = raw.config_get("maxmemory-policy")["maxmemory-policy"]
+    factor = raw.config_get("lfu-log-factor")["lfu-log-factor"]
+    raw.config_set("maxmemory-policy", "allkeys-lfu")
+    raw.config_set("lfu-log-factor", 0)
+    try:
+        yield
+    finally:
+        raw.config_set("maxmemory-policy", policy)
+        raw.config_set("lfu-log-factor", factor)

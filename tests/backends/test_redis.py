@@ -1,10 +1,12 @@
-"""Redis specifics of the threaded, zero-copy write path: NX, TTL, an error reply."""
+"""Redis specifics: the threaded, zero-copy write path (NX, TTL, an error reply), and touch."""
+
+import asyncio
 
 import pytest
 import redis
 
 from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
-from tests.backends.stores import new_key, write_lets_go_in_time
+from tests.backends.stores import exact_lfu, new_key, write_lets_go_in_time
 
 
 async def test_nx_keeps_the_first_page_and_ttl_is_set(redis_server):
@@ -92,3 +94,57 @@ def test_a_page_that_cannot_be_hashed_fails_its_write_without_hanging_it(redis_s
         import asyncio
 
         asyncio.run(store.close())
+
+
+async def test_touch_counts_as_an_access_for_redis_eviction(redis_server):
+    """Pages that left host are touched, so Redis's maxmemory policy (LFU here: its counter
+    is exact with lfu-log-factor 0) sees them used; pages not touched are not. Without the
+    touch, Redis only ever saw the pages when they were written, and under allkeys-lru it
+    would evict first the ones served from host all along."""
+    raw = redis.Redis.from_url(redis_server.url)
+    store = RedisStore(RedisStoreConfig(url=redis_server.url))
+    try:
+        with exact_lfu(raw):
+            touched, left = [new_key() for _ in range(3)], [new_key() for _ in range(3)]
+            assert await store.batch_set(touched + left, [b"p" * 4096] * 6) == [True] * 6
+            before = {k: raw.object("freq", k) for k in touched + left}
+            store.touch(touched[:2])
+            store.touch(touched[2:])  # given while the first batch is in flight: sent after it
+            await store._toucher
+            assert all(raw.object("freq", k) > before[k] for k in touched)
+            assert all(raw.object("freq", k) == before[k] for k in left)
+            assert store.stats()["touched"] == 3
+    finally:
+        raw.close()
+        await store.close()
+
+
+async def test_touch_renews_the_time_to_live(redis_server):
+    store = RedisStore(RedisStoreConfig(url=redis_server.url, ttl_s=600))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        k = new_key()
+        assert await store.batch_set([k], [b"p" * 4096]) == [True]
+        raw.expire(k, 5)  # as if written long ago
+        store.touch([k])
+        await store._toucher
+        assert 5 < raw.ttl(k) <= 600
+    finally:
+        raw.close()
+        await store.close()
+
+
+async def test_a_touch_the_server_never_answers_is_counted_not_raised_and_close_does_not_wait():
+    from kvtier.bench.servers import BlackHole
+
+    hole = BlackHole()
+    store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{hole.port}/0"), timeout_s=0.3)
+    try:
+        store.touch([new_key()])
+        await store._toucher  # times out inside: nothing raised
+        assert store.counters.timeouts == 1 and store.stats()["touched"] == 0
+        store.touch([new_key()])  # in flight when the store closes: cancelled, not awaited out
+        await asyncio.wait_for(store.close(), timeout=30)
+        assert store._toucher.cancelled() or store._toucher.done()
+    finally:
+        hole.stop()

@@ -397,3 +397,47 @@ def test_pages_that_leave_host_become_the_newest_in_the_store(tmp_path):
     settle(cache)
     check(cache)
     cache.close()
+
+
+def test_pages_that_leave_host_are_touched_in_redis(redis_server):
+    """The same with Redis, which keeps its own eviction order (maxmemory-policy; LFU here,
+    exact with lfu-log-factor 0): when A's pages leave host, the server sees them used;
+    B's pages, still on device, are not touched."""
+    import time
+
+    import redis
+
+    from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
+    from tests.backends.stores import exact_lfu
+
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.flushdb()
+    store = RedisStore(RedisStoreConfig(url=redis_server.url))
+    cache = make_cache(pool_size=32, ratio=1.0, store_obj=store)
+    try:
+        with exact_lfu(raw):
+            B, C = np.arange(200, 216), np.arange(300, 316)
+            compute(cache, A, seed=1)
+            settle(cache)
+            compute(cache, B, seed=2)
+            settle(cache)
+            before = {k: raw.object("freq", k) for k in raw.scan_iter(match="*/*/*")}
+            assert len([k for k in before if b"manifest" not in k]) == 8  # A's 4 pages and B's
+            compute(cache, C, seed=3)  # A goes to host, then leaves it; B stays on device
+            settle(cache)
+            assert cache.match_prefix(A, count=False).host_hit_length == 0
+            for _ in range(1000):  # the touch goes out in the background on the storage thread
+                if store.touched >= 4:
+                    break
+                time.sleep(0.01)
+            gained = sorted(k for k, f in before.items() if raw.object("freq", k) > f)
+            assert len(gained) == 4 and store.touched == 4
+            cache.evict(16)  # device room: B goes to host only, so host can make room for A's pages
+            got, _ = read_back(cache, A, "again")  # the touched pages are A's: read back from Redis
+            assert got.storage_hit == 16
+            assert sorted(k for k, f in before.items() if raw.object("freq", k) > f + 1) == gained
+            settle(cache)
+            check(cache)
+    finally:
+        cache.close()
+        raw.close()
