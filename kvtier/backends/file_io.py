@@ -169,7 +169,7 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> i
     header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
     fd = os.open(path, os.O_RDONLY)
     try:
-        n = (_read_whole if hasher is None else _read_chunks)(fd, header, view, extra, hasher)
+        n = _read_whole(fd, header, view, extra) if hasher is None else _read_chunks(fd, header, view, extra, hasher)
     finally:
         os.close(fd)
     try:
@@ -184,7 +184,7 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> i
     return checksum
 
 
-def _read_whole(fd: int, header: bytearray, view: memoryview, extra: bytearray, _=None) -> int:
+def _read_whole(fd: int, header: bytearray, view: memoryview, extra: bytearray) -> int:
     """One readv of header, payload and a byte more (short reads go on); bytes read."""
     n = os.readv(fd, [header, view, extra])
     while frame.HEADER_SIZE <= n < frame.HEADER_SIZE + len(view):
