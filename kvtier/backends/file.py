@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from kvtier.backends.base import Store, StoredPage
@@ -150,12 +151,17 @@ class FileStore(Store):
                 self._sizes[key] = size
                 self.used_bytes += size
 
-    async def _batch(self, fn, items: list[tuple], job=_run_all) -> list:
-        """`fn(*item)` for every item, in `max_concurrency` thread jobs (each one
-        `job(fn, its items)`); results in order."""
+    async def _batch(self, fn, items: list[tuple]) -> list:
+        """`fn(*item)` for every item, in `max_concurrency` thread jobs; results in order,
+        an OSError in place of its item's result (`_run_all`)."""
+        return await self._jobs(partial(_run_all, fn), items)
+
+    async def _jobs(self, job, items: list[tuple]) -> list:
+        """`job(share)` over `items` split into `max_concurrency` thread jobs; the results,
+        one per item, in order."""
         groups = min(self.config.max_concurrency, len(items))
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._pool, job, fn, items[g::groups]) for g in range(groups)]
+        jobs = [loop.run_in_executor(self._pool, job, items[g::groups]) for g in range(groups)]
         done = await self._in_threads(jobs)
         out: list = [None] * len(items)
         for g, results in enumerate(done):
@@ -171,8 +177,8 @@ class FileStore(Store):
     async def _get_into(self, keys, parsed, views):
         await self._adopt(keys)
         items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
-        got = await self._batch(self._hashers, [(self._file(k), ns, h, v) for k, ns, h, v in items],
-                                job=_read_pages_into)
+        got = await self._jobs(partial(_read_pages_into, self._hashers),
+                               [(self._file(k), ns, h, v) for k, ns, h, v in items])
         results = dict(zip([it[0] for it in items], got))
         return [self._after_read(k, results.get(k)) for k in keys]
 

@@ -70,10 +70,13 @@ def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
 def concat(parts: list[np.ndarray]) -> np.ndarray:
     """The int64 arrays `parts` joined into a fresh writable array. The bytes are joined by
     CPython (a memcpy that keeps the GIL), not by `np.concatenate`, which gives it up past
-    500 elements."""
-    if any(not p.flags.c_contiguous for p in parts):
-        parts = [np.ascontiguousarray(p) for p in parts]
-    return np.frombuffer(bytearray().join(parts), dtype=np.int64)
+    500 elements. A part that is not C-contiguous is refused by the buffer protocol
+    (TypeError) and copied first; asking every part for its flags cost more than the join."""
+    try:
+        joined = bytearray().join(parts)
+    except TypeError:
+        joined = bytearray().join([np.ascontiguousarray(p) for p in parts])
+    return np.frombuffer(joined, dtype=np.int64)
 
 
 def tensor(slots: np.ndarray) -> torch.Tensor:
