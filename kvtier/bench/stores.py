@@ -16,9 +16,11 @@ runs 3x slower when the destination lies exactly 16 bytes past the source within
 7.5 GB/s), so bytearrays made the raw side look slow. The file store's get verifies a
 checksum over every page (xxh3): hashing a 1 MiB page just read takes 0.2x the read's time,
 so in the reading thread that pass alone held the store to about 0.83x a plain read; pages
-of 1 MiB and more are hashed on a second thread while the next chunk is read. What is left
-is the event loop's cost: the store call's two thread wake-ups (through the loop's
-self-pipe) cost 2-3x the raw side's on a 2-core VM, ~0.4 ms a call.
+of 1 MiB and more are hashed on a second thread while the next chunk is read. That pass
+still costs the most: on a 2-core VM it contends with the reads for memory bandwidth, and
+with it patched out, 1 and 8 MiB reads ran at 0.88-0.99x raw instead of 0.72-0.86x
+(docs/stores.md). The rest is the event loop's cost: the store call's two thread wake-ups
+(through the loop's self-pipe), ~0.4-0.6 ms a call there.
 
 Run: python benchmarks/stores.py   (or: tierctl bench stores)
 """
