@@ -45,6 +45,22 @@ def _distinct(units: np.ndarray) -> np.ndarray:
     return out
 
 
+def _pages_touched(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """The distinct values of `pages` (the page of each slot freed). Whole pages in slot
+    order, each once, are what kvtier frees almost always (tree values, allocations): then
+    every run of `page_size` equal values is one page, checked exactly against its first
+    value repeated (compared as bytes, keeping the GIL) and taken from there, at about
+    two thirds of `_distinct`'s cost; anything else goes through `_distinct`."""
+    n = pages.shape[0]
+    if page_size > 1 and n and n % page_size == 0:
+        firsts = pages[::page_size]
+        if np.repeat(firsts, page_size).tobytes() == pages.tobytes():
+            listed = firsts.tolist()
+            if len(set(listed)) == len(listed):
+                return firsts.copy()
+    return _distinct(pages)
+
+
 def _collapse_runs(units: np.ndarray) -> np.ndarray:
     """`units` without the repeats inside runs of equal values, in pieces of at most
     GIL_CHUNK (docs/design.md §2)."""
@@ -249,7 +265,7 @@ class PagedAllocator:
 
     def free_slots(self, slots: np.ndarray) -> None:
         """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
-        self._free.give(_distinct(pages_of(slots, self.page_size)), "pages")
+        self._free.give(_pages_touched(pages_of(slots, self.page_size), self.page_size), "pages")
 
     def free_group(self):
         return self._free.grouped()

@@ -35,26 +35,28 @@ def as_numpy(indices: torch.Tensor) -> np.ndarray:
     """The tensor's memory as numpy (a device tensor is copied to the host first). Not
     `.cpu()` on a CPU tensor: even that is a torch call, and on the scheduler thread every
     torch call gives up the GIL (docs/design.md §2)."""
-    return (indices if indices.device.type == "cpu" else indices.cpu()).numpy()
+    return (indices if indices.is_cpu else indices.cpu()).numpy()
 
 
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
-    """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order;
-    computed in pieces of at most GIL_CHUNK slots, so the GIL is kept."""
-    n = pages.shape[0]
+    """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order:
+    each page's first slot repeated (`np.repeat` keeps the GIL), plus the offsets within a
+    page added in flat pieces of at most GIL_CHUNK slots, so the GIL is kept."""
     if page_size == 1:
         return concat([pages])
-    out = np.empty((n, page_size), dtype=np.int64)
+    out = np.repeat(pages * page_size, page_size)
     offsets = _offsets(page_size)
-    step = max(1, GIL_CHUNK // page_size)
+    step, n = offsets.shape[0], out.shape[0]
     for i in range(0, n, step):
-        np.add(pages[i:i + step, None] * page_size, offsets, out=out[i:i + step])
-    return out.reshape(-1)
+        j = min(n, i + step)
+        np.add(out[i:j], offsets[:j - i], out=out[i:j])
+    return out
 
 
 @functools.lru_cache(maxsize=8)
 def _offsets(page_size: int) -> np.ndarray:
-    return np.arange(page_size, dtype=np.int64)
+    """0..page_size-1 repeated over as many whole pages as fit in GIL_CHUNK (at least one)."""
+    return np.tile(np.arange(page_size, dtype=np.int64), max(1, GIL_CHUNK // page_size))
 
 
 def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:

@@ -75,14 +75,12 @@ class DeviceKVPool:
         self.parts = [torch.zeros(c.num_layers, *s, dtype=self.dtype, device=self.device) for s in shapes]
         self.buffers = [[part[layer] for part in self.parts] for layer in range(c.num_layers)]
         self._rows = [[b.view(b.shape[0], -1) for b in bufs] for bufs in self.buffers]
+        # counted per applied transfer on the scheduler thread: computed once
+        self.bytes_per_token = sum(c.part_widths) * self.dtype.itemsize * c.num_layers
 
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(self.config.part_widths) * self.dtype.itemsize * self.num_layers
 
     def k_buffer(self, layer: int) -> torch.Tensor:
         return self.buffers[layer][0]

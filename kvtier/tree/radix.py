@@ -271,16 +271,23 @@ class RadixTree:
         self._lock(node, H, -1)
 
     def _lock(self, node: TreeNode, tier: Tier, delta: int) -> None:
+        bad = self._add_locks(node, tier, delta, self.root)
+        if bad is None:
+            return
+        self._add_locks(node, tier, -delta, bad)  # bad input changes nothing: undo the path below it
         what = ("lock", "unlock", "protect_host", "release_host")[2 * tier + (delta < 0)]
-        n = node
-        while n is not self.root:  # validate the whole path before changing anything
-            if n.values[tier] is None:
-                raise ValueError(f"{what}: {n} on the path of {node} is not on {tier.name.lower()}")
-            if delta < 0 and n.locks[tier] == 0:
-                raise ValueError(f"{what}: {n} is not locked ({what} without a matching lock)")
-            n = n.parent
-        while node is not self.root:
+        if bad.values[tier] is None:
+            raise ValueError(f"{what}: {bad} on the path of {node} is not on {tier.name.lower()}")
+        raise ValueError(f"{what}: {bad} is not locked ({what} without a matching lock)")
+
+    def _add_locks(self, node: TreeNode, tier: Tier, delta: int, stop: TreeNode) -> TreeNode | None:
+        """Add `delta` to the lock counts from `node` up to `stop` (excluded), in one pass;
+        the first node that may not take it (no value on `tier`, or a count going below
+        0) is returned, with the nodes below it changed, the rest not."""
+        while node is not stop:
             before = node.locks[tier]
+            if node.values[tier] is None or before + delta < 0:
+                return node
             node.locks[tier] = before + delta
             if (before == 0) != (before + delta == 0):  # only then can its leaf-set membership change
                 moved = len(node) if delta > 0 else -len(node)
@@ -288,6 +295,7 @@ class RadixTree:
                 self._protected[tier] += moved
                 self._refresh(node, (tier,))  # a tier's lock count decides only that tier's membership
             node = node.parent
+        return None
 
     # -- eviction -----------------------------------------------------------------------------
 

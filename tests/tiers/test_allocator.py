@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.tiers.allocator import PagedAllocator, TokenAllocator, _distinct
+from kvtier.tiers.allocator import PagedAllocator, TokenAllocator, _distinct, _pages_touched
 from kvtier.tiers.indices import concat, page_slots, pages_of
 
 
@@ -197,6 +197,25 @@ def test_gil_keeping_helpers_equal_numpy_across_chunk_boundaries(values, page_si
     for case in (units, runs, np.sort(runs)):
         out = _distinct(case)
         assert sorted(out.tolist()) == sorted(set(case.tolist())) and out.size == len(set(case.tolist()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 60), max_size=120), page_size=st.sampled_from([1, 4, 16]),
+       swap=st.integers(0, 10_000), cut=st.integers(0, 3))
+def test_pages_touched_equals_the_distinct_pages_of_the_slots(values, page_size, swap, cut):
+    """Whole pages each once take the short path; a page listed twice, a slot of another
+    page inside a run, or a ragged end must not: every case frees each page it touches,
+    exactly once."""
+    units = np.array(values, dtype=np.int64)
+    whole = (units[:, None] * page_size + np.arange(page_size)).ravel()
+    mixed = whole.copy()
+    if mixed.size:  # one slot is of a page no run starts with
+        mixed[swap % mixed.size] = 1000 * page_size + swap % page_size
+    distinct = (np.unique(units)[:, None] * page_size + np.arange(page_size)).ravel()
+    for slots in (whole, mixed, distinct, distinct[cut:], np.random.default_rng(swap).permutation(distinct)):
+        got = _pages_touched(pages_of(slots, page_size), page_size)
+        want = set((slots // page_size).tolist())
+        assert sorted(got.tolist()) == sorted(want) and got.size == len(want)
 
 
 @pytest.mark.parametrize("pages", [40, 1200])  # merged by Python (<= 500 pages) and by numpy

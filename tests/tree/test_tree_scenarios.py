@@ -200,6 +200,26 @@ def test_bad_input_names_the_problem():
     tree.sanity_check()
 
 
+def test_a_lock_refused_midway_up_the_path_changes_nothing():
+    """Locks are added in one pass up the path: when a node on it refuses (here an
+    ancestor made to look evicted), the counts already raised below it are taken back."""
+    tree = RadixTree()
+    tree.insert(key([1, 2]), torch.tensor([1, 2]))
+    leaf = tree.insert(key([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4])).last_node
+    parent = leaf.parent
+    tree.lock(parent)  # the parent's count is 1, the leaf's 0: the leaf's lock moves it
+    state = lambda: ([n.locks[:] for n in (leaf, parent)], tree._evictable[:], tree._protected[:],
+                     sorted(tree._leaves[D]), sorted(tree._leaves[H]))
+    before = state()
+    slots, parent.values[D] = parent.values[D], None
+    with pytest.raises(ValueError, match=r"lock: Node#\d+.* on the path of Node#\d+.* is not on device"):
+        tree.lock(leaf)
+    parent.values[D] = slots
+    assert state() == before
+    tree.unlock(parent)
+    tree.sanity_check()
+
+
 def test_sanity_check_lists_every_violation():
     tree = RadixTree()
     n = tree.insert(key([1, 2]), torch.tensor([1, 2])).last_node
