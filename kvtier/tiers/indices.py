@@ -44,7 +44,7 @@ def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     page added in flat pieces of at most GIL_CHUNK slots, so the GIL is kept."""
     if page_size == 1:
         return concat([pages])
-    out = np.repeat(pages * page_size, page_size)
+    out = np.repeat(pages * np.int64(page_size), page_size)  # int64 whatever the pages came as
     offsets = _offsets(page_size)
     step, n = offsets.shape[0], out.shape[0]
     for i in range(0, n, step):
