@@ -93,12 +93,15 @@ def s3_harness(url: str) -> Harness:
 def exact_lfu(raw):
     """The Redis server evicting by LFU, its counter exact (lfu-log-factor 0): OBJECT FREQ
     then counts every access. Its settings come back after."""
+    from redis.cluster import RedisCluster
+
+    every = {"target_nodes": RedisCluster.ALL_NODES} if isinstance(raw, RedisCluster) else {}  # a cluster: each node
     policy = raw.config_get("maxmemory-policy")["maxmemory-policy"]
     factor = raw.config_get("lfu-log-factor")["lfu-log-factor"]
-    raw.config_set("maxmemory-policy", "allkeys-lfu")
-    raw.config_set("lfu-log-factor", 0)
+    raw.config_set("maxmemory-policy", "allkeys-lfu", **every)
+    raw.config_set("lfu-log-factor", 0, **every)
     try:
         yield
     finally:
-        raw.config_set("maxmemory-policy", policy)
-        raw.config_set("lfu-log-factor", factor)
+        raw.config_set("maxmemory-policy", policy, **every)
+        raw.config_set("lfu-log-factor", factor, **every)

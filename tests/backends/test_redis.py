@@ -96,13 +96,26 @@ def test_a_page_that_cannot_be_hashed_fails_its_write_without_hanging_it(redis_s
         asyncio.run(store.close())
 
 
-async def test_touch_counts_as_an_access_for_redis_eviction(redis_server):
+def _server(request, kind: str):
+    """(raw client, url, cluster?) of a standalone server or a cluster (whose pipelined
+    touches go to the node holding each key)."""
+    if kind == "cluster":
+        from redis.cluster import RedisCluster
+
+        url = request.getfixturevalue("redis_cluster")[0].url
+        return RedisCluster.from_url(url), url, True
+    url = request.getfixturevalue("redis_server").url
+    return redis.Redis.from_url(url), url, False
+
+
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+async def test_touch_counts_as_an_access_for_redis_eviction(request, kind):
     """Pages that left host are touched, so Redis's maxmemory policy (LFU here: its counter
     is exact with lfu-log-factor 0) sees them used; pages not touched are not. Without the
     touch, Redis only ever saw the pages when they were written, and under allkeys-lru it
     would evict first the ones served from host all along."""
-    raw = redis.Redis.from_url(redis_server.url)
-    store = RedisStore(RedisStoreConfig(url=redis_server.url))
+    raw, url, cluster = _server(request, kind)
+    store = RedisStore(RedisStoreConfig(url=url, cluster=cluster))
     try:
         with exact_lfu(raw):
             touched, left = [new_key() for _ in range(3)], [new_key() for _ in range(3)]
@@ -119,16 +132,18 @@ async def test_touch_counts_as_an_access_for_redis_eviction(redis_server):
         await store.close()
 
 
-async def test_touch_renews_the_time_to_live(redis_server):
-    store = RedisStore(RedisStoreConfig(url=redis_server.url, ttl_s=600))
-    raw = redis.Redis.from_url(redis_server.url)
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+async def test_touch_renews_the_time_to_live(request, kind):
+    raw, url, cluster = _server(request, kind)
+    store = RedisStore(RedisStoreConfig(url=url, cluster=cluster, ttl_s=600))
     try:
-        k = new_key()
-        assert await store.batch_set([k], [b"p" * 4096]) == [True]
-        raw.expire(k, 5)  # as if written long ago
-        store.touch([k])
+        keys = [new_key() for _ in range(6)]  # spread over the cluster's nodes
+        assert await store.batch_set(keys, [b"p" * 4096] * 6) == [True] * 6
+        for k in keys:
+            raw.expire(k, 5)  # as if written long ago
+        store.touch(keys)
         await store._toucher
-        assert 5 < raw.ttl(k) <= 600
+        assert all(5 < raw.ttl(k) <= 600 for k in keys)
     finally:
         raw.close()
         await store.close()
