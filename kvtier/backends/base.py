@@ -179,9 +179,10 @@ class Store(ABC):
     def touch(self, keys: Sequence[str]) -> None:
         """Mark stored pages as just used: their copies above the store are gone, so the
         store's copy is now the one that counts. A store that keeps an eviction order
-        makes them its newest (file: its LRU index; Redis: a TOUCH, for its maxmemory
-        policy); the others ignore it. Called on the store's loop thread, and must not
-        block it: a store that needs I/O for it sends that in the background."""
+        makes them its newest (file and memory: their LRU order; Redis: a TOUCH, for its
+        maxmemory policy); S3 ignores it (its objects expire by lifecycle rules). Called
+        on the store's loop thread, and must not block it: a store that needs I/O for it
+        sends that in the background."""
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys`; returns how many were present."""

@@ -1,4 +1,5 @@
-"""`memory`: an in-process store with a byte capacity and LRU eviction."""
+"""`memory`: an in-process store with a byte capacity and LRU eviction (a read or a
+`touch` makes a page the newest)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,11 @@ class MemoryStore(Store):
             self.used_bytes += len(blob)
             ok.append(True)
         return ok
+
+    def touch(self, keys) -> None:
+        for key in keys:
+            if key in self._pages:
+                self._pages.move_to_end(key)
 
     async def _delete(self, keys):
         return sum(self._drop(k) for k in keys)

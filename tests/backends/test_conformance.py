@@ -160,14 +160,19 @@ async def test_damaged_page_is_a_miss(store, harness, damage):
     assert store.stats()["frame_failures"] == 2
 
 
+@pytest.mark.parametrize("used_by", ["get", "touch"])
 @pytest.mark.parametrize("kind", ["memory", "file"])
-async def test_capacity_is_enforced_lru(kind, tmp_path):
+async def test_capacity_is_enforced_lru(kind, used_by, tmp_path):
+    """A read, or a touch (the page just left the host mirror), makes a page the newest."""
     cap = 3 * (4096 + frame.HEADER_SIZE)
     store = MemoryStore(MemoryStoreConfig(capacity_bytes=cap)) if kind == "memory" else \
         FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=cap))
     keys = [new_key() for _ in range(4)]
     await store.batch_set(keys[:3], [page()] * 3)
-    await store.batch_get([keys[0]])  # keys[0] is now most recent; keys[1] is the LRU page
+    if used_by == "get":
+        await store.batch_get([keys[0]])  # keys[0] is now most recent; keys[1] is the LRU page
+    else:
+        store.touch([keys[0], new_key()])  # a key the store does not hold is ignored
     await store.batch_set([keys[3]], [page()])
     assert [await store.batch_exists([k]) for k in keys] == [1, 0, 1, 1]
     assert store.stats()["evictions"] == 1 and store.used_bytes <= cap
