@@ -102,7 +102,11 @@ def load_config(
     if path is not None:
         layers.append((f"file {config_path(path)}", _read_yaml(path)))
     layers.append(("env", _from_env(env)))
-    layers.append(("arg", {s: dict(v) for s, v in (overrides or {}).items()}))
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise KvtierConfigError(f"overrides: expected a mapping of sections such as {{'store': {{'backend': "
+                                f"'memory'}}}}, got {type(overrides).__name__}")
+    # copied, so the caller's dicts stay theirs; what is not a mapping is refused below, by name
+    layers.append(("arg", {s: dict(v) if isinstance(v, Mapping) else v for s, v in (overrides or {}).items()}))
     merged: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
     for origin, layer in layers:

@@ -309,6 +309,21 @@ def test_unknown_kvtier_variables_are_errors():
     load_config(None, env={"KVTIER_DEBUG_POOL": "1", "KVTIER_SERVE_TOKEN": "t"})  # read elsewhere: fine
 
 
+def test_overrides_name_what_is_wrong_and_mirror_none_turns_the_host_tier_off():
+    """Overrides are {section: {key: value}}; anything else is refused naming it (a value
+    that is not a mapping once failed in `dict()` with Python's own message), and
+    `mirror: None` means no host tier, as `mirror: null` does in YAML."""
+    with pytest.raises(KvtierConfigError, match="'store.backend': unknown section; allowed: namespace, pool"):
+        load_config(None, {"store.backend": "memory"}, env={})
+    with pytest.raises(KvtierConfigError, match="store: expected a mapping of keys, got 'memory'"):
+        load_config(None, {"store": "memory"}, env={})
+    with pytest.raises(KvtierConfigError, match="overrides: expected a mapping of sections .* got list"):
+        load_config(None, [("store", {"backend": "memory"})], env={})
+    assert load_config(None, {"mirror": None}, env={}).mirror is None
+    given = {"store": {"backend": "memory"}}
+    assert load_config(None, given, env={}).store.backend == "memory" and given == {"store": {"backend": "memory"}}
+
+
 def test_a_required_store_that_cannot_be_reached_fails_at_start():
     from kvtier.bench.servers import free_port
     from kvtier.cache import TieredCache
