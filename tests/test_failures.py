@@ -1,4 +1,5 @@
-"""Regression tests named after bugs our peers shipped (see ../shared/FAILURES.md).
+"""Regression tests named after bugs other KV caches shipped (LMCache, SGLang, vLLM, Dynamo;
+by their public trackers' issue numbers).
 Other rows are covered where they live: capacity and restart (tests/backends), TP hangs and
 divergence (tests/controller/test_tp.py), failed loads and leaks under random aborts
 (test_review_regressions.py and the fault simulator, test_fault_sim.py)."""
@@ -56,5 +57,25 @@ def test_sglang_24638_salted_and_lora_requests_never_share_pages():
     from kvtier.hashing import page_hashes
 
     assert page_hashes(A, 4, cache.namespace.id, "lora-7") != keys
+    check(cache)
+    cache.close()
+
+
+def test_token_ids_that_would_alias_in_the_page_hash_are_refused():
+    """Like the LoRA case above, from the other side: page hashes encode token ids as uint32
+    (docs/formats.md), so -1 hashes as 4294967295 and 2**32 as 0. The tree keeps int64 ids
+    and would tell such prompts apart while the store served one's pages for the other.
+    They are refused where tokens come in, and the refused request holds nothing."""
+    from kvtier.hashing import page_hashes
+
+    alias = np.array([2**32 - 1, 2**32, 7, 8]), np.array([-1, 0, 7, 8])
+    assert page_hashes(alias[0], 4, "a" * 32) == page_hashes(alias[1], 4, "a" * 32)  # what must not reach it
+    cache = make_cache()
+    compute(cache, A, seed=1)
+    for bad in alias:
+        with pytest.raises(ValueError, match=r"tokens: ids must be in \[0, 2\*\*32\)"):
+            cache.acquire(np.concatenate([A, bad]), "bad")
+    assert "bad" not in cache.requests and cache.acquire(A, "good").ready
+    cache.abort("good")
     check(cache)
     cache.close()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Hashable
 
 import numpy as np
+
+from kvtier.numpy_gil import GIL_CHUNK
+
+_HIGH = 1 if sys.byteorder == "little" else 0  # the upper 32 bits of an int64, viewed as two uint32s
 
 
 class RadixKey:
@@ -21,8 +26,9 @@ class RadixKey:
             raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
             raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
-        self.tokens = arr.astype(np.int64, copy=False)
+        self.tokens = np.ascontiguousarray(arr, dtype=np.int64)
         self.extra_key = extra_key
+        _check_range(self.tokens)
 
     @classmethod
     def _of(cls, tokens: np.ndarray, extra_key: str | None) -> "RadixKey":
@@ -51,6 +57,20 @@ class RadixKey:
         if self.extra_key != other.extra_key:
             return 0
         return common_prefix(self.tokens, other.tokens, 0, other.tokens.shape[0], page_size)
+
+
+def _check_range(tokens: np.ndarray) -> None:
+    """Token ids must fit the page hash's encoding, little-endian uint32 (docs/formats.md):
+    an id outside [0, 2**32) would hash like another one (-1 like 4294967295), so two
+    prompts the tree tells apart would share stored pages. The upper halves must all be
+    zero; counted in pieces of GIL_CHUNK: one numpy pass over a long prompt would give the
+    GIL up (docs/design.md §2)."""
+    high = tokens.view(np.uint32)[_HIGH::2]
+    for i in range(0, high.shape[0], GIL_CHUNK):
+        if np.count_nonzero(high[i:i + GIL_CHUNK]):
+            bad = tokens[(tokens < 0) | (tokens > 0xFFFFFFFF)]
+            raise ValueError(f"tokens: ids must be in [0, 2**32) (a page hash encodes each as uint32), got "
+                             f"{bad[:4].tolist()}{' ...' if bad.size > 4 else ''}")
 
 
 def child_key_at(tokens: np.ndarray, offset: int, page_size: int, extra_key: str | None) -> Hashable:
