@@ -39,7 +39,7 @@ from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
-from kvtier.tiers.indices import concat, pages_of, slots_of, tensor
+from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, slots_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 from kvtier.tree import KnownHashes, MatchResult, RadixKey, RadixTree, Tier, TreeNode
@@ -245,7 +245,7 @@ class TieredCache:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` device slots in whole pages for a request, evicting on demand; None if short."""
-        pages = -(-n // self.page_size)
+        pages = -(-check_size("alloc: n", n, minimum=0) // self.page_size)
         slots = self.sync.alloc_device(pages * self.page_size)
         if slots is None:
             return None
@@ -254,7 +254,7 @@ class TieredCache:
 
     def free(self, indices: torch.Tensor) -> None:
         """Give back a request's own slots (not ones `acquire` handed out: `abort` those)."""
-        self._free(slots_of(indices))
+        self._free(check_slots("free: indices", indices))
 
     def _free(self, slots: np.ndarray) -> None:
         if slots.size:

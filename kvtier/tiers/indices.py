@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import os
 
 import numpy as np
@@ -25,10 +26,16 @@ def check_indices(name: str, indices: object, length: int | None = None) -> torc
 
 
 def check_size(name: str, value: object, minimum: int = 1) -> int:
-    """Return `value` if it is an int >= minimum (bools refused); else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
-    return value
+    """`value` as an int if it is an integer >= minimum (a numpy integer too: sizes an
+    engine computes from arrays are; bools refused); else ValueError naming it."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is not None and number >= minimum:
+            return number
+    raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
 
 
 def as_numpy(indices: torch.Tensor) -> np.ndarray:

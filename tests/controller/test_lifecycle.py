@@ -343,6 +343,22 @@ def test_evict_headroom_out_of_range_is_refused_naming_the_field():
         make_cache(evict_headroom=0.9)
 
 
+def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
+    cache = make_cache()
+    free = cache.controller.device_alloc.available_size()
+    for bad in (-1, "8", 8.0):
+        with pytest.raises(ValueError, match=f"alloc: n={bad!r}: must be an integer >= 0"):
+            cache.alloc(bad)
+    with pytest.raises(ValueError, match="free: indices: expected a 1-D torch.int64 tensor, got list"):
+        cache.free([4, 5, 6, 7])
+    mine = cache.alloc(np.int64(6))  # sizes computed from arrays are numpy integers
+    assert mine.numel() == 6 and cache.controller.device_alloc.available_size() == free - 8
+    cache.free(mine)
+    assert cache.controller.device_alloc.available_size() == free
+    check(cache)
+    cache.close()
+
+
 def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
     """Under write_back, evicting a node that is not backed up means waiting for its write.
     A demand that backed-up nodes can meet never waits just to free the headroom."""

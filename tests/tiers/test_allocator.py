@@ -230,6 +230,17 @@ def test_merge_returns_released_pages_in_order(pages):
     assert again.tolist() == list(range(4, pages * 4 + 4)), "pages come back as one ascending run"
 
 
+def test_sizes_may_be_numpy_integers_and_bad_ones_are_named():
+    """An engine computes sizes from arrays: numpy integers are sizes; bools, floats and
+    strings are refused naming the value, before anything is taken."""
+    a = PagedAllocator(64, 4, debug=True)
+    assert a.alloc(np.int64(8)).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for bad in (True, 8.0, "8", -4):
+        with pytest.raises(ValueError, match=f"n={bad!r}: must be an integer >= 0"):
+            a.alloc(bad)
+    assert a.available_size() == 64 - 8
+
+
 def test_alloc_pages_and_free_pages_by_number():
     a = PagedAllocator(32, 4, debug=True)
     pages = a.alloc_pages(3)
