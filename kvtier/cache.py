@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -34,58 +35,19 @@ from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController, LoadOp
 from kvtier.controller.cpus import check_cpus
-from kvtier.controller.streams import Handle, TransferError, make_stream
+from kvtier.controller.layer_waiter import LayerWaiter
+from kvtier.controller.streams import TransferError, make_stream
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
-from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, slots_of, tensor
+from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 from kvtier.tree import KnownHashes, MatchResult, RadixKey, RadixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
-
-
-class LayerWaiter:
-    """The loads one forward must wait for; later loads belong to the next forward.
-
-    One rank: a failed or late load raises TransferError from `wait_layer` (the forward
-    stops; abort its requests). Under tensor parallelism it must not: every rank's forward
-    runs the same collectives, and a rank that stopped alone would hang the others. There
-    `wait_layer` notes the failure and returns; the forward runs to its end on every rank,
-    and `failed()` then names the requests whose load failed on any rank, agreed in one
-    collective: abort exactly those, on every rank (docs/design.md §8)."""
-
-    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, defer: bool) -> None:
-        self.loads = loads  # request id -> its load, in the caller's (replicated) order
-        self.timeout_s = timeout_s
-        self.agreement = agreement
-        self.defer = defer
-        self.bad: dict[str, str] = {}  # request id -> why its load is unusable (this rank)
-
-    def wait_layer(self, layer: int) -> None:
-        for rid, h in self.loads.items():
-            if rid in self.bad:
-                continue
-            try:
-                h.wait_layer(layer, self.timeout_s)
-            except TransferError as exc:
-                if not self.defer:
-                    raise
-                self.bad[rid] = str(exc)
-
-    def failed(self) -> list[str]:
-        """After the forward, on every rank: the requests whose load failed on any rank
-        (their outputs are garbage; abort them). One collective iff the forward read loads,
-        which is the same on every rank."""
-        if not self.loads:
-            return []
-        rids = list(self.loads)
-        mine = [int(rid in self.bad or self.loads[rid].error is not None) for rid in rids]
-        _, agreed = self.agreement.agree([], mine)
-        return [rid for rid, bad in zip(rids, agreed) if bad]
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,12 +68,18 @@ class Acquired:
 
 @dataclass(eq=False)
 class _Held:
-    """What one request holds: a lock on `node` (its `tree_len` tokens) and a load."""
+    """What one request holds: a lock on `node` (its `tree_len` tokens) and a load, for
+    the prefix of `key` it was handed (those tokens and the loaded ones after them)."""
 
     node: TreeNode
     tree_len: int
     load: LoadOp | None
-    hashed: tuple[RadixKey, KnownHashes] | None = None  # page hashes its prefetch computed for this key
+    key: RadixKey
+    hashes: KnownHashes | None = None  # page hashes its prefetch computed for `key`
+
+    @property
+    def handed(self) -> int:
+        return self.tree_len + (0 if self.load is None else self.load.device_slots.size)
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -225,7 +193,7 @@ class TieredCache:
         self.lock(m.last_device_node)
         load = self.sync.start_load(m.last_host_node) if m.host_hit_length else None
         device_hit = m.device_slots.size
-        self.requests[request_id] = _Held(m.last_device_node, device_hit, load, None if hashed is None else (key, hashed))
+        self.requests[request_id] = _Held(m.last_device_node, device_hit, load, key, hashed)
         loaded = 0 if load is None else load.device_slots.size
         self.request_pages += loaded // self.page_size
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
@@ -276,7 +244,10 @@ class TieredCache:
         request held is released, and TransferError is raised: its KV was never right."""
         held = self._held(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
-        kv = slots_of(kv_indices)  # the one torch call: numpy from here on (docs/design.md §2)
+        kv = check_slots("cache_finished: kv_indices", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"cache_finished: priority={priority!r}: must be an integer")
+        self._check_prefix("cache_finished", request_id, held, key)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv[:aligned], priority, self._known_hashes(held, key))
@@ -291,7 +262,8 @@ class TieredCache:
         tokens [0, aligned) — repoint the request's row to them."""
         held = self._held(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
-        kv = slots_of(kv_indices)
+        kv = check_slots("cache_unfinished: kv_indices", kv_indices, len(key))
+        self._check_prefix("cache_unfinished", request_id, held, key)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv[:aligned])
@@ -300,7 +272,7 @@ class TieredCache:
         assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
         self.lock(m.last_device_node)
         self.unlock(held.node)
-        self.requests[request_id] = _Held(m.last_device_node, aligned, None)
+        self.requests[request_id] = _Held(m.last_device_node, aligned, None, key[:aligned])
         self.sync.after_insert(r.added)
         return tensor(m.device_slots)
 
@@ -308,6 +280,7 @@ class TieredCache:
         """Release whatever the request holds, in any state: its prefetch, its lock, the
         slots of its load (once the copy has stopped) and, given its row `kv_indices`, its
         own slots. Unknown or already released requests are a no-op."""
+        mine = None if kv_indices is None else check_slots("abort: kv_indices", kv_indices)
         self.sync.take_prefetch(request_id)  # stopped; what it landed stays on host for others
         held = self.requests.pop(request_id, None)
         if held is None:
@@ -319,8 +292,8 @@ class TieredCache:
             loaded = held.load.device_slots.size
             self.request_pages -= loaded // self.page_size
             self.sync.orphan_load(held.load)
-        if kv_indices is not None:
-            self._free(slots_of(kv_indices)[held.tree_len + loaded:])
+        if mine is not None:
+            self._free(mine[held.tree_len + loaded:])
 
     def _held(self, request_id: str, what: str) -> _Held:
         held = self.requests.get(request_id)
@@ -332,14 +305,23 @@ class TieredCache:
         """The page hashes the request's prefetch computed, if the finished key starts with
         the tokens they were computed from (a hash covers every token before its page too):
         its prompt pages are not hashed a second time when they are backed up."""
-        if held.hashed is None:
+        hashes = held.hashes
+        if hashes is None:
             return None
-        asked, hashes = held.hashed
         end = (hashes.first + len(hashes.chain)) * self.page_size
-        if key.extra_key != asked.extra_key or len(key) < end or \
-                key.tokens[:end].tobytes() != asked.tokens[:end].tobytes():
+        if len(key) < end or key.tokens[:end].tobytes() != held.key.tokens[:end].tobytes():
             return None
         return hashes
+
+    def _check_prefix(self, what: str, request_id: str, held: _Held, key: RadixKey) -> None:
+        """The tokens a request finishes with must start with the prefix it was handed:
+        that KV is the tree's (or was loaded for those tokens), and kept under other tokens
+        it would be served for them. Refused before anything changes."""
+        n = held.handed
+        if key.extra_key != held.key.extra_key or len(key) < n or \
+                key.tokens[:n].tobytes() != held.key.tokens[:n].tobytes():
+            raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
+                             f"with the {n} tokens it was handed KV for (extra_key={held.key.extra_key!r})")
 
     def _check_load(self, request_id: str, held: _Held, kv: np.ndarray) -> None:
         """Fail closed: a request whose load did not land intact must not insert anything."""

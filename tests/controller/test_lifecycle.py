@@ -359,6 +359,34 @@ def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
     cache.close()
 
 
+def test_finishing_with_tokens_other_than_the_handed_prefix_changes_nothing():
+    """A request handed A's KV that finishes with other tokens (or another extra key), a
+    kv row of the wrong length, or a priority that is not a number, is refused before
+    anything changes: kept under other tokens, A's KV would be served for them (and its
+    slots owned twice). The request still holds what it held, and finishes normally."""
+    cache = make_cache()
+    A = np.arange(100, 116)
+    kvs = compute(cache, A, seed=1)
+    got = acquire(cache, np.concatenate([A, [7, 7, 7, 7]]), "b")
+    assert got.device_hit == 16
+    row = torch.cat([got.indices, cache.alloc(4)])
+    other = np.concatenate([A[:8], np.arange(900, 908), [7, 7, 7, 7]])
+    for args, kwargs, message in [
+        ((other, row), {}, "do not start with the 16 tokens it was handed KV for"),
+        ((np.concatenate([A, [7, 7, 7, 7]]), row), {"extra_key": "lora-1"}, "extra_key='lora-1'"),
+        ((np.concatenate([A, [7, 7, 7, 7]]), row[:-1]), {}, "kv_indices: expected 20 indices, got 19"),
+        ((np.concatenate([A, [7, 7, 7, 7]]), row), {"priority": "high"}, "priority='high': must be an integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache.cache_finished("b", *args, **kwargs)
+        check(cache)
+    assert "b" in cache.requests and cache.match_prefix(other, count=False).device_indices.numel() == 8
+    cache.cache_finished("b", np.concatenate([A, [7, 7, 7, 7]]), row, priority=np.int64(3))
+    assert same_kv(read_back(cache, A, "again")[1], kvs)
+    check(cache)
+    cache.close()
+
+
 def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
     """Under write_back, evicting a node that is not backed up means waiting for its write.
     A demand that backed-up nodes can meet never waits just to free the headroom."""
