@@ -231,7 +231,7 @@ class TieredCache:
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
-        return self.sync.evict_device(num_tokens)
+        return self.sync.evict_device(check_size("evict: num_tokens", num_tokens, minimum=0))
 
     # -- finishing a request ------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ change (`_refresh`), with a heap by the policy key that an eviction pass pops fr
 
 from __future__ import annotations
 
+import numbers
 from contextlib import closing
 from functools import partial
 from typing import Callable
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.hashing import page_hashes
-from kvtier.tiers.indices import check_slots, concat
+from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, render
 from kvtier.tree.key import RadixKey, child_key_at, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
@@ -96,6 +97,8 @@ class RadixTree:
         the node is locked. `touch=False` for a re-match of the same request: a request
         counts one hit (hit_count, access clock), however often it is matched.
         """
+        if not isinstance(key, RadixKey):
+            raise ValueError(f"match_prefix: key: expected a RadixKey, got {type(key).__name__}")
         if touch:
             self.clock += 1
         path = self._walk(key)
@@ -145,7 +148,10 @@ class RadixTree:
         (new nodes they cover keep them instead of hashing their pages again).
         """
         self._check_aligned("insert", key)
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"insert: priority={priority!r}: must be an integer")
         slots = check_slots("device_indices", device_indices, len(key))
+        _check_hashes("insert", hashes)
         prefix_len, node, added = self._insert(self.root, key, slots, D, priority, hashes)
         return InsertResult(prefix_len, node, added)
 
@@ -158,6 +164,7 @@ class RadixTree:
         """
         self._check_aligned("insert_host", key)
         slots = check_slots("host_indices", host_indices, len(key))
+        _check_hashes("insert_host", hashes)
         if anchor is not self.root and not anchor.backed_up:
             raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
         prefix_len, node, _ = self._insert(anchor, key, slots, H, None, hashes)
@@ -305,6 +312,7 @@ class RadixTree:
         A backed-up leaf is demoted to host; one that is not is removed, or, with
         `backup_first` (write-back), listed in `needs_backup` and kept.
         """
+        check_size("evict_device: num_tokens", num_tokens, minimum=0)
         freed, demoted, removed, needs_backup = [], [], [], []
         evicted = 0
         with closing(self._leaves[D].order()) as order:  # closed: what it did not take goes back
@@ -327,6 +335,7 @@ class RadixTree:
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
+        check_size("evict_host: num_tokens", num_tokens, minimum=0)
         freed, removed, evicted = [], [], 0
         with closing(self._leaves[H].order()) as order:
             for node in order:
@@ -431,6 +440,8 @@ class RadixTree:
                 self._leaves[tier].discard(node)
 
     def _check_aligned(self, what: str, key: RadixKey) -> None:
+        if not isinstance(key, RadixKey):
+            raise ValueError(f"{what}: key: expected a RadixKey, got {type(key).__name__}")
         if len(key) % self.page_size:
             raise ValueError(f"{what}: key length {len(key)} is not a multiple of page_size={self.page_size}")
 
@@ -459,6 +470,11 @@ def _edge_match(child: TreeNode, data: bytes, tokens: np.ndarray, offset: int, e
     if offset + n <= end and data.startswith(edge, offset << 3):
         return n
     return common_prefix(child.key.tokens, tokens, offset, end, ps)
+
+
+def _check_hashes(what: str, hashes: object) -> None:
+    if hashes is not None and not isinstance(hashes, KnownHashes):
+        raise ValueError(f"{what}: hashes: expected KnownHashes or None, got {type(hashes).__name__}")
 
 
 def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:

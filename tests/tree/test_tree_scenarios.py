@@ -193,6 +193,18 @@ def test_bad_input_names_the_problem():
     n = tree.insert(key([1, 2, 3, 4]), torch.tensor([4, 5, 6, 7])).last_node
     with pytest.raises(ValueError, match=r"unlock: Node#\d+.* is not locked"):
         tree.unlock(n)
+    longer = key([1, 2, 3, 4, 5, 6, 7, 8])
+    for kwargs, message in [({"priority": "high"}, "insert: priority='high': must be an integer"),
+                            ({"hashes": [b"h"]}, "insert: hashes: expected KnownHashes or None, got list")]:
+        with pytest.raises(ValueError, match=message):  # refused before the new node is hung
+            tree.insert(longer, torch.tensor([4, 5, 6, 7, 8, 9, 10, 11]), **kwargs)
+        assert tree.total_size() == 4
+    with pytest.raises(ValueError, match="insert: key: expected a RadixKey, got list"):
+        tree.insert([1, 2, 3, 4], torch.tensor([4, 5, 6, 7]))
+    with pytest.raises(ValueError, match="match_prefix: key: expected a RadixKey, got list"):
+        tree.match_prefix([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="evict_device: num_tokens=-4: must be an integer >= 0"):
+        tree.evict_device(-4)
     with pytest.raises(ValueError, match="eviction_policy='lrx': allowed values are lru"):
         RadixTree(eviction_policy="lrx")
     with pytest.raises(ValueError, match="page_size=0"):
