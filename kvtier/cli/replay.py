@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 from kvtier.errors import KvtierConfigError
@@ -33,6 +34,10 @@ def check_arguments(args) -> None:
         raise KvtierConfigError("--trace replays its own turns: --requests and --workload do not apply to it")
     if args.requests < 1:
         raise KvtierConfigError(f"--requests {args.requests}: must be >= 1")
+    if getattr(args, "batch", 1) < 1:
+        raise KvtierConfigError(f"--batch {args.batch}: must be >= 1 (requests per forward)")
+    if args.trace and not os.path.isfile(args.trace):
+        raise KvtierConfigError(f"--trace {args.trace!r}: no such file (a JSONL trace, one turn per line: README)")
     rate = getattr(args, "prefill_tokens_per_s", None)
     if rate is not None and not 0 < rate < float("inf"):
         raise KvtierConfigError(f"--prefill-tokens-per-s {rate}: must be a number of tokens per second > 0")

@@ -119,6 +119,8 @@ def test_serve_and_stats_url_end_to_end(cache_home, capsys):
     (["replay", "--verify", "0"], "--verify 0.0: a fraction in (0, 1]"),
     (["replay", "--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s 0.0: must be a number of tokens per second > 0"),
     (["replay", "--trace", "t.jsonl", "--requests", "5"], "--requests and --workload do not apply"),
+    (["replay", "--trace", "missing.jsonl"], "--trace 'missing.jsonl': no such file"),
+    (["replay", "--batch", "0"], "--batch 0: must be >= 1 (requests per forward)"),
     (["store", "purge", "--older-than", "soon"], "expected a number and a unit"),
     (["store", "ls", "--config", "memory"], None),
 ])
