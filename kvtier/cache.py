@@ -355,7 +355,11 @@ class TieredCache:
         """What the forward about to run must wait for: the loads of the requests in it
         (default: of every request; waiting for more than needed is only slower). A failed
         load raises TransferError at every forward of its request until it is aborted; under
-        tensor parallelism it is reported by `failed()` after the forward instead."""
+        tensor parallelism it is reported by `failed()` after the forward instead. Ids
+        kvtier does not hold (requests that never went through it) have nothing to wait for."""
+        if isinstance(request_ids, str):  # its characters would be looked up, its load never waited for
+            raise ValueError(f"begin_forward: request_ids={request_ids!r}: expected a list of request ids, "
+                             f"got one string")
         ids = self.requests if request_ids is None else request_ids
         loads = {}
         for rid in ids:

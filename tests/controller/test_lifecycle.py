@@ -359,6 +359,17 @@ def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
     cache.close()
 
 
+def test_begin_forward_refuses_one_string_for_its_request_ids():
+    """`begin_forward("r1")` would look up "r" and "1", find no load and let the forward
+    read r1's prefix before it landed."""
+    cache = make_cache()
+    with pytest.raises(ValueError, match="begin_forward: request_ids='r1': expected a list of request ids"):
+        cache.begin_forward("r1")
+    assert cache.begin_forward(["r1"]).loads == {}  # not held: nothing to wait for
+    check(cache)
+    cache.close()
+
+
 def test_finishing_with_tokens_other_than_the_handed_prefix_changes_nothing():
     """A request handed A's KV that finishes with other tokens (or another extra key), a
     kv row of the wrong length, or a priority that is not a number, is refused before
