@@ -226,8 +226,8 @@ class TieredCache:
 
     def _free(self, slots: np.ndarray) -> None:
         if slots.size:
+            self.controller.device_alloc.free_slots(slots)  # a double free raises here, changing nothing
             self.request_pages -= len(set(pages_of(slots, self.page_size).tolist()))
-            self.controller.device_alloc.free_slots(slots)
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""

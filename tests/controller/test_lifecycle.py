@@ -355,6 +355,8 @@ def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
     assert mine.numel() == 6 and cache.controller.device_alloc.available_size() == free - 8
     cache.free(mine)
     assert cache.controller.device_alloc.available_size() == free
+    with pytest.raises(ValueError, match=r"free: pages \[\d+, \d+\] are not allocated \(double free\?\)"):
+        cache.free(mine)  # twice: the accounting (free + requests) would have balanced it
     check(cache)
     cache.close()
 

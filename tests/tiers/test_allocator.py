@@ -230,6 +230,29 @@ def test_merge_returns_released_pages_in_order(pages):
     assert again.tolist() == list(range(4, pages * 4 + 4)), "pages come back as one ascending run"
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_double_free_is_refused_outside_debug_mode_too(debug):
+    """A page freed twice would be handed to two owners, each writing KV the other reads.
+    The allocator refuses it (and padding, and pages out of range) in production too,
+    with nothing changed: the page is still free once, not twice."""
+    a = PagedAllocator(64, 4, debug=debug)
+    x = a.alloc(8)
+    a.free(x)
+    for bad, message in [(x, r"pages \[1, 2\] are not allocated \(double free\?\)"),
+                         (torch.tensor([0, 1, 2, 3]), r"pages \[0\] out of range 1..16 \(0 is padding\)"),
+                         (torch.tensor([68, 69]), r"pages \[17\] out of range")]:
+        with pytest.raises(ValueError, match=message):
+            a.free(bad)
+    assert a.available_size() == 64
+    assert len(set((a.alloc(64) // 4).tolist())) == 16  # every page once: none was queued twice
+    t = TokenAllocator(8, debug=debug)
+    got = t.alloc(3)
+    t.free(got)
+    with pytest.raises(ValueError, match="are not allocated"):
+        t.free(got)
+    assert t.available_size() == 8
+
+
 def test_sizes_may_be_numpy_integers_and_bad_ones_are_named():
     """An engine computes sizes from arrays: numpy integers are sizes; bools, floats and
     strings are refused naming the value, before anything is taken."""
