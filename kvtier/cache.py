@@ -115,6 +115,7 @@ class TieredCache:
         self.page_size = config.pool.page_size
         self.request_pages = 0  # device pages handed to requests and not yet given back
         self.requests: dict[str, _Held] = {}
+        self.closed = False
         log.info("kvtier: %s", self.describe())
 
     def _probe_store(self) -> None:
@@ -174,6 +175,7 @@ class TieredCache:
         return `ready=False` holding nothing. Once ready (a later `poll()` names the request):
         take the prefetch, lock the device prefix and start loading the host part into slots
         the request owns. Wait per layer (`begin_forward`) before reading them."""
+        self._check_open("acquire")
         if request_id in self.requests:
             raise ValueError(f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first")
         key = self.key(tokens, extra_key)
@@ -213,6 +215,7 @@ class TieredCache:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """`n` device slots in whole pages for a request, evicting on demand; None if short."""
+        self._check_open("alloc")
         pages = -(-check_size("alloc: n", n, minimum=0) // self.page_size)
         slots = self.sync.alloc_device(pages * self.page_size)
         if slots is None:
@@ -372,6 +375,7 @@ class TieredCache:
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be
         acquired again. Call every scheduler step on every rank."""
+        self._check_open("poll")
         self.sync.poll()
         ready, self.sync.newly_ready = self.sync.newly_ready, []
         return ready
@@ -407,13 +411,22 @@ class TieredCache:
 
     def close(self) -> None:
         """Finish background work, drop device and host contents, stop threads. Requests
-        still holding locks (an engine that failed mid-batch) keep their slots: logged."""
+        still holding locks (an engine that failed mid-batch) keep their slots: logged.
+        A second close does nothing; requests after it are refused (its threads are gone:
+        a prefetch started then would never finish)."""
+        if self.closed:
+            return
+        self.closed = True
         self.sync.drain()
         if self.tree.protected_size(D):
             log.warning("close: %d device tokens still locked by requests; not flushed", self.tree.protected_size(D))
         else:
             self.flush()
         self.controller.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{what}: this TieredCache is closed")
 
     # -- checks and numbers -------------------------------------------------------------------
 

@@ -361,6 +361,20 @@ def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
     cache.close()
 
 
+def test_a_closed_cache_refuses_requests_and_closes_once(tmp_path):
+    """After close its threads are gone: a prefetch started then would never finish, and
+    the request would wait forever. So requests are refused; a second close does nothing
+    (it failed on the closed event loop)."""
+    cache = make_cache(tmp_path, store="file")
+    compute(cache, A, seed=1)
+    cache.close()
+    cache.close()
+    for call in (lambda: cache.acquire(A, "late"), cache.poll, lambda: cache.alloc(4)):
+        with pytest.raises(RuntimeError, match="this TieredCache is closed"):
+            call()
+    assert cache.requests == {}
+
+
 def test_begin_forward_refuses_one_string_for_its_request_ids():
     """`begin_forward("r1")` would look up "r" and "1", find no load and let the forward
     read r1's prefix before it landed."""
