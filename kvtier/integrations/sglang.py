@@ -124,6 +124,7 @@ class KvtierStorageBase:
         self.namespace: Namespace | None = None
         self.page_bytes = 0
         self._manifest_written = False
+        self._closed = False
         self._metrics_lock = threading.Lock()
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
@@ -177,6 +178,8 @@ class KvtierStorageBase:
         return Namespace(model, dtype, layout, pool.page_size, rank, size, ns.tenant_salt, revision=ns.revision)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
+        if self._closed:  # its loop is gone: a call would wait on it forever
+            raise RuntimeError("kvtier SGLang backend: closed")
         if self.namespace is None:
             raise RuntimeError("kvtier SGLang backend: register_mem_pool_host() must come before any I/O")
         if isinstance(keys, str):
@@ -373,6 +376,10 @@ class KvtierStorageBase:
         return m
 
     def close(self) -> None:
+        """Close the store and stop its loop; a second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._loop.run(self.store.close())
         except StoreError as exc:

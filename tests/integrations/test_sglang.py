@@ -185,6 +185,9 @@ def test_legacy_get_set_round_trip(sg, store_kind, attn, layout, request, tmp_pa
     assert backend.get(page_keys(1)[0], pool.get_dummy_flat_data_page()) is None
     assert not backend.exists(page_keys(1)[0])
     backend.close()
+    backend.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="kvtier SGLang backend: closed"):
+        backend.exists(keys[0])  # its loop is gone: it would have waited on it forever
 
 
 # -- namespaces: what SGLang's keys leave out ----------------------------------------------
