@@ -38,6 +38,7 @@ from kvtier.controller.cpus import check_cpus
 from kvtier.controller.layer_waiter import LayerWaiter
 from kvtier.controller.streams import TransferError, make_stream
 from kvtier.errors import StoreError, StoreUnavailable
+from kvtier.controller.speed import prefill_rate
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
@@ -386,6 +387,8 @@ class TieredCache:
         cache never makes a request slower than no cache (docs/design.md §8)."""
         if self.controller.storage is not None:
             self.controller.storage.speed.report_prefill(tokens, seconds)
+        else:
+            prefill_rate(tokens, seconds)  # bad values are refused with a store or without
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """A fixed prefill rate instead of measured ones (None: never skip for speed)."""

@@ -16,6 +16,7 @@ estimate follows a store that got faster. Averages are exponential (weight `alph
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 from typing import Callable
@@ -45,10 +46,11 @@ class LoadSpeed:
             self._prefill = None if tokens_per_s is None else float(tokens_per_s)
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
-        """One prefill the engine ran: `tokens` computed in `seconds` (averaged in)."""
-        if tokens <= 0 or not seconds > 0:
+        """One prefill the engine ran: `tokens` computed in `seconds` (averaged in; bad
+        values are refused, see `prefill_rate`)."""
+        rate = prefill_rate(tokens, seconds)
+        if rate is None:
             return
-        rate = tokens / seconds
         with self._lock:
             self._prefill = rate if self._prefill is None else self._prefill + self.alpha * (rate - self._prefill)
 
@@ -96,3 +98,20 @@ class LoadSpeed:
                 "store_call_ms": None if self.call_s is None else self.call_s * 1e3,
                 "store_page_ms": None if self.page_s is None else self.page_s * 1e3,
                 "prefill_tokens_per_s": prefill}
+
+
+def prefill_rate(tokens: int, seconds: float) -> float | None:
+    """Tokens/s of one prefill the engine reports; None for one that computed nothing, or
+    too short for the clock to see (0 s): it teaches nothing. A negative, infinite or NaN
+    value, or one that is not a number, is an engine bug and raises ValueError naming it:
+    averaged in, it would make every load look slower (or faster) than recomputing."""
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"report_prefill: tokens={tokens!r}: must be an integer >= 0")
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
+        raise ValueError(f"report_prefill: seconds={seconds!r}: must be a finite number >= 0")
+    if tokens == 0 or seconds == 0:
+        return None
+    rate = tokens / seconds
+    if not math.isfinite(rate):  # a subnormal `seconds`: no clock measures that
+        raise ValueError(f"report_prefill: {tokens} tokens in seconds={seconds!r}: not a measurable rate")
+    return rate

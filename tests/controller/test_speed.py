@@ -2,6 +2,7 @@
 no cache (docs/design.md §8)."""
 
 import asyncio
+import re
 
 import pytest
 
@@ -32,6 +33,40 @@ def test_estimate_skip_and_probe():
     assert s.stats()["prefetch_skipped_slow"] == 1
     with pytest.raises(ValueError, match="tokens_per_s=0"):
         s.set_prefill_rate(0)
+
+
+
+@pytest.mark.parametrize("tokens, seconds, field", [
+    (-160, 0.1, "tokens=-160"), (160.0, 0.1, "tokens=160.0"), (True, 0.1, "tokens=True"),
+    (160, -0.1, "seconds=-0.1"), (160, float("inf"), "seconds=inf"), (160, float("nan"), "seconds=nan"),
+    (160, "0.1", "seconds='0.1'"), (160, 5e-324, "seconds=5e-324"),
+])
+def test_bad_prefill_report_refused_and_rate_kept(tokens, seconds, field):
+    """A report the engine got wrong is refused, naming it, and the rate stays what it was:
+    `seconds=inf` averaged in a rate of 0, and the storage thread's next estimate divided
+    by it; NaN or a negative count was dropped without a word."""
+    s = LoadSpeed(alpha=0.5)
+    s.report_prefill(160, 0.1)
+    with pytest.raises(ValueError, match=f"report_prefill: .*{re.escape(field)}"):
+        s.report_prefill(tokens, seconds)
+    assert s.prefill_tokens_per_s == pytest.approx(1600)
+    s.report_prefill(0, 0.1)  # computed nothing: nothing to learn, not an error
+    s.report_prefill(160, 0)  # too short for the clock: the same
+    assert s.prefill_tokens_per_s == pytest.approx(1600)
+
+
+def test_bad_prefill_report_refused_without_a_store():
+    from kvtier.cache import TieredCache
+    from kvtier.config import load_config
+
+    cache = TieredCache(load_config(None, {"store": {"backend": "none"}, "pool": {"size": 256, "num_layers": 1, "page_size": 16,
+                                                                      "num_kv_heads": 1, "head_dim": 8}}, env={}))
+    try:
+        with pytest.raises(ValueError, match="seconds=inf"):
+            cache.report_prefill(160, float("inf"))
+        cache.report_prefill(160, 0.1)
+    finally:
+        cache.close()
 
 
 class SlowStore(MemoryStore):
