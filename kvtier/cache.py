@@ -201,7 +201,8 @@ class TieredCache:
         self.request_pages += loaded // self.page_size
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
         self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
-        slots = m.device_slots if load is None else concat([m.device_slots, load.device_slots])
+        # a copy, never a view of a node's slots: what a request is handed is its own to change
+        slots = concat([m.device_slots] if load is None else [m.device_slots, load.device_slots])
         return Acquired(True, tensor(slots), device_hit, loaded - storage_hit, storage_hit)
 
     def lock(self, node: TreeNode) -> None:
@@ -278,7 +279,7 @@ class TieredCache:
         self.unlock(held.node)
         self.requests[request_id] = _Held(m.last_device_node, aligned, None, key[:aligned])
         self.sync.after_insert(r.added)
-        return tensor(m.device_slots)
+        return tensor(concat([m.device_slots]))  # the request's own copy, as from acquire
 
     def abort(self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None) -> None:
         """Release whatever the request holds, in any state: its prefetch, its lock, the

@@ -79,3 +79,67 @@ def test_token_ids_that_would_alias_in_the_page_hash_are_refused():
     cache.abort("good")
     check(cache)
     cache.close()
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "torch"])
+def test_a_reused_token_buffer_never_changes_what_the_cache_holds(as_tensor):
+    """Engines keep persistent input-id buffers and refill them for the next batch. The tree
+    kept a view of the caller's int64 array (or a tensor's memory) as its key: refilling the
+    buffer rewrote the cached prompt, so a prompt never computed matched the old one's KV
+    (wrong KV served), and the hash chain of its pages, made lazily from the key, would have
+    keyed the old KV under the new tokens in the store. kvtier copies the tokens it keeps."""
+    import torch
+
+    from kvtier.hashing import page_hashes
+    from tests.controller.helpers import acquire, fill, forward, read, same_kv
+
+    cache = make_cache(store="none", pool_size=128)
+    buf = np.arange(100, 132, dtype=np.int64)
+    tokens = torch.from_numpy(buf) if as_tensor else buf
+    got = acquire(cache, tokens, "a")
+    new = cache.alloc(32)
+    forward(cache, "a")
+    kv_a = fill(cache, new, seed=1)
+    cache.cache_finished("a", tokens, torch.cat([got.indices, new]))
+    buf[16:] = np.arange(900, 916)  # the next batch in the same buffer: shares A's first 16 tokens
+    b = buf.copy()
+    got = acquire(cache, b, "b")
+    assert got.indices.numel() == 16, "only the 16 tokens B shares with A may hit"
+    cache.abort("b")
+    a = np.arange(100, 132, dtype=np.int64)
+    got = acquire(cache, a, "a2")
+    assert got.indices.numel() == 32 and same_kv(read(cache, got.indices), kv_a)
+    cache.abort("a2")
+    last = cache.tree.page_hashes(cache.match_prefix(a).last_device_node)[-1]  # chained: it covers all of A
+    assert last == page_hashes(a, 4, cache.namespace.id)[-1]
+    check(cache)
+    cache.close()
+
+
+def test_slots_handed_to_a_request_are_its_own_to_change():
+    """`acquire` and `cache_unfinished` handed out a tensor over the tree node's own slot
+    array when the prefix was one node: an engine that shifted or clamped its index tensor
+    in place rewrote where the tree thinks that prefix's KV lives, and the next request
+    matching it read other KV. What a request is handed is a copy."""
+    import torch
+
+    from tests.controller.helpers import acquire, fill, forward, read, same_kv
+
+    cache = make_cache(store="none", pool_size=128)
+    kv_a = compute(cache, A, seed=1)
+    got = acquire(cache, A, "r1")
+    got.indices.add_(4)  # the engine's own business once handed
+    cache.abort("r1")
+    got = acquire(cache, np.concatenate([A, A + 100]), "r2")
+    assert got.indices.numel() == 16 and same_kv(read(cache, got.indices), kv_a)
+    new = cache.alloc(16)
+    forward(cache, "r2")
+    fill(cache, new, seed=2)
+    kept = cache.cache_unfinished("r2", np.concatenate([A, A + 100]), torch.cat([got.indices, new]))
+    kept.zero_()
+    cache.abort("r2")
+    got = acquire(cache, A, "r3")
+    assert same_kv(read(cache, got.indices), kv_a)
+    cache.abort("r3")
+    check(cache)
+    cache.close()
