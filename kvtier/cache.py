@@ -177,6 +177,8 @@ class TieredCache:
         take the prefetch, lock the device prefix and start loading the host part into slots
         the request owns. Wait per layer (`begin_forward`) before reading them."""
         self._check_open("acquire")
+        if not isinstance(request_id, str):  # None reads as "every request" to begin_forward
+            raise ValueError(f"acquire: request_id={request_id!r}: must be a str")
         if request_id in self.requests:
             raise ValueError(f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first")
         key = self.key(tokens, extra_key)

@@ -31,7 +31,7 @@ class RadixKey:
         # a copy, always: the tree keeps keys, and a view of a buffer the engine refills for
         # its next batch would rewrite cached prompts under their KV (~1 us for 1,200 ids)
         self.tokens = np.array(arr, dtype=np.int64, order="C")
-        self.extra_key = extra_key
+        self.extra_key = _check_extra_key(extra_key)
         _check_range(self.tokens)
 
     @classmethod
@@ -61,6 +61,21 @@ class RadixKey:
         if self.extra_key != other.extra_key:
             return 0
         return common_prefix(self.tokens, other.tokens, 0, other.tokens.shape[0], page_size)
+
+
+def _check_extra_key(extra_key):
+    """None or a str that encodes as UTF-8 (page hashes include it: docs/formats.md). Else
+    ValueError naming it: another type matched in the tree but failed to hash on the storage
+    thread, in the prefetch and in every backup of the request's pages."""
+    if extra_key is None:
+        return None
+    if isinstance(extra_key, str):
+        try:
+            extra_key.encode()
+            return extra_key
+        except UnicodeEncodeError:
+            pass
+    raise ValueError(f"extra_key={extra_key!r}: must be None or a str that encodes as UTF-8 (LoRA id, tenant...)")
 
 
 def _check_range(tokens: np.ndarray) -> None:

@@ -1,5 +1,7 @@
 """Bitwise lifecycles through every tier, and each write and prefetch policy."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -382,6 +384,25 @@ def test_begin_forward_refuses_one_string_for_its_request_ids():
     with pytest.raises(ValueError, match="begin_forward: request_ids='r1': expected a list of request ids"):
         cache.begin_forward("r1")
     assert cache.begin_forward(["r1"]).loads == {}  # not held: nothing to wait for
+    check(cache)
+    cache.close()
+
+
+
+@pytest.mark.parametrize("field, value", [("extra_key", 7), ("extra_key", b"lora"), ("extra_key", "\udcff"),
+                                          ("request_id", None), ("request_id", 7)])
+def test_acquire_refuses_an_extra_key_or_request_id_of_another_type(field, value):
+    """An extra key that is not a str matched in the tree, then failed to hash on the
+    storage thread (its prefetch, and every backup of the request's pages, logged a
+    traceback); a request id of None reads as "every request" to begin_forward. Both are
+    refused where they come in, and the cache holds nothing of the request."""
+    cache = make_cache()
+    compute(cache, A, seed=1)
+    args = {"extra_key": value} if field == "extra_key" else {}
+    rid = value if field == "request_id" else "r"
+    with pytest.raises(ValueError, match=f"{field}={re.escape(repr(value))}: must be"):
+        cache.acquire(np.concatenate([A, A + 1]), rid, **args)
+    assert cache.requests == {} and cache.sync.prefetches == {}
     check(cache)
     cache.close()
 
