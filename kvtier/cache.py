@@ -33,7 +33,7 @@ from kvtier.backends.registry import build_store
 from kvtier.cache_sync import Applier
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
-from kvtier.controller.controller import CacheController, LoadOp
+from kvtier.controller.controller import CacheController
 from kvtier.controller.cpus import check_cpus
 from kvtier.controller.layer_waiter import LayerWaiter
 from kvtier.controller.streams import TransferError, make_stream
@@ -42,10 +42,12 @@ from kvtier.controller.speed import prefill_rate
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.tp import Agreement
 from kvtier.hashing import Namespace
+from kvtier.held import Held
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
-from kvtier.tree import KnownHashes, MatchResult, RadixKey, RadixTree, Tier, TreeNode
+from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
+from kvtier.tree.check import tier_slots
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
@@ -65,22 +67,6 @@ class Acquired:
     device_hit: int = 0
     host_hit: int = 0
     storage_hit: int = 0
-
-
-@dataclass(eq=False)
-class _Held:
-    """What one request holds: a lock on `node` (its `tree_len` tokens) and a load, for
-    the prefix of `key` it was handed (those tokens and the loaded ones after them)."""
-
-    node: TreeNode
-    tree_len: int
-    load: LoadOp | None
-    key: RadixKey
-    hashes: KnownHashes | None = None  # page hashes its prefetch computed for `key`
-
-    @property
-    def handed(self) -> int:
-        return self.tree_len + (0 if self.load is None else self.load.device_slots.size)
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -115,7 +101,7 @@ class TieredCache:
                             self.agreement, self.mirror is not None, clock)
         self.page_size = config.pool.page_size
         self.request_pages = 0  # device pages handed to requests and not yet given back
-        self.requests: dict[str, _Held] = {}
+        self.requests: dict[str, Held] = {}
         self.closed = False
         log.info("kvtier: %s", self.describe())
 
@@ -198,7 +184,7 @@ class TieredCache:
         self.lock(m.last_device_node)
         load = self.sync.start_load(m.last_host_node) if m.host_hit_length else None
         device_hit = m.device_slots.size
-        self.requests[request_id] = _Held(m.last_device_node, device_hit, load, key, hashed)
+        self.requests[request_id] = Held(m.last_device_node, device_hit, load, key, hashed)
         loaded = 0 if load is None else load.device_slots.size
         self.request_pages += loaded // self.page_size
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
@@ -254,10 +240,10 @@ class TieredCache:
         kv = check_slots("cache_finished: kv_indices", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"cache_finished: priority={priority!r}: must be an integer")
-        self._check_prefix("cache_finished", request_id, held, key)
+        held.check_finish("cache_finished", request_id, key, kv, self.controller.device_alloc)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
-        r = self.tree.insert(key[:aligned], kv[:aligned], priority, self._known_hashes(held, key))
+        r = self.tree.insert(key[:aligned], kv[:aligned], priority, held.known_hashes(key, self.page_size))
         self._give_back(kv, held.tree_len, r.prefix_len, aligned, len(key))
         self.unlock(held.node)
         del self.requests[request_id]
@@ -270,7 +256,7 @@ class TieredCache:
         held = self._held(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
         kv = check_slots("cache_unfinished: kv_indices", kv_indices, len(key))
-        self._check_prefix("cache_unfinished", request_id, held, key)
+        held.check_finish("cache_unfinished", request_id, key, kv, self.controller.device_alloc)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv[:aligned])
@@ -279,7 +265,7 @@ class TieredCache:
         assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
         self.lock(m.last_device_node)
         self.unlock(held.node)
-        self.requests[request_id] = _Held(m.last_device_node, aligned, None, key[:aligned])
+        self.requests[request_id] = Held(m.last_device_node, aligned, None, key[:aligned])
         self.sync.after_insert(r.added)
         return tensor(concat([m.device_slots]))  # the request's own copy, as from acquire
 
@@ -302,35 +288,13 @@ class TieredCache:
         if mine is not None:
             self._free(mine[held.tree_len + loaded:])
 
-    def _held(self, request_id: str, what: str) -> _Held:
+    def _held(self, request_id: str, what: str) -> Held:
         held = self.requests.get(request_id)
         if held is None:
             raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
         return held
 
-    def _known_hashes(self, held: _Held, key: RadixKey) -> KnownHashes | None:
-        """The page hashes the request's prefetch computed, if the finished key starts with
-        the tokens they were computed from (a hash covers every token before its page too):
-        its prompt pages are not hashed a second time when they are backed up."""
-        hashes = held.hashes
-        if hashes is None:
-            return None
-        end = (hashes.first + len(hashes.chain)) * self.page_size
-        if len(key) < end or key.tokens[:end].tobytes() != held.key.tokens[:end].tobytes():
-            return None
-        return hashes
-
-    def _check_prefix(self, what: str, request_id: str, held: _Held, key: RadixKey) -> None:
-        """The tokens a request finishes with must start with the prefix it was handed:
-        that KV is the tree's (or was loaded for those tokens), and kept under other tokens
-        it would be served for them. Refused before anything changes."""
-        n = held.handed
-        if key.extra_key != held.key.extra_key or len(key) < n or \
-                key.tokens[:n].tobytes() != held.key.tokens[:n].tobytes():
-            raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
-                             f"with the {n} tokens it was handed KV for (extra_key={held.key.extra_key!r})")
-
-    def _check_load(self, request_id: str, held: _Held, kv: np.ndarray) -> None:
+    def _check_load(self, request_id: str, held: Held, kv: np.ndarray) -> None:
         """Fail closed: a request whose load did not land intact must not insert anything."""
         load = held.load
         if load is None:
@@ -441,6 +405,11 @@ class TieredCache:
         problems = []
         dev_free = self.controller.device_alloc.available_size()
         dev_tree, dev_req = self.tree.total_size(D), self.request_pages * self.page_size
+        if dev_req < 0:  # a negative count would balance pages the tree holds but never allocated
+            problems.append(f"device: requests hold {dev_req} slots")
+        strays = self.controller.device_alloc.unallocated(tier_slots(self.tree, D))
+        if strays.size:
+            problems.append(f"device: the tree holds slots whose pages are not allocated: {strays[:8].tolist()}")
         dev_ops = self.sync.orphaned_pages * self.page_size
         if dev_free + dev_tree + dev_req + dev_ops != self.config.pool.size:
             problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "

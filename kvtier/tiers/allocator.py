@@ -128,6 +128,15 @@ class _FreeList:
             not_held = units[~self.held[units]]
             raise ValueError(f"free: {what} {not_held[:8].tolist()} are not allocated (double free?)")
 
+    def not_held(self, units: np.ndarray) -> np.ndarray:
+        """The units of `units` that are not handed out (free, padding or out of range)."""
+        if units.size == 0:
+            return units
+        if units.min() < 1 or units.max() > self.n:
+            return units[(units < 1) | (units > self.n)]
+        held = self.held[units]
+        return units[:0] if held.all() else units[~held]
+
     def merge(self) -> None:
         """Released units back into the sorted free array (allocations stay runs). Up to
         GIL_CHUNK units are sorted by Python (~20 us, what a GIL hand-off costs the
@@ -271,6 +280,13 @@ class PagedAllocator:
 
     def free_group(self):
         return self._free.grouped()
+
+    def unallocated(self, slots: np.ndarray) -> np.ndarray:
+        """The slots of `slots` whose page is not allocated (free, padding or out of range):
+        KV kept there would be overwritten by the page's next owner."""
+        pages = pages_of(slots, self.page_size)
+        bad = self._free.not_held(pages)
+        return slots[np.isin(pages, bad)] if bad.size else bad
 
     def clear(self) -> None:
         self._free = _FreeList(self.num_pages, self._free.debug)

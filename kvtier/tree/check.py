@@ -24,6 +24,12 @@ def walk(root: TreeNode) -> list[TreeNode]:
     return out
 
 
+def tier_slots(tree: "RadixTree", tier: Tier) -> np.ndarray:
+    """Every slot the tree holds on `tier` (a full walk: for checks, not for a hot path)."""
+    values = [n.values[tier] for n in walk(tree.root) if n.values[tier] is not None]
+    return np.concatenate(values) if values else np.empty(0, dtype=np.int64)
+
+
 def check_tree(tree: "RadixTree") -> list[str]:
     from kvtier.tree.radix import is_evictable_leaf
 

@@ -435,6 +435,41 @@ def test_finishing_with_tokens_other_than_the_handed_prefix_changes_nothing():
     cache.close()
 
 
+
+def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
+    """Slots a finish keeps must be the request's: the ones its prefix was loaded into, as
+    handed, then allocated ones. A freed (stale) slot was kept in the tree: the next request
+    was handed its page and overwrote the KV the tree served for these tokens; the request
+    count went negative and balanced the accounting. Refused before anything changes."""
+    cache = make_cache(pool_size=128)
+    A = np.arange(100, 116)
+    kvs = compute(cache, A, seed=1)
+    settle(cache)
+    cache.evict(128)  # A is on host only now
+    tokens = np.concatenate([A, [7, 7, 7, 7]])
+    got = acquire(cache, tokens, "b")
+    assert got.host_hit == 16
+    mine = cache.alloc(4)
+    spare = cache.alloc(16)
+    stale = cache.alloc(4)
+    cache.free(stale)
+    forward(cache, "b")
+    for row, message in [
+        (torch.cat([got.indices, stale]), r"kv_indices \[\d+, .*\] are not allocated"),
+        (torch.cat([got.indices, torch.tensor([0, 1, 2, 3])]), r"kv_indices \[0, 1, 2, 3\] are not allocated"),
+        (torch.cat([spare, mine]), r"kv_indices\[0:16\] are not the slots its prefix was loaded into"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache.cache_finished("b", tokens, row)
+        check(cache)
+    assert "b" in cache.requests
+    cache.free(spare)
+    cache.cache_finished("b", tokens, torch.cat([got.indices, mine]))
+    assert same_kv(read_back(cache, A, "again")[1], kvs)
+    check(cache)
+    cache.close()
+
+
 def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
     """Under write_back, evicting a node that is not backed up means waiting for its write.
     A demand that backed-up nodes can meet never waits just to free the headroom."""

@@ -1,0 +1,66 @@
+"""What one request holds between `acquire` and its finish, and what its finish must match
+(docs/design.md §8). Scheduler thread only, like the rest of `TieredCache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.controller.controller import LoadOp
+from kvtier.tiers.allocator import PagedAllocator
+from kvtier.tree import KnownHashes, RadixKey, TreeNode
+
+
+@dataclass(eq=False)
+class Held:
+    """A lock on `node` (its `tree_len` tokens) and a load, for the prefix of `key` the
+    request was handed (those tokens and the loaded ones after them)."""
+
+    node: TreeNode
+    tree_len: int
+    load: LoadOp | None
+    key: RadixKey
+    hashes: KnownHashes | None = None  # page hashes its prefetch computed for `key`
+
+    @property
+    def handed(self) -> int:
+        return self.tree_len + (0 if self.load is None else self.load.device_slots.size)
+
+    def known_hashes(self, key: RadixKey, page_size: int) -> KnownHashes | None:
+        """The page hashes the request's prefetch computed, if the finished key starts with
+        the tokens they were computed from (a hash covers every token before its page too):
+        its prompt pages are not hashed a second time when they are backed up."""
+        hashes = self.hashes
+        if hashes is None:
+            return None
+        end = (hashes.first + len(hashes.chain)) * page_size
+        if len(key) < end or key.tokens[:end].tobytes() != self.key.tokens[:end].tobytes():
+            return None
+        return hashes
+
+    def check_finish(self, what: str, request_id: str, key: RadixKey, kv: np.ndarray,
+                     device_alloc: PagedAllocator) -> None:
+        """A finish (`what`) with `key` and slots `kv` keeps the KV it was handed under the
+        tokens it was computed for, in slots nobody else owns; else ValueError, before
+        anything changes:
+
+        - the tokens start with the prefix the request was handed (same extra key): that
+          KV, kept under other tokens, would be served for them;
+        - past the tree's part, the slots are the request's own: the ones its prefix was
+          loaded into, as handed, then allocated ones. A slot not allocated (freed, or made
+          up) kept in the tree would go to the next request, whose KV would overwrite it.
+        """
+        n = self.handed
+        if key.extra_key != self.key.extra_key or len(key) < n or \
+                key.tokens[:n].tobytes() != self.key.tokens[:n].tobytes():
+            raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
+                             f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})")
+        start = self.tree_len
+        if n > start and kv[start:n].tobytes() != self.load.device_slots.tobytes():
+            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices[{start}:{n}] are not the slots its "
+                             f"prefix was loaded into")
+        bad = device_alloc.unallocated(kv[n:])
+        if bad.size:
+            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices {bad[:8].tolist()} are not allocated "
+                             f"(freed, or never from alloc): KV kept there would be overwritten by the page's next owner")
