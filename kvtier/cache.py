@@ -272,12 +272,17 @@ class TieredCache:
     def abort(self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None) -> None:
         """Release whatever the request holds, in any state: its prefetch, its lock, the
         slots of its load (once the copy has stopped) and, given its row `kv_indices`, its
-        own slots. Unknown or already released requests are a no-op."""
+        own slots. Unknown or already released requests are a no-op. A row that is not the
+        request's (shorter than the prefix it was handed, or with slots it does not own) is
+        refused before anything changes, as a finish's is."""
         mine = None if kv_indices is None else check_slots("abort: kv_indices", kv_indices)
+        held = self.requests.get(request_id)
+        if held is not None and mine is not None:  # refused before anything changes, like a finish
+            held.check_row("abort", request_id, mine, self.controller.device_alloc)
         self.sync.take_prefetch(request_id)  # stopped; what it landed stays on host for others
-        held = self.requests.pop(request_id, None)
         if held is None:
             return
+        del self.requests[request_id]
         self.stats_obj.counters.aborts += 1
         self.unlock(held.node)
         loaded = 0

@@ -56,7 +56,15 @@ class Held:
                 key.tokens[:n].tobytes() != self.key.tokens[:n].tobytes():
             raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
                              f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})")
-        start = self.tree_len
+        self.check_row(what, request_id, kv, device_alloc)
+
+    def check_row(self, what: str, request_id: str, kv: np.ndarray, device_alloc: PagedAllocator) -> None:
+        """`kv` is the request's row: it covers the prefix it was handed, past the tree's
+        part the slots are the request's own (see `check_finish`); else ValueError."""
+        start, n = self.tree_len, self.handed
+        if kv.shape[0] < n:  # its own slots past the prefix would go unfreed
+            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices has {kv.shape[0]} slots; the request's "
+                             f"row covers at least the {n} it was handed")
         if n > start and kv[start:n].tobytes() != self.load.device_slots.tobytes():
             raise ValueError(f"{what}: request_id={request_id!r}: kv_indices[{start}:{n}] are not the slots its "
                              f"prefix was loaded into")

@@ -470,6 +470,31 @@ def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
     cache.close()
 
 
+
+def test_an_abort_with_a_row_the_request_does_not_own_changes_nothing():
+    """abort(rid, row) released the lock and forgot the request, then raised on a stale slot
+    in the row: the request's other slots were never freed (a leak the accounting showed).
+    A row shorter than the prefix handed freed nothing of the request's own. Both are
+    refused before anything changes; the right row then releases everything."""
+    cache = make_cache(pool_size=128)
+    compute(cache, A, seed=1)
+    tokens = np.concatenate([A, A + 1])
+    got = acquire(cache, tokens, "b")
+    mine = cache.alloc(16)
+    stale = cache.alloc(4)
+    cache.free(stale)
+    for row, message in [(torch.cat([got.indices, mine[:-4], stale]), "are not allocated"),
+                         (got.indices[:-1], "covers at least the 16 it was handed")]:
+        with pytest.raises(ValueError, match=message):
+            cache.abort("b", row)
+        assert "b" in cache.requests
+        check(cache)
+    cache.abort("b", torch.cat([got.indices, mine]))
+    assert cache.requests == {} and cache.request_pages == 0
+    check(cache)
+    cache.close()
+
+
 def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
     """Under write_back, evicting a node that is not backed up means waiting for its write.
     A demand that backed-up nodes can meet never waits just to free the headroom."""
