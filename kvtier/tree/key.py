@@ -8,6 +8,7 @@ from typing import Hashable
 import numpy as np
 
 from kvtier.numpy_gil import GIL_CHUNK
+from kvtier.tiers.indices import concat
 
 _HIGH = 1 if sys.byteorder == "little" else 0  # the upper 32 bits of an int64, viewed as two uint32s
 
@@ -28,9 +29,13 @@ class RadixKey:
             raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
             raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
-        # a copy, always: the tree keeps keys, and a view of a buffer the engine refills for
-        # its next batch would rewrite cached prompts under their KV (~1 us for 1,200 ids)
-        self.tokens = np.array(arr, dtype=np.int64, order="C")
+        own = np.ascontiguousarray(arr, dtype=np.int64)
+        if own is tokens or not own.flags.owndata:  # the caller's memory (an array, a view, a tensor)
+            # copied: the tree keeps keys, and a view of a buffer the engine refills for its
+            # next batch would rewrite cached prompts under their KV. `concat` joins bytes
+            # keeping the GIL; numpy's copy gives it up past 500 ids (docs/design.md §2)
+            own = concat([own])
+        self.tokens = own
         self.extra_key = _check_extra_key(extra_key)
         _check_range(self.tokens)
 
