@@ -343,7 +343,7 @@ class TieredCache:
             if held is not None and held.load is not None:
                 loads[rid] = held.load.handle
         return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement,
-                           defer=self.agreement.world_size > 1)
+                           defer=self.agreement.world_size > 1, num_layers=self.pool.num_layers)
 
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be

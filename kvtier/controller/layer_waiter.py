@@ -3,6 +3,10 @@ layer (`TieredCache.begin_forward`)."""
 
 from __future__ import annotations
 
+import operator
+
+import numpy as np
+
 from kvtier.controller.streams import Handle, TransferError
 from kvtier.controller.tp import Agreement
 
@@ -17,14 +21,18 @@ class LayerWaiter:
     and `failed()` then names the requests whose load failed on any rank, agreed in one
     collective: abort exactly those, on every rank (docs/design.md §8)."""
 
-    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, defer: bool) -> None:
+    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, defer: bool,
+                 num_layers: int) -> None:
         self.loads = loads  # request id -> its load, in the caller's (replicated) order
+        self.num_layers = num_layers
         self.timeout_s = timeout_s
         self.agreement = agreement
         self.defer = defer
         self.bad: dict[str, str] = {}  # request id -> why its load is unusable (this rank)
 
     def wait_layer(self, layer: int) -> None:
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            layer = self._layer(layer)
         for rid, h in self.loads.items():
             if rid in self.bad:
                 continue
@@ -34,6 +42,18 @@ class LayerWaiter:
                 if not self.defer:
                     raise
                 self.bad[rid] = str(exc)
+
+    def _layer(self, layer) -> int:
+        """`layer` as an int if it is an integer in [0, num_layers) (a numpy one too), else
+        ValueError: -1 returned at once (nothing waited for, and the forward read KV not
+        loaded yet), a layer past the last waited out the whole timeout and blamed the load."""
+        try:
+            index = None if isinstance(layer, (bool, np.bool_)) else operator.index(layer)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < self.num_layers:
+            raise ValueError(f"wait_layer: layer={layer!r}: must be an integer in [0, {self.num_layers})")
+        return index
 
     def failed(self) -> list[str]:
         """After the forward, on every rank: the requests whose load failed on any rank

@@ -389,6 +389,28 @@ def test_begin_forward_refuses_one_string_for_its_request_ids():
 
 
 
+
+def test_wait_layer_refuses_a_layer_outside_the_pool():
+    """wait_layer(-1) returned at once, nothing waited for, and the forward read the last
+    layer's KV before its load landed; wait_layer(2) of a 2-layer pool waited out the whole
+    timeout and then blamed the load. Both are named; a numpy integer is a layer."""
+    cache = make_cache(pool_size=128)
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.evict(128)
+    got = cache.acquire(A, "b")
+    assert got.ready and got.host_hit == 16  # its load is in flight
+    waiter = cache.begin_forward(["b"])
+    for layer in (-1, 2, 1.0, True, "0"):
+        with pytest.raises(ValueError, match=rf"wait_layer: layer={re.escape(repr(layer))}: must be an integer in \[0, 2\)"):
+            waiter.wait_layer(layer)
+    for layer in (np.int64(0), 1):
+        waiter.wait_layer(layer)
+    cache.cache_finished("b", A, got.indices)
+    check(cache)
+    cache.close()
+
+
 @pytest.mark.parametrize("field, value", [("extra_key", 7), ("extra_key", b"lora"), ("extra_key", "\udcff"),
                                           ("request_id", None), ("request_id", 7)])
 def test_acquire_refuses_an_extra_key_or_request_id_of_another_type(field, value):
