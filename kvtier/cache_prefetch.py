@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvtier.controller.config import PrefetchPolicy
 from kvtier.controller.storage import PageKeys, PrefetchOp
 from kvtier.tree import KnownHashes, MatchResult, RadixKey, TreeNode
+from kvtier.tree.key import same_prefix
 
 
 @dataclass(eq=False)
@@ -18,14 +19,16 @@ class PrefetchState:
     """Scheduler-side state of one prefetch: the key it continues and its current anchor."""
 
     op: PrefetchOp
-    key: RadixKey  # the pages asked for: a suffix of the request's key, from its page `first`
+    whole: RadixKey  # the request's key, as acquired: the pages' hashes hold only for it
+    key: RadixKey  # the pages asked for: a suffix of `whole`, from its page `first`
     first: int
     anchor: TreeNode
     deadline: float | None
     want_stop: bool = False
     result: int | None = None  # pages inserted, once finished on every rank
     ready: bool = False  # reported to the server: its request may be acquired again
-    discard: bool = False  # nobody takes it: forget it when it finishes
+    discard: bool = False  # nobody takes it (its request was aborted): forget it when it finishes
+    waiting: bool = False  # discarded, and a new request with its id waits: name that one when it ends
     broken: bool = False  # applying it raised once: it inserts nothing more
     polls: int = 0
 
@@ -52,29 +55,38 @@ class PrefetchSide:
             deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)
         if anchor is not self.tree.root:
             self.tree.protect_host(anchor)
-        self.prefetches[request_id] = PrefetchState(op, suffix, start // ps, anchor, deadline)
+        self.prefetches[request_id] = PrefetchState(op, key, suffix, start // ps, anchor, deadline)
         self.ctl.prefetch(op)
         self.counters.prefetches += 1
         return True
 
     def is_ready(self, request_id: str) -> bool:
+        """May the request be acquired now? Not while the prefetch of an aborted request
+        with the same id still runs: the new one is named by the poll that sees it end."""
         p = self.prefetches.get(request_id)
+        if p is not None and p.discard:
+            p.waiting = True
+            return False
         return p is None or p.ready
 
-    def take_prefetch(self, request_id: str) -> tuple[int, KnownHashes | None]:
+    def take_prefetch(self, request_id: str, key: RadixKey | None = None) -> tuple[int, KnownHashes | None]:
         """(Tokens the request's (ready) prefetch put on host, the page hashes it computed
-        for the key's pages past its match); an unfinished one is stopped and finishes on a
-        later poll, nobody waiting for it."""
+        for the key's pages past its match: only if `key` starts with the tokens they were
+        computed from); an unfinished one is stopped and finishes on a later poll, nobody
+        waiting for it. `key` None: the request lets go of it (abort)."""
         p = self.prefetches.get(request_id)
         if p is None:
             return 0, None
+        p.waiting = False
         taken = p.op.inserted * self.page_size
         if p.result is None:
             p.want_stop, p.discard = True, True
         else:
             del self.prefetches[request_id]
         chain = p.op.keys.hashes  # None if the storage thread never hashed them (store down)
-        return taken, None if chain is None else KnownHashes(p.first, chain)
+        if chain is None or key is None or not same_prefix(key, p.whole, (p.first + len(chain)) * self.page_size):
+            return taken, None
+        return taken, KnownHashes(p.first, chain)
 
     def _mark_ready(self) -> None:
         """Which waiting requests may go on (per the prefetch policy), after this poll."""
@@ -116,6 +128,8 @@ class PrefetchSide:
         self.latency["prefetch"].observe(time.perf_counter() - op.started)
         if p.discard:
             del self.prefetches[op.request_id]
+            if p.waiting:  # a new request with its id said "not ready" meanwhile
+                self.newly_ready.append(op.request_id)
 
     def _close_prefetch(self, p: PrefetchState) -> None:
         """The op ended: release its anchor; its unused pages go back once the store has

@@ -352,9 +352,11 @@ class Applier(PrefetchSide):
 
     def drain(self, rounds: int = 100) -> None:
         """Stop prefetches, wait for every transfer and store op, apply all of them (applying
-        a write starts its store backup, hence the rounds)."""
+        a write starts its store backup, hence the rounds). A waiting request's prefetch ends
+        with what it landed and the request is named ready, as at any end: discarded, it
+        was forgotten, and the request waited forever."""
         for p in self.prefetches.values():
-            p.want_stop, p.discard = True, True
+            p.want_stop = True
         for _ in range(rounds):
             self.poll()  # applies the stops (and grants): no op is left waiting for the scheduler
             if not self.ctl.busy():

@@ -10,6 +10,7 @@ import numpy as np
 from kvtier.controller.controller import LoadOp
 from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tree import KnownHashes, RadixKey, TreeNode
+from kvtier.tree.key import same_prefix
 
 
 @dataclass(eq=False)
@@ -34,10 +35,7 @@ class Held:
         hashes = self.hashes
         if hashes is None:
             return None
-        end = (hashes.first + len(hashes.chain)) * page_size
-        if len(key) < end or key.tokens[:end].tobytes() != self.key.tokens[:end].tobytes():
-            return None
-        return hashes
+        return hashes if same_prefix(key, self.key, (hashes.first + len(hashes.chain)) * page_size) else None
 
     def check_finish(self, what: str, request_id: str, key: RadixKey, kv: np.ndarray,
                      device_alloc: PagedAllocator) -> None:
@@ -52,8 +50,7 @@ class Held:
           up) kept in the tree would go to the next request, whose KV would overwrite it.
         """
         n = self.handed
-        if key.extra_key != self.key.extra_key or len(key) < n or \
-                key.tokens[:n].tobytes() != self.key.tokens[:n].tobytes():
+        if not same_prefix(key, self.key, n):
             raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
                              f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})")
         self.check_row(what, request_id, kv, device_alloc)

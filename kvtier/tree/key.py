@@ -68,6 +68,12 @@ class RadixKey:
         return common_prefix(self.tokens, other.tokens, 0, other.tokens.shape[0], page_size)
 
 
+def same_prefix(a: RadixKey, b: RadixKey, n: int) -> bool:
+    """Do `a` and `b` both have `n` tokens or more, the same first `n` and the same extra key?"""
+    return a.extra_key == b.extra_key and len(a) >= n and len(b) >= n and \
+        a.tokens[:n].tobytes() == b.tokens[:n].tobytes()
+
+
 def _check_extra_key(extra_key):
     """None or a str that encodes as UTF-8 (page hashes include it: docs/formats.md). Else
     ValueError naming it: another type matched in the tree but failed to hash on the storage

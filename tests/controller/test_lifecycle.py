@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.controller.helpers import (
-    CorruptingStore, FailingStore, StallingStore, acquire, compute, forward, make_cache, read, read_back, same_kv,
-    settle,
+    CorruptingStore, FailingStore, StallingStore, acquire, compute, fill, forward, make_cache, read, read_back,
+    same_kv, settle,
 )
 
 A = np.arange(100, 116)  # 16 tokens = 4 pages of 4
@@ -286,6 +286,99 @@ def test_a_chain_under_a_half_split_during_its_write_is_kept_through_eviction():
              for layer in range(cache.pool.num_layers)]
     assert same_kv([(k[4:], v[4:]) for k, v in kv], turns)  # bitwise what the turns computed
     check(cache)
+
+
+
+def _named_ready(cache, rid: str, polls: int = 2000) -> bool:
+    for _ in range(polls):
+        if rid in cache.poll():
+            return True
+        cache.wait_progress(0.01)
+    return False
+
+
+def test_a_request_id_used_again_after_an_abort_is_named_ready():
+    """A request aborted while its prefetch ran, then acquired again under the same id (a
+    server retrying it): the old prefetch, stopped and forgotten, still held the id, so the
+    new acquire said "not ready" and no poll ever named it: the request waited forever. It
+    is named once the old prefetch has ended, and then acquired like any other."""
+    cache = make_cache(pool_size=128)
+    kvs = compute(cache, A, seed=1)
+    settle(cache)
+    cache.flush()  # device and host dropped: the store keeps A
+    assert not cache.acquire(A, "r").ready  # a prefetch starts; without a poll it cannot end
+    cache.abort("r")
+    assert not cache.acquire(A, "r").ready
+    assert _named_ready(cache, "r")
+    got = acquire(cache, A, "r")
+    forward(cache, "r")
+    assert got.indices.numel() == 16 and same_kv(read(cache, got.indices), kvs)
+    cache.cache_finished("r", A, got.indices)
+    check(cache)
+    cache.close()
+
+
+
+def test_a_flush_refused_or_done_never_strands_a_waiting_request():
+    """flush() drained first, stopping and forgetting every prefetch, even those of
+    requests still waiting for them, which no poll then named: they waited forever. And
+    a flush refused for a locked prefix had done that already. Refused, it now changes
+    nothing (the waiting request gets every page); done, it names the waiting request."""
+    cache = make_cache(pool_size=128)
+    B = A + 1000
+    kvs = compute(cache, B, seed=2)
+    settle(cache)
+    cache.flush()  # the store keeps B
+    compute(cache, A, seed=1)
+    held = acquire(cache, A, "holder")
+    assert held.device_hit == 16  # it holds A's prefix on device
+    assert not cache.acquire(B, "b").ready
+    with pytest.raises(ValueError, match="flush: 16 device tokens are locked by requests"):
+        cache.flush()
+    assert _named_ready(cache, "b")
+    got = acquire(cache, B, "b")
+    assert got.storage_hit == 16
+    forward(cache, "b")
+    assert same_kv(read(cache, got.indices), kvs)
+    cache.cache_finished("b", B, got.indices)
+    cache.cache_finished("holder", A, held.indices)
+    cache.flush()
+    assert not cache.acquire(B, "b2").ready
+    cache.flush()  # b2 waits for its prefetch: it is stopped, and b2 named ready
+    assert _named_ready(cache, "b2")
+    got = acquire(cache, B, "b2")
+    mine = cache.alloc(16 - got.indices.numel())
+    forward(cache, "b2")
+    cache.abort("b2", torch.cat([got.indices, mine]))
+    check(cache)
+    cache.close()
+
+
+def test_a_prefetch_is_not_taken_by_an_acquire_with_other_tokens():
+    """The pages a prefetch hashed belong to the tokens it was started for. An acquire named
+    ready that comes back with other tokens (the same id, its prompt changed) was handed
+    those hashes: its pages went to the store under another prompt's keys, and were served
+    for that prompt later. The hashes are dropped and its own are made."""
+    from kvtier.hashing import page_hashes
+
+    cache = make_cache(pool_size=128)
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.flush()
+    assert not cache.acquire(A, "r").ready
+    assert _named_ready(cache, "r")
+    other = np.concatenate([A[:8], np.arange(900, 908)])
+    got = cache.acquire(other, "r")
+    assert got.ready and got.indices.numel() == 8  # A's first 2 pages, which the prefetch brought
+    mine = cache.alloc(8)
+    forward(cache, "r")
+    fill(cache, mine, seed=2)
+    cache.cache_finished("r", other, torch.cat([got.indices, mine]))
+    settle(cache)
+    node = cache.match_prefix(other).last_device_node
+    assert cache.tree.page_hashes(node)[-1] == page_hashes(other, 4, cache.namespace.id)[-1]
+    check(cache)
+    cache.close()
 
 
 @pytest.mark.parametrize("same_prompt", [True, False])
