@@ -10,7 +10,9 @@ every episode.
 
 Checked after every step: `sanity_check()`, `check_accounting()`, and that every byte a
 forward reads for a token equals the reference KV of that token's prefix (unless that
-forward got a TransferError). After `close()`, every slot is free.
+forward got a TransferError). Before `close()`, once every copy and store call is
+answered, every waiting request is named ready (none waits forever); after it, every slot
+is free.
 
     python benchmarks/fault_sim.py --steps 20000 --seed 7
     ...
@@ -286,6 +288,9 @@ class FaultSim:
         req = self.running.get(rid) or self.waiting.get(rid)
         self.note(f"abort {rid}")
         self._abort(req)
+        if self.rng.random() < 0.3:  # a server retrying the request, under the same id
+            self.note(f"retry {rid}")
+            self._acquire(Req(rid, req.tokens, req.ref))
 
     def _abort(self, req: Req) -> None:
         self.running.pop(req.rid, None)
@@ -358,8 +363,26 @@ class FaultSim:
         finally:
             self.streams.auto = self.store.auto = None
 
+    def _check_live(self) -> None:
+        """Once every copy and store call is answered, every waiting request is named ready
+        within a few polls: none waits forever."""
+        def named() -> None:
+            for _ in range(20):
+                for rid in self.cache.poll():
+                    if rid in self.waiting:
+                        self._acquire(self.waiting[rid])  # may wait again, on a new prefetch
+                if not self.waiting:
+                    return
+                self.settle()
+                self.streams.resolve_all(self.streams.auto)
+                self.store.resolve_all(self.store.auto)
+                self.settle()
+            raise Violation(f"waiting requests {sorted(self.waiting)} are never named ready")
+        self._auto(named)
+
     def close(self) -> None:
         self.note("close")
+        self._check_live()
         for req in list(self.running.values()) + list(self.waiting.values()):
             self._abort(req)
         self._auto(self.cache.close)
