@@ -199,7 +199,11 @@ class FaultSim:
         self.note(f"poll -> ready {ready}")
         for rid in ready:
             if rid in self.waiting:
-                self._acquire(self.waiting[rid])
+                req = self.waiting[rid]
+                if self.rng.random() < 0.1:  # its prompt changed while it waited
+                    req = self.waiting[rid] = self._changed(req)
+                    self.note(f"  {rid} changed: len={len(req.tokens)}")
+                self._acquire(req)
 
     def forward(self) -> None:
         if not self.running:
@@ -289,8 +293,18 @@ class FaultSim:
         self.note(f"abort {rid}")
         self._abort(req)
         if self.rng.random() < 0.3:  # a server retrying the request, under the same id
-            self.note(f"retry {rid}")
-            self._acquire(Req(rid, req.tokens, req.ref))
+            again = self._changed(req) if self.rng.random() < 0.3 else Req(rid, req.tokens, req.ref)
+            self.note(f"retry {rid} len={len(again.tokens)}")
+            self._acquire(again)
+
+    def _changed(self, req: Req) -> Req:
+        """The request under the same id with its prompt changed: a page on, one off, or its
+        last page's tokens other ones."""
+        ps, tokens = self.setup.page_size, req.tokens
+        page = np.array([self.rng.randrange(self.vocab) for _ in range(ps)], dtype=np.int64)
+        how = self.rng.randrange(3) if len(tokens) > ps else 0
+        tokens = [np.concatenate([tokens, page]), tokens[:-ps], np.concatenate([tokens[:-ps], page])][how]
+        return Req(req.rid, tokens, reference_kv(tokens))
 
     def _abort(self, req: Req) -> None:
         self.running.pop(req.rid, None)
