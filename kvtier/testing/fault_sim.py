@@ -228,6 +228,9 @@ class FaultSim:
                     self._read_check(req, layer)
                 k, v = req.ref[layer]
                 self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
+                if self.rng.random() < 0.15:  # an overlap scheduler: the next step runs during this forward
+                    self.note(f"  mid-forward after layer {layer}:")
+                    self.poll() if self.rng.random() < 0.6 else self.arrive()
         except TransferError as exc:
             self.note(f"  {req.rid}: {exc}; abort")
             req.row = row
