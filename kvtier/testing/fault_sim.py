@@ -206,53 +206,65 @@ class FaultSim:
                 self._acquire(req)
 
     def forward(self) -> None:
+        """One forward over one to three running requests, a chunk of each, as an engine's
+        batch: one `begin_forward`, every layer waited for, read and written for each."""
         if not self.running:
             return
-        req = self.running[self.rng.choice(sorted(self.running))]
-        n = min(len(req.tokens) - req.pos, self.rng.randrange(1, 3 * self.setup.page_size + 1))
-        own = self._slots(req, n)
-        if own is None:
-            self.note(f"forward {req.rid}: pool exhausted, abort")
-            self._abort(req)
+        batch = []  # (request, tokens this forward, its new slots)
+        for rid in self.rng.sample(sorted(self.running), self.rng.randint(1, min(3, len(self.running)))):
+            req = self.running[rid]
+            n = min(len(req.tokens) - req.pos, self.rng.randrange(1, 3 * self.setup.page_size + 1))
+            own = self._slots(req, n)
+            if own is None:
+                self.note(f"forward {req.rid}: pool exhausted, abort")
+                self._abort(req)
+            else:
+                batch.append((req, n, own))
+        if not batch:
             return
-        row = torch.cat([req.row, own])
-        waiter = self.cache.begin_forward([req.rid])
+        waiter = self.cache.begin_forward([req.rid for req, _, _ in batch])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
         waiter.defer = self.rng.random() < 0.5  # as under tensor parallelism: the forward runs on
-        self.note(f"forward {req.rid} [{req.pos}, {req.pos + n}) loads={len(waiter.loads)} defer={waiter.defer}")
+        self.note("forward " + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch) +
+                  f" loads={len(waiter.loads)} defer={waiter.defer}")
         try:
             for layer in range(LAYERS):
                 self._land_or_not(list(waiter.loads.values()))
                 waiter.wait_layer(layer)
-                if req.rid not in waiter.bad:  # a noted failure: the bytes are garbage, never used
-                    self._read_check(req, layer)
-                k, v = req.ref[layer]
-                self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
+                for req, n, own in batch:
+                    if req.rid not in waiter.bad:  # a noted failure: the bytes are garbage, never used
+                        self._read_check(req, layer)
+                    k, v = req.ref[layer]
+                    self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
                 if self.rng.random() < 0.15:  # an overlap scheduler: the next step runs during this forward
                     self.note(f"  mid-forward after layer {layer}:")
                     self.poll() if self.rng.random() < 0.6 else self.arrive()
-        except TransferError as exc:
-            self.note(f"  {req.rid}: {exc}; abort")
-            req.row = row
-            self._abort(req)
+        except TransferError as exc:  # the forward stopped: every request in it is aborted
+            for req, _, own in batch:
+                self.note(f"  {req.rid}: {exc}; abort")
+                req.row = torch.cat([req.row, own])
+                self._abort(req)
             return
-        if req.rid in waiter.failed():
-            self.note(f"  {req.rid}: its load failed ({waiter.bad.get(req.rid, 'after its last layer')}); abort")
-            req.row = row
-            self._abort(req)
-            return
-        req.row, req.pos = row, req.pos + n
-        if req.pos < len(req.tokens) and self.rng.random() < 0.8:
-            canon = self.cache.cache_unfinished(req.rid, req.tokens[:req.pos], req.row)
-            req.row = torch.cat([canon, req.row[canon.numel():]])
-            self.note(f"  {req.rid} keeps {canon.numel()}")
-        elif req.pos == len(req.tokens):
-            del self.running[req.rid]
-            try:
-                self.cache.cache_finished(req.rid, req.tokens, req.row)
-                self.note(f"  {req.rid} finished")
-            except TransferError as exc:
-                self.note(f"  {req.rid} finish refused: {exc}")
+        failed = waiter.failed()
+        for req, n, own in batch:
+            row = torch.cat([req.row, own])
+            if req.rid in failed:
+                self.note(f"  {req.rid}: its load failed ({waiter.bad.get(req.rid, 'after its last layer')}); abort")
+                req.row = row
+                self._abort(req)
+                continue
+            req.row, req.pos = row, req.pos + n
+            if req.pos < len(req.tokens) and self.rng.random() < 0.8:
+                canon = self.cache.cache_unfinished(req.rid, req.tokens[:req.pos], req.row)
+                req.row = torch.cat([canon, req.row[canon.numel():]])
+                self.note(f"  {req.rid} keeps {canon.numel()}")
+            elif req.pos == len(req.tokens):
+                del self.running[req.rid]
+                try:
+                    self.cache.cache_finished(req.rid, req.tokens, req.row)
+                    self.note(f"  {req.rid} finished")
+                except TransferError as exc:
+                    self.note(f"  {req.rid} finish refused: {exc}")
 
     def _slots(self, req: Req, n: int) -> torch.Tensor | None:
         ps = self.setup.page_size
