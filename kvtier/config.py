@@ -268,6 +268,14 @@ def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[s
             kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
         except KvtierConfigError as exc:
             raise KvtierConfigError(f"{exc}{where}") from None
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in kwargs]
+    if missing:  # named, not Python's "missing 2 required positional arguments"
+        given = sorted({sources[f"{section}.{k}"] for k in values if f"{section}.{k}" in sources})
+        where = f" ({', '.join(given)})" if given else ""
+        raise KvtierConfigError(f"{section}: {', '.join(missing)} required (a {section} section sets "
+                                f"{', '.join(required)} at least){where}")
     try:
         return cls(**kwargs)
     except KvtierConfigError:

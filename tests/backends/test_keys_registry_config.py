@@ -362,6 +362,8 @@ BAD = {
     "zero concurrency": ("store: {backend: file, max_concurrency: 0}", "max_concurrency=0: must be an integer > 0"),
     "negative capacity": ("store: {backend: memory, capacity_bytes: -1}", "capacity_bytes=-1: must be an integer > 0"),
     "bad key prefix": ("store: {backend: memory, key_prefix: '../x'}", "key_prefix='../x': path segments"),
+    "missing pool keys": ("pool: {page_size: 16}", "pool: size, num_layers required (a pool section sets size, "
+                                                   "num_layers at least) (file"),
 }
 
 
