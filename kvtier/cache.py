@@ -36,11 +36,11 @@ from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController
 from kvtier.controller.cpus import check_cpus
 from kvtier.controller.layer_waiter import LayerWaiter
-from kvtier.controller.streams import TransferError, make_stream
-from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.controller.speed import prefill_rate
 from kvtier.controller.stats import CacheStats, PrometheusCollector
+from kvtier.controller.streams import TransferError, make_stream
 from kvtier.controller.tp import Agreement
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import Namespace
 from kvtier.held import Held
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
