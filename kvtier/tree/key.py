@@ -6,6 +6,7 @@ import sys
 from typing import Hashable
 
 import numpy as np
+import torch
 
 from kvtier.numpy_gil import GIL_CHUNK
 from kvtier.tiers.indices import concat
@@ -24,6 +25,9 @@ class RadixKey:
     __slots__ = ("tokens", "extra_key")
 
     def __init__(self, tokens, extra_key: str | None = None) -> None:
+        if isinstance(tokens, torch.Tensor) and tokens.device.type != "cpu":
+            raise ValueError(f"tokens: a {tokens.device} tensor; pass host token ids (a list, a numpy array or a CPU "
+                             f"tensor): a copy from the device would wait for it on the scheduler thread")
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")

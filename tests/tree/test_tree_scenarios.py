@@ -209,6 +209,14 @@ def test_bad_input_names_the_problem():
         RadixTree(eviction_policy="lrx")
     with pytest.raises(ValueError, match="page_size=0"):
         RadixTree(page_size=0)
+    for tokens, message in [([1.5, 2.0], "tokens: expected integer token ids, got dtype float64"),
+                            ([[1, 2]], r"tokens: expected a 1-D sequence of token ids, got shape \(1, 2\)"),
+                            ("hello", r"tokens: expected a 1-D sequence of token ids, got shape \(\)"),
+                            (np.array([True]), "tokens: expected integer token ids, got dtype bool"),
+                            # a device tensor (meta here, CUDA on a GPU) would be copied, waiting for the device
+                            (torch.zeros(4, dtype=torch.int64, device="meta"), "tokens: a meta tensor; pass host")]:
+        with pytest.raises(ValueError, match=message):
+            RadixKey(tokens)
     tree.sanity_check()
 
 
