@@ -36,6 +36,7 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.controller.streams import TransferError
+from kvtier.testing.misuse import Violation, misuse
 from kvtier.testing.parts import SimStore, SimStreams
 
 LAYERS = 2
@@ -83,10 +84,6 @@ class Req:
     ref: list
     row: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     pos: int = 0  # tokens whose KV the row holds (from the cache or computed)
-
-
-class Violation(Exception):
-    pass
 
 
 class FaultSim:
@@ -159,8 +156,12 @@ class FaultSim:
             n = self.rng.randrange(1, 3 * self.setup.page_size + 2)
             self.note(f"evict {n}")
             self.cache.evict(n)
-        elif r < 0.97:
+        elif r < 0.96:
             self.flush()
+        elif r < 0.98:
+            what = misuse(self)
+            if what:
+                self.note(f"misuse refused: {what}")
         else:
             self.poll()
         self.settle()
