@@ -439,10 +439,20 @@ class TieredCache:
         c = self.controller
         out = {"counters": self.stats_obj.as_dict(), "tiers": tiers,
                "queues": {"writes": len(c.writes), "loads": len(c.loads), "backups": len(c.backups),
-                          "prefetches": len(c.prefetches)}}
+                          "prefetches": len(c.prefetches), **self._request_ages()}}
         if c.store is not None:
             out["store"] = {**c.store.stats(), **c.storage.breaker.stats(), **c.storage.speed.stats()}
         return out
+
+    def _request_ages(self) -> dict:
+        """Requests held (acquired, not finished) and waiting for a prefetch, with the age of
+        the oldest of each: one that only grows is a request an engine forgot, or one never
+        named ready. Read from any thread (a metrics scrape): snapshots, taken atomically."""
+        now, held = time.monotonic(), list(self.requests.values())
+        waiting = [p.op.started for p in list(self.sync.prefetches.values()) if not (p.ready or p.discard)]
+        return {"requests_held": len(held), "oldest_held_s": max((now - h.since for h in held), default=0.0),
+                "requests_waiting": len(waiting),
+                "oldest_waiting_s": max((time.perf_counter() - t for t in waiting), default=0.0)}
 
     def _tier_sizes(self, tier: Tier, total: int, free: int) -> dict:
         return {"total_tokens": total, "free_tokens": free, "evictable_tokens": self.tree.evictable_size(tier),

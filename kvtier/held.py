@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +24,7 @@ class Held:
     load: LoadOp | None
     key: RadixKey
     hashes: KnownHashes | None = None  # page hashes its prefetch computed for `key`
+    since: float = field(default_factory=time.monotonic)  # for stats only (the oldest held request)
 
     @property
     def handed(self) -> int:

@@ -93,6 +93,8 @@ class PrometheusCollector:
         for tier, sizes in stats["tiers"].items():
             for name, value in sizes.items():
                 yield GaugeMetricFamily(f"kvtier_{tier}_{name}", f"kvtier {tier} {name.replace('_', ' ')}", value=value)
+        for name, value in stats["queues"].items():
+            yield GaugeMetricFamily(f"kvtier_queue_{name}", f"kvtier queue {name.replace('_', ' ')}", value=value)
         for name, value in stats.get("store", {}).items():
             if isinstance(value, (int, float)):  # a bool (store_down) is 0 or 1
                 yield GaugeMetricFamily(f"kvtier_store_{name}", f"kvtier store {name.replace('_', ' ')}", value=value)

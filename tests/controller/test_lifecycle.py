@@ -232,6 +232,34 @@ def test_stats_and_prometheus_metrics():
     cache.close()
 
 
+
+def test_held_and_waiting_requests_show_in_stats_with_their_age():
+    """An operator sees a stuck request before users do: requests held and waiting for a
+    prefetch are counted, with the age of the oldest (a Prometheus gauge each)."""
+    import time
+
+    from prometheus_client import generate_latest
+
+    cache = make_cache(pool_size=128)
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.flush()
+    assert not cache.acquire(A, "w").ready  # waits for its prefetch
+    held = cache.acquire(A[:0], "h")  # holds an empty prefix
+    time.sleep(0.02)
+    q = cache.stats()["queues"]
+    assert q["requests_waiting"] == 1 and q["oldest_waiting_s"] >= 0.02
+    assert q["requests_held"] == 1 and q["oldest_held_s"] >= 0.02
+    text = generate_latest(cache.metrics_registry()).decode()
+    assert "kvtier_queue_requests_waiting 1.0" in text and "kvtier_queue_requests_held 1.0" in text
+    cache.cache_finished("h", A[:0], held.indices)
+    cache.abort("w")
+    q = cache.stats()["queues"]
+    assert (q["requests_waiting"], q["oldest_waiting_s"], q["requests_held"], q["oldest_held_s"]) == (0, 0.0, 0, 0.0)
+    check(cache)
+    cache.close()
+
+
 def test_start_log_line_names_every_component(caplog):
     import logging
 
