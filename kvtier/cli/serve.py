@@ -57,13 +57,18 @@ class Server:
         self.served = 0
 
     def generate(self, body: dict) -> dict:
+        unknown = sorted(set(body) - _GENERATE_FIELDS)
+        if unknown:  # a misspelt max_new_tokens would silently get the default
+            raise ValueError(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_GENERATE_FIELDS))}")
         prompt = body.get("prompt")
         vocab = self.model.config.vocab
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
         n = body.get("max_new_tokens", 16)
-        if not isinstance(n, int) or not 1 <= n <= 4096:
+        if not _is_int(n) or not 1 <= n <= 4096:
             raise ValueError(f"max_new_tokens={n!r}: must be an integer in [1, 4096]")
+        if body.get("session") is not None and not isinstance(body["session"], str):
+            raise ValueError(f"session={body['session']!r}: must be a string")
         with self.lock:
             self.served += 1
             from kvtier.engine.workloads import Turn
@@ -210,3 +215,11 @@ def run(args, default_config: str) -> int:
         httpd.server_close()
         server.close()
     return 0
+
+
+_GENERATE_FIELDS = {"prompt", "max_new_tokens", "session"}
+
+
+def _is_int(value) -> bool:
+    """A JSON integer: `true` is a bool, which Python counts as an int."""
+    return isinstance(value, int) and not isinstance(value, bool)

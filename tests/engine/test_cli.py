@@ -81,6 +81,16 @@ def test_serve_and_stats_url_end_to_end(cache_home, capsys):
         with pytest.raises(urllib.error.HTTPError) as err:
             post("/generate", {"prompt": [100000]})
         assert err.value.code == 400
+        # JSON true is not a token id nor a count (Python counts bools as ints); a misspelt
+        # field would have run with the default; a session is a string
+        for body, message in [({"prompt": [True, False]}, "prompt must be a non-empty list of token ids"),
+                              ({"prompt": [1, 2], "max_new_tokens": True}, "max_new_tokens=True: must be an integer"),
+                              ({"prompt": [1, 2], "max_new_token": 2}, "unknown field 'max_new_token'; allowed: "
+                                                                       "max_new_tokens, prompt, session"),
+                              ({"prompt": [1, 2], "session": 5}, "session=5: must be a string")]:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                post("/generate", body)
+            assert err.value.code == 400 and message in json.loads(err.value.read())["error"]
         # review #6: a prompt larger than the pool is a JSON 4xx; the server keeps serving
         with pytest.raises(urllib.error.HTTPError) as err:
             post("/generate", {"prompt": [1] * 5000, "max_new_tokens": 4})
