@@ -67,6 +67,7 @@ class Setup:
     write_policy: str
     prefetch_policy: str
     evict_headroom: float = 0.0  # the sim's pools are a few pages: 3% would round to none
+    hash_algo: str = "sha256"  # xxh3_128: 16-byte page hashes, zero padded in the frame
 
     @classmethod
     def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
@@ -74,7 +75,8 @@ class Setup:
                    "kernel" if allow_kernel and rng.random() < 0.1 else "direct",
                    rng.choice(["write_through", "write_through", "write_through_selective", "write_back"]),
                    rng.choice(["best_effort", "wait_complete", "timeout"]),
-                   rng.choice([0.0, 0.25]))  # drawn last: the fields above stay what each seed drew
+                   rng.choice([0.0, 0.25]),  # drawn after the others: they stay what each seed drew
+                   rng.choice(["sha256", "xxh3_128"]))
 
 
 @dataclass(eq=False)
@@ -104,6 +106,7 @@ class FaultSim:
                            "write_threshold": 2, "prefetch_timeout_base_s": 1.0, "evict_headroom": setup.evict_headroom,
                            "prefetch_timeout_per_1k_tokens_s": 0.0},
             "store": {"backend": "none"},
+            "tree": {"hash_algo": setup.hash_algo},
         }
         cfg = load_config(None, overrides, env={})
         self.cache = TieredCache(cfg, store=self.store, stream_factory=self.streams.factory,
