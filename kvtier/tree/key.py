@@ -33,6 +33,8 @@ class RadixKey:
             raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
             raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and arr.max() > 0xFFFFFFFF:  # before int64 wraps them negative
+            _refuse_range(arr[arr > 0xFFFFFFFF])
         own = np.ascontiguousarray(arr, dtype=np.int64)
         if own is tokens or not own.flags.owndata:  # the caller's memory (an array, a view, a tensor)
             # copied: the tree keeps keys, and a view of a buffer the engine refills for its
@@ -102,9 +104,12 @@ def _check_range(tokens: np.ndarray) -> None:
     high = tokens.view(np.uint32)[_HIGH::2]
     for i in range(0, high.shape[0], GIL_CHUNK):
         if np.count_nonzero(high[i:i + GIL_CHUNK]):
-            bad = tokens[(tokens < 0) | (tokens > 0xFFFFFFFF)]
-            raise ValueError(f"tokens: ids must be in [0, 2**32) (a page hash encodes each as uint32), got "
-                             f"{bad[:4].tolist()}{' ...' if bad.size > 4 else ''}")
+            _refuse_range(tokens[(tokens < 0) | (tokens > 0xFFFFFFFF)])
+
+
+def _refuse_range(bad: np.ndarray) -> None:
+    raise ValueError(f"tokens: ids must be in [0, 2**32) (a page hash encodes each as uint32), got "
+                     f"{bad[:4].tolist()}{' ...' if bad.size > 4 else ''}")
 
 
 def child_key_at(tokens: np.ndarray, offset: int, page_size: int, extra_key: str | None) -> Hashable:

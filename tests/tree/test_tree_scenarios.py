@@ -213,6 +213,8 @@ def test_bad_input_names_the_problem():
                             ([[1, 2]], r"tokens: expected a 1-D sequence of token ids, got shape \(1, 2\)"),
                             ("hello", r"tokens: expected a 1-D sequence of token ids, got shape \(\)"),
                             (np.array([True]), "tokens: expected integer token ids, got dtype bool"),
+                            # named as given, not as the int64 it would wrap to (-9223372036854775808)
+                            (np.array([2**63], dtype=np.uint64), r"must be in \[0, 2\*\*32\).*got \[9223372036854775808\]"),
                             # a device tensor (meta here, CUDA on a GPU) would be copied, waiting for the device
                             (torch.zeros(4, dtype=torch.int64, device="meta"), "tokens: a meta tensor; pass host")]:
         with pytest.raises(ValueError, match=message):
