@@ -119,17 +119,17 @@ class _FreeList:
     def _check(self, units: np.ndarray, what: str) -> None:
         """A few microseconds for a request's pages (two reductions and a lookup); the
         reasons are worked out only when a check fails."""
-        if units.min() < 1 or units.max() > self.n:
-            bad = units[(units < 1) | (units > self.n)]
+        bad = self.not_held(units)
+        if bad.size and (bad.min() < 1 or bad.max() > self.n):
             raise ValueError(f"free: {what} {bad[:8].tolist()} out of range 1..{self.n} (0 is padding)")
         if self.debug and np.unique(units).size != units.size:
             raise ValueError(f"free: {what} listed twice in one call (double free)")
-        if not self.held[units].all():
-            not_held = units[~self.held[units]]
-            raise ValueError(f"free: {what} {not_held[:8].tolist()} are not allocated (double free?)")
+        if bad.size:
+            raise ValueError(f"free: {what} {bad[:8].tolist()} are not allocated (double free?)")
 
     def not_held(self, units: np.ndarray) -> np.ndarray:
-        """The units of `units` that are not handed out (free, padding or out of range)."""
+        """The units of `units` that are not handed out: those out of range (padding
+        included) if any are, else those free."""
         if units.size == 0:
             return units
         if units.min() < 1 or units.max() > self.n:
