@@ -74,14 +74,17 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class TieredCache:
     def __init__(self, config: KvtierConfig, tp_group=None, store: Store | None = None, stream_factory=make_stream,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, agreement: Agreement | None = None) -> None:
         """`store` overrides the configured one; `stream_factory` and `clock` let a test
-        schedule every copy and every deadline itself."""
+        schedule every copy and every deadline itself, and `agreement` (in place of
+        `tp_group`) run several ranks in one process."""
         check_cpus(config.controller.cpus)  # on this machine, before the store connects or a thread starts
         self.config = config
         self.pool = DeviceKVPool(config.pool)
         self.mirror = HostMirror(self.pool, config.mirror) if config.mirror is not None else None
-        rank, size = _tp_rank_size(tp_group)
+        if agreement is None:
+            agreement = Agreement(tp_group, config.controller.consensus_check or None)
+        rank, size = agreement.rank, agreement.world_size
         ns = config.namespace
         self.namespace = Namespace(ns.model_id, config.pool.dtype, _layout(config), config.pool.page_size,
                                    rank, size, ns.tenant_salt, revision=ns.revision)
@@ -95,7 +98,7 @@ class TieredCache:
                                                 self.namespace.manifest(self.mirror.page_bytes))
             if config.store.required:
                 self._probe_store()
-        self.agreement = Agreement(tp_group, config.controller.consensus_check or None)
+        self.agreement = agreement
         self.stats_obj = CacheStats()
         self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,
                             self.agreement, self.mirror is not None, clock)
@@ -465,14 +468,6 @@ class TieredCache:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PrometheusCollector(self))
         return registry
-
-
-def _tp_rank_size(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    import torch.distributed as dist
-
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _layout(config: KvtierConfig) -> str:

@@ -31,6 +31,14 @@ class Agreement:
         self.collectives = 0
 
     @property
+    def rank(self) -> int:
+        if self.group is None:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    @property
     def world_size(self) -> int:
         if self.group is None:
             return 1

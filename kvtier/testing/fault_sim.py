@@ -89,11 +89,12 @@ class Req:
 
 
 class FaultSim:
-    def __init__(self, seed: int, setup: Setup) -> None:
-        self.rng = random.Random(seed)
+    def __init__(self, seed: int, setup: Setup, faults: random.Random | None = None, agreement=None) -> None:
+        self.rng = random.Random(seed)  # the engine's choices (the same on every rank: tp_sim.py)
+        self.faults = faults or self.rng  # how copies and store calls end (a rank's own)
         self.setup = setup
         self.clock = 0.0
-        self.streams = SimStreams(self.rng)
+        self.streams = SimStreams(self.faults)
         self.store = SimStore()
         ps = setup.page_size
         pages = 16 if ps == 16 else 24
@@ -110,7 +111,7 @@ class FaultSim:
         }
         cfg = load_config(None, overrides, env={})
         self.cache = TieredCache(cfg, store=self.store, stream_factory=self.streams.factory,
-                                 clock=lambda: self.clock)
+                                 clock=lambda: self.clock, agreement=agreement)
         self.loop = self.cache.controller.storage.loop
         vocab = 6 if ps == 1 else 50
         self.bases = [np.array([self.rng.randrange(vocab) for _ in range(self.max_len)]) for _ in range(4)]
@@ -228,7 +229,7 @@ class FaultSim:
             return
         waiter = self.cache.begin_forward([req.rid for req, _, _ in batch])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        waiter.defer = self.rng.random() < 0.5  # as under tensor parallelism: the forward runs on
+        waiter.defer = self.rng.random() < 0.5 or self.cache.agreement.world_size > 1  # as TP: it runs on
         self.note("forward " + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch) +
                   f" loads={len(waiter.loads)} defer={waiter.defer}")
         try:
@@ -281,12 +282,12 @@ class FaultSim:
 
     def _land_or_not(self, handles) -> None:
         """Before a layer is read, each of its loads still pending lands, fails, or not."""
+        f = self.faults
         for job in [j for j in self.streams.pending if j.handle in handles]:
-            choice = self.rng.random()
-            if choice < 0.75:
-                outcome = "ok" if self.rng.random() < 0.8 else self.rng.choice(["fail_before", "fail_after"])
+            if f.random() < 0.75:
+                outcome = "ok" if f.random() < 0.8 else f.choice(["fail_before", "fail_after"])
                 self.note(f"  load lands: {outcome}")
-                self.streams.resolve(job, outcome, self.rng)
+                self.streams.resolve(job, outcome, f)
             else:
                 self.note("  load left pending (the forward gives up on it)")
 
@@ -333,27 +334,28 @@ class FaultSim:
     def resolve_transfer(self) -> None:
         if not self.streams.pending:
             return
-        job = self.rng.choice(self.streams.pending)
-        outcome = self.rng.choice(["ok", "ok", "ok", "ok", "fail_before", "fail_after"])
+        job = self.faults.choice(self.streams.pending)
+        outcome = self.faults.choice(["ok", "ok", "ok", "ok", "fail_before", "fail_after"])
         self.note(f"transfer {job.stream}: {outcome}")
-        self.streams.resolve(job, outcome, self.rng)
+        self.streams.resolve(job, outcome, self.faults)
 
     def resolve_store(self) -> None:
         self.settle()
         if not self.store.pending:
             return
-        call = self.rng.choice(self.store.pending)
-        if call.timed_out and self.rng.random() < 0.7:
+        f = self.faults
+        call = f.choice(self.store.pending)
+        if call.timed_out and f.random() < 0.7:
             return  # a call that ran out of time lingers: its buffers may be reused meanwhile
-        if not call.timed_out and self.rng.random() < 0.2 and self.store.fire_deadline(call):
+        if not call.timed_out and f.random() < 0.2 and self.store.fire_deadline(call):
             self.note(f"store {call.op} x{len(call.keys)}: times out (still running)")
             return
-        outcome = self.rng.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap",
+        outcome = f.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap",
                                    "false_failure", "miss"])
         self.note(f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}")
         if call.op == "get_into" and outcome != "error":
             self._check_owned(call)
-        self.store.resolve(call, outcome, self.rng)
+        self.store.resolve(call, outcome, f)
 
     def _check_owned(self, call) -> None:
         """A read may write only into host pages still reserved by a prefetch that has not
@@ -386,8 +388,8 @@ class FaultSim:
     def _auto(self, fn) -> None:
         """Run `fn` (which drains) with every copy and store call answered as it comes."""
         self.settle()
-        self.streams.auto = random.Random(self.rng.random())
-        self.store.auto = random.Random(self.rng.random())
+        self.streams.auto = random.Random(self.faults.random())
+        self.store.auto = random.Random(self.faults.random())
         try:
             self.streams.resolve_all(self.streams.auto)
             self.store.resolve_all(self.store.auto)
@@ -448,7 +450,7 @@ def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, o
             sim.close()
         except Exception as exc:
             violations += 1
-            _report(out, exc, ep_seed, setup, i, sim.log)
+            report(out, exc, ep_seed, setup, i, sim.log)
             try:
                 sim._auto(sim.cache.controller.close)
             except Exception:
@@ -458,12 +460,13 @@ def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, o
     return violations
 
 
-def _report(out, exc: Exception, ep_seed: int, setup: Setup, step: int, log: list[str]) -> None:
-    print(f"VIOLATION at step {step} of episode seed {ep_seed} ({setup})", file=out)
+def report(out, exc: Exception, ep_seed: int, setup: Setup, step: int, log: list[str], who: str = "",
+           flags: str = "") -> None:
+    print(f"VIOLATION at step {step} of episode seed {ep_seed} ({setup}){' on ' + who if who else ''}", file=out)
     print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=out)
     if not isinstance(exc, Violation):
         print("  " + "".join(traceback.format_exception(exc)[-3:]).replace("\n", "\n  "), file=out)
-    print(f"  reproduce: python benchmarks/fault_sim.py --episode-seed {ep_seed} --steps {step + 1}", file=out)
+    print(f"  reproduce: python benchmarks/fault_sim.py --episode-seed {ep_seed} --steps {step + 1}{flags}", file=out)
     print("  the last actions:", file=out)
     for line in log[-25:]:
         print(f"    {line}", file=out)
@@ -475,10 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--episode", type=int, default=400, help="steps between close() and a fresh cache")
     p.add_argument("--episode-seed", type=int, default=None, help="replay one episode (from a violation report)")
+    p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks, on threads (tp_sim.py)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)  # the simulator causes failures on purpose
     torch.set_num_threads(1)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.ranks > 1:
+        from kvtier.testing import tp_sim
+        return tp_sim.main(args)
     if args.episode_seed is not None:
         sim = FaultSim(args.episode_seed, Setup.draw(random.Random(args.episode_seed), allow_kernel))
         try:
@@ -486,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                 sim.step()
             sim.close()
         except Exception as exc:
-            _report(sys.stdout, exc, args.episode_seed, sim.setup, len(sim.log), sim.log)
+            report(sys.stdout, exc, args.episode_seed, sim.setup, len(sim.log), sim.log)
             print(f"fault sim: {args.steps} steps, 1 violations")
             return 1
         print(f"fault sim: {args.steps} steps, 0 violations")

@@ -1,0 +1,189 @@
+"""The fault simulator on several tensor-parallel ranks in one process (docs/design.md §8).
+
+Each rank is a `FaultSim` with its own cache, streams and store. The engine's choices come
+from one seed on every rank, as a server's replicated scheduler makes them; how each copy
+and store call ends is drawn per rank, so a load fails on one rank and lands on another, a
+page is stored on one rank only, a write is still running on one rank when another's has
+finished. The ranks run on threads; their `Agreement` is a rendezvous of those threads whose
+all-reduce takes the MIN, as gloo's does, and which refuses what real ranks would hang or
+mix up on: vectors of different lengths, or collectives called from different places.
+
+Checked after every step, besides each rank's own checks (every byte a forward reads, the
+tree, the accounting): the ranks' replicated state is the same. That is the engine's
+random state (so each rank's engine made the same choices), its requests and their rows,
+the tree (keys, locks, device and host slots) and the free slots on each tier. A rank that
+enters a collective no other rank enters waits `timeout_s`, then the episode fails as a
+divergence naming where each rank waited.
+
+    python benchmarks/fault_sim.py --ranks 2 --steps 4000 --seed 7
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+
+import xxhash
+
+from kvtier.controller.tp import Agreement
+from kvtier.testing.fault_sim import FaultSim, Setup, report
+from kvtier.testing.misuse import Violation
+
+
+class Rendezvous:
+    """The ranks' threads meeting: each gives a value, each gets every rank's."""
+
+    def __init__(self, ranks: int, timeout_s: float) -> None:
+        self.ranks = ranks
+        self.barrier = threading.Barrier(ranks, timeout=timeout_s)
+        self.values: list = [None] * ranks
+        self.where = ["running"] * ranks
+
+    def gather(self, rank: int, where: str, value) -> list:
+        self.where[rank], self.values[rank] = where, value
+        self._wait(rank)
+        out = list(self.values)
+        self._wait(rank)
+        self.where[rank] = "running"
+        return out
+
+    def _wait(self, rank: int) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise Violation(f"ranks diverged: rank {rank} in {self.where[rank]}; the others: "
+                            f"{', '.join(f'rank {r} in {w}' for r, w in enumerate(self.where) if r != rank)}") from None
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+
+class ThreadAgreement(Agreement):
+    """`Agreement` over a `Rendezvous` (the consensus check always on)."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
+        super().__init__(None, False)
+        self.rendezvous, self._rank = rendezvous, rank
+        self.consensus_check = True
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self.rendezvous.ranks
+
+    def _all(self, what: str, vec: list[int]) -> list[list[int]]:
+        site = f"{what} from {sys._getframe(2).f_code.co_name}"
+        got = self.rendezvous.gather(self._rank, site, (site, vec))
+        self.collectives += 1
+        if any(g[0] != site or len(g[1]) != len(vec) for g in got):
+            raise Violation("ranks diverged: " + "; ".join(f"rank {r}: {s} of {len(v)}" for r, (s, v) in enumerate(got)))
+        return [v for _, v in got]
+
+    def agree(self, mins: list[int], maxs: list[int]) -> tuple[list[int], list[int]]:
+        vecs = self._all("agree", list(mins) + [-v for v in maxs])
+        out = [min(col) for col in zip(*vecs)] if vecs[0] else []
+        return out[: len(mins)], [-v for v in out[len(mins):]]
+
+    def check(self, decisions: list[int]) -> None:
+        vecs = self._all("check", list(decisions))
+        if any(v != vecs[0] for v in vecs):
+            raise Violation(f"ranks diverged: poll decided {vecs[0]} on rank 0, {vecs[1:]} on the others")
+
+
+def replicated(sim: FaultSim) -> dict[str, object]:
+    """What every rank must hold alike after a step, part by part."""
+    rows = {rid: (req.pos, req.row.numpy().tobytes()) for rid, req in sorted(sim.running.items())}
+    return {"engine": xxhash.xxh3_64_hexdigest(repr(sim.rng.getstate()).encode()), "waiting": sorted(sim.waiting),
+            "running": rows, **replicated_cache(sim.cache)}
+
+
+def replicated_cache(cache) -> dict[str, object]:
+    """What every rank's cache must hold alike between steps: the tree (keys, locks, access
+    order, slots on each tier), free slots, requests and prefetches, and whether it is busy."""
+    ctl = cache.controller
+    nodes, stack = [], [cache.tree.root]
+    while stack:
+        node = stack.pop()
+        nodes.append((node.key.tokens.tobytes(), tuple(node.locks), node.last_access,
+                      *(None if v is None else v.tobytes() for v in node.values)))
+        stack.extend(sorted(node.children.values(), key=lambda n: n.key.tokens.tobytes()))
+    prefetches = sorted((rid, p.waiting, p.ready, p.result) for rid, p in cache.sync.prefetches.items())
+    return {"tree": xxhash.xxh3_64_hexdigest(repr(nodes).encode()), "tree nodes": len(nodes),
+            "device free": ctl.device_alloc.available_size(),
+            "host free": ctl.host_available() if cache.mirror is not None else 0,
+            "busy": ctl.busy(), "requests": sorted(cache.requests), "request pages": cache.request_pages, "prefetches": prefetches}
+
+
+def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: float = 60.0) -> tuple | None:
+    """One episode on `ranks` ranks; None, or (rank, step, exception, that rank's log) of
+    the first failure."""
+    rendezvous = Rendezvous(ranks, timeout_s)
+    sims = [FaultSim(ep_seed, setup, faults=random.Random(ep_seed * 1000 + r + 1),
+                     agreement=ThreadAgreement(rendezvous, r)) for r in range(ranks)]
+    failures: list[tuple] = []
+
+    def rank_main(r: int) -> None:
+        sim, step = sims[r], 0
+        try:
+            for step in range(steps):
+                sim.step()
+                states = rendezvous.gather(r, f"the check after step {step}", replicated(sim))
+                differ = [k for k in states[0] if any(s[k] != states[0][k] for s in states)]
+                if differ:
+                    raise Violation(f"ranks diverged after step {step}: " +
+                                    "; ".join(f"{k}: {[s[k] for s in states]}" for k in differ))
+            sim.close()
+        except Exception as exc:
+            failures.append((r, step, exc, sim.log))
+            rendezvous.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"tp-sim-rank{r}") for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not failures:
+        return None
+    for sim in sims:  # stop every rank's threads (the episode is over either way)
+        try:
+            sim._auto(sim.cache.controller.close)
+        except Exception:
+            pass
+    first = [f for f in failures if "ranks diverged: rank" not in str(f[2])] or failures  # not a broken barrier
+    return first[0]
+
+
+def run(steps: int, seed: int, ranks: int = 2, episode: int = 400, out=sys.stdout) -> int:
+    """`steps` steps in episodes of `episode`, on `ranks` ranks; the number of violations."""
+    master = random.Random(seed)
+    done = violations = 0
+    while done < steps:
+        ep_seed = master.randrange(1 << 30)
+        setup = Setup.draw(random.Random(ep_seed), allow_kernel=False)
+        n = min(episode, steps - done)
+        failure = run_episode(ep_seed, setup, n, ranks)
+        if failure is not None:
+            violations += 1
+            rank, step, exc, log = failure
+            report(out, exc, ep_seed, setup, step, log, f"rank {rank} of {ranks}", f" --ranks {ranks}")
+        done += n
+    print(f"fault sim: {steps} steps on {ranks} ranks, {violations} violations", file=out)
+    return violations
+
+
+def main(args) -> int:
+    """`benchmarks/fault_sim.py --ranks N` (its parsed arguments)."""
+    if args.episode_seed is None:
+        return 1 if run(args.steps, args.seed, args.ranks, args.episode) else 0
+    setup = Setup.draw(random.Random(args.episode_seed), allow_kernel=False)
+    failure = run_episode(args.episode_seed, setup, args.steps, args.ranks)
+    if failure is not None:
+        rank, step, exc, log = failure
+        report(sys.stdout, exc, args.episode_seed, setup, step, log, f"rank {rank} of {args.ranks}",
+               f" --ranks {args.ranks}")
+    print(f"fault sim: {args.steps} steps on {args.ranks} ranks, {int(failure is not None)} violations")
+    return int(failure is not None)
