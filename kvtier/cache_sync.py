@@ -177,8 +177,8 @@ class Applier(PrefetchSide):
         node = op.tag
         self.writing.discard(node.id)
         self.tree.unlock(node)
-        if op.handle.error is not None:
-            self._write_failed(op, f"device->host write failed: {op.handle.error}")
+        if op.handle.error is not None or op.failed_elsewhere:
+            self._write_failed(op, f"device->host write failed: {op.handle.error or 'on another rank'}")
             return
         try:  # validates before it changes anything
             unused = self.tree.mark_backed_up(node, op.host_slots)
@@ -312,9 +312,15 @@ class Applier(PrefetchSide):
         for p in live:
             op = p.op
             mins += [op.present, op.landed, int(op.finished)]
+        writes_at = len(mins)
+        if self.agreement.world_size > 1:
+            mins += self.ctl.writes_landed()
         maxs = [int(p.want_stop) for p in live]
         agreed, stops = self.agreement.agree(mins, maxs)
-        self._each("write", self.ctl.pop(self.ctl.writes, agreed[0]), self._apply_write, self._release_write)
+        writes = self.ctl.pop(self.ctl.writes, agreed[0])
+        for op, ok in zip(writes, agreed[writes_at:]):  # under TP: landed on every rank?
+            op.failed_elsewhere = not ok and op.handle.error is None
+        self._each("write", writes, self._apply_write, self._release_write)
         self._each("load", self.ctl.pop(self.ctl.loads, agreed[1]), self._apply_load, self._release_load)
         self._each("backup", self.ctl.pop(self.ctl.backups, agreed[2]), self._apply_backup,
                    lambda op: self.tree.release_host(op.tag))

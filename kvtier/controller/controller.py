@@ -45,6 +45,7 @@ class WriteOp:
     handle: Handle | None = None
     started: float = field(default_factory=time.perf_counter)
     applied: bool = False  # the scheduler took it (its host slots went to the tree or back)
+    failed_elsewhere: bool = False  # landed here, failed on another rank: failed on every rank
 
 
 @dataclass(eq=False)
@@ -203,6 +204,12 @@ class CacheController:
         return [_leading(self.writes, lambda op: op.handle.is_done()),
                 _leading(self.loads, lambda op: op.handle.is_done()),
                 _leading(self.backups, lambda op: op.finished)]
+
+    def writes_landed(self) -> list[int]:
+        """Per write in flight, in order: 1 if it has landed here. A write's outcome changes
+        the tree, so under tensor parallelism the ranks agree on these (MIN): a write that
+        failed on any rank fails on every rank."""
+        return [int(op.handle.is_done() and op.handle.error is None) for op in self.writes]
 
     def pop(self, queue: deque, n: int) -> list:
         return [queue.popleft() for _ in range(n)]
