@@ -133,14 +133,13 @@ class PrefetchSide:
 
     def _close_prefetch(self, p: PrefetchState) -> None:
         """The op ended: release its anchor; its unused pages go back once the store has
-        stopped writing them (settled)."""
+        stopped writing them (settled), on every rank (`_free_settled`)."""
         op = p.op
         if p.anchor is not self.tree.root:
             self.tree.release_host(p.anchor)
             p.anchor = self.tree.root
         self.ctl.prefetches.pop(op.request_id, None)
         self.ctl.unsettled.append(op)
-        self._free_settled()
 
     def _release_prefetch(self, p: PrefetchState) -> None:
         """Contain a prefetch whose apply raised: stop it; nothing more of it is inserted,
@@ -148,14 +147,15 @@ class PrefetchSide:
         p.broken = True
         self.ctl.stop_prefetch(p.op)
 
-    def _free_settled(self) -> None:
-        keep = []
-        for op in self.ctl.unsettled:
-            if not op.settled:
-                keep.append(op)
-            elif op.host_pages is not None and op.host_pages.size > op.inserted:
+    def _free_settled(self, settled: list[int]) -> None:
+        """Free the unused pages of the first ended ops whose store calls have settled on
+        every rank (`settled`, agreed): host room decides what a write or a prefetch gets and
+        what is evicted, so every rank frees them in the same poll."""
+        unsettled = self.ctl.unsettled
+        for op, done in zip(unsettled, settled):
+            if done and op.host_pages is not None and op.host_pages.size > op.inserted:
                 self.ctl.free_host_pages(op.host_pages[op.inserted:])  # unused or unagreed
-        self.ctl.unsettled = keep
+        self.ctl.unsettled = [op for op, done in zip(unsettled, settled) if not done] + unsettled[len(settled):]
 
     def _insert_landed(self, p: PrefetchState, landed: int) -> None:
         """Pages [inserted, landed) are verified on host: hang them under the anchor."""

@@ -312,6 +312,8 @@ class Applier(PrefetchSide):
         for p in live:
             op = p.op
             mins += [op.present, op.landed, int(op.finished)]
+        settled_at = len(mins)
+        mins += [int(op.settled) for op in self.ctl.unsettled]
         writes_at = len(mins)
         if self.agreement.world_size > 1:
             mins += self.ctl.writes_landed()
@@ -330,7 +332,7 @@ class Applier(PrefetchSide):
                 continue  # most polls, most prefetches
             self._each("prefetch", [p], lambda p: self._poll_prefetch(p, present, landed, finished, stops[i]),
                        self._release_prefetch)
-        self._free_settled()
+        self._free_settled(agreed[settled_at:writes_at])
         self._mark_ready()
         self.agreement.check(agreed + stops)
 
@@ -365,7 +367,7 @@ class Applier(PrefetchSide):
             p.want_stop = True
         for _ in range(rounds):
             self.poll()  # applies the stops (and grants): no op is left waiting for the scheduler
-            if not self.ctl.busy():
+            if not self.ctl.busy():  # the same on every rank: each op leaves at an agreed poll
                 break
             self.ctl.wait_idle()
         self.prefetches = {rid: p for rid, p in self.prefetches.items() if p.result is None}

@@ -5,7 +5,10 @@ the same, and every byte each rank's forwards read is checked.
 
 The episodes below each failed with one fix reverted:
 - 253228484: a device->host write that landed on one rank and failed on the other gave
-  the node a host copy on one rank only (now the write fails on every rank);"""
+  the node a host copy on one rank only (now the write fails on every rank);
+- 1063938749: an ended prefetch's unused host pages went back when the store call settled
+  on *this* rank, so host room (which decides writes, grants and evictions) differed (now
+  freed in the poll where every rank's call has settled);"""
 
 import io
 import random
@@ -76,7 +79,7 @@ def test_a_write_that_lands_on_one_rank_only_fails_on_every_rank():
     on_ranks(lambda r: caches[r].close(), 2)
 
 
-@pytest.mark.parametrize("ep_seed,steps", [(253228484, 46)])
+@pytest.mark.parametrize("ep_seed,steps", [(253228484, 46), (1063938749, 329)])
 def test_tp_episodes_that_diverged_now_agree(ep_seed, steps):
     setup = Setup.draw(random.Random(ep_seed), allow_kernel=False)
     failure = tp_sim.run_episode(ep_seed, setup, steps, ranks=2)
