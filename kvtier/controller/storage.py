@@ -211,6 +211,10 @@ class StorageWorker:
         try:
             settled = await self._prefetch_pages(op)
         finally:
+            # ended before the store said what it holds: nothing. Left at -1 (unknown), the
+            # agreed count stayed unknown, and a rank whose store did answer waited for a
+            # grant that never came (docs/design.md §8)
+            op.present = max(op.present, 0)
             op.finished = True
             self.progress.set()
         if settled is not None:
