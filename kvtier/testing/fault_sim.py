@@ -21,10 +21,7 @@ is free.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
-import os
 import random
 import sys
 import traceback
@@ -470,36 +467,3 @@ def report(out, exc: Exception, ep_seed: int, setup: Setup, step: int, log: list
     print("  the last actions:", file=out)
     for line in log[-25:]:
         print(f"    {line}", file=out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--episode", type=int, default=400, help="steps between close() and a fresh cache")
-    p.add_argument("--episode-seed", type=int, default=None, help="replay one episode (from a violation report)")
-    p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks, on threads (tp_sim.py)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.CRITICAL)  # the simulator causes failures on purpose
-    torch.set_num_threads(1)
-    allow_kernel = os.environ.get("TRITON_INTERPRET") == "1"
-    if args.ranks > 1:
-        from kvtier.testing import tp_sim
-        return tp_sim.main(args)
-    if args.episode_seed is not None:
-        sim = FaultSim(args.episode_seed, Setup.draw(random.Random(args.episode_seed), allow_kernel))
-        try:
-            for _ in range(args.steps):
-                sim.step()
-            sim.close()
-        except Exception as exc:
-            report(sys.stdout, exc, args.episode_seed, sim.setup, len(sim.log), sim.log)
-            print(f"fault sim: {args.steps} steps, 1 violations")
-            return 1
-        print(f"fault sim: {args.steps} steps, 0 violations")
-        return 0
-    return 1 if run(args.steps, args.seed, args.episode, allow_kernel) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -173,17 +173,3 @@ def run(steps: int, seed: int, ranks: int = 2, episode: int = 400, out=sys.stdou
         done += n
     print(f"fault sim: {steps} steps on {ranks} ranks, {violations} violations", file=out)
     return violations
-
-
-def main(args) -> int:
-    """`benchmarks/fault_sim.py --ranks N` (its parsed arguments)."""
-    if args.episode_seed is None:
-        return 1 if run(args.steps, args.seed, args.ranks, args.episode) else 0
-    setup = Setup.draw(random.Random(args.episode_seed), allow_kernel=False)
-    failure = run_episode(args.episode_seed, setup, args.steps, args.ranks)
-    if failure is not None:
-        rank, step, exc, log = failure
-        report(sys.stdout, exc, args.episode_seed, setup, step, log, f"rank {rank} of {args.ranks}",
-               f" --ranks {args.ranks}")
-    print(f"fault sim: {args.steps} steps on {args.ranks} ranks, {int(failure is not None)} violations")
-    return int(failure is not None)

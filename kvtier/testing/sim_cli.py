@@ -1,0 +1,57 @@
+"""`python benchmarks/fault_sim.py`: the fault simulator's command line (fault_sim.py, and
+tp_sim.py for `--ranks` above 1)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+
+import torch
+
+from kvtier.testing import fault_sim, tp_sim
+from kvtier.testing.fault_sim import FaultSim, Setup, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=fault_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episode", type=int, default=400, help="steps between close() and a fresh cache")
+    p.add_argument("--episode-seed", type=int, default=None, help="replay one episode (from a violation report)")
+    p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks, on threads (tp_sim.py)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.CRITICAL)  # the simulator causes failures on purpose
+    torch.set_num_threads(1)
+    allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
+    if args.episode_seed is None:
+        if args.ranks > 1:
+            return 1 if tp_sim.run(args.steps, args.seed, args.ranks, args.episode) else 0
+        return 1 if fault_sim.run(args.steps, args.seed, args.episode, allow_kernel) else 0
+    setup = Setup.draw(random.Random(args.episode_seed), allow_kernel)
+    on = f" on {args.ranks} ranks" if args.ranks > 1 else ""
+    failure = tp_sim.run_episode(args.episode_seed, setup, args.steps, args.ranks) if args.ranks > 1 else \
+        _one_rank(args.episode_seed, setup, args.steps)
+    if failure is not None:
+        rank, step, exc, log = failure
+        who, flags = (f"rank {rank} of {args.ranks}", f" --ranks {args.ranks}") if args.ranks > 1 else ("", "")
+        report(sys.stdout, exc, args.episode_seed, setup, step, log, who, flags)
+    print(f"fault sim: {args.steps} steps{on}, {int(failure is not None)} violations")
+    return int(failure is not None)
+
+
+def _one_rank(ep_seed: int, setup: Setup, steps: int) -> tuple | None:
+    sim, step = FaultSim(ep_seed, setup), 0
+    try:
+        for step in range(steps):
+            sim.step()
+        sim.close()
+    except Exception as exc:
+        return 0, step, exc, sim.log
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
