@@ -24,7 +24,8 @@ class PrefetchState:
     first: int
     anchor: TreeNode
     deadline: float | None
-    want_stop: bool = False
+    want_stop: bool = False  # this rank's wish (its clock passed the deadline, a drain)
+    stopped: bool = False  # some rank wished it (agreed in a poll): under `timeout`, the request goes on
     result: int | None = None  # pages inserted, once finished on every rank
     ready: bool = False  # reported to the server: its request may be acquired again
     discard: bool = False  # nobody takes it (its request was aborted): forget it when it finishes
@@ -89,14 +90,17 @@ class PrefetchSide:
         return taken, KnownHashes(p.first, chain)
 
     def _mark_ready(self) -> None:
-        """Which waiting requests may go on (per the prefetch policy), after this poll."""
-        policy, now = self.cfg.prefetch_policy, self.clock()
+        """Which waiting requests may go on (per the prefetch policy), after this poll: from
+        agreed numbers only. (Under `timeout`, each rank's own clock passing the deadline
+        named the request on one rank a poll before the other, and the ranks' schedulers
+        then ran different batches.)"""
+        policy = self.cfg.prefetch_policy
         for rid, p in self.prefetches.items():
             if p.ready or p.discard:
                 continue
             p.polls += 1
             if p.result is not None or (policy == PrefetchPolicy.BEST_EFFORT and p.polls >= 1) or \
-                    (policy == PrefetchPolicy.TIMEOUT and p.deadline is not None and now >= p.deadline):
+                    (policy == PrefetchPolicy.TIMEOUT and p.stopped):
                 p.ready = True
                 self.newly_ready.append(rid)
 

@@ -328,6 +328,7 @@ class Applier(PrefetchSide):
                    lambda op: self.tree.release_host(op.tag))
         for i, p in enumerate(live):
             present, landed, finished = agreed[3 + 3 * i: 6 + 3 * i]
+            p.stopped = p.stopped or bool(stops[i])
             if self._idle(p, present, landed, finished, stops[i]):
                 continue  # most polls, most prefetches
             self._each("prefetch", [p], lambda p: self._poll_prefetch(p, present, landed, finished, stops[i]),

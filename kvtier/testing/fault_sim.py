@@ -110,6 +110,11 @@ class FaultSim:
         self.cache = TieredCache(cfg, store=self.store, stream_factory=self.streams.factory,
                                  clock=lambda: self.clock, agreement=agreement)
         self.loop = self.cache.controller.storage.loop
+        self.skew = 0.0  # under TP: this rank's scheduler reads its clock later (tp_sim.py)
+        self.tp = self.cache.agreement.world_size > 1
+        self.skews = random.Random(f"{seed}/{self.cache.agreement.rank}")
+        if self.tp:
+            self.cache.sync.clock = lambda: self.clock + self.skew
         vocab = 6 if ps == 1 else 50
         self.bases = [np.array([self.rng.randrange(vocab) for _ in range(self.max_len)]) for _ in range(4)]
         self.vocab = vocab
@@ -137,6 +142,8 @@ class FaultSim:
     # -- actions ------------------------------------------------------------------------------
 
     def step(self) -> None:
+        if self.tp:
+            self.skew = self.skews.choice([0.0, 0.5, 1.0])
         r = self.rng.random()
         if r < 0.14:
             self.arrive()
@@ -226,7 +233,7 @@ class FaultSim:
             return
         waiter = self.cache.begin_forward([req.rid for req, _, _ in batch])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        waiter.defer = self.rng.random() < 0.5 or self.cache.agreement.world_size > 1  # as TP: it runs on
+        waiter.defer = self.rng.random() < 0.5 or self.tp  # as under tensor parallelism: the forward runs on
         self.note("forward " + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch) +
                   f" loads={len(waiter.loads)} defer={waiter.defer}")
         try:

@@ -118,6 +118,11 @@ def replicated_cache(cache) -> dict[str, object]:
             "busy": ctl.busy(), "requests": sorted(cache.requests), "request pages": cache.request_pages, "prefetches": prefetches}
 
 
+def _short(values: list) -> str:
+    text = repr(values)
+    return text if len(text) <= 300 else xxhash.xxh3_64_hexdigest(text.encode()) + " (long; they differ)"
+
+
 def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: float = 60.0) -> tuple | None:
     """One episode on `ranks` ranks; None, or (rank, step, exception, that rank's log) of
     the first failure."""
@@ -135,7 +140,7 @@ def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: f
                 differ = [k for k in states[0] if any(s[k] != states[0][k] for s in states)]
                 if differ:
                     raise Violation(f"ranks diverged after step {step}: " +
-                                    "; ".join(f"{k}: {[s[k] for s in states]}" for k in differ))
+                                    "; ".join(f"{k}: {_short([s[k] for s in states])}" for k in differ))
             sim.close()
         except Exception as exc:
             failures.append((r, step, exc, sim.log))
