@@ -1,4 +1,5 @@
-"""The fault simulator: python benchmarks/fault_sim.py --steps N --seed S. See kvtier/testing/fault_sim.py and tp_sim.py."""
+"""The fault simulator: python benchmarks/fault_sim.py --steps N --seed S [--ranks R].
+See kvtier/testing/fault_sim.py and tp_sim.py."""
 
 import sys
 

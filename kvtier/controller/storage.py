@@ -213,7 +213,7 @@ class StorageWorker:
         finally:
             # ended before the store said what it holds: nothing. Left at -1 (unknown), the
             # agreed count stayed unknown, and a rank whose store did answer waited for a
-            # grant that never came (docs/design.md §8)
+            # grant that never came (docs/design.md §7)
             op.present = max(op.present, 0)
             op.finished = True
             self.progress.set()

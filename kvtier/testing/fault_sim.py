@@ -354,8 +354,7 @@ class FaultSim:
         if not call.timed_out and f.random() < 0.2 and self.store.fire_deadline(call):
             self.note(f"store {call.op} x{len(call.keys)}: times out (still running)")
             return
-        outcome = f.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap",
-                                   "false_failure", "miss"])
+        outcome = f.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap", "false_failure", "miss"])
         self.note(f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}")
         if call.op == "get_into" and outcome != "error":
             self._check_owned(call)

@@ -80,7 +80,8 @@ class ThreadAgreement(Agreement):
         got = self.rendezvous.gather(self._rank, site, (site, vec))
         self.collectives += 1
         if any(g[0] != site or len(g[1]) != len(vec) for g in got):
-            raise Violation("ranks diverged: " + "; ".join(f"rank {r}: {s} of {len(v)}" for r, (s, v) in enumerate(got)))
+            calls = "; ".join(f"rank {r}: {s} of {len(v)}" for r, (s, v) in enumerate(got))
+            raise Violation(f"ranks diverged: {calls}")
         return [v for _, v in got]
 
     def agree(self, mins: list[int], maxs: list[int]) -> tuple[list[int], list[int]]:
@@ -115,7 +116,8 @@ def replicated_cache(cache) -> dict[str, object]:
     return {"tree": xxhash.xxh3_64_hexdigest(repr(nodes).encode()), "tree nodes": len(nodes),
             "device free": ctl.device_alloc.available_size(),
             "host free": ctl.host_available() if cache.mirror is not None else 0,
-            "busy": ctl.busy(), "requests": sorted(cache.requests), "request pages": cache.request_pages, "prefetches": prefetches}
+            "busy": ctl.busy(), "requests": sorted(cache.requests), "request pages": cache.request_pages,
+            "prefetches": prefetches}
 
 
 def _short(values: list) -> str:
