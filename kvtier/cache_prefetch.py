@@ -111,15 +111,17 @@ class PrefetchSide:
             self._make_host_room(need)
         self.ctl.grant(p.op, present)
 
-    def _apply_prefetch(self, p: PrefetchState, landed: int, finished: bool, stop: bool) -> None:
+    def _apply_prefetch(self, p: PrefetchState, landed: int, ended: int, stop: bool) -> None:
+        """`ended` (agreed): 0 running on some rank, 1 finished on every rank, 2 and its store
+        call settled on every rank too."""
         op = p.op
         if stop and not op.stop:
             self.ctl.stop_prefetch(op)
         if landed > op.inserted:
             self._insert_landed(p, landed)
-        if not finished:
+        if not ended:
             return
-        self._close_prefetch(p)
+        self._close_prefetch(p, settled=ended >= 2)
         p.result = landed
         c = self.counters
         c.l3_read_pages += landed
@@ -135,15 +137,19 @@ class PrefetchSide:
             if p.waiting:  # a new request with its id said "not ready" meanwhile
                 self.newly_ready.append(op.request_id)
 
-    def _close_prefetch(self, p: PrefetchState) -> None:
-        """The op ended: release its anchor; its unused pages go back once the store has
-        stopped writing them (settled), on every rank (`_free_settled`)."""
+    def _close_prefetch(self, p: PrefetchState, settled: bool) -> None:
+        """The op ended: release its anchor; its unused pages go back now if its store call
+        has settled on every rank, else in the poll where it has (`_free_settled`): the same
+        poll on every rank."""
         op = p.op
         if p.anchor is not self.tree.root:
             self.tree.release_host(p.anchor)
             p.anchor = self.tree.root
         self.ctl.prefetches.pop(op.request_id, None)
-        self.ctl.unsettled.append(op)
+        if settled:
+            self._free_unused(op)
+        else:
+            self.ctl.unsettled.append(op)
 
     def _release_prefetch(self, p: PrefetchState) -> None:
         """Contain a prefetch whose apply raised: stop it; nothing more of it is inserted,
@@ -157,9 +163,14 @@ class PrefetchSide:
         what is evicted, so every rank frees them in the same poll."""
         unsettled = self.ctl.unsettled
         for op, done in zip(unsettled, settled):
-            if done and op.host_pages is not None and op.host_pages.size > op.inserted:
-                self.ctl.free_host_pages(op.host_pages[op.inserted:])  # unused or unagreed
+            if done:
+                self._free_unused(op)
         self.ctl.unsettled = [op for op, done in zip(unsettled, settled) if not done] + unsettled[len(settled):]
+
+    def _free_unused(self, op) -> None:
+        """An ended op's host pages not inserted (unused, or landed on some rank only)."""
+        if op.host_pages is not None and op.host_pages.size > op.inserted:
+            self.ctl.free_host_pages(op.host_pages[op.inserted:])
 
     def _insert_landed(self, p: PrefetchState, landed: int) -> None:
         """Pages [inserted, landed) are verified on host: hang them under the anchor."""
@@ -176,14 +187,14 @@ class PrefetchSide:
         op.inserted = landed
 
     @staticmethod
-    def _idle(p: PrefetchState, present: int, landed: int, finished: int, stop: int) -> bool:
+    def _idle(p: PrefetchState, present: int, landed: int, ended: int, stop: int) -> bool:
         """Would `_poll_prefetch` do nothing? (No grant due, no stop, no page landed, not finished.)"""
-        return not (finished or stop or p.broken or landed > p.op.inserted) and \
+        return not (ended or stop or p.broken or landed > p.op.inserted) and \
             (present < 0 or p.op.granted)
 
-    def _poll_prefetch(self, p: PrefetchState, present: int, landed: int, finished: int, stop: int) -> None:
+    def _poll_prefetch(self, p: PrefetchState, present: int, landed: int, ended: int, stop: int) -> None:
         if p.broken:
             landed, stop = p.op.inserted, 1
         if present >= 0 and not p.op.granted and not p.broken:
             self._grant(p, present)
-        self._apply_prefetch(p, landed, bool(finished), bool(stop))
+        self._apply_prefetch(p, landed, ended, bool(stop))

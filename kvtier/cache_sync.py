@@ -46,6 +46,7 @@ class Applier(PrefetchSide):
         self.counters = stats.counters
         self.latency = stats.latency
         self.agreement = agreement
+        self.tp = agreement.world_size > 1
         self.has_mirror = has_mirror
         self.clock = clock
         self.writing: set[int] = set()  # node ids with a device->host write in flight
@@ -311,29 +312,34 @@ class Applier(PrefetchSide):
         mins = self.ctl.ready()
         for p in live:
             op = p.op
-            mins += [op.present, op.landed, int(op.finished)]
+            ended = 2 if op.settled else int(op.finished)  # first: what is read after is final once ended
+            mins += [op.present, op.landed, ended]
         settled_at = len(mins)
-        mins += [int(op.settled) for op in self.ctl.unsettled]
+        unsettled = self.ctl.unsettled
+        if unsettled:
+            mins += [int(op.settled) for op in unsettled]
         writes_at = len(mins)
-        if self.agreement.world_size > 1:
+        if self.tp:
             mins += self.ctl.writes_landed()
         maxs = [int(p.want_stop) for p in live]
         agreed, stops = self.agreement.agree(mins, maxs)
         writes = self.ctl.pop(self.ctl.writes, agreed[0])
-        for op, ok in zip(writes, agreed[writes_at:]):  # under TP: landed on every rank?
-            op.failed_elsewhere = not ok and op.handle.error is None
+        if self.tp:
+            for op, ok in zip(writes, agreed[writes_at:]):  # landed on every rank?
+                op.failed_elsewhere = not ok and op.handle.error is None
         self._each("write", writes, self._apply_write, self._release_write)
         self._each("load", self.ctl.pop(self.ctl.loads, agreed[1]), self._apply_load, self._release_load)
         self._each("backup", self.ctl.pop(self.ctl.backups, agreed[2]), self._apply_backup,
                    lambda op: self.tree.release_host(op.tag))
         for i, p in enumerate(live):
-            present, landed, finished = agreed[3 + 3 * i: 6 + 3 * i]
+            present, landed, ended = agreed[3 + 3 * i: 6 + 3 * i]
             p.stopped = p.stopped or bool(stops[i])
-            if self._idle(p, present, landed, finished, stops[i]):
+            if self._idle(p, present, landed, ended, stops[i]):
                 continue  # most polls, most prefetches
-            self._each("prefetch", [p], lambda p: self._poll_prefetch(p, present, landed, finished, stops[i]),
+            self._each("prefetch", [p], lambda p: self._poll_prefetch(p, present, landed, ended, stops[i]),
                        self._release_prefetch)
-        self._free_settled(agreed[settled_at:writes_at])
+        if unsettled:
+            self._free_settled(agreed[settled_at:writes_at])
         self._mark_ready()
         self.agreement.check(agreed + stops)
 
