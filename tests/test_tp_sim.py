@@ -16,6 +16,7 @@ The episodes below each failed with one fix reverted:
   rank's clock passed its deadline, a poll earlier on one rank than on the other, so the
   ranks' schedulers ran different batches (now: when the ranks agree to stop its prefetch)."""
 
+import asyncio
 import io
 import random
 import threading
@@ -26,7 +27,7 @@ import torch
 
 from kvtier.testing import tp_sim
 from kvtier.testing.fault_sim import Setup
-from kvtier.testing.parts import SimStreams
+from kvtier.testing.parts import SimStore, SimStreams
 from tests.controller.helpers import fill, make_cache
 
 
@@ -97,3 +98,80 @@ def test_tp_fault_sim_finds_no_divergence(seed, ranks):
     out = io.StringIO()
     assert tp_sim.run(1200, seed, ranks=ranks, out=out) == 0, out.getvalue()
     assert out.getvalue().splitlines()[-1] == f"fault sim: 1200 steps on {ranks} ranks, 0 violations"
+
+
+def _settle(cache) -> None:
+    """Let the cache's storage loop run until it waits on its SimStore again."""
+    async def spin():
+        for _ in range(40):
+            await asyncio.sleep(0)
+    asyncio.run_coroutine_threadsafe(spin(), cache.controller.storage.loop).result(30)
+
+
+def _two_ranks_waiting(prefetch_policy: str, clocks: list[float]):
+    """Two ranks, each with a SimStore, and one request ("a") waiting for its prefetch,
+    whose `batch_exists` is pending on both ranks."""
+    rendezvous = tp_sim.Rendezvous(2, timeout_s=30)
+    stores = [SimStore(), SimStore()]
+    caches = [make_cache(store_obj=stores[r], prefetch_policy=prefetch_policy, clock=lambda r=r: clocks[r],
+                         agreement=tp_sim.ThreadAgreement(rendezvous, r)) for r in range(2)]
+    tokens = np.arange(16)
+    got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
+    assert [g.ready for g in got] == [False, False]
+    for c, store in zip(caches, stores):
+        _settle(c)
+        [call] = store.pending
+        assert call.op == "exists"
+    return caches, stores, tokens
+
+
+def _close(caches, stores) -> None:
+    async def answer_all(store):  # on the store's loop: no call slips in between
+        store.auto = random.Random(0)
+        store.resolve_all(store.auto)
+    for c, store in zip(caches, stores):
+        asyncio.run_coroutine_threadsafe(answer_all(store), c.controller.storage.loop).result(30)
+    on_ranks(lambda r: caches[r].abort("a"), 2)
+    on_ranks(lambda r: caches[r].close(), 2)
+
+
+def test_under_timeout_a_request_is_named_ready_on_every_rank_in_the_same_poll():
+    """Rank 0's scheduler reaches a poll later than rank 1's, past the prefetch deadline.
+    Before: rank 0 named the request ready and rank 1 did not (its clock had not passed
+    the deadline), so rank 0 put it in its next batch and rank 1 did not. Now both name it
+    in that poll (the ranks agree to stop its prefetch)."""
+    clocks = [0.0, 0.0]
+    caches, stores, tokens = _two_ranks_waiting("timeout", clocks)
+    clocks[0] = 100.0
+    ready = on_ranks(lambda r: caches[r].poll(), 2)
+    assert ready == [["a"], ["a"]]
+    got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
+    assert [g.ready for g in got] == [True, True] and got[0].indices.numel() == got[1].indices.numel() == 0
+    assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    _close(caches, stores)
+
+
+def test_a_prefetch_whose_store_fails_on_one_rank_ends_on_every_rank():
+    """Rank 0's store says it holds the request's pages; rank 1's `batch_exists` fails.
+    Before: rank 1's prefetch ended with "pages present" unknown, so the agreed count
+    stayed unknown and rank 0's prefetch waited for a grant until its store timeout (here
+    never). Now rank 1's holds 0 pages, both agree on 0, and the request is named ready
+    on both ranks within a few polls, having loaded nothing."""
+    caches, stores, tokens = _two_ranks_waiting("wait_complete", [0.0, 0.0])
+    [call0], [call1] = stores[0].pending, stores[1].pending
+    for k in call0.keys:
+        stores[0]._pages[k] = b"held"  # present (a read would not verify: never asked for)
+    stores[0].resolve(call0, "ok", random.Random(0))
+    stores[1].resolve(call1, "error", random.Random(0))
+    ready = [[], []]
+    for _ in range(20):
+        for c in caches:
+            _settle(c)
+        ready = on_ranks(lambda r: caches[r].poll(), 2)
+        if ready != [[], []]:
+            break
+    assert ready == [["a"], ["a"]]
+    got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
+    assert [g.storage_hit for g in got] == [0, 0]
+    assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    _close(caches, stores)

@@ -14,7 +14,8 @@ from kvtier.config import load_config
 
 def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_size: int = 4, ratio: float = 2.0,
                layout: str = "page_first", write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
-               store_obj=None, tp_group=None, stream_factory=None, agreement=None, **controller) -> TieredCache:
+               store_obj=None, tp_group=None, stream_factory=None, agreement=None, clock=None,
+               **controller) -> TieredCache:
     store_section = {"backend": store}
     if store == "file":
         store_section["root"] = str(tmp_path / "l3")
@@ -26,6 +27,8 @@ def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_s
         "store": store_section,
     }
     extra = {} if stream_factory is None else {"stream_factory": stream_factory}
+    if clock is not None:
+        extra["clock"] = clock
     return TieredCache(load_config(None, overrides, env={}), tp_group=tp_group, store=store_obj, agreement=agreement,
                        **extra)
 
