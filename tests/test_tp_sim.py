@@ -14,7 +14,9 @@ The episodes below each failed with one fix reverted:
   ends without an answer holds 0 pages);
 - 288545018: under `prefetch_policy: timeout` a waiting request was named ready when this
   rank's clock passed its deadline, a poll earlier on one rank than on the other, so the
-  ranks' schedulers ran different batches (now: when the ranks agree to stop its prefetch)."""
+  ranks' schedulers ran different batches (now: when the ranks agree to stop its prefetch).
+The tests after them make each of these happen on purpose, whatever the simulator draws
+(each fails with its fix reverted too)."""
 
 import asyncio
 import io
@@ -174,4 +176,44 @@ def test_a_prefetch_whose_store_fails_on_one_rank_ends_on_every_rank():
     got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
     assert [g.storage_hit for g in got] == [0, 0]
     assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    _close(caches, stores)
+
+
+def test_an_ended_prefetchs_host_pages_go_back_on_every_rank_in_the_same_poll():
+    """Both ranks' stores hold the request's pages; rank 0's read answers, rank 1's runs
+    out of time and is still running (it may still write the host pages it was given).
+    Before: rank 0 freed its unused pages as soon as its own read settled, rank 1 only once
+    the late read returned, so host room differed, and host room decides what a write or a
+    grant gets and which host nodes are evicted. Now both keep them until the late read has
+    returned, then both free them in the same poll."""
+    caches, stores, tokens = _two_ranks_waiting("wait_complete", [0.0, 0.0])
+    for store in stores:
+        [call] = store.pending
+        for k in call.keys:
+            store._pages[k] = b"held"  # present; a read of it does not verify (a miss)
+        store.resolve(call, "ok", random.Random(0))
+    for c in caches:
+        _settle(c)
+    on_ranks(lambda r: caches[r].poll(), 2)  # grants host pages: the reads start
+    for c in caches:
+        _settle(c)
+    [read0], [read1] = stores[0].pending, stores[1].pending
+    assert read0.op == read1.op == "get_into"
+    stores[0].resolve(read0, "ok", random.Random(0))
+    assert stores[1].fire_deadline(read1)  # times out, still running
+    ready = [[], []]
+    for _ in range(20):
+        for c in caches:
+            _settle(c)
+        ready = on_ranks(lambda r: caches[r].poll(), 2)
+        assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+        if ready != [[], []]:
+            break
+    assert ready == [["a"], ["a"]]
+    held = [c.controller.host_available() for c in caches]
+    stores[1].resolve(read1, "ok", random.Random(0))  # the late read returns
+    _settle(caches[1])
+    on_ranks(lambda r: caches[r].poll(), 2)
+    assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    assert [c.controller.host_available() for c in caches] == [held[0] + 16, held[1] + 16]  # freed on both
     _close(caches, stores)
