@@ -15,8 +15,8 @@ The episodes below each failed with one fix reverted:
 - 288545018: under `prefetch_policy: timeout` a waiting request was named ready when this
   rank's clock passed its deadline, a poll earlier on one rank than on the other, so the
   ranks' schedulers ran different batches (now: when the ranks agree to stop its prefetch).
-The tests after them make each of these happen on purpose, whatever the simulator draws
-(each fails with its fix reverted too)."""
+Four more tests make each of these happen on purpose, whatever the simulator draws (each
+fails with its fix reverted too), and two run drawn episodes on 2 and on 3 ranks."""
 
 import asyncio
 import io
