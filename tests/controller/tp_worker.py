@@ -1,11 +1,12 @@
 """One tensor-parallel rank of the TP test (run as a subprocess by test_tp.py).
 
-argv: rank world_size port out_file [diverge | fail_loads | fail_late]
+argv: rank world_size port out_file [diverge | fail_loads | fail_late | timeout]
 
 fail_loads: every second host->device load of rank 1 fails after its first layer; rank 0's
 never do. fail_late: every second load of rank 1 lands all its layers, then fails after the
-forward has asked `failed()` (only `cache_finished` can see it). Either way the ranks must
-agree on every decision and finish.
+forward has asked `failed()` (only `cache_finished` can see it). timeout: prefetches run
+under `prefetch_policy: timeout` with deadlines of a few ms, which each rank's clock passes
+at its own moment. Either way the ranks must agree on every decision and finish.
 """
 
 import json
@@ -62,8 +63,12 @@ def main() -> None:
         Agreement.check = lambda self, decisions: check(self, [d + 1 for d in decisions])
     # each rank's store answers at its own pace: local completion timing differs
     store = StallingStore(fast_reads=0, stall_s=0.002 * (rank + 1))
-    cache = make_cache(pool_size=64, ratio=1.5, prefetch_policy="best_effort", store_obj=store,
-                       tp_group=dist.group.WORLD, consensus_check=diverge, **streams)
+    policy = {"prefetch_policy": "best_effort"}
+    if mode == "timeout":
+        policy = {"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.004,
+                  "prefetch_timeout_per_1k_tokens_s": 0.001}
+    cache = make_cache(pool_size=64, ratio=1.5, store_obj=store, tp_group=dist.group.WORLD, consensus_check=diverge,
+                       **policy, **streams)
     rng = random.Random(7)  # the scheduler's stream: identical on every rank
     jitter = random.Random(100 + rank)  # local timing: different per rank
     prefixes = [np.array([rng.randrange(40) for _ in range(8)]) for _ in range(4)]
@@ -73,7 +78,7 @@ def main() -> None:
         rid = f"r{step}"
         got = cache.acquire(tokens, rid)
         while not got.ready:  # readiness comes from agreed numbers: every rank leaves together
-            time.sleep(jitter.random() * 0.012)
+            time.sleep(jitter.random() * (0.001 if mode == "timeout" else 0.012))  # timeout: many polls
             if rid in cache.poll():
                 got = cache.acquire(tokens, rid)
         cached = got.indices.numel()
