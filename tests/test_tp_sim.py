@@ -21,35 +21,16 @@ fails with its fix reverted too), and two run drawn episodes on 2 and on 3 ranks
 import asyncio
 import io
 import random
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from kvtier.testing import tp_sim
-from kvtier.testing.fault_sim import Setup
+from kvtier.testing.fault_sim import Setup, settle
 from kvtier.testing.parts import SimStore, SimStreams
+from kvtier.testing.tp_sim import on_ranks
 from tests.controller.helpers import fill, make_cache
-
-
-def on_ranks(fn, ranks: int) -> list:
-    """fn(rank) on one thread per rank, as every rank's scheduler runs it; the results."""
-    out, errors = [None] * ranks, []
-
-    def run(r):
-        try:
-            out[r] = fn(r)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on the test's thread
-            errors.append(exc)
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
 
 
 def test_a_write_that_lands_on_one_rank_only_fails_on_every_rank():
@@ -102,14 +83,6 @@ def test_tp_fault_sim_finds_no_divergence(seed, ranks):
     assert out.getvalue().splitlines()[-1] == f"fault sim: 1200 steps on {ranks} ranks, 0 violations"
 
 
-def _settle(cache) -> None:
-    """Let the cache's storage loop run until it waits on its SimStore again."""
-    async def spin():
-        for _ in range(40):
-            await asyncio.sleep(0)
-    asyncio.run_coroutine_threadsafe(spin(), cache.controller.storage.loop).result(30)
-
-
 def _two_ranks_waiting(prefetch_policy: str, clocks: list[float]):
     """Two ranks, each with a SimStore, and one request ("a") waiting for its prefetch,
     whose `batch_exists` is pending on both ranks."""
@@ -121,7 +94,7 @@ def _two_ranks_waiting(prefetch_policy: str, clocks: list[float]):
     got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
     assert [g.ready for g in got] == [False, False]
     for c, store in zip(caches, stores):
-        _settle(c)
+        settle(c)
         [call] = store.pending
         assert call.op == "exists"
     return caches, stores, tokens
@@ -168,7 +141,7 @@ def test_a_prefetch_whose_store_fails_on_one_rank_ends_on_every_rank():
     ready = [[], []]
     for _ in range(20):
         for c in caches:
-            _settle(c)
+            settle(c)
         ready = on_ranks(lambda r: caches[r].poll(), 2)
         if ready != [[], []]:
             break
@@ -193,10 +166,10 @@ def test_an_ended_prefetchs_host_pages_go_back_on_every_rank_in_the_same_poll():
             store._pages[k] = b"held"  # present; a read of it does not verify (a miss)
         store.resolve(call, "ok", random.Random(0))
     for c in caches:
-        _settle(c)
+        settle(c)
     on_ranks(lambda r: caches[r].poll(), 2)  # grants host pages: the reads start
     for c in caches:
-        _settle(c)
+        settle(c)
     [read0], [read1] = stores[0].pending, stores[1].pending
     assert read0.op == read1.op == "get_into"
     stores[0].resolve(read0, "ok", random.Random(0))
@@ -204,7 +177,7 @@ def test_an_ended_prefetchs_host_pages_go_back_on_every_rank_in_the_same_poll():
     ready = [[], []]
     for _ in range(20):
         for c in caches:
-            _settle(c)
+            settle(c)
         ready = on_ranks(lambda r: caches[r].poll(), 2)
         assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
         if ready != [[], []]:
@@ -212,7 +185,7 @@ def test_an_ended_prefetchs_host_pages_go_back_on_every_rank_in_the_same_poll():
     assert ready == [["a"], ["a"]]
     held = [c.controller.host_available() for c in caches]
     stores[1].resolve(read1, "ok", random.Random(0))  # the late read returns
-    _settle(caches[1])
+    settle(caches[1])
     on_ranks(lambda r: caches[r].poll(), 2)
     assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
     assert [c.controller.host_available() for c in caches] == [held[0] + 16, held[1] + 16]  # freed on both

@@ -56,6 +56,14 @@ def reference_kv(tokens: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def settle(cache: TieredCache) -> None:
+    """Let the cache's storage loop run until it waits on its SimStore again."""
+    async def spin():
+        for _ in range(40):
+            await asyncio.sleep(0)
+    asyncio.run_coroutine_threadsafe(spin(), cache.controller.storage.loop).result(30)
+
+
 @dataclass
 class Setup:
     page_size: int
@@ -126,11 +134,7 @@ class FaultSim:
     # -- plumbing -----------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Let the storage loop run until it waits on the simulator again."""
-        async def spin():
-            for _ in range(40):
-                await asyncio.sleep(0)
-        asyncio.run_coroutine_threadsafe(spin(), self.loop).result(30)
+        settle(self.cache)
 
     def note(self, what: str) -> None:
         self.log.append(what)

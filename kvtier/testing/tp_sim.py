@@ -95,6 +95,26 @@ class ThreadAgreement(Agreement):
             raise Violation(f"ranks diverged: poll decided {vecs[0]} on rank 0, {vecs[1:]} on the others")
 
 
+def on_ranks(fn, ranks: int) -> list:
+    """fn(rank) on one thread per rank, as every rank's scheduler runs it; the results (the
+    first exception any rank raised is raised here, once every thread has returned)."""
+    out, errors = [None] * ranks, []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except Exception as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(r,), name=f"tp-sim-rank{r}") for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
 def replicated(sim: FaultSim) -> dict[str, object]:
     """What every rank must hold alike after a step, part by part."""
     rows = {rid: (req.pos, req.row.numpy().tobytes()) for rid, req in sorted(sim.running.items())}
@@ -148,11 +168,7 @@ def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: f
             failures.append((r, step, exc, sim.log))
             rendezvous.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"tp-sim-rank{r}") for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_ranks(rank_main, ranks)
     if not failures:
         return None
     for sim in sims:  # stop every rank's threads (the episode is over either way)
