@@ -23,7 +23,7 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import _PREFIX_RE, HASH_ALGOS
 from kvtier.secrets import shown
-from kvtier.tiers.indices import check_positive
+from kvtier.validate import check_positive
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import PoolConfig
 from kvtier.tree.policy import EvictionPolicy

@@ -35,7 +35,7 @@ from kvtier.backends.file_io import (
 )
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
-from kvtier.tiers.indices import check_positive, io_threads
+from kvtier.validate import check_positive, io_threads
 
 def default_root() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -7,7 +7,8 @@ import operator
 
 import numpy as np
 
-from kvtier.controller.streams import Handle, TransferError
+from kvtier.controller.streams import Handle
+from kvtier.errors import TransferError
 from kvtier.controller.tp import Agreement
 
 

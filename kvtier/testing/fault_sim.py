@@ -32,7 +32,7 @@ import torch
 
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
-from kvtier.controller.streams import TransferError
+from kvtier.errors import TransferError
 from kvtier.testing.misuse import Violation, misuse
 from kvtier.testing.parts import SimStore, SimStreams
 
@@ -122,7 +122,7 @@ class FaultSim:
         self.tp = self.cache.agreement.world_size > 1
         self.skews = random.Random(f"{seed}/{self.cache.agreement.rank}")
         if self.tp:
-            self.cache.sync.clock = lambda: self.clock + self.skew
+            self.cache.prefetcher.clock = lambda: self.clock + self.skew
         vocab = 6 if ps == 1 else 50
         self.bases = [np.array([self.rng.randrange(vocab) for _ in range(self.max_len)]) for _ in range(4)]
         self.vocab = vocab
@@ -374,7 +374,7 @@ class FaultSim:
         pages = {(np.frombuffer(v, dtype=np.uint8).ctypes.data - base) // mirror.page_bytes for v in call.args[1]}
         ctl = self.cache.controller
         owned = set()
-        for op in [*ctl.prefetches.values(), *ctl.unsettled]:
+        for op in ctl.prefetch_ops():
             if op.host_pages is not None:
                 owned |= set(op.host_pages[op.inserted:].tolist())
         if not pages <= owned:
@@ -430,9 +430,9 @@ class FaultSim:
         self._auto(self.cache.close)
         self.check()
         ctl = self.cache.controller
-        if ctl.device_alloc.available_size() != self.cache.config.pool.size or \
+        if self.cache.slots.device_free() != self.cache.config.pool.size or \
                 ctl.host_available() != self.cache.mirror.size:
-            raise Violation(f"after close: device free {ctl.device_alloc.available_size()}/"
+            raise Violation(f"after close: device free {self.cache.slots.device_free()}/"
                             f"{self.cache.config.pool.size}, host free {ctl.host_available()}/{self.cache.mirror.size}")
 
 
