@@ -14,8 +14,6 @@ vector is `PollReport`, encoded and decoded in one place, field by field.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 from kvtier.cache.loads import Loads
 from kvtier.cache.prefetch import Ended, Prefetcher, PrefetchState
 from kvtier.cache.writes import Writes
@@ -28,41 +26,60 @@ log = logging.getLogger(__name__)
 UNKNOWN = -1  # a prefetch's `present` before its store answered (below every real count, for MIN)
 
 
-@dataclass(slots=True, frozen=True)
-class PrefetchReport:
-    present: int | None  # pages the store holds (None: not known yet)
-    landed: int
-    ended: Ended
-
-
-@dataclass(slots=True, frozen=True)
 class PollReport:
     """What one rank has finished, or (after `agree`) what every rank has: counts by MIN,
-    stop wishes by MAX. The shape follows replicated state only."""
+    stop wishes by MAX. The shape follows replicated state only. The one place that knows
+    where each number sits in the agreed vector:
 
-    finished: Finished
-    prefetches: list[PrefetchReport]  # per live prefetch, in start order
-    settled: list[int]  # per ended prefetch whose store call had not settled: 1 if it has
-    writes_landed: list[int]  # per write in flight (tensor parallel only): 1 if it landed
-    stops: list[int]  # per live prefetch: 1 if a rank wishes it stopped
+        [writes, loads, backups]                       finished ops of each kind (`Finished`)
+        [present, landed, ended] per live prefetch     present UNKNOWN until the store answered
+        [settled] per ended, unsettled prefetch        1 once its store call settled
+        [landed] per write in flight (tensor parallel) 1 if it landed on this rank
+    and apart, by MAX: [stop] per live prefetch.
+    """
 
-    def mins(self) -> list[int]:
-        out = list(self.finished)
-        for p in self.prefetches:
-            out += [UNKNOWN if p.present is None else p.present, p.landed, int(p.ended)]
-        return out + self.settled + self.writes_landed
+    __slots__ = ("mins", "stops", "prefetches", "unsettled")
+
+    def __init__(self, mins: list[int], stops: list[int], prefetches: int, unsettled: int) -> None:
+        self.mins, self.stops, self.prefetches, self.unsettled = mins, stops, prefetches, unsettled
+
+    @classmethod
+    def of(cls, finished: Finished, live: list[PrefetchState], unsettled: list[int],
+           writes_landed: list[int]) -> "PollReport":
+        """This rank's numbers. `ended` is read first: what is read after it is final once ended."""
+        mins = list(finished)
+        for p in live:
+            op = p.op
+            ended = Ended.SETTLED if op.settled else Ended.FINISHED if op.finished else Ended.RUNNING
+            present = op.present
+            mins += (UNKNOWN if present is None else present, op.landed, ended)
+        return cls(mins + unsettled + writes_landed, [int(p.want_stop) for p in live], len(live), len(unsettled))
 
     def agree(self, agreement: Agreement) -> "PollReport":
-        mins, stops = agreement.agree(self.mins(), self.stops)
-        k, n = len(Finished._fields), len(self.prefetches)
-        prefetches = [PrefetchReport(None if present == UNKNOWN else present, landed, Ended(ended))
-                      for present, landed, ended in zip(*[iter(mins[k:k + 3 * n])] * 3)]
-        rest = mins[k + 3 * n:]
-        return PollReport(Finished(*mins[:k]), prefetches, rest[:len(self.settled)], rest[len(self.settled):], stops)
+        mins, stops = agreement.agree(self.mins, self.stops)
+        return PollReport(mins, stops, self.prefetches, self.unsettled)
 
-    def decisions(self) -> list[int]:
-        """Everything agreed, for the consensus check."""
-        return self.mins() + self.stops
+    @property
+    def finished(self) -> Finished:
+        return Finished(*self.mins[:_K])
+
+    def prefetch_reports(self) -> list[tuple[int | None, int, int]]:
+        """(present or None, landed, ended) per live prefetch, in start order."""
+        flat = self.mins[_K:_K + 3 * self.prefetches]
+        return [(None if present == UNKNOWN else present, landed, ended)
+                for present, landed, ended in zip(flat[0::3], flat[1::3], flat[2::3])]
+
+    @property
+    def settled(self) -> list[int]:
+        at = _K + 3 * self.prefetches
+        return self.mins[at:at + self.unsettled]
+
+    @property
+    def writes_landed(self) -> list[int]:
+        return self.mins[_K + 3 * self.prefetches + self.unsettled:]
+
+
+_K = len(Finished._fields)
 
 
 class Completions:
@@ -76,39 +93,33 @@ class Completions:
         self.tp = agreement.world_size > 1
         self.counters = counters
 
-    def report(self, live: list[PrefetchState]) -> PollReport:
-        """This rank's numbers (first `Ended`: what is read after it is final once ended)."""
-        finished = self.ctl.finished()
-        prefetches = []
-        for p in live:
-            ended = Ended.of(p.op)
-            prefetches.append(PrefetchReport(p.op.present, p.op.landed, ended))
-        return PollReport(finished, prefetches, self.ctl.unsettled(), self.ctl.writes_landed() if self.tp else [],
-                          [int(p.want_stop) for p in live])
-
     def poll(self) -> None:
-        self.ctl.flush_writes()
-        pf = self.prefetcher
+        ctl, pf = self.ctl, self.prefetcher
+        ctl.flush_writes()
         live = pf.live()
         pf.wish_stops(live)
-        agreed = self.report(live).agree(self.agreement)
-        writes = self.ctl.take(OpKind.WRITE, agreed.finished.writes)
+        agreed = PollReport.of(ctl.finished(), live, ctl.unsettled(), ctl.writes_landed() if self.tp else []) \
+            .agree(self.agreement)
+        finished = agreed.finished
+        writes = ctl.take(OpKind.WRITE, finished.writes)
         if self.tp:
             for op, ok in zip(writes, agreed.writes_landed):  # landed on every rank?
                 op.failed_elsewhere = not ok and op.handle.error is None
         self._each("write", writes, self.writes.apply, self.writes.release)
-        self._each("load", self.ctl.take(OpKind.LOAD, agreed.finished.loads), self.loads.apply, self.loads.release)
-        self._each("backup", self.ctl.take(OpKind.BACKUP, agreed.finished.backups), self.writes.apply_backup,
+        self._each("load", ctl.take(OpKind.LOAD, finished.loads), self.loads.apply, self.loads.release)
+        self._each("backup", ctl.take(OpKind.BACKUP, finished.backups), self.writes.apply_backup,
                    self.writes.release_backup)
-        for p, r, stop in zip(live, agreed.prefetches, agreed.stops):
-            if pf.idle(p, r.present, r.landed, r.ended, bool(stop)):
+        for p, (present, landed, ended), stop in zip(live, agreed.prefetch_reports(), agreed.stops):
+            if pf.idle(p, present, landed, ended, stop):
                 continue  # most polls, most prefetches
-            self._each("prefetch", [p], lambda p: pf.apply(p, r.present, r.landed, r.ended, bool(stop)), pf.release)
-        if agreed.settled:
-            for op in self.ctl.take_settled(agreed.settled):
+            self._each("prefetch", [p], lambda p: pf.apply(p, present, landed, ended, bool(stop)), pf.release)
+        settled = agreed.settled
+        if settled:
+            for op in ctl.take_settled(settled):
                 pf.free_unused(op)
         pf.mark_ready()
-        self.agreement.check(agreed.decisions())
+        if self.agreement.consensus_check:
+            self.agreement.check(agreed.mins + agreed.stops)
 
     def back_up(self, leaves: list[TreeNode]) -> None:
         """Write-back eviction: write the paths to `leaves` to host, wait, apply the writes."""

@@ -240,14 +240,18 @@ class TieredCache:
     # -- device slots for requests ------------------------------------------------------------
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """`n` device slots in whole pages for a request, evicting on demand; None if short."""
+        """Whole pages for `n` more tokens of a request, evicting on demand; None if short.
+
+        Returns every slot the request now owns: the first `n` for those tokens, then the
+        tail of the last page (up to page_size - 1 slots), which the request's next tokens
+        fill. A finish takes the row with or without that tail."""
         self._check_open("alloc")
         pages = -(-check_size("alloc: n", n, minimum=0) // self.page_size)
         slots = self.slots.alloc_device(pages * self.page_size)
         if slots is None:
             return None
         self.requests.pages += pages
-        return tensor(slots[:n])
+        return tensor(slots)
 
     def free(self, indices: torch.Tensor) -> None:
         """Give back a request's own slots (not ones `acquire` handed out: `abort` those)."""
@@ -277,7 +281,7 @@ class TieredCache:
         request held is released, and TransferError is raised: its KV was never right."""
         held = self.requests.require(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
-        kv = check_slots("cache_finished: kv_indices", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
+        kv = self._row("cache_finished", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"cache_finished: priority={priority!r}: must be an integer")
         held.check_finish("cache_finished", request_id, key, kv, self.slots)
@@ -295,7 +299,7 @@ class TieredCache:
         tokens [0, aligned) — repoint the request's row to them."""
         held = self.requests.require(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
-        kv = check_slots("cache_unfinished: kv_indices", kv_indices, len(key))
+        kv = self._row("cache_unfinished", kv_indices, len(key))
         held.check_finish("cache_unfinished", request_id, key, kv, self.slots)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
@@ -308,6 +312,16 @@ class TieredCache:
         self.requests.hold(request_id, Held(m.last_device_node, aligned, None, key[:aligned]))
         self.writes.after_insert(r.added)
         return tensor(concat([m.device_slots]))  # the request's own copy, as from acquire
+
+    def _row(self, what: str, kv_indices, tokens: int):
+        """A finish's row: one slot per token, optionally followed by the tail of the last
+        page (as `alloc` hands it out); returns the slots of the tokens."""
+        kv = check_slots(f"{what}: kv_indices", kv_indices)
+        whole = -(-tokens // self.page_size) * self.page_size
+        if not tokens <= kv.shape[0] <= whole:
+            raise ValueError(f"{what}: kv_indices: expected {tokens} indices (one per token, up to {whole} with the "
+                             f"tail of the last page), got {kv.shape[0]}")
+        return kv[:tokens]
 
     def abort(self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None) -> None:
         """Release whatever the request holds, in any state: its prefetch, its lock, the

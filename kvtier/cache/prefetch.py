@@ -24,10 +24,6 @@ class Ended(IntEnum):
     FINISHED = 1  # no page lands past `landed`
     SETTLED = 2  # and the store stopped touching its pages
 
-    @classmethod
-    def of(cls, op: PrefetchOp) -> "Ended":
-        return cls.SETTLED if op.settled else cls.FINISHED if op.finished else cls.RUNNING
-
 
 class Link(Enum):
     """What a prefetch is to the request that started it."""
@@ -154,11 +150,11 @@ class Prefetcher(Part):
     def forget_ended(self) -> None:
         self.prefetches = {rid: p for rid, p in self.prefetches.items() if p.result is None}
 
-    def idle(self, p: PrefetchState, present: int | None, landed: int, ended: Ended, stop: bool) -> bool:
+    def idle(self, p: PrefetchState, present: int | None, landed: int, ended: int, stop: int) -> bool:
         """Would `apply` do nothing? (No grant due, no stop, no page landed, not ended.)"""
         return not (ended or stop or p.broken or landed > p.op.inserted) and (present is None or p.op.granted)
 
-    def apply(self, p: PrefetchState, present: int | None, landed: int, ended: Ended, stop: bool) -> None:
+    def apply(self, p: PrefetchState, present: int | None, landed: int, ended: int, stop: bool) -> None:
         """What every rank agreed on for `p` this poll: pages the store holds (None: some
         rank does not know yet), pages landed, how far it ended, whether to stop it."""
         p.stopped = p.stopped or stop
@@ -183,9 +179,9 @@ class Prefetcher(Part):
     def mark_ready(self) -> None:
         """Which waiting requests may go on (per the prefetch policy), after this poll: from
         agreed numbers only, so every rank names the same requests in the same poll."""
-        policy = self.cfg.prefetch_policy
+        policy, waiting = self.cfg.prefetch_policy, Link.WAITING
         for rid, p in self.prefetches.items():
-            if p.link != Link.WAITING:
+            if p.link is not waiting:
                 continue
             p.polls += 1
             if p.result is not None or (policy == PrefetchPolicy.BEST_EFFORT and p.polls >= 1) or \

@@ -215,7 +215,7 @@ class Engine:
         more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
         if more is None:
             return None
-        slots = torch.cat([first, more])
+        slots = torch.cat([first, more[:rest]])  # the rest of the last page: `first` of the next step
         a.last_slot = int(slots[-1])
         return slots
 

@@ -286,7 +286,7 @@ class FaultSim:
         first = torch.arange(last + 1, last + 1 + min(room, n), dtype=torch.int64)
         rest = n - first.numel()
         more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
-        return None if more is None else torch.cat([first, more])
+        return None if more is None else torch.cat([first, more[:rest]])
 
     def _land_or_not(self, handles) -> None:
         """Before a layer is read, each of its loads still pending lands, fails, or not."""
