@@ -39,8 +39,10 @@ def test_1_failed_load_inside_acquire_is_never_served():
     cache.mirror.__class__ = _BrokenLoads
     got = acquire(cache, A, "r1")  # locks the device prefix and starts the load, as a server does
     assert (got.host_hit, got.indices.numel()) == (16, 16)
-    with pytest.raises(TransferError, match="DMA failed"):
-        forward(cache, "r1")
+    waiter = cache.begin_forward(["r1"])
+    for layer in range(cache.pool.num_layers):
+        waiter.wait_layer(layer)  # the forward runs to its end: the one channel is failed()
+    assert waiter.failed() == ["r1"] and "DMA failed" in waiter.bad["r1"]
     with pytest.raises(TransferError, match="nothing was cached"):  # fail closed, even if the server goes on
         cache.cache_finished("r1", A, got.indices)
     settle(cache)

@@ -22,7 +22,6 @@ controller's queues and `poll()` applies it. Per request (docs/design.md §8):
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import numbers
@@ -49,14 +48,13 @@ from kvtier.controller.speed import prefill_rate
 from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.streams import make_stream
 from kvtier.controller.tp import Agreement
-from kvtier.errors import LogOnce, StoreError, StoreUnavailable, TransferError
+from kvtier.errors import LogOnce, TransferError
 from kvtier.hashing import Namespace, key_maker
 from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
-from kvtier.tree.check import tier_slots
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
@@ -102,7 +100,7 @@ class TieredCache:
             agreement = Agreement(tp_group, config.controller.consensus_check or None)
         rank, size = agreement.rank, agreement.world_size
         ns = config.namespace
-        self.namespace = Namespace(ns.model_id, config.pool.dtype, _layout(config), config.pool.page_size,
+        self.namespace = Namespace(ns.model_id, config.pool.dtype, config.pool.page_layout, config.pool.page_size,
                                    rank, size, ns.tenant_salt, revision=ns.revision)
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
@@ -112,8 +110,8 @@ class TieredCache:
         if self.controller.storage is not None:
             self.controller.storage.manifest = (config.store.key_prefix, self.namespace.id,
                                                 self.namespace.manifest(self.mirror.page_bytes))
-            if config.store.required:
-                self._probe_store()
+            if config.store.required:  # reach the store once at start, or refuse to start
+                self.controller.probe_store(config.store.key_prefix, self.namespace.id, config.store.timeout_s + 5)
         self.agreement = agreement
         self.stats_obj = CacheStats()
         self._wire(device_allocator, clock)
@@ -139,17 +137,6 @@ class TieredCache:
         self.completions = Completions(ctl, self.writes, self.loads, self.prefetcher, self.agreement,
                                        self.stats_obj.counters)
         self.slots.back_up = self.completions.back_up
-
-    def _probe_store(self) -> None:
-        """store.required: reach the store once at start, or refuse to start (one line)."""
-        storage = self.controller.storage
-        probe = storage.store.get_manifest(self.config.store.key_prefix, self.namespace.id)
-        try:
-            asyncio.run_coroutine_threadsafe(probe, storage.loop).result(self.config.store.timeout_s + 5)
-        except (StoreError, TimeoutError) as exc:
-            self.controller.close()
-            raise StoreUnavailable(f"store.required: the {storage.store.name} store cannot be reached at start: "
-                                   f"{str(exc) or type(exc).__name__}") from exc
 
     @classmethod
     def from_yaml(cls, path: str, tp_group=None, **overrides) -> "TieredCache":
@@ -277,8 +264,10 @@ class TieredCache:
         """The request is done: keep its page-aligned KV, free duplicates and its tail, unlock.
 
         `kv_indices[i]` holds token i's KV (what `acquire` handed out, then the request's own
-        slots). If a load the request depended on failed, nothing is kept, everything the
-        request held is released, and TransferError is raised: its KV was never right."""
+        slots), optionally followed by the tail of the last page. A load whose failure
+        `failed()` named must have been aborted; one that failed after every layer had
+        landed (after `failed()` was asked) is refused here: nothing is kept, everything
+        the request held is released, and TransferError is raised (docs/design.md §8)."""
         held = self.requests.require(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
         kv = self._row("cache_finished", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
@@ -377,9 +366,9 @@ class TieredCache:
     def begin_forward(self, request_ids=None) -> LayerWaiter:
         """What the forward about to run must wait for: the loads of the requests in it
         (default: of every request; waiting for more than needed is only slower). A failed
-        load raises TransferError at every forward of its request until it is aborted; under
-        tensor parallelism it is reported by `failed()` after the forward instead. Ids
-        kvtier does not hold (requests that never went through it) have nothing to wait for."""
+        load is named by the waiter's `failed()` after the forward, on one rank as on many
+        (docs/design.md §8): abort those requests. Ids kvtier does not hold (requests that
+        never went through it) have nothing to wait for."""
         if isinstance(request_ids, str):  # its characters would be looked up, its load never waited for
             raise ValueError(f"begin_forward: request_ids={request_ids!r}: expected a list of request ids, "
                              f"got one string")
@@ -389,8 +378,7 @@ class TieredCache:
             held = self.requests.get(rid)
             if held is not None and held.load is not None:
                 loads[rid] = held.load.handle
-        return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement,
-                           defer=self.agreement.world_size > 1, num_layers=self.pool.num_layers)
+        return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement, self.pool.num_layers)
 
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be
@@ -468,23 +456,7 @@ class TieredCache:
 
     def check_accounting(self) -> None:
         """free + held by the tree + held by requests/ops == total, for pool and mirror."""
-        problems = []
-        dev_free = self.slots.device_free()
-        dev_tree, dev_req = self.tree.total_size(D), self.requests.pages * self.page_size
-        if dev_req < 0:  # a negative count would balance pages the tree holds but never allocated
-            problems.append(f"device: requests hold {dev_req} slots")
-        strays = self.slots.unallocated(tier_slots(self.tree, D))
-        if strays.size:
-            problems.append(f"device: the tree holds slots whose pages are not allocated: {strays[:8].tolist()}")
-        dev_ops = self.loads.orphaned_pages * self.page_size
-        if dev_free + dev_tree + dev_req + dev_ops != self.config.pool.size:
-            problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
-                            f"{dev_ops} != {self.config.pool.size}")
-        if self.mirror is not None:
-            host_free, in_flight = self.controller.host_accounting()
-            host_tree = self.tree.total_size(H)
-            if host_free + host_tree + in_flight != self.mirror.size:
-                problems.append(f"host: free {host_free} + tree {host_tree} + in flight {in_flight} != {self.mirror.size}")
+        problems = self.slots.accounting_problems(self.requests.pages, self.loads.orphaned_pages)
         if problems:
             raise AssertionError("kvtier accounting broken:\n  " + "\n  ".join(problems))
 
@@ -521,10 +493,3 @@ class TieredCache:
         registry.register(PrometheusCollector(self))
         return registry
 
-
-def _layout(config: KvtierConfig) -> str:
-    """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
-    p = config.pool
-    if p.attention == "mla":
-        return f"mla:layers={p.num_layers}:lora={p.kv_lora_rank}:rope={p.rope_dim}"
-    return f"mha:layers={p.num_layers}:heads={p.num_kv_heads}:head_dim={p.head_dim}:v={p.v_head_dim or p.head_dim}"

@@ -15,6 +15,7 @@ from kvtier.controller.controller import CacheController
 from kvtier.controller.stats import CacheStats, Counters
 from kvtier.controller.storage import PageKeys
 from kvtier.tree import RadixTree, Tier, TreeNode
+from kvtier.tree.check import tier_slots
 from kvtier.tree.results import DeviceEviction
 
 
@@ -97,6 +98,26 @@ class Slots:
     def _free_evicted(self, ev: DeviceEviction) -> None:
         self.device.free_slots(ev.device_slots)
         self.counters.device_evicted_tokens += ev.evicted_tokens
+
+    def accounting_problems(self, request_pages: int, orphaned_pages: int) -> list[str]:
+        """free + held by the tree + held by requests/ops == total, for pool and mirror."""
+        problems, ps, tree = [], self.page_size, self.tree
+        dev_free, dev_tree, dev_req = self.device.available_size(), tree.total_size(Tier.DEVICE), request_pages * ps
+        if dev_req < 0:  # a negative count would balance pages the tree holds but never allocated
+            problems.append(f"device: requests hold {dev_req} slots")
+        strays = self.device.unallocated(tier_slots(tree, Tier.DEVICE))
+        if strays.size:
+            problems.append(f"device: the tree holds slots whose pages are not allocated: {strays[:8].tolist()}")
+        dev_ops, total = orphaned_pages * ps, self.device.size
+        if dev_free + dev_tree + dev_req + dev_ops != total:
+            problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
+                            f"{dev_ops} != {total}")
+        if self.has_mirror:
+            host_free, in_flight = self.ctl.host_accounting()
+            host_tree, total = tree.total_size(Tier.HOST), self.ctl.mirror.size
+            if host_free + host_tree + in_flight != total:
+                problems.append(f"host: free {host_free} + tree {host_tree} + in flight {in_flight} != {total}")
+        return problems
 
     # -- host ---------------------------------------------------------------------------------
 

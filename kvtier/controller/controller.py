@@ -13,11 +13,12 @@ not the controller's: `cache/slots.py` owns them.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import IntEnum
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -28,6 +29,7 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.controller.cpus import check_cpus, confine
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.tiers.indices import check_slots, concat, page_slots
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
@@ -36,10 +38,10 @@ from kvtier.tiers.pool import DeviceKVPool
 Tag = TypeVar("Tag")  # what the caller ties an op to (the cache: a tree node)
 
 
-class OpKind(Enum):
-    WRITE = "write"
-    LOAD = "load"
-    BACKUP = "backup"
+class OpKind(IntEnum):
+    WRITE = 0
+    LOAD = 1
+    BACKUP = 2
 
 
 class Finished(NamedTuple):
@@ -109,6 +111,17 @@ class CacheController:
     @property
     def store(self) -> Store | None:
         return self.storage.store if self.storage else None
+
+    def probe_store(self, key_prefix: str, namespace_id: str, timeout_s: float) -> None:
+        """Reach the store once (its manifest), or close and raise StoreUnavailable (one line)."""
+        storage = self.storage
+        probe = storage.store.get_manifest(key_prefix, namespace_id)
+        try:
+            asyncio.run_coroutine_threadsafe(probe, storage.loop).result(timeout_s)
+        except (StoreError, TimeoutError) as exc:
+            self.close()
+            raise StoreUnavailable(f"store.required: the {storage.store.name} store cannot be reached at start: "
+                                   f"{str(exc) or type(exc).__name__}") from exc
 
     # -- host slots (the lock makes accounting snapshots consistent) --------------------------
 

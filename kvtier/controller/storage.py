@@ -42,10 +42,9 @@ CHUNK_BYTES = 8 << 20
 
 class PageKeys(Sequence):
     """The store keys of `count` pages, made on first use by the storage thread from their
-    hashes — given, or computed then by `hashing()` (a prefetch's chain over the prompt).
-    In `benchmarks/cache.py` the scheduler thread had keyed ~55 pages a request and hashed
-    ~40 of them for prefetches. `hashes` stays None until computed; the scheduler only
-    reads it (one attribute store, under the GIL)."""
+    hashes — given, or computed then by `hashing()` (a prefetch's chain over the prompt):
+    keying and hashing stay off the scheduler thread. `hashes` stays None until computed;
+    the scheduler only reads it (one attribute store, under the GIL)."""
 
     __slots__ = ("hashes", "count", "key_of", "_hashing", "_keys")
 

@@ -34,8 +34,8 @@ def misuse(sim) -> str | None:
     row, tokens = req.row, req.tokens[:req.row.numel()]
     calls = [("acquire again", lambda: cache.acquire(tokens, req.rid)),
              ("extra_key 7", lambda: cache.acquire(tokens, req.rid + "-x", extra_key=7)),
-             ("kv of the wrong length", lambda: cache.cache_finished(req.rid, tokens, torch.cat([row, row[:1]]))
-              if row.numel() else cache.cache_finished(req.rid, tokens, torch.tensor([1]))),
+             ("kv of the wrong length", lambda: cache.cache_finished(req.rid, tokens, torch.cat([row, row[:1].repeat(ps)]))
+              if row.numel() else cache.cache_finished(req.rid, tokens, torch.tensor([1]))),  # past the last page's tail
              ("wait_layer(-1)", lambda: cache.begin_forward([req.rid]).wait_layer(-1))]
     if held.handed:
         other = tokens.copy()

@@ -353,9 +353,9 @@ class HostMirror:
     def _copy_small_pages(self, pool: DeviceKVPool, layer: int, dev: np.ndarray, host: np.ndarray,
                           to_host: bool) -> None:
         """Small whole pages (CPU pool). Up to `_LOOP_PAGES` pages, a memmove per page and part
-        through memoryview slices: a copy under the GIL, about 0.1 µs each. numpy's fancy
-        indexing takes 3 µs for 40 pages alone but lets the GIL go, and on a busy machine
-        winning it back costs hundreds (docs/design.md §2); for more pages it is used."""
+        through memoryview slices: a copy under the GIL. numpy's fancy indexing lets the GIL
+        go, and on a busy machine winning it back costs more than the copy (docs/design.md
+        §2); for more pages it is used."""
         if dev.size == 0:
             return
         arrays = self._page_arrays(pool, layer)

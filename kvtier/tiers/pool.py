@@ -55,6 +55,14 @@ class PoolConfig:
         parse_dtype(self.dtype)
 
     @property
+    def page_layout(self) -> str:
+        """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
+        if self.attention == "mla":
+            return f"mla:layers={self.num_layers}:lora={self.kv_lora_rank}:rope={self.rope_dim}"
+        return (f"mha:layers={self.num_layers}:heads={self.num_kv_heads}:head_dim={self.head_dim}"
+                f":v={self.v_head_dim or self.head_dim}")
+
+    @property
     def part_widths(self) -> tuple[int, ...]:
         """Elements per token per layer of each buffer a layer has (K, V) or (latent,)."""
         if self.attention == "mla":
