@@ -41,6 +41,7 @@ from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.streams import TransferError, make_stream
 from kvtier.controller.tp import Agreement
 from kvtier.errors import StoreError, StoreUnavailable
+from kvtier.events.cache_events import cache_events
 from kvtier.hashing import Namespace
 from kvtier.held import Held
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
@@ -102,6 +103,9 @@ class TieredCache:
         self.stats_obj = CacheStats()
         self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,
                             self.agreement, self.mirror is not None, clock)
+        # KV events for routers (docs/events.md): rank 0 speaks for all ranks (they hold the same pages)
+        self.events = cache_events(config.events, self.tree) if agreement.rank == 0 else None
+        self.tree.observer = self.sync.events = self.events
         self.page_size = config.pool.page_size
         self.request_pages = 0  # device pages handed to requests and not yet given back
         self.requests: dict[str, Held] = {}
@@ -353,6 +357,8 @@ class TieredCache:
         acquired again. Call every scheduler step on every rank."""
         self._check_open("poll")
         self.sync.poll()
+        if self.events is not None:
+            self.events.flush()
         ready, self.sync.newly_ready = self.sync.newly_ready, []
         return ready
 
@@ -406,6 +412,8 @@ class TieredCache:
         else:
             self.flush()
         self.controller.close()
+        if self.events is not None:
+            self.events.close()
 
     def _check_open(self, what: str) -> None:
         if self.closed:

@@ -52,6 +52,7 @@ class Applier(PrefetchSide):
         self.writing: set[int] = set()  # node ids with a device->host write in flight
         self.prefetches: dict[str, PrefetchState] = {}
         self.newly_ready: list[str] = []  # prefetching requests that became ready
+        self.events = None  # told of pages that reached the store (kvtier/events/cache_events.py)
         self.orphaned_pages = 0  # device pages of orphaned loads, freed when applied
         self._complained: set[str] = set()
         # tokens an eviction frees beyond the demand, per tier (whole pages)
@@ -231,10 +232,14 @@ class Applier(PrefetchSide):
         keys = PageKeys(self.tree.page_hashes(node), self.key_of)
         pages = node.values[Tier.HOST][:: self.page_size] // self.page_size
         self.tree.protect_host(node)
+        if self.events is not None:
+            self.events.backup_started(node)
         self.ctl.backup(keys, pages, node)
 
     def _apply_backup(self, op) -> None:
         self.tree.release_host(op.tag)
+        if self.events is not None:
+            self.events.backup_done(op.tag, op.ok)
         good = sum(op.ok or [])
         self.counters.l3_write_pages += good
         self.counters.l3_write_failures += len(op.keys) - good
