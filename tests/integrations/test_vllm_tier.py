@@ -218,3 +218,25 @@ def test_module_imports_without_vllm(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR" in out.stdout and "pip install --no-deps vllm==0.33.0" in out.stdout
+
+
+from kvtier.backends.memory import MemoryStore  # noqa: E402
+
+
+class BuggyStore(MemoryStore):
+    """A store plugin with a bug: its writes raise what kvtier treats as a bug, not a store
+    failure (AssertionError passes through the store's error mapping)."""
+
+    async def _set(self, keys, frames):
+        raise AssertionError("plugin bug")
+
+
+def test_a_job_whose_store_call_raises_a_bug_fails_its_keys_and_never_hangs(rigs):
+    rig = rigs({"store": {"backend": "tests.integrations.test_vllm_tier:BuggyStore"}})
+    keys = new_keys(3)
+    rig.store(keys)  # settles: the job ended (vLLM's manager would wait forever on a lost one)
+    assert rig.tier.counters["store_ok"] == 0 and not rig.tier.has_pending_work()
+    rig.mgr.reset_cache()  # vLLM asserts no job is left
+    rig.mgr.on_reset_flushed()
+    seen, got = rig.load(keys)
+    assert names(seen) == [["RETRY", "MISS"]] * 3 and got == {}

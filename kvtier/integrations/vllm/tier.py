@@ -68,7 +68,7 @@ class KvtierTier(SecondaryTierManager):
         self.breaker = breaker_for(self.store.name, s.config.controller)
         self.index = LookupIndex(s.index_keys)
         self._outcomes: queue.SimpleQueue = queue.SimpleQueue()  # loop thread -> caller
-        self._futures: dict[Future, None] = {}  # every job and probe on the loop, until it ended
+        self._futures: dict[Future, TransferJob | Probe] = {}  # every job and probe on the loop, until it ended
         self._jobs = 0  # submitted jobs whose result was not handed to vLLM yet
         self._results: list[JobResult] = []
         wants_events = s.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
@@ -93,7 +93,7 @@ class KvtierTier(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._take_outcomes()
         for probe in self.index.take_probes():
-            self._start(self._probe(probe))
+            self._start(self._probe(probe), probe)
 
     async def _probe(self, probe: Probe) -> None:
         full = [self._key(page_hash_of(k)) for k in probe.keys]
@@ -110,13 +110,13 @@ class KvtierTier(SecondaryTierManager):
         self.counters["store_keys"] += len(job.keys)
         todo = [i for i, k in enumerate(job.keys) if k not in self.index.present]
         self.counters["store_skipped_present"] += len(job.keys) - len(todo)
-        self._start(self._store(job, todo))
+        self._start(self._store(job, todo), job)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs += 1
         self.counters["load_jobs"] += 1
         self.counters["load_keys"] += len(job_metadata.keys)
-        self._start(self._load(job_metadata))
+        self._start(self._load(job_metadata), job_metadata)
 
     def _rows(self, chunk_ids) -> list[memoryview]:
         bs = self.block_size_bytes
@@ -151,11 +151,11 @@ class KvtierTier(SecondaryTierManager):
         self._outcomes.put(("job", _Done(job, list(ok), time.perf_counter() - start,
                                          sum(ok) * self.block_size_bytes)))
 
-    def _start(self, coro) -> None:
+    def _start(self, coro, what: TransferJob | Probe) -> None:
         if self._closed:
+            coro.close()
             raise RuntimeError("kvtier vLLM tier: shut down")
-        fut = self._loop.submit(coro)
-        self._futures[fut] = None
+        self._futures[self._loop.submit(coro)] = what
 
     def _take_outcomes(self) -> None:
         """Apply what the loop thread finished (caller's thread: it owns the index)."""
@@ -169,9 +169,13 @@ class KvtierTier(SecondaryTierManager):
             else:
                 self._finish(item[1])
         for fut in [f for f in self._futures if f.done()]:
-            del self._futures[fut]
-            if fut.exception() is not None:  # a bug on the loop: say it, never hang vLLM
+            what = self._futures.pop(fut)
+            if fut.exception() is not None:  # a bug, not a store failure: say it, fail its keys, never hang vLLM
                 log.error("kvtier vLLM tier: a store task failed: %r", fut.exception())
+                if isinstance(what, Probe):
+                    self.index.apply(what, 0)
+                else:
+                    self._finish(_Done(what, [False] * len(what.keys), 0.0, 0))
 
     def _finish(self, done: _Done) -> None:
         job, ok = done.job, done.ok
