@@ -21,10 +21,11 @@ class Message:
 
 class Subscriber:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, rcvhwm: int = 1000) -> None:
         self._ctx = context or zmq.Context.instance()
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_endpoint = replay_endpoint

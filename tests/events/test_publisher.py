@@ -34,9 +34,9 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def connected(ipc, **cfg):
+def connected(ipc, rcvhwm: int = 1000, **cfg):
     pub = ZmqPublisher(EventsConfig(endpoint=ipc[0], replay_endpoint=ipc[1], topic="kv@pod@m", **cfg))
-    sub = Subscriber(ipc[0], ipc[1], topic="kv@pod@m")
+    sub = Subscriber(ipc[0], ipc[1], topic="kv@pod@m", rcvhwm=rcvhwm)
     wait_for(lambda: pub.stats()["subscriptions"] >= 1, "the subscription")  # no slow-joiner loss
     return pub, sub
 
@@ -178,3 +178,19 @@ def test_events_section_errors_name_the_field():
     with pytest.raises(KvtierConfigError, match=r"events.topc: unknown key"):
         load_config(None, {"events": {"topc": "kv"}})
     assert load_config(None).events is None
+
+
+def test_a_subscriber_that_stops_reading_is_bounded_by_hwm_and_counted(ipc):
+    """It never makes publish block or the publisher thread stall: batches it cannot take are
+    not sent live (counted, logged) and stay replayable, every one."""
+    pub, sub = connected(ipc, rcvhwm=1, hwm=1)
+    big = list(range(8192))  # ~24 KiB a batch: the socket buffers fill after a few dozen
+    try:
+        for _ in range(300):
+            assert pub.publish([block_stored(H[:1], None, big, 16, "GPU")])
+        wait_for(lambda: pub.stats()["batches"] == 300, "the publisher to take every batch")
+        assert pub.stats()["skipped_hwm"] > 0
+        assert [m.seq for m in sub.replay(0, timeout_ms=20000)] == list(range(300))
+    finally:
+        pub.close()
+        sub.close()
