@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from kvtier.errors import KvtierConfigError
+from kvtier.errors import KvtierConfigError, StoreUnavailable
 from tests.integrations import vllm_runtime as rt
 
 STORES = ["file", "redis", "s3"]
@@ -240,3 +240,22 @@ def test_a_job_whose_store_call_raises_a_bug_fails_its_keys_and_never_hangs(rigs
     rig.mgr.on_reset_flushed()
     seen, got = rig.load(keys)
     assert names(seen) == [["RETRY", "MISS"]] * 3 and got == {}
+
+
+class UnbuildableStore(MemoryStore):
+    def __init__(self, config=None, timeout_s: float = 5.0) -> None:
+        raise StoreUnavailable("unbuildable: the endpoint refused")
+
+
+def test_a_store_that_cannot_be_built_leaves_no_thread_and_no_region():
+    import glob
+    import threading
+
+    def leftovers():
+        return ({t.name for t in threading.enumerate() if t.name == "kvtier-vllm-store"},
+                set(glob.glob("/dev/shm/vllm_offload_kvtiertest*")))
+
+    before = leftovers()
+    with pytest.raises(StoreUnavailable, match="unbuildable"):
+        rt.Rig({"store": {"backend": "tests.integrations.test_vllm_tier:UnbuildableStore"}})
+    assert leftovers() == before

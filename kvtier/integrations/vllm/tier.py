@@ -64,7 +64,11 @@ class KvtierTier(SecondaryTierManager):
         self._key = key_maker(self.key_prefix, self.namespace.id)
         self._flat = primary_kv_view.cast("B")  # rows addressed by byte offset (2-D views cannot be indexed)
         self._loop = LoopThread(check_cpus(s.config.controller.cpus), name="kvtier-vllm-store")
-        self.store: Store = self._loop.run(self._build(s.config))
+        try:
+            self.store: Store = self._loop.run(self._build(s.config))
+        except BaseException:
+            self._loop.close()  # vLLM shuts down only the tiers it got
+            raise
         self.breaker = breaker_for(self.store.name, s.config.controller)
         self.index = LookupIndex(s.index_keys)
         self._outcomes: queue.SimpleQueue = queue.SimpleQueue()  # loop thread -> caller
