@@ -21,6 +21,7 @@ import yaml
 
 from kvtier.controller.config import ControllerConfig
 from kvtier.errors import KvtierConfigError
+from kvtier.events.config import EventsConfig
 from kvtier.hashing import PREFIX_RE, HASH_ALGOS
 from kvtier.secrets import shown
 from kvtier.validate import check_positive
@@ -79,12 +80,14 @@ class KvtierConfig:
     tree: TreeConfig = TreeConfig()
     controller: ControllerConfig = ControllerConfig()
     store: StoreConfig = StoreConfig()
+    events: EventsConfig | None = None  # KV events for routers (docs/events.md); none without the section
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 _SECTIONS: dict[str, type] = {
     "namespace": NamespaceConfig, "pool": PoolConfig, "mirror": MirrorConfig,
     "tree": TreeConfig, "controller": ControllerConfig, "store": StoreConfig,
+    "events": EventsConfig,
 }
 _STORE_COMMON = ("backend", "key_prefix", "timeout_s", "required")
 # variables of this prefix that other parts read (not config keys)

@@ -49,6 +49,7 @@ from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.streams import make_stream
 from kvtier.controller.tp import Agreement
 from kvtier.errors import LogOnce, TransferError
+from kvtier.events.cache_events import cache_events
 from kvtier.hashing import Namespace, key_maker
 from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
@@ -114,6 +115,9 @@ class TieredCache:
                 self.controller.probe_store(config.store.key_prefix, self.namespace.id, config.store.timeout_s + 5)
         self.agreement = agreement
         self.stats_obj = CacheStats()
+        # KV events for routers (docs/events.md): rank 0 speaks for all ranks (they hold the same pages)
+        self.events = cache_events(config.events, self.tree) if agreement.rank == 0 else None
+        self.tree.set_observer(self.events)
         self._wire(device_allocator, clock)
         self.closed = False
         log.info("kvtier: %s", self.describe())
@@ -131,7 +135,7 @@ class TieredCache:
         complain = LogOnce(log)
         self.requests = RequestTable()
         self.slots = Slots(tree, ctl, device_allocator, cfg, self.stats_obj.counters, key_of, has_mirror)
-        self.writes = Writes(self.slots, cfg, self.stats_obj, key_of, complain)
+        self.writes = Writes(self.slots, cfg, self.stats_obj, key_of, complain, self.events)
         self.loads = Loads(self.slots, cfg, self.stats_obj, complain)
         self.prefetcher = Prefetcher(self.slots, cfg, self.stats_obj, key_of, clock)
         self.completions = Completions(ctl, self.writes, self.loads, self.prefetcher, self.agreement,
@@ -385,6 +389,8 @@ class TieredCache:
         acquired again. Call every scheduler step on every rank."""
         self._check_open("poll")
         self.completions.poll()
+        if self.events is not None:
+            self.events.flush()
         return self.prefetcher.take_ready()
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
@@ -447,6 +453,8 @@ class TieredCache:
         else:
             self.flush()
         self.controller.close()
+        if self.events is not None:
+            self.events.close()
 
     def _check_open(self, what: str) -> None:
         if self.closed:

@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 class Writes(Part):
     def __init__(self, slots: Slots, config: ControllerConfig, stats: CacheStats, key_of: Callable[[bytes], str],
-                 complain: Callable[[str, str], None]) -> None:
+                 complain: Callable[[str, str], None], events=None) -> None:
+        """`events`: told of pages on their way to and in the store (kvtier/events/cache_events.py)."""
         super().__init__(slots, config, stats)
+        self.events = events
         self.key_of = key_of
         self.has_mirror = slots.has_mirror
         self.complain = complain
@@ -149,6 +151,8 @@ class Writes(Part):
         keys = PageKeys(self.tree.page_hashes(node), self.key_of)
         pages = node.values[Tier.HOST][:: self.page_size] // self.page_size
         self.tree.protect_host(node)
+        if self.events is not None:
+            self.events.backup_started(node)
         self.ctl.backup(keys, pages, node)
 
     def apply_backup(self, op: BackupOp[TreeNode]) -> None:
@@ -158,6 +162,10 @@ class Writes(Part):
         self.counters.l3_write_failures += len(op.keys) - good
         self.counters.l3_write_bytes += good * self.ctl.mirror.page_bytes
         self.latency["backup"].observe(time.perf_counter() - op.started)
+        if self.events is not None:  # last: a release after a raise above forgets it once
+            self.events.backup_done(op.tag, op.ok)
 
     def release_backup(self, op: BackupOp[TreeNode]) -> None:
         self.tree.release_host(op.tag)
+        if self.events is not None:
+            self.events.backup_done(op.tag, None)  # nothing stored: forget what it started

@@ -3,7 +3,7 @@
     tierctl replay [--config FILE] [--workload multiturn] [--requests N] [--verify] [--plot PNG] [--json]
     tierctl serve  [--config FILE] [--host 127.0.0.1] [--port 9400]
     tierctl stats  (--url URL | --config FILE) [--json]
-    tierctl bench  transfer|stores|tree|cache
+    tierctl bench  transfer|stores|tree|cache|vllm_tier
     tierctl store  ls|du|verify [--prune]|purge (--namespace ID|--tenant SALT|--older-than 7d) [--config FILE]
     tierctl config [--config FILE]      (every setting and where it came from)
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_arguments(so)
     so.set_defaults(func=lambda a: store.run(a, default_config()))
     b = sub.add_parser("bench", help="benchmarks against baselines measured in the same run")
-    b.add_argument("name", choices=["transfer", "stores", "tree", "cache"])
+    b.add_argument("name", choices=["transfer", "stores", "tree", "cache", "vllm_tier"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
     c = sub.add_parser("config", help="print every setting and where it came from")

@@ -24,13 +24,11 @@ touching the call's buffers).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import re
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Sequence
 
 import torch
@@ -38,10 +36,10 @@ import torch
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig, load_config
-from kvtier.controller.breaker import Breaker, BreakerConfig
-from kvtier.controller.cpus import check_cpus, keep_to
-from kvtier.errors import KvtierConfigError, StoreError, StoreTimeout
+from kvtier.controller.cpus import check_cpus
+from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import Namespace, make_key
+from kvtier.integrations.loop import LoopThread, breaker_for, guarded
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +58,6 @@ def page_hash_of(key: str) -> bytes:
     if _HEX_HASH.fullmatch(key):
         return bytes.fromhex(key)
     return hashlib.sha256(b"kvtier/sglang-key\x00" + key.encode()).digest()
-
-
-class _LoopThread:
-    """One asyncio loop on a daemon thread: the only place the store is used. `cpus`
-    (`controller.cpus`) keeps it, and the store threads it starts, off SGLang's cores."""
-
-    def __init__(self, cpus: frozenset[int] | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, args=(cpus,), name="kvtier-sglang-store", daemon=True)
-        self.thread.start()
-
-    def _run(self, cpus: frozenset[int] | None) -> None:
-        keep_to(cpus)  # before any store thread is started from here: they inherit it
-        self.loop.run_forever()
-
-    def run(self, coro: Awaitable) -> Any:
-        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -116,10 +90,9 @@ class KvtierStorageBase:
         self.kv_cache_dtype = kv_cache_dtype
         self.key_prefix = config.store.key_prefix
         c = config.controller
-        self._loop = _LoopThread(check_cpus(c.cpus))
+        self._loop = LoopThread(check_cpus(c.cpus), name="kvtier-sglang-store")
         self.store: Store = self._loop.run(self._build(config))
-        self.breaker = Breaker(self.store.name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
-                                                              c.store_probe_max_backoff_s))
+        self.breaker = breaker_for(self.store.name, c)
         self.mem_pool_host = None
         self.namespace: Namespace | None = None
         self.page_bytes = 0
@@ -189,23 +162,7 @@ class KvtierStorageBase:
     # -- store calls -----------------------------------------------------------------------
 
     async def _guarded(self, call: Callable[[], Awaitable], fallback: Any) -> Any:
-        """One store call behind the breaker. A failure is `fallback` (a miss); a timed-out
-        call returns only once the store has stopped touching the caller's buffers."""
-        if not self.breaker.admit():  # counted by the breaker
-            return fallback
-        try:
-            result = await call()
-        except StoreTimeout as exc:
-            self.breaker.failed(str(exc))
-            settled = getattr(exc, "settled", None)
-            if settled is not None:
-                await settled
-            return fallback
-        except StoreError as exc:
-            self.breaker.failed(str(exc))
-            return fallback
-        self.breaker.succeeded()
-        return result
+        return await guarded(self.breaker, call, fallback)
 
     def _exists(self, keys: Sequence[str]) -> int:
         full = self._keys(keys)

@@ -63,10 +63,19 @@ class RadixTree:
         self._key = policy_key(self.policy, slru_threshold)
         self.namespace_id = namespace_id
         self.hash_algo = hash_algo
+        # told each time a node's pages appear on or leave a tier, and of resets (KV events:
+        # kvtier/events/cache_events.py); None: nobody listens
+        self.observer = None
         self.reset()
+
+    def set_observer(self, observer) -> None:
+        """Tell `observer` (or nobody, None) of every tier change and reset from now on."""
+        self.observer = observer
 
     def reset(self) -> None:
         """Forget everything (the caller frees the slots it handed over)."""
+        if self.observer is not None:
+            self.observer.cleared()
         self._next_id = 0
         self.clock = 0
         self.root = self._new_node(RadixKey([]), None)
@@ -407,6 +416,8 @@ class RadixTree:
         else:
             self._evictable[tier] += sign * len(node)
         node.values[tier] = value
+        if sign and self.observer is not None:
+            self.observer.tier_changed(node, tier, value is not None)
         # the node's own membership: a device value also decides host evictability (only
         # host-only nodes leave the host); its parent's: only the tier whose child changed
         self._refresh(node, (D, H) if tier == D else (H,))

@@ -1,0 +1,142 @@
+"""How `KvtierTier.lookup` answers without waiting on the network (docs/vllm.md).
+
+Two maps, both owned by the thread that holds vLLM's manager lock (the tier's callers):
+
+- `present`: keys this tier knows the store holds: written by one of its store jobs, or
+  found by a probe. Bounded (least recently used out); a key that a load then finds
+  missing (the store evicted it) leaves it.
+- `verdicts`: what a probe said of a key some live request asked for. A key in neither
+  map starts a probe: it is queued under its request and the lookup answers RETRY; at
+  the end of the step (`take_probes`) each request's queued keys become one
+  `batch_exists` on the store's loop; its answer (`apply`) turns them into HIT or MISS.
+  A verdict lives while a request that asked for it does (`release`), as vLLM's own
+  async lookups do, so a key stored later by another replica is seen by later requests.
+
+`batch_exists` answers a leading run: the keys past the first missing one are MISS for
+that request (vLLM stops its prefix at the first MISS anyway).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Answer(Enum):
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+@dataclass(slots=True)
+class Verdict:
+    generation: int
+    found: bool | None = None  # None while its probe is queued or in flight
+    requests: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True, frozen=True)
+class Probe:
+    """One request's keys for one `batch_exists`, in the order it looked them up."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    generations: tuple[int, ...]
+
+
+class LookupIndex:
+    def __init__(self, capacity: int) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"index_keys={capacity!r}: must be an integer >= 1")
+        self.capacity = capacity
+        self.present: OrderedDict[bytes, None] = OrderedDict()
+        self.verdicts: dict[bytes, Verdict] = {}
+        self._by_request: dict[str, set[bytes]] = {}
+        self._queued: dict[str, list[tuple[bytes, int]]] = {}
+        self._next_generation = 0
+        self.in_flight = 0  # probes sent and not yet applied
+        self.probes = self.probe_keys = self.hits = self.misses = self.retries = 0
+
+    def lookup(self, key: bytes, request_id: str) -> Answer:
+        if key in self.present:
+            self.present.move_to_end(key)
+            self.hits += 1
+            return Answer.HIT
+        verdict = self.verdicts.get(key)
+        if verdict is None:
+            verdict = self.verdicts[key] = Verdict(self._next_generation)
+            self._next_generation += 1
+            self._queued.setdefault(request_id, []).append((key, verdict.generation))
+        verdict.requests.add(request_id)
+        self._by_request.setdefault(request_id, set()).add(key)
+        if verdict.found is None:
+            self.retries += 1
+            return Answer.RETRY
+        if verdict.found:
+            self.hits += 1
+            return Answer.HIT
+        self.misses += 1
+        return Answer.MISS
+
+    def take_probes(self) -> list[Probe]:
+        """The probes to send now: one per request that queued keys this step."""
+        out = []
+        for rid, entries in self._queued.items():
+            live = [(k, g) for k, g in entries if (v := self.verdicts.get(k)) is not None and v.generation == g]
+            if live:
+                out.append(Probe(rid, tuple(k for k, _ in live), tuple(g for _, g in live)))
+        self._queued.clear()
+        self.in_flight += len(out)
+        self.probes += len(out)
+        self.probe_keys += sum(len(p.keys) for p in out)
+        return out
+
+    def apply(self, probe: Probe, run: int) -> None:
+        """The store holds the first `run` keys of `probe` (0 when it could not be asked)."""
+        self.in_flight -= 1
+        for i, (key, gen) in enumerate(zip(probe.keys, probe.generations)):
+            verdict = self.verdicts.get(key)
+            if verdict is None or verdict.generation != gen:
+                continue  # released meanwhile, or asked again since
+            verdict.found = i < run
+            if not verdict.requests:
+                del self.verdicts[key]
+            if i < run:
+                self.remember(key)
+
+    def remember(self, key: bytes) -> None:
+        """The store holds `key` (a store job wrote it, or a probe found it)."""
+        self.present[key] = None
+        self.present.move_to_end(key)
+        while len(self.present) > self.capacity:
+            self.present.popitem(last=False)
+
+    def forget(self, key: bytes) -> None:
+        """A load found `key` missing or bad: MISS for the requests that hold a verdict on
+        it (they recompute; asking again would promote it again), unknown for new ones."""
+        self.present.pop(key, None)
+        verdict = self.verdicts.get(key)
+        if verdict is not None and verdict.found is not None:
+            verdict.found = False
+
+    def release(self, request_id: str) -> None:
+        """A request finished: its verdicts go unless another request holds them, or their
+        probe is still out (its answer finds nothing to apply to)."""
+        for key, gen in self._queued.pop(request_id, ()):
+            verdict = self.verdicts.get(key)
+            others = sorted(verdict.requests - {request_id}) if verdict is not None else []
+            if others and verdict.generation == gen:  # not sent yet: another asker sends it
+                self._queued.setdefault(others[0], []).append((key, gen))
+        for key in self._by_request.pop(request_id, ()):
+            verdict = self.verdicts.get(key)
+            if verdict is None:
+                continue
+            verdict.requests.discard(request_id)
+            if not verdict.requests:
+                del self.verdicts[key]
+
+    def stats(self) -> dict:
+        return {"index_present": len(self.present), "index_verdicts": len(self.verdicts),
+                "probes": self.probes, "probe_keys": self.probe_keys, "probes_in_flight": self.in_flight,
+                "lookup_hits": self.hits, "lookup_misses": self.misses, "lookup_retries": self.retries}

@@ -1,0 +1,273 @@
+"""`KvtierTier`: kvtier's stores as a vLLM 0.33.0 secondary tier (docs/vllm.md).
+
+vLLM's `TieringOffloadingManager` keeps GPU copies and its CPU primary tier; this tier sits
+below it. A cascade (`submit_store`) writes primary rows to the store, a promotion
+(`submit_load`) reads them back into the primary rows vLLM pinned for the job. Every store
+call runs on the tier's own loop thread (`integrations/loop.py`) behind kvtier's breaker,
+with kvtier's frames and checksums; the scheduler thread only queues work and polls what
+finished. Rows go to and from the store as views of the shared primary region: no copy
+on this side (a store that reads in place verifies in place).
+
+Threads: vLLM calls the tier under its manager lock, from the scheduler thread or its
+tier-poll thread. Those calls own the lookup index and the job table; the loop thread owns
+the store and the breaker and hands outcomes back through one queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
+                                     RequestOffloadingContext, ScheduleEndContext)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.backends.base import Store
+from kvtier.backends.registry import build_store
+from kvtier.config import KvtierConfig
+from kvtier.controller.cpus import check_cpus
+from kvtier.hashing import key_maker
+from kvtier.integrations.loop import LoopThread, breaker_for, guarded
+from kvtier.integrations.vllm.index import Answer, LookupIndex, Probe
+from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
+
+log = logging.getLogger(__name__)
+_ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
+
+
+@dataclass(slots=True, frozen=True)
+class _Done:
+    """A job's outcome, from the loop thread: `ok[i]` for `keys[i]`."""
+
+    job: TransferJob
+    ok: list[bool]
+    seconds: float
+    nbytes: int
+
+
+class KvtierTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, **tier_config: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        s = tier_settings(tier_type, tier_config)
+        self.settings = s
+        self.locality = Locality(s.locality) if s.locality is not None else None
+        self.namespace = vllm_namespace(offloading_spec, self.block_size_bytes, s)
+        self.key_prefix = s.config.store.key_prefix
+        self._key = key_maker(self.key_prefix, self.namespace.id)
+        self._flat = primary_kv_view.cast("B")  # rows addressed by byte offset (2-D views cannot be indexed)
+        self._loop = LoopThread(check_cpus(s.config.controller.cpus), name="kvtier-vllm-store")
+        try:
+            self.store: Store = self._loop.run(self._build(s.config))
+        except BaseException:
+            self._loop.close()  # vLLM shuts down only the tiers it got
+            raise
+        self.breaker = breaker_for(self.store.name, s.config.controller)
+        self.index = LookupIndex(s.index_keys)
+        self._outcomes: queue.SimpleQueue = queue.SimpleQueue()  # loop thread -> caller
+        self._futures: dict[Future, TransferJob | Probe] = {}  # every job and probe on the loop, until it ended
+        self._jobs = 0  # submitted jobs whose result was not handed to vLLM yet
+        self._results: list[JobResult] = []
+        wants_events = s.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if wants_events else None
+        self._manifest_written = False
+        self._closed = False
+        self.counters = {"store_jobs": 0, "store_keys": 0, "store_ok": 0, "store_skipped_present": 0,
+                         "load_jobs": 0, "load_keys": 0, "load_ok": 0}
+        log.info("kvtier: vLLM secondary tier on the %s store, namespace %s (%s, %d B/row)",
+                 self.store.name, self.namespace.id, self.namespace.model_id, self.block_size_bytes)
+
+    @staticmethod
+    async def _build(config: KvtierConfig) -> Store:
+        return build_store(config.store.backend, config.store.options, config.store.timeout_s)
+
+    # -- lookups: never wait on the network (index.py) -------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._take_outcomes()
+        return _ANSWERS[self.index.lookup(key, req_context.req_id)]
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._take_outcomes()
+        for probe in self.index.take_probes():
+            self._start(self._probe(probe), probe)
+
+    async def _probe(self, probe: Probe) -> None:
+        full = [self._key(page_hash_of(k)) for k in probe.keys]
+        run = await guarded(self.breaker, lambda: self.store.batch_exists(full), 0)
+        self._outcomes.put(("probe", probe, run))
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Rows already known stored are not written again (they count as stored)."""
+        job = job_metadata
+        self._jobs += 1
+        self.counters["store_jobs"] += 1
+        self.counters["store_keys"] += len(job.keys)
+        todo = [i for i, k in enumerate(job.keys) if k not in self.index.present]
+        self.counters["store_skipped_present"] += len(job.keys) - len(todo)
+        self._start(self._store(job, todo), job)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._jobs += 1
+        self.counters["load_jobs"] += 1
+        self.counters["load_keys"] += len(job_metadata.keys)
+        self._start(self._load(job_metadata), job_metadata)
+
+    def _rows(self, chunk_ids) -> list[memoryview]:
+        bs = self.block_size_bytes
+        return [self._flat[int(c) * bs:(int(c) + 1) * bs] for c in chunk_ids]
+
+    async def _store(self, job: TransferJob, todo: list[int]) -> None:
+        start = time.perf_counter()
+        keys, ok = list(job.keys), [True] * len(job.keys)
+        if todo:
+            full = [self._key(page_hash_of(keys[i])) for i in todo]
+            rows = self._rows([job.chunk_ids[i] for i in todo])
+            written = await guarded(self.breaker, lambda: self._set(full, rows), [False] * len(todo))
+            for i, good in zip(todo, written):
+                ok[i] = bool(good)
+        self._outcomes.put(("job", _Done(job, ok, time.perf_counter() - start, len(todo) * self.block_size_bytes)))
+
+    async def _set(self, full: list[str], rows: list[memoryview]) -> list[bool]:
+        if not self._manifest_written:  # docs/formats.md: a namespace's manifest precedes its first page
+            manifest = {**self.namespace.manifest(self.block_size_bytes), "created": time.time()}
+            await self.store.put_manifest(self.key_prefix, self.namespace.id, manifest)
+            self._manifest_written = True
+        return await self.store.batch_set(full, rows)
+
+    async def _load(self, job: TransferJob) -> None:
+        """Verified rows straight into the pinned primary rows. A row that misses or fails
+        verification is False; vLLM frees its primary row unread."""
+        start = time.perf_counter()
+        keys = list(job.keys)
+        full = [self._key(page_hash_of(k)) for k in keys]
+        rows = self._rows(job.chunk_ids)
+        ok = await guarded(self.breaker, lambda: self.store.batch_get_into(full, rows), [False] * len(keys))
+        self._outcomes.put(("job", _Done(job, list(ok), time.perf_counter() - start,
+                                         sum(ok) * self.block_size_bytes)))
+
+    def _start(self, coro, what: TransferJob | Probe) -> None:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("kvtier vLLM tier: shut down")
+        self._futures[self._loop.submit(coro)] = what
+
+    def _take_outcomes(self) -> None:
+        """Apply what the loop thread finished (caller's thread: it owns the index)."""
+        while True:
+            try:
+                item = self._outcomes.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "probe":
+                self.index.apply(item[1], item[2])
+            else:
+                self._finish(item[1])
+        for fut in [f for f in self._futures if f.done()]:
+            what = self._futures.pop(fut)
+            if fut.exception() is not None:  # a bug, not a store failure: say it, fail its keys, never hang vLLM
+                log.error("kvtier vLLM tier: a store task failed: %r", fut.exception())
+                if isinstance(what, Probe):
+                    self.index.apply(what, 0)
+                else:
+                    self._finish(_Done(what, [False] * len(what.keys), 0.0, 0))
+
+    def _finish(self, done: _Done) -> None:
+        job, ok = done.job, done.ok
+        keys = list(job.keys)
+        good = [k for k, g in zip(keys, ok) if g]
+        if job.is_promotion:
+            self.counters["load_ok"] += len(good)
+            for k, g in zip(keys, ok):
+                if g:
+                    self.index.remember(k)
+                else:
+                    self._lost(k)
+            partial = None if all(ok) else good
+        else:
+            self.counters["store_ok"] += len(good)
+            for k in good:
+                self.index.remember(k)
+            if good and self._events is not None:
+                self._events.append(OffloadingEvent(keys=good, medium=Medium.STORAGE, removed=False,
+                                                    locality=self.locality, ownership=self.tier_type))
+            partial = None
+        self._jobs -= 1
+        self._results.append(JobResult(job_id=job.job_id, success=all(ok), successful_keys=partial,
+                                       transfer_time=done.seconds, transfer_bytes=done.nbytes))
+
+    def _lost(self, key: OffloadKey) -> None:
+        """A load found `key` missing or bad: announced gone if it was announced stored."""
+        if key in self.index.present and self._events is not None:
+            self._events.append(OffloadingEvent(keys=[key], medium=Medium.STORAGE, removed=True,
+                                                locality=self.locality, ownership=self.tier_type))
+        self.index.forget(key)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._take_outcomes()
+        done, self._results = self._results, []
+        return done
+
+    def drain_jobs(self) -> None:
+        """Wait for every job and probe to end (each store call ends within its timeout,
+        plus, after a timeout, until the store stopped touching the rows); results stay
+        queued for the next `get_finished_jobs`."""
+        wait(list(self._futures))
+        self._take_outcomes()
+
+    def has_pending_work(self) -> bool:
+        self._take_outcomes()
+        return bool(self._jobs or self.index.in_flight or self._results)
+
+    # -- requests, events, hints -------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.index.release(req_context.req_id)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._take_outcomes()
+        if not self._events:
+            return ()
+        out, self._events[:] = list(self._events), []
+        return out
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Known-stored rows just used: the store's eviction order hears it (no I/O waits)."""
+        full = [self._key(page_hash_of(k)) for k in keys if k in self.index.present]
+        if full and not self.breaker.down:
+            self._loop.call_soon(lambda: self._touch_now(full))
+
+    def _touch_now(self, full: list[str]) -> None:
+        try:
+            self.store.touch(full)
+        except Exception:  # an order hint: never worth a failure
+            log.exception("kvtier: touching %d rows in the store failed", len(full))
+
+    def kvtier_stats(self) -> dict:
+        return {"namespace": self.namespace.id, **self.counters, **self.index.stats(), **self.store.stats(),
+                **self.breaker.stats()}
+
+    def shutdown(self) -> None:
+        """Drain, close the store, stop the loop; a second call does nothing."""
+        if self._closed:
+            return
+        self.drain_jobs()
+        self._closed = True
+        try:
+            self._loop.run(self.store.close())
+        except Exception as exc:
+            log.warning("kvtier: closing the %s store: %s", self.store.name, exc)
+        self._loop.close()
+        self._flat.release()

@@ -1,0 +1,261 @@
+"""KvtierTier under vLLM 0.33.0's real TieringOffloadingManager (vllm_runtime.Rig): a real
+shared primary region in /dev/shm, the tier loaded by module path, real stores (files,
+redis-server, moto's S3 server)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from kvtier.errors import KvtierConfigError, StoreUnavailable
+from tests.integrations import vllm_runtime as rt
+
+STORES = ["file", "redis", "s3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm():
+    rt.need_vllm()
+
+
+def store_section(kind: str, request, tmp_path) -> dict:
+    if kind == "file":
+        return {"backend": "file", "root": str(tmp_path / "l3")}
+    if kind == "redis":
+        return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
+    if kind == "s3":
+        return {"backend": "s3", "bucket": f"kvtier-{uuid.uuid4().hex[:12]}", "create_bucket": True,
+                "endpoint_url": request.getfixturevalue("s3_server").url,
+                "access_key_id": "testing", "secret_access_key": "testing"}
+    raise AssertionError(kind)
+
+
+def conf(store: dict, **controller) -> dict:
+    return {"store": {"timeout_s": 5.0, **store}, "controller": controller,
+            "namespace": {"tenant_salt": uuid.uuid4().hex}}  # each test its own pages, whatever the store holds
+
+
+def new_keys(n: int) -> list[bytes]:
+    from vllm.v1.kv_offload.base import make_offload_key
+    return [make_offload_key(os.urandom(32), 0) for _ in range(n)]
+
+
+@pytest.fixture
+def rigs():
+    made = []
+
+    def make(*args, **kw) -> rt.Rig:
+        made.append(rt.Rig(*args, **kw))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+        assert rt.shm_segments(r.engine_id) == [], "the shared primary region outlived the manager"
+
+
+def names(seen: dict) -> list[list[str]]:
+    return [[a.name for a in answers] for answers in seen.values()]
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_cascade_then_promotion_gives_back_the_same_bytes(kind, request, tmp_path, rigs):
+    from vllm.v1.kv_offload.base import Medium
+
+    cfg = conf(store_section(kind, request, tmp_path))
+    keys = new_keys(4)
+    writer = rigs(cfg)
+    written = writer.store(keys)
+    assert writer.tier.counters["store_ok"] == 4
+    stored = [e for e in writer.events if e.medium is Medium.STORAGE and not e.removed]
+    assert [k for e in stored for k in e.keys] == keys  # take_events: what reached the store, in order
+
+    # the same engine after a reset: the primary is empty, the tier knows its keys
+    writer.mgr.reset_cache()
+    writer.mgr.on_reset_flushed()
+    writer.rows[:] = 0
+    seen, got = writer.load(keys, "again")
+    assert names(seen) == [["HIT_PENDING", "HIT"]] * 4
+    assert got == written
+
+    # a new engine over the same store: lookups probe it (RETRY), then promote
+    reader = rigs(cfg)
+    seen, got = reader.load(keys)
+    assert names(seen) == [["RETRY", "HIT_PENDING", "HIT"]] * 4
+    assert got == written
+    assert reader.tier.kvtier_stats()["store_down"] is False
+
+
+def test_drain_jobs_on_reset_ends_every_job_first(tmp_path, rigs):
+    """reset_cache drains the tier and asserts no job is left (vLLM's own check)."""
+    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3")}))
+    from vllm.v1.kv_offload.base import ReqContext
+
+    keys = new_keys(6)
+    ctx = ReqContext(req_id="r")
+    rig.mgr.on_new_request(ctx)
+    out = rig.mgr.prepare_store(keys, ctx)
+    rig.rows[list(out.store_spec.chunk_ids)] = 7
+    rig.mgr.complete_store(keys, ctx)  # the cascade is in flight now
+    rig.mgr.on_request_finished(ctx)
+    rig.mgr.reset_cache()  # drain_jobs, then `assert not self._jobs` inside vLLM
+    rig.mgr.on_reset_flushed()
+    assert not rig.tier.has_pending_work()
+    assert rig.tier.counters["store_ok"] == 6
+
+
+def corrupt(kind: str, request, tier, key_full: str, section: dict) -> None:
+    """Flip one payload byte of the stored frame, with the store's own raw client."""
+    if kind == "file":
+        path = tier.store.path(key_full)
+        blob = bytearray(path.read_bytes())
+        blob[-1] ^= 0xFF
+        path.write_bytes(bytes(blob))
+    elif kind == "redis":
+        import redis
+        raw = redis.Redis.from_url(section["url"])
+        blob = bytearray(raw.get(key_full))
+        blob[-1] ^= 0xFF
+        raw.set(key_full, bytes(blob))
+    else:
+        import boto3
+        client = boto3.client("s3", endpoint_url=section["endpoint_url"], region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        blob = bytearray(client.get_object(Bucket=section["bucket"], Key=key_full)["Body"].read())
+        blob[-1] ^= 0xFF
+        client.put_object(Bucket=section["bucket"], Key=key_full, Body=bytes(blob))
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_corrupted_stored_block_is_a_miss(kind, request, tmp_path, rigs):
+    from kvtier.integrations.vllm.keys import page_hash_of
+    from kvtier.hashing import make_key
+
+    section = store_section(kind, request, tmp_path)
+    cfg = conf(section)
+    keys = new_keys(3)
+    written = rigs(cfg).store(keys)
+    reader = rigs(cfg)
+    t = reader.tier
+    corrupt(kind, request, t, make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1])), section)
+    seen, got = reader.load(keys)
+    # the probe finds all three; the promotion verifies two: the bad one ends a MISS
+    assert names(seen)[0][-1] == "HIT" and names(seen)[2][-1] == "HIT"
+    assert names(seen)[1] == ["RETRY", "HIT_PENDING", "MISS"]
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    assert t.kvtier_stats()["frame_failures"] == 1
+
+
+def test_a_black_hole_store_does_not_stall_lookup(rigs):
+    """A redis endpoint that accepts and never answers: lookup answers RETRY at once while
+    the probe waits out its timeout, then MISS; once the breaker is open, stores fail fast
+    and lookups cost no call at all."""
+    from kvtier.bench.servers import BlackHole
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    hole = BlackHole()
+    try:
+        rig = rigs(conf({"backend": "redis", "url": f"redis://127.0.0.1:{hole.port}/0", "timeout_s": 0.3},
+                        store_down_after_failures=2, store_probe_backoff_s=60.0))
+        keys = new_keys(2)
+        ctx = ReqContext(req_id="r")
+        rig.mgr.on_new_request(ctx)
+        assert [rig.mgr.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
+        rig.step()  # the probe goes out
+        assert rig.tier.index.in_flight == 1  # unanswered: the hole holds it
+        assert [rig.mgr.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2  # returned without it
+        rig.tier.drain_jobs()  # the probe times out (0.3 s)
+        assert [rig.mgr.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2
+        rig.mgr.on_request_finished(ctx)
+        # a cascade: the second failure opens the breaker
+        written = rig.store(new_keys(2), "w1")
+        assert rig.tier.counters["store_ok"] == 0 and len(written) == 2
+        assert rig.tier.breaker.down
+        before = rig.tier.store.stats()["timeouts"]
+        rig.store(new_keys(2), "w2")  # skipped by the breaker: no call, no timeout
+        seen, _ = rig.load(new_keys(2), "r2")
+        assert names(seen) == [["RETRY", "MISS"]] * 2
+        assert rig.tier.store.stats()["timeouts"] == before
+        assert rig.tier.breaker.skipped >= 2
+    finally:
+        hole.stop()
+
+
+def test_bad_tier_config_names_the_key(tmp_path):
+    with pytest.raises(KvtierConfigError, match=r"unknown key\(s\) kvtier_conf;"):
+        rt.Rig({"store": {"backend": "file"}}, kvtier_conf="x")
+    with pytest.raises(KvtierConfigError, match=r"kvtier_config=None"):
+        rt.Rig(None)
+    with pytest.raises(KvtierConfigError, match=r"store.backend='none'"):
+        rt.Rig({"namespace": {"model_id": "m"}})
+
+
+def test_namespace_separates_tenants_and_models(tmp_path, rigs):
+    section = {"backend": "file", "root": str(tmp_path / "l3")}
+    a = rigs({"store": section}, tenant="a")
+    b = rigs({"store": section}, tenant="b")
+    assert a.tier.namespace.id != b.tier.namespace.id
+    assert a.tier.namespace.model_id == "tiny-llama" and a.tier.namespace.dtype == "float16"
+    keys = new_keys(2)
+    a.store(keys)
+    seen, got = b.load(keys)
+    assert names(seen) == [["RETRY", "MISS"]] * 2 and got == {}
+
+
+def test_module_imports_without_vllm(tmp_path):
+    """`import kvtier.integrations.vllm` works without vLLM; KvtierTier names the install."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text("import sys\nclass B:\n    def find_spec(self, name, path=None, target=None):\n"
+                       "        if name == 'vllm' or name.startswith('vllm.'):\n"
+                       "            raise ModuleNotFoundError(\"No module named 'vllm'\")\n"
+                       "sys.meta_path.insert(0, B())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
+    code = ("import kvtier.integrations.vllm as v\n"
+            "try:\n    v.KvtierTier\nexcept ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERR" in out.stdout and "pip install --no-deps vllm==0.33.0" in out.stdout
+
+
+from kvtier.backends.memory import MemoryStore  # noqa: E402
+
+
+class BuggyStore(MemoryStore):
+    """A store plugin with a bug: its writes raise what kvtier treats as a bug, not a store
+    failure (AssertionError passes through the store's error mapping)."""
+
+    async def _set(self, keys, frames):
+        raise AssertionError("plugin bug")
+
+
+def test_a_job_whose_store_call_raises_a_bug_fails_its_keys_and_never_hangs(rigs):
+    rig = rigs({"store": {"backend": "tests.integrations.test_vllm_tier:BuggyStore"}})
+    keys = new_keys(3)
+    rig.store(keys)  # settles: the job ended (vLLM's manager would wait forever on a lost one)
+    assert rig.tier.counters["store_ok"] == 0 and not rig.tier.has_pending_work()
+    rig.mgr.reset_cache()  # vLLM asserts no job is left
+    rig.mgr.on_reset_flushed()
+    seen, got = rig.load(keys)
+    assert names(seen) == [["RETRY", "MISS"]] * 3 and got == {}
+
+
+class UnbuildableStore(MemoryStore):
+    def __init__(self, config=None, timeout_s: float = 5.0) -> None:
+        raise StoreUnavailable("unbuildable: the endpoint refused")
+
+
+def test_a_store_that_cannot_be_built_leaves_no_thread_and_no_region():
+    import glob
+    import threading
+
+    def leftovers():
+        return ({t.name for t in threading.enumerate() if t.name == "kvtier-vllm-store"},
+                set(glob.glob("/dev/shm/vllm_offload_kvtiertest*")))
+
+    before = leftovers()
+    with pytest.raises(StoreUnavailable, match="unbuildable"):
+        rt.Rig({"store": {"backend": "tests.integrations.test_vllm_tier:UnbuildableStore"}})
+    assert leftovers() == before
