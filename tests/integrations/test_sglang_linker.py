@@ -236,3 +236,145 @@ def test_store_round_trip(sg, tmp_path, request, kind):
     assert second.linker.stats()["counters"]["l3_read_pages"] == len(TOKENS) // 4
     second.check()
     second.close()
+
+
+# -- a store page that does not verify, a dead store --------------------------------------
+
+
+def page_files(sg, server: Server, root, tokens: list[int]) -> list:
+    """The file store's file of each page of `tokens` (SGLang's page keys, kvtier's keys)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    keys = get_storage_hash_str(sg.rc.RadixKey(array("q", tokens)), None, page_size=server.page_size)
+    out = []
+    for key in server.linker.core.store_keys(keys):
+        prefix, ns, h = key.rsplit("/", 2)
+        out.append(root / prefix / ns / h[0:2] / h[2:4] / h)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["flip", "swap"])
+def test_bad_store_page_fails_the_load_closed(sg, tmp_path, request, damage):
+    """Page 5 of 8 is damaged in the store (a flipped payload byte, or page 2's frame in its
+    place): the load fails before any byte reaches the device pool, SGLang aborts the
+    request (its output discarded, its KV never inserted); the next lookup stops before
+    that page, and a load of that prefix gives exactly the offloaded bytes."""
+    path = write_yaml(tmp_path, store_section("file", request, tmp_path))
+    first = Server(sg, path)
+    want = first.compute(TOKENS, seed=3)
+    first.close()
+    second = Server(sg, path)
+    files = page_files(sg, second, tmp_path / "l3", TOKENS)
+    if damage == "flip":
+        blob = bytearray(files[5].read_bytes())
+        blob[-3] ^= 0x40
+        files[5].write_bytes(bytes(blob))
+    else:
+        files[5].write_bytes(files[2].read_bytes())
+    before = [b.clone() for b in second.buffers()]
+    req = second.request(TOKENS + [7])
+    result = second.match(req, TOKENS + [7])
+    assert result.host_hit_length == len(TOKENS)  # the store holds all 8 pages by their keys
+    n, slots, failed = second.load(req, result)
+    assert failed == [req] and req.skip_radix_cache_insert and req.discard_output_reason is not None
+    for b, was in zip(second.buffers(), before):
+        assert torch.equal(b.view(torch.uint8), was.view(torch.uint8))  # not one byte written
+    second.allocator.free(slots)
+    assert second.linker.stats()["counters"]["l3_read_failures"] == 1
+    second.check()
+    # the next request on this prefix: a shorter lookup (5 pages), and those bytes are right
+    req = second.request(TOKENS + [7])
+    result = second.match(req, TOKENS + [7])
+    assert result.host_hit_length == 5 * 4
+    n, slots, failed = second.load(req, result)
+    assert failed == [] and n == 20
+    assert_same(second.read(slots), [w[:20] for w in want])
+    second.allocator.free(slots)
+    second.check()
+    second.close()
+
+
+def test_missing_store_page_gives_a_shorter_lookup(sg, tmp_path, request):
+    path = write_yaml(tmp_path, store_section("file", request, tmp_path))
+    first = Server(sg, path)
+    want = first.compute(TOKENS, seed=4)
+    first.close()
+    page_files(sg, first, tmp_path / "l3", TOKENS)[3].unlink()  # before the store indexes its files
+    second = Server(sg, path)
+    req = second.request(TOKENS + [7])
+    result = second.match(req, TOKENS + [7])
+    assert result.host_hit_length == 3 * 4
+    n, slots, failed = second.load(req, result)
+    assert failed == [] and n == 12
+    assert_same(second.read(slots), [w[:12] for w in want])
+    second.allocator.free(slots)
+    second.check()
+    second.close()
+
+
+class BlackHole:
+    """A TCP endpoint that accepts connections and never answers (a hung store)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_dead_store_gives_host_only_lookups(sg, tmp_path):
+    """A store that never answers: each lookup makes at most one store call, which ends by
+    its timeout; after `store_down_after_failures` of them the breaker skips the store and
+    lookups answer from the host tier alone, without a store call."""
+    hole = BlackHole()
+    try:
+        path = write_yaml(tmp_path, {"backend": "redis", "url": f"redis://127.0.0.1:{hole.port}/0",
+                                     "timeout_s": 0.3, "connect_timeout_s": 5.0, "socket_timeout_s": 5.0},
+                          controller={"store_down_after_failures": 2, "store_probe_backoff_s": 3600})
+        server = Server(sg, path)
+        on_host = list(range(500, 516))
+        want = server.compute(on_host, seed=5)  # offloaded to host; its store write times out
+        server.evict_all()
+        store = server.linker.core.store
+        for i in range(4):
+            tokens = on_host + list(range(600 + 16 * i, 616 + 16 * i))  # 4 host pages, 4 nowhere
+            req = server.request(tokens)
+            result = server.match(req, tokens)
+            assert result.host_hit_length == len(on_host)
+        stats = server.linker.stats()
+        assert stats["store"]["store_down"] is True
+        assert stats["counters"]["lookup_store_skipped"] >= 2  # the last lookups did not call it
+        assert store.stats()["exists_calls"] <= 2 and store.stats()["timeouts"] >= 1
+        n, slots, failed = server.load(req, result)
+        assert failed == [] and n == len(on_host)
+        assert_same(server.read(slots), want)
+        server.allocator.free(slots)
+        server.check()
+        server.close()
+    finally:
+        hole.close()
+
+
+def test_bad_extra_config_is_refused_naming_it(sg, tmp_path):
+    shell = sg.shell
+    with pytest.raises(KvtierConfigError, match="unknown keys \\['kvtier_conifg'\\]"):
+        shell.parse_extra({"kvtier_conifg": "x.yaml"})
+    with pytest.raises(KvtierConfigError, match="kvtier_config=None"):
+        shell.parse_extra({})

@@ -52,6 +52,7 @@ from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
 LOOKUP_PINS = 64  # rids whose lookup keeps its host pages pinned (the newest ones)
+UNREADABLE = 4096  # store pages remembered as not verifying (the newest ones)
 StreamFactory = Callable[[str, torch.device], TransferStream]
 
 
@@ -141,7 +142,10 @@ class LinkerCore:
             4 * (store.timeout_s if store is not None else 1.0)
         self.offloads: deque[OffloadOp] = deque()
         self.copying: dict[str, OffloadOp] = {}  # key -> the op whose copy of it is in flight
-        self.backups: list[tuple[BackupOp, list[str]]] = []
+        self.backups: list[tuple[BackupOp, list[str], list[str]]] = []  # (op, pinned keys, its keys)
+        # store pages that did not verify when read: a lookup stops before them until a
+        # write of the page succeeds (else every request on that prefix would fail its load)
+        self.unreadable: OrderedDict[str, None] = OrderedDict()
         self.lookup_pins: OrderedDict[str, list[str]] = OrderedDict()
         self.queued: dict[str, LoadOp] = {}
         self.started: dict[int, LoadBatch] = {}
@@ -239,7 +243,7 @@ class LinkerCore:
             return
         pinned = self.index.pin(keys)
         op = BackupOp(self.store_keys(keys), pages.copy(), None)
-        self.backups.append((op, pinned))
+        self.backups.append((op, pinned, keys))
         self.worker.submit_backup(op)
 
     def _reap(self) -> None:
@@ -247,11 +251,14 @@ class LinkerCore:
         reads give theirs back."""
         if self.backups:
             still = []
-            for op, pinned in self.backups:
+            for op, pinned, keys in self.backups:
                 if not op.finished:
-                    still.append((op, pinned))
+                    still.append((op, pinned, keys))
                     continue
                 self.index.unpin(pinned)
+                for k, ok in zip(keys, op.ok or []):
+                    if ok:
+                        self.unreadable.pop(k, None)
                 good = sum(op.ok or [])
                 self.counters.l3_write_pages += good
                 self.counters.l3_write_bytes += good * self.mirror.page_bytes
@@ -276,6 +283,7 @@ class LinkerCore:
         end, stored = host, 0
         if end < n and self.worker is not None:
             stored = self._store_run(keys[end:])
+            stored = next((i for i, k in enumerate(keys[end:end + stored]) if k in self.unreadable), stored)
             end = self.index.run(keys, end + stored)
         c = self.counters
         c.lookups += 1
@@ -436,8 +444,17 @@ class LinkerCore:
         if not read.finished:
             read.stop = True
             self.worker.wake(read)
+        elif read.outcome in ("done", "partial") and read.landed < len(read.keys):  # it answered: a bad page
+            self._mark_unreadable(op.keys[int(op.read_index[read.landed])])
         self.orphans.append((read, own))
         self._reap()
+
+    def _mark_unreadable(self, key: str) -> None:
+        self.counters.l3_read_failures += 1
+        self.unreadable[key] = None
+        self.unreadable.move_to_end(key)
+        while len(self.unreadable) > UNREADABLE:
+            self.unreadable.popitem(last=False)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -503,7 +520,7 @@ class LinkerCore:
             problems.append(f"reserved host pages {sorted(self.index.reserved)[:8]}... are not those ops hold "
                             f"{sorted(owned)[:8]}...")
         held: dict[str, int] = {}
-        owners = [p for _, p in self.backups] + list(self.lookup_pins.values()) + \
+        owners = [p for _, p, _ in self.backups] + list(self.lookup_pins.values()) + \
             [op.pinned for op in self.queued.values()] + [o.pinned for b in self.started.values() for o in b.loads]
         for keys in owners:
             for k in keys:

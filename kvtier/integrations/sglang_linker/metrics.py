@@ -33,6 +33,7 @@ class LinkerCounters:
     h2d_bytes: int = 0
     l3_read_pages: int = 0
     l3_read_bytes: int = 0
+    l3_read_failures: int = 0  # store pages that did not verify when read (the load failed closed)
 
     def as_dict(self) -> dict:
         out = asdict(self)
