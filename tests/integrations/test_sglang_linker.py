@@ -22,6 +22,7 @@ import yaml
 
 from kvtier.errors import KvtierConfigError
 from tests.integrations import sglang_linker_runtime as rt
+from kvtier.bench.servers import BlackHole
 from tests.servers import IN_CI
 
 STORES = ["file", "redis", "s3"]
@@ -252,6 +253,19 @@ def page_files(sg, server: Server, root, tokens: list[int]) -> list:
     return out
 
 
+def loads_prefix(server: Server, tokens: list[int], pages: int, want: list[torch.Tensor]) -> None:
+    """A request on `tokens`: lookup finds `pages` pages, and they load byte for byte."""
+    req = server.request(tokens + [7])
+    result = server.match(req, tokens + [7])
+    n = pages * server.page_size
+    assert result.host_hit_length == n
+    got, slots, failed = server.load(req, result)
+    assert failed == [] and got == n
+    assert_same(server.read(slots), [w[:n] for w in want])
+    server.allocator.free(slots)
+    server.check()
+
+
 @pytest.mark.parametrize("damage", ["flip", "swap"])
 def test_bad_store_page_fails_the_load_closed(sg, tmp_path, request, damage):
     """Page 5 of 8 is damaged in the store (a flipped payload byte, or page 2's frame in its
@@ -281,15 +295,7 @@ def test_bad_store_page_fails_the_load_closed(sg, tmp_path, request, damage):
     second.allocator.free(slots)
     assert second.linker.stats()["counters"]["l3_read_failures"] == 1
     second.check()
-    # the next request on this prefix: a shorter lookup (5 pages), and those bytes are right
-    req = second.request(TOKENS + [7])
-    result = second.match(req, TOKENS + [7])
-    assert result.host_hit_length == 5 * 4
-    n, slots, failed = second.load(req, result)
-    assert failed == [] and n == 20
-    assert_same(second.read(slots), [w[:20] for w in want])
-    second.allocator.free(slots)
-    second.check()
+    loads_prefix(second, TOKENS, 5, want)  # the next request on it: a shorter lookup, right bytes
     second.close()
 
 
@@ -300,50 +306,15 @@ def test_missing_store_page_gives_a_shorter_lookup(sg, tmp_path, request):
     first.close()
     page_files(sg, first, tmp_path / "l3", TOKENS)[3].unlink()  # before the store indexes its files
     second = Server(sg, path)
-    req = second.request(TOKENS + [7])
-    result = second.match(req, TOKENS + [7])
-    assert result.host_hit_length == 3 * 4
-    n, slots, failed = second.load(req, result)
-    assert failed == [] and n == 12
-    assert_same(second.read(slots), [w[:12] for w in want])
-    second.allocator.free(slots)
-    second.check()
+    loads_prefix(second, TOKENS, 3, want)
     second.close()
-
-
-class BlackHole:
-    """A TCP endpoint that accepts connections and never answers (a hung store)."""
-
-    def __init__(self) -> None:
-        import socket
-        import threading
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.conns = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
 
 
 def test_dead_store_gives_host_only_lookups(sg, tmp_path):
     """A store that never answers: each lookup makes at most one store call, which ends by
     its timeout; after `store_down_after_failures` of them the breaker skips the store and
     lookups answer from the host tier alone, without a store call."""
-    hole = BlackHole()
+    hole = BlackHole()  # accepts connections, never answers
     try:
         path = write_yaml(tmp_path, {"backend": "redis", "url": f"redis://127.0.0.1:{hole.port}/0",
                                      "timeout_s": 0.3, "connect_timeout_s": 5.0, "socket_timeout_s": 5.0},
@@ -369,7 +340,7 @@ def test_dead_store_gives_host_only_lookups(sg, tmp_path):
         server.check()
         server.close()
     finally:
-        hole.close()
+        hole.stop()
 
 
 def test_bad_extra_config_is_refused_naming_it(sg, tmp_path):
