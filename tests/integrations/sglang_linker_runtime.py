@@ -95,13 +95,13 @@ def _forget() -> None:
 def load() -> types.SimpleNamespace:
     """The real modules (and the linker's shell over them). Raises Missing without SGLang."""
     global _FINDER
+    _forget()  # another loader's sglang modules (bare packages) must not be reused
     if importlib.util.find_spec("sglang") is None:
         raise Missing(f"SGLang is not installed: pip install --no-deps sglang=={VERSION} (and the pure-Python "
                       "imports .ci/run installs)")
     from importlib.metadata import version
     if version("sglang") != VERSION:
         raise Missing(f"these tests pin SGLang {VERSION}; found {version('sglang')}")
-    _forget()
     _FINDER = _Finder()
     sys.meta_path.insert(0, _FINDER)
     try:
