@@ -56,6 +56,18 @@ def store_section(kind: str, request, tmp_path) -> dict:
     raise AssertionError(kind)
 
 
+def scraped(linker) -> dict[str, float]:
+    """What Prometheus scrapes from the linker's collector."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.integrations.sglang_linker import LinkerCollector
+    registry = CollectorRegistry()
+    registry.register(LinkerCollector(linker))
+    text = generate_latest(registry).decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def round_trip(server: Server, tokens: list[int], want: list[torch.Tensor]):
     req = server.request(tokens + [7, 8, 9])
     result = server.match(req, tokens + [7, 8, 9])
@@ -81,6 +93,7 @@ def test_host_round_trip(sg, tmp_path, request, page_size, mla):
     round_trip(server, tokens, want)
     stats = server.linker.stats()["counters"]
     assert stats["host_hit_pages"] == len(tokens) // page_size and stats["load_failures"] == 0
+    assert scraped(server.linker)["kvtier_linker_host_hit_pages_total"] == len(tokens) // page_size
     server.check()
     server.close()
 
