@@ -12,7 +12,7 @@ storage thread (`StorageWorker`).
 - `lookup(rid, keys)`: pages restorable in chain order, no holes: the host run, then the
   store's leading run (one `batch_exists`, behind the breaker, never waited on past one
   timeout), then the host run again. Host pages found are pinned for `rid` until its load
-  is queued, its next lookup, or `LOOKUP_PINS` newer lookups.
+  is queued, its next lookup, or `lookup_pins` newer lookups.
 - `load(rid, keys, device_slots)`: queue; host pages are pinned, the rest are read from
   the store into reserved host pages at once (a storage-thread op). Always True for a
   well-formed call: SGLang needs the same answer on every rank, and a failure is reported
@@ -51,7 +51,6 @@ from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
-LOOKUP_PINS = 64  # rids whose lookup keeps its host pages pinned (the newest ones)
 UNREADABLE = 4096  # store pages remembered as not verifying (the newest ones)
 StreamFactory = Callable[[str, torch.device], TransferStream]
 
@@ -65,6 +64,7 @@ class LinkerSettings:
     writes_store: bool = True  # False on MLA ranks other than 0: rank 0 writes the shared pages
     max_inflight_bytes: int = 256 << 20
     read_wait_s: float | None = None  # a load's wait for its store reads; None: 4 store timeouts
+    lookup_pins: int = 64  # rids whose lookup keeps its host pages pinned (the newest ones)
     cpus: frozenset[int] | None = None
 
 
@@ -298,7 +298,7 @@ class LinkerCore:
         if old is not None:
             self.index.unpin(old)
         self.lookup_pins[rid] = self.index.pin(keys)
-        while len(self.lookup_pins) > LOOKUP_PINS:
+        while len(self.lookup_pins) > self.settings.lookup_pins:
             self.index.unpin(self.lookup_pins.popitem(last=False)[1])
 
     def _store_run(self, keys: Sequence[str]) -> int:
