@@ -263,3 +263,15 @@ def test_a_load_failing_on_one_rank_fails_on_both(sg, tmp_path):
     assert r0["host_hit_length"] == r1["host_hit_length"] == 32
     assert (r0["load_failures"], r1["load_failures"]) == (0, 1)
     assert r0["failed"] == r1["failed"] == ["r1"]
+
+
+def test_the_module_imports_without_sglang():
+    """`import kvtier.integrations.sglang_linker` needs no SGLang; `KvtierLinker` then
+    fails naming the install."""
+    code = ("import sys; sys.modules['sglang'] = None\n"
+            "import kvtier.integrations.sglang_linker as m\n"
+            "try:\n    m.KvtierLinker\nexcept ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install --no-deps sglang==0.5.23" in out.stdout

@@ -413,7 +413,7 @@ class LinkerCore:
         batch = self.started.pop(index, None)
         if batch is None:
             return True
-        self.load_stream.wait(batch.handle, float("inf"))
+        self.load_stream.wait(batch.handle, None)  # bounded: the job's own waits are
         del self.counter.handles[index]
         landed = batch.handle.error is None
         for op in batch.loads:
@@ -466,7 +466,7 @@ class LinkerCore:
             self.finish_layer_wise_loading(index)
         for op in self.offloads:
             if op.handle is not None:
-                self.write_stream.wait(op.handle, float("inf"))
+                self.write_stream.wait(op.handle, None)
         while self.offloads:  # dropped unapplied: SGLang releases them as failed
             op = self.offloads.popleft()
             for k in op.keys:
@@ -485,11 +485,14 @@ class LinkerCore:
             self.worker.progress.clear()
 
     def reset(self) -> None:
-        """Quiesce, then drop the host tier (the store keeps its pages)."""
+        """Quiesce, then drop the host tier (the store keeps its pages). A store call that
+        outlived its timeout keeps its pages until it ends (`_reap` then frees them)."""
         self.quiesce()
         for rid in list(self.lookup_pins):
             self._release_lookup_pins(rid)
-        assert not self.backups and not self.orphans, "reset: a store call outlived its timeout"
+        if self.backups or self.orphans:
+            log.warning("kvtier linker: reset with %d store calls still running; their pages wait for them",
+                        len(self.backups) + len(self.orphans))
         self.index.clear()
 
     def close(self) -> None:

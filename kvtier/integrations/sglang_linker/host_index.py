@@ -92,11 +92,11 @@ class HostIndex:
                 del self.pins[k]
 
     def clear(self) -> None:
-        """Everything back to free (no op may hold a page: the caller quiesced them)."""
-        assert not self.reserved and not self.pins, "host index cleared while ops hold pages"
-        if self.pages:
-            self.allocator.free_pages(np.fromiter(self.pages.values(), dtype=np.int64))
-        self.pages.clear()
+        """Every published page back to free, but those still pinned (their owner op has
+        not ended) and reserved ones, which their ops give back."""
+        drop = [k for k in self.pages if k not in self.pins]
+        if drop:
+            self.allocator.free_pages(np.array([self.pages.pop(k) for k in drop], dtype=np.int64))
 
     def check(self) -> list[str]:
         """free + published + reserved == total, no page twice, pins only on published keys."""
