@@ -178,13 +178,13 @@ class LinkerSim:
         self.log.append(what)
 
     def settle(self) -> None:
-        if self.core.worker is None:
+        if self.core.l3 is None:
             return
 
         async def spin():
             for _ in range(40):
                 await asyncio.sleep(0)
-        asyncio.run_coroutine_threadsafe(spin(), self.core.worker.loop).result(30)
+        asyncio.run_coroutine_threadsafe(spin(), self.core.l3.worker.loop).result(30)
 
     def check(self) -> None:
         problems = self.core.check_accounting()

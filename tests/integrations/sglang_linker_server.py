@@ -159,7 +159,7 @@ def page_files(sg, server: Server, root, tokens: list[int]) -> list:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
     keys = get_storage_hash_str(sg.rc.RadixKey(array("q", tokens)), None, page_size=server.page_size)
     out = []
-    for key in server.linker.core.store_keys(keys):
+    for key in server.linker.core.l3.keys(keys):
         prefix, ns, h = key.rsplit("/", 2)
         out.append(root / prefix / ns / h[0:2] / h[2:4] / h)
     return out

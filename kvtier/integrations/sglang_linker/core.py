@@ -27,7 +27,6 @@ storage thread (`StorageWorker`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
@@ -39,13 +38,12 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.controller.breaker import BreakerConfig
-from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
+from kvtier.controller.storage import BackupOp
 from kvtier.controller.streams import Handle, TransferError, TransferStream, make_stream
-from kvtier.errors import KvtierError
-from kvtier.hashing import Namespace, make_key
-from kvtier.integrations.sglang import page_hash_of
+from kvtier.hashing import Namespace
 from kvtier.integrations.sglang_linker.host_index import HostIndex
 from kvtier.integrations.sglang_linker.metrics import LinkerCounters
+from kvtier.integrations.sglang_linker.store_io import LinkerStore, StoreRead
 from kvtier.tiers.indices import concat, page_slots, slots_of
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool
@@ -85,7 +83,7 @@ class LoadOp:
     device_slots: np.ndarray
     host_pages: np.ndarray  # per page of `keys`
     pinned: list[str]
-    read: PrefetchOp | None = None  # store pages -> reserved host pages
+    read: StoreRead | None = None  # store pages -> reserved host pages
     read_index: np.ndarray | None = None  # which pages of `keys` the read covers
     doomed: str | None = None  # why it cannot succeed (known when queued)
 
@@ -132,12 +130,7 @@ class LinkerCore:
         self.forward_stream = forward_stream
         self.write_stream = streams("linker-write", pool.device)
         self.load_stream = streams("linker-load", pool.device)
-        self.worker: StorageWorker | None = None
-        if store is not None:
-            self.worker = StorageWorker(store, self.mirror, settings.max_inflight_bytes, settings.breaker, clock,
-                                        settings.cpus)
-            ns = settings.namespace
-            self.worker.manifest = (settings.key_prefix, ns.id, ns.manifest(self.mirror.page_bytes))
+        self.l3 = None if store is None else LinkerStore(store, self.mirror, settings, self.counters, clock)
         self.read_wait_s = settings.read_wait_s if settings.read_wait_s is not None else \
             4 * (store.timeout_s if store is not None else 1.0)
         self.offloads: deque[OffloadOp] = deque()
@@ -149,15 +142,11 @@ class LinkerCore:
         self.lookup_pins: OrderedDict[str, list[str]] = OrderedDict()
         self.queued: dict[str, LoadOp] = {}
         self.started: dict[int, LoadBatch] = {}
-        self.orphans: list[tuple[PrefetchOp, np.ndarray]] = []  # ended reads whose pages wait to settle
+        self.orphans: list[tuple[StoreRead, np.ndarray]] = []  # ended reads whose pages wait to settle
         self.next_index = 0
         self.closed = False
 
     # -- keys --------------------------------------------------------------------------------
-
-    def store_keys(self, keys: Sequence[str]) -> list[str]:
-        ns = self.settings.namespace.id
-        return [make_key(self.settings.key_prefix, ns, page_hash_of(k)) for k in keys]
 
     def _check(self, keys: Sequence[str], device_slots) -> np.ndarray:
         if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
@@ -239,12 +228,10 @@ class LinkerCore:
         return op.success
 
     def _write_store(self, keys: list[str], pages: np.ndarray) -> None:
-        if self.worker is None or not self.settings.writes_store or not keys:
+        if self.l3 is None or not self.settings.writes_store or not keys:
             return
         pinned = self.index.pin(keys)
-        op = BackupOp(self.store_keys(keys), pages.copy(), None)
-        self.backups.append((op, pinned, keys))
-        self.worker.submit_backup(op)
+        self.backups.append((self.l3.write(keys, pages), pinned, keys))
 
     def _reap(self) -> None:
         """Settle what the storage thread finished: store writes unpin their pages, ended
@@ -281,8 +268,8 @@ class LinkerCore:
         n = len(keys)
         host = self.index.run(keys)
         end, stored = host, 0
-        if end < n and self.worker is not None:
-            stored = self._store_run(keys[end:])
+        if end < n and self.l3 is not None:
+            stored = self.l3.leading_run(keys[end:])
             stored = next((i for i, k in enumerate(keys[end:end + stored]) if k in self.unreadable), stored)
             end = self.index.run(keys, end + stored)
         c = self.counters
@@ -300,31 +287,6 @@ class LinkerCore:
         self.lookup_pins[rid] = self.index.pin(keys)
         while len(self.lookup_pins) > self.settings.lookup_pins:
             self.index.unpin(self.lookup_pins.popitem(last=False)[1])
-
-    def _store_run(self, keys: Sequence[str]) -> int:
-        """The store's leading run of `keys`; 0 when the breaker has it down, on any error,
-        and when it does not answer within one timeout (the call then ends on its own)."""
-        fut = asyncio.run_coroutine_threadsafe(self._exists(self.store_keys(keys)), self.worker.loop)
-        try:
-            return fut.result(self.store.timeout_s + 0.5)
-        except Exception as exc:  # the store's own timeout fires first; this is the backstop
-            self.counters.lookup_store_errors += 1
-            log.warning("kvtier linker: store lookup of %d pages gave up: %r", len(keys), exc)
-            return 0
-
-    async def _exists(self, keys: list[str]) -> int:
-        breaker = self.worker.breaker  # used on the storage thread only, as StorageWorker does
-        if not breaker.admit():
-            self.counters.lookup_store_skipped += 1
-            return 0
-        try:
-            present = await self.store.batch_exists(keys)
-        except KvtierError as exc:
-            breaker.failed(str(exc))
-            self.counters.lookup_store_errors += 1
-            return 0
-        breaker.succeeded()
-        return present
 
     # -- load --------------------------------------------------------------------------------
 
@@ -350,19 +312,16 @@ class LinkerCore:
             self.index.unpin(old)
 
     def _read_missing(self, op: LoadOp, missing: np.ndarray) -> None:
-        if self.worker is None:
+        if self.l3 is None:
             op.doomed = f"{missing.size} pages left the host tier and there is no store"
             return
         pages = self.index.reserve(int(missing.size))
         if pages is None:
             op.doomed = f"no host room to read {missing.size} pages from the store"
             return
-        keys = [op.keys[i] for i in missing.tolist()]
-        op.read = PrefetchOp(op.rid, self.store_keys(keys), None, len(keys) * self.page_size,
-                             granted=True, host_pages=pages)
+        op.read = self.l3.read([op.keys[i] for i in missing.tolist()], pages)
         op.read_index = missing
         op.host_pages[missing] = pages
-        self.worker.submit_prefetch(op.read)
 
     def cancel_queued_load(self, rid: str) -> bool:
         op = self.queued.pop(rid, None)
@@ -398,16 +357,12 @@ class LinkerCore:
             handle.layer_done(layer)
 
     def _wait_read(self, op: LoadOp) -> None:
-        read, deadline = op.read, time.monotonic() + self.read_wait_s
-        while not read.finished:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferError(f"load {op.rid}: its store read did not end within {self.read_wait_s}s")
-            self.worker.progress.wait(min(left, 0.05))
-            self.worker.progress.clear()
+        read = op.read
+        if not self.l3.wait(read, self.read_wait_s):
+            raise TransferError(f"load {op.rid}: its store read did not end within {self.read_wait_s}s")
         if read.landed < len(read.keys):
-            raise TransferError(f"load {op.rid}: {read.landed} of {len(read.keys)} store pages verified "
-                                f"({read.outcome}{': ' + read.error if read.error else ''})")
+            why = "a page missed or did not verify" if read.answered else "the store failed or is down"
+            raise TransferError(f"load {op.rid}: {read.landed} of {len(read.keys)} store pages verified ({why})")
 
     def finish_layer_wise_loading(self, index: int) -> bool:
         batch = self.started.pop(index, None)
@@ -441,10 +396,7 @@ class LinkerCore:
             for i, p in zip(op.read_index.tolist(), own.tolist()):
                 self.index.publish(op.keys[i], p)
             return
-        if not read.finished:
-            read.stop = True
-            self.worker.wake(read)
-        elif read.outcome in ("done", "partial") and read.landed < len(read.keys):  # it answered: a bad page
+        if read.finished and read.answered:  # the store answered, and this page was missing or bad
             self._mark_unreadable(op.keys[int(op.read_index[read.landed])])
         self.orphans.append((read, own))
         self._reap()
@@ -472,17 +424,11 @@ class LinkerCore:
             for k in op.keys:
                 del self.copying[k]
             self.index.release(op.host_pages)
-        if self.worker is not None:
-            self.worker.drain(4 * self.store.timeout_s)
+        if self.l3 is not None:
+            self.l3.drain()
             for read, _ in self.orphans:
-                self._wait_settled(read)
+                self.l3.wait(read, 4 * self.l3.timeout_s, settled=True)
         self._reap()
-
-    def _wait_settled(self, read: PrefetchOp) -> None:
-        deadline = time.monotonic() + 4 * self.store.timeout_s
-        while not read.settled and time.monotonic() < deadline:
-            self.worker.progress.wait(0.05)
-            self.worker.progress.clear()
 
     def reset(self) -> None:
         """Quiesce, then drop the host tier (the store keeps its pages). A store call that
@@ -502,8 +448,8 @@ class LinkerCore:
         self.reset()
         self.write_stream.close()
         self.load_stream.close()
-        if self.worker is not None:
-            self.worker.close(4 * self.store.timeout_s)
+        if self.l3 is not None:
+            self.l3.close()
 
     # -- checks and numbers ------------------------------------------------------------------
 
@@ -541,7 +487,7 @@ class LinkerCore:
                "queues": {"offloads": len(self.offloads), "loads_queued": len(self.queued),
                           "loads_started": len(self.started), "store_writes": len(self.backups)},
                "namespace": self.settings.namespace.id}
-        if self.worker is not None:
-            out["store"] = {**self.store.stats(), **self.worker.breaker.stats()}
+        if self.l3 is not None:
+            out["store"] = self.l3.stats()
         return out
 
