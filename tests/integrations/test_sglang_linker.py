@@ -275,3 +275,37 @@ def test_the_module_imports_without_sglang():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install --no-deps sglang==0.5.23" in out.stdout
+
+
+def test_cancel_and_reset_free_what_they_hold(sg, tmp_path, request):
+    """A request aborted while its load is queued (SGLang's release_request ->
+    cancel_queued_load) gives back its pins and its store read's host pages; SGLang's
+    reset (cache.reset) quiesces the linker and empties its host tier; the store keeps
+    the pages, so the next request still restores the prefix."""
+    path = write_yaml(tmp_path, store_section("file", request, tmp_path))
+    first = Server(sg, path)
+    want = first.compute(TOKENS, seed=8)
+    first.close()
+    server = Server(sg, path)
+    server.compute(list(range(300, 316)), seed=9)  # 4 pages on host
+    server.evict_all()
+    req = server.request(TOKENS + [7])
+    result = server.match(req, TOKENS + [7])
+    server.r2t.alloc([req])
+    n, _ = server.cache.init_load_back(sg.bpc.InitLoadBackParams(
+        best_match_node=result.best_match_node, host_hit_length=result.host_hit_length, req=req))
+    assert n == len(TOKENS) and server.linker.stats()["queues"]["loads_queued"] == 1
+    slots = server.cache.linker.private_load_indices[req.rid]
+    server.cache.linker.release_request(req.rid)  # what SGLang's abort does
+    server.allocator.free(slots)
+    stats = server.linker.stats()
+    assert stats["queues"]["loads_queued"] == 0 and stats["counters"]["loads_cancelled"] == 1
+    server.linker.core.quiesce()  # the cancelled read settles; its pages go back
+    host = server.linker.stats()["host"]
+    assert host["pages_pinned"] == 0 and host["pages_free"] + host["pages_published"] == host["pages_total"]
+    server.check()
+    server.cache.reset()
+    host = server.linker.stats()["host"]
+    assert host["pages_free"] == host["pages_total"]
+    loads_prefix(server, TOKENS, 8, want)
+    server.close()
