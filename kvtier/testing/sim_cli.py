@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvtier.testing import fault_sim, tp_sim
+from kvtier.testing import fault_sim, linker_sim, tp_sim
 from kvtier.testing.fault_sim import FaultSim, Setup, report
 
 
@@ -22,9 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episode", type=int, default=400, help="steps between close() and a fresh cache")
     p.add_argument("--episode-seed", type=int, default=None, help="replay one episode (from a violation report)")
     p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks, on threads (tp_sim.py)")
+    p.add_argument("--linker", action="store_true", help="SGLang's calls into kvtier's linker (linker_sim.py)")
+    p.add_argument("--plant", choices=sorted(linker_sim.PLANTED), help="--linker with a known bug, to be found")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)  # the simulator causes failures on purpose
     torch.set_num_threads(1)
+    if args.linker or args.plant:
+        return _linker(args)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
     if args.episode_seed is None:
         if args.ranks > 1:
@@ -51,6 +55,17 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int) -> tuple | None:
     except Exception as exc:
         return 0, step, exc, sim.log
     return None
+
+
+def _linker(args) -> int:
+    if args.episode_seed is None:
+        return 1 if linker_sim.run(args.steps, args.seed, args.episode, args.plant) else 0
+    failure = linker_sim.run_episode(args.episode_seed, args.steps, args.plant)
+    if failure is not None:
+        step, exc, setup, log = failure
+        linker_sim.report(sys.stdout, exc, args.episode_seed, setup, step, log, args.plant)
+    print(f"linker fault sim: {args.steps} steps, {int(failure is not None)} violations")
+    return int(failure is not None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""`KvtierLinker`: SGLang 0.5.23's `UnifiedCacheLinker` over kvtier's `LinkerCore`.
+
+The one place that imports SGLang (from `kvtier.integrations.sglang_linker.__getattr__`).
+SGLang builds it in the cache-owning worker as `KvtierLinker(server_args, params, *,
+components, extra_config, forward_stream)` and attaches it with `init_cache_linker`;
+`pools`, `layer_done_counter` and `forward_stream` are the attributes SGLang reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
+
+from kvtier.backends.registry import build_store
+from kvtier.config import KvtierConfig, load_config
+from kvtier.controller.breaker import BreakerConfig
+from kvtier.controller.cpus import check_cpus
+from kvtier.errors import KvtierConfigError
+from kvtier.hashing import Namespace
+from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
+from kvtier.tiers.pool import DeviceKVPool
+
+log = logging.getLogger(__name__)
+EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
+
+
+def parse_extra(extra: Any) -> dict:
+    """`linker_extra_config`: `kvtier_config` (a YAML path or a shipped config's name),
+    optional `kv_cache_dtype` (SGLang's --kv-cache-dtype when not in the server args)."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise KvtierConfigError(f"linker_extra_config: unknown keys {unknown}; allowed: {', '.join(EXTRA_KEYS)}")
+    path = extra.get("kvtier_config")
+    if not isinstance(path, str) or not path:
+        raise KvtierConfigError(f"linker_extra_config.kvtier_config={path!r}: give a kvtier YAML path or a "
+                                "shipped config name (default, redis, s3, ...; docs/sglang.md)")
+    dtype = extra.get("kv_cache_dtype")
+    if dtype is not None and (not isinstance(dtype, str) or not dtype):
+        raise KvtierConfigError(f"linker_extra_config.kv_cache_dtype={dtype!r}: expected SGLang's --kv-cache-dtype "
+                                "value, e.g. 'fp8_e4m3'")
+    return extra
+
+
+def pool_over(kvcache, page_size: int) -> tuple[DeviceKVPool, bool]:
+    """kvtier's pool over SGLang's own per-layer tensors (no copy), and whether it is MLA."""
+    if getattr(kvcache, "k_buffer", None) is not None and getattr(kvcache, "v_buffer", None) is not None:
+        return DeviceKVPool.from_tensors(kvcache.k_buffer, kvcache.v_buffer, page_size=page_size), False
+    if getattr(kvcache, "kv_buffer", None) is not None and hasattr(kvcache, "kv_lora_rank"):
+        return DeviceKVPool.from_tensors(kvcache.kv_buffer, page_size=page_size,
+                                         kv_lora_rank=kvcache.kv_lora_rank), True
+    raise NotImplementedError(f"kvtier linker: SGLang KV pool {type(kvcache).__name__} is not supported "
+                              "(MHATokenToKVPool and MLATokenToKVPool are)")
+
+
+def tp_of(params) -> tuple[int, int]:
+    group = params.attn_tp_cache_group or params.tp_cache_group
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0, 1
+    return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+
+
+def namespace_of(config: KvtierConfig, server_args, params, pool: DeviceKVPool, mla: bool, kv_cache_dtype,
+                 rank: int, size: int) -> Namespace:
+    """What changes a page's bytes: model, KV dtype, geometry and host layout, page size,
+    PP/CP shard, TP rank/size (MLA: one namespace for every rank), tenant salt, revision."""
+    pc = pool.config
+    dtype = pc.dtype
+    kv_cache_dtype = kv_cache_dtype or getattr(server_args, "kv_cache_dtype", None)
+    if kv_cache_dtype and kv_cache_dtype != "auto":
+        dtype = f"{dtype}/{kv_cache_dtype}"
+    widths = ",".join(map(str, pc.part_widths))
+    layout = (f"sglang-linker-{'mla' if mla else 'mha'}:layers={pc.num_layers}:widths={widths}"
+              f":host={(config.mirror).layout}:pp={params.pp_rank}/{params.pp_size}"
+              f":cp={params.attn_cp_rank}/{params.attn_cp_size}")
+    ns = config.namespace
+    model = getattr(server_args, "model_path", None) or ns.model_id
+    rank, size = (0, 1) if mla else (rank, size)
+    return Namespace(model, dtype, layout, pc.page_size, rank, size, ns.tenant_salt, revision=ns.revision)
+
+
+def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
+    names = [t.name for t in transfers]
+    if names != [PoolName.KV]:
+        raise ValueError(f"kvtier linker: transfers for pools {[str(n) for n in names]}; it restores the KV "
+                         "pool only (Full attention)")
+    return transfers[0]
+
+
+class KvtierLinker(UnifiedCacheLinker):
+    """kvtier's host tier and stores below SGLang's radix tree and device pool."""
+
+    def __init__(self, server_args, params, *, components, extra_config=None, forward_stream=None) -> None:
+        extra = parse_extra(extra_config)
+        others = sorted(str(c) for c in components if c != ComponentType.FULL)
+        if others:
+            raise ValueError(f"kvtier linker: tree components {others} are not supported (Full attention only)")
+        config = load_config(extra["kvtier_config"])
+        if config.mirror is None:
+            raise KvtierConfigError(f"mirror: null in {extra['kvtier_config']}: the linker's host tier needs a "
+                                    "mirror section (ratio or size_bytes)")
+        pool, mla = pool_over(params.token_to_kv_pool_allocator.get_kvcache(), params.page_size)
+        rank, size = tp_of(params)
+        ns = namespace_of(config, server_args, params, pool, mla, extra.get("kv_cache_dtype"), rank, size)
+        c = config.controller
+        settings = LinkerSettings(
+            ns, config.store.key_prefix, config.mirror,
+            BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s, c.store_probe_max_backoff_s),
+            writes_store=not mla or rank == 0, max_inflight_bytes=c.max_inflight_prefetch_bytes,
+            cpus=check_cpus(c.cpus))
+        store = None if config.store.backend == "none" else \
+            build_store(config.store.backend, config.store.options, config.store.timeout_s)
+        self.core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
+        self.layer_done_counter = self.core.counter
+        self.pools = {PoolName.KV: pool}
+        self.forward_stream = forward_stream
+        log.info("kvtier linker: host tier %d pages of %d B (%s), store %s, namespace %s (tp %d/%d)",
+                 self.core.mirror.allocator.num_pages, self.core.mirror.page_bytes, config.mirror.layout,
+                 config.store.backend, ns.id, rank, size)
+
+    def record_offload_ready(self) -> list:
+        return []  # the core orders its copy after the forward stream itself
+
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        pages = self.core.lookup(rid, list(_kv(transfers).keys or []))
+        return list(range(1, pages + 1))
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        kv = _kv(transfers)
+        return self.core.load(rid, list(kv.keys or []), kv.device_indices)
+
+    def start_layer_wise_loading(self) -> int:
+        return self.core.start_layer_wise_loading()
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.core.finish_layer_wise_loading(counter_index)
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        return self.core.cancel_queued_load(rid)
+
+    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+        kv = _kv(transfers)
+        return self.core.offload(list(kv.keys or []), kv.device_indices)
+
+    def num_completed_offloads(self) -> int:
+        return self.core.num_completed_offloads()
+
+    def pop_completed_offload(self) -> bool:
+        return self.core.pop_completed_offload()
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    def close(self) -> None:
+        self.core.close()
+
+    def stats(self) -> dict:
+        return self.core.stats()

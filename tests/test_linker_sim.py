@@ -1,0 +1,22 @@
+"""The fault simulator's linker mode (kvtier/testing/linker_sim.py): SGLang's calls into
+kvtier's linker with copies and store calls failing, timing out and finishing late."""
+
+import io
+
+import pytest
+
+from kvtier.testing import linker_sim
+
+
+def test_drawn_episodes_have_no_violations():
+    out = io.StringIO()
+    assert linker_sim.run(3000, seed=20261201, episode=300, out=out) == 0, out.getvalue()
+
+
+@pytest.mark.parametrize("plant", sorted(linker_sim.PLANTED))
+def test_each_planted_bug_is_found(plant):
+    """A load that does not check its store reads verified, and an offload reported
+    complete before its copy ran: both hand a request bytes that are not its KV."""
+    out = io.StringIO()
+    assert linker_sim.run(4000, seed=1, episode=400, plant=plant, out=out) > 0
+    assert "finished True but page" in out.getvalue()
