@@ -10,14 +10,16 @@ controller's queues and `poll()` applies it. Per request (docs/design.md §8):
     if not got.ready:                      # a prefetch is in flight: keep the request waiting,
         ...                                #   run others; poll() names it when it may go on,
                                            #   then acquire(tokens, rid) again
-    slots = cache.alloc(n)                 # the uncached suffix; evicts on demand
+    slots = cache.alloc(n)                 # whole pages for n tokens, tail included; evicts on demand
     waiter = cache.begin_forward([rid, ...]); waiter.wait_layer(i) before reading layer i
+    waiter.failed()                        # after the forward: requests whose load failed: abort
     cache.cache_unfinished(rid, tokens, kv)   # chunked prefill: keep what is computed so far
     cache.cache_finished(rid, tokens, kv)     # insert, free duplicates and the tail, unlock
     cache.abort(rid, kv)                      # on any error, in any state
     ready = cache.poll()                   # every scheduler step, on every rank
 
-`kv` is the request's row of device slots so far: `got.indices` then its own slots.
+`kv` is the request's row of device slots so far: `got.indices` then its own slots (the
+tail of the last page may follow).
 """
 
 from __future__ import annotations
