@@ -10,14 +10,16 @@ controller's queues and `poll()` applies it. Per request (docs/design.md §8):
     if not got.ready:                      # a prefetch is in flight: keep the request waiting,
         ...                                #   run others; poll() names it when it may go on,
                                            #   then acquire(tokens, rid) again
-    slots = cache.alloc(n)                 # the uncached suffix; evicts on demand
+    slots = cache.alloc(n)                 # whole pages for n tokens, tail included; evicts on demand
     waiter = cache.begin_forward([rid, ...]); waiter.wait_layer(i) before reading layer i
+    waiter.failed()                        # after the forward: requests whose load failed: abort
     cache.cache_unfinished(rid, tokens, kv)   # chunked prefill: keep what is computed so far
     cache.cache_finished(rid, tokens, kv)     # insert, free duplicates and the tail, unlock
     cache.abort(rid, kv)                      # on any error, in any state
     ready = cache.poll()                   # every scheduler step, on every rank
 
-`kv` is the request's row of device slots so far: `got.indices` then its own slots.
+`kv` is the request's row of device slots so far: `got.indices` then its own slots (the
+tail of the last page may follow).
 """
 
 from __future__ import annotations
@@ -107,10 +109,11 @@ class TieredCache:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, config.tree.hash_algo)
-        self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock)
+        manifest = None if self.mirror is None else (config.store.key_prefix, self.namespace.id,
+                                                     self.namespace.manifest(self.mirror.page_bytes))
+        self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock,
+                                          manifest)
         if self.controller.storage is not None:
-            self.controller.storage.manifest = (config.store.key_prefix, self.namespace.id,
-                                                self.namespace.manifest(self.mirror.page_bytes))
             if config.store.required:  # reach the store once at start, or refuse to start
                 self.controller.probe_store(config.store.key_prefix, self.namespace.id, config.store.timeout_s + 5)
         self.agreement = agreement
@@ -134,13 +137,17 @@ class TieredCache:
         key_of = key_maker(self.config.store.key_prefix, tree.namespace_id)  # page hash -> store key
         complain = LogOnce(log)
         self.requests = RequestTable()
-        self.slots = Slots(tree, ctl, device_allocator, cfg, self.stats_obj.counters, key_of, has_mirror)
+        self.slots = Slots(tree, ctl, device_allocator, cfg, self.stats_obj.counters, key_of, has_mirror,
+                           back_up=self._back_up)
         self.writes = Writes(self.slots, cfg, self.stats_obj, key_of, complain, self.events)
         self.loads = Loads(self.slots, cfg, self.stats_obj, complain)
         self.prefetcher = Prefetcher(self.slots, cfg, self.stats_obj, key_of, clock)
         self.completions = Completions(ctl, self.writes, self.loads, self.prefetcher, self.agreement,
                                        self.stats_obj.counters)
-        self.slots.back_up = self.completions.back_up
+
+    def _back_up(self, leaves: list[TreeNode]) -> None:
+        """Write-back eviction backs these leaves' paths up first (slots.py calls this)."""
+        self.completions.back_up(leaves)
 
     @classmethod
     def from_yaml(cls, path: str, tp_group=None, **overrides) -> "TieredCache":
@@ -213,7 +220,7 @@ class TieredCache:
         held = Held(m.last_device_node, device_hit, load, key, hashed)
         self.requests.hold(request_id, held)
         loaded = held.loaded
-        self.requests.pages += loaded // self.page_size
+        self.requests.hand_out(loaded // self.page_size)
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
         self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
         # a copy, never a view of a node's slots: what a request is handed is its own to change
@@ -241,7 +248,7 @@ class TieredCache:
         slots = self.slots.alloc_device(pages * self.page_size)
         if slots is None:
             return None
-        self.requests.pages += pages
+        self.requests.hand_out(pages)
         return tensor(slots)
 
     def free(self, indices: torch.Tensor) -> None:
@@ -251,7 +258,7 @@ class TieredCache:
     def _free(self, slots: np.ndarray) -> None:
         if slots.size:
             self.slots.free_device(slots)  # a double free raises here, changing nothing
-            self.requests.pages -= len(set(pages_of(slots, self.page_size).tolist()))
+            self.requests.take_back(len(set(pages_of(slots, self.page_size).tolist())))
 
     def room(self) -> int:
         """Device tokens `alloc` could hand out now: free, plus what eviction could free."""
@@ -334,7 +341,7 @@ class TieredCache:
         self.unlock(held.node)
         loaded = held.loaded
         if held.load is not None:
-            self.requests.pages -= loaded // self.page_size
+            self.requests.take_back(loaded // self.page_size)
             self.loads.orphan(held.load)
         if mine is not None:
             self._free(mine[held.tree_len + loaded:])
@@ -363,7 +370,7 @@ class TieredCache:
                 self.slots.free_device(kv[tree_len:prefix_len])
             if end > aligned:
                 self.slots.free_device(kv[aligned:end])
-        self.requests.pages -= -(-end // self.page_size) - tree_len // self.page_size
+        self.requests.take_back(-(-end // self.page_size) - tree_len // self.page_size)
 
     # -- steps --------------------------------------------------------------------------------
 

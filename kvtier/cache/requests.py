@@ -100,6 +100,14 @@ class RequestTable:
             raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
         return held
 
+    def hand_out(self, pages: int) -> None:
+        """`pages` device pages more are the requests' (a load's slots, an `alloc`)."""
+        self.pages += pages
+
+    def take_back(self, pages: int) -> None:
+        """`pages` device pages left the requests (freed, or kept by the tree)."""
+        self.pages -= pages
+
     def ids(self) -> list[str]:
         return list(self._held)
 

@@ -39,7 +39,7 @@ BackUp = Callable[[list[TreeNode]], None]  # write these leaves' paths to host a
 class Slots:
     def __init__(self, tree: RadixTree, controller: CacheController, device: DeviceAllocator,
                  config: ControllerConfig, counters: Counters, key_of: Callable[[bytes], str],
-                 has_mirror: bool) -> None:
+                 has_mirror: bool, back_up: BackUp) -> None:
         self.tree = tree
         self.ctl = controller
         self.device = device
@@ -52,7 +52,7 @@ class Slots:
         whole_pages = lambda size: int(size * config.evict_headroom) // self.page_size * self.page_size
         self.device_headroom = whole_pages(device.size)
         self.host_headroom = whole_pages(controller.mirror.size) if has_mirror else 0
-        self.back_up: BackUp | None = None  # set by the cache: write-back eviction backs paths up first
+        self.back_up = back_up  # write-back eviction backs paths up first (the cache's completions)
 
     # -- device -------------------------------------------------------------------------------
 
@@ -84,7 +84,7 @@ class Slots:
         ev = self.tree.evict_device(n + headroom, backup_first=self.write_back)
         self._free_evicted(ev)
         evicted = ev.evicted_tokens
-        if evicted < n and ev.needs_backup and self.back_up is not None:
+        if evicted < n and ev.needs_backup:
             self.back_up(ev.needs_backup)
             ev = self.tree.evict_device(n + headroom - evicted, backup_first=True)
             self._free_evicted(ev)

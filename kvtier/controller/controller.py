@@ -85,9 +85,11 @@ class LoadOp(Generic[Tag]):
 
 class CacheController:
     def __init__(self, pool: DeviceKVPool, mirror: HostMirror | None, store: Store | None,
-                 config: ControllerConfig, stream_factory=make_stream, clock=time.monotonic) -> None:
+                 config: ControllerConfig, stream_factory=make_stream, clock=time.monotonic,
+                 manifest: tuple[str, str, dict] | None = None) -> None:
         """`stream_factory(name, device)` makes the write and load streams (a test passes
-        one whose every copy it schedules itself); `clock` times the store breaker's probes."""
+        one whose every copy it schedules itself); `clock` times the store breaker's probes;
+        `manifest` (key prefix, namespace id, manifest) is written to the store once."""
         cpus = check_cpus(config.cpus)  # before any thread starts: a bad value leaves nothing behind
         self.pool = pool
         self.mirror = mirror
@@ -102,7 +104,8 @@ class CacheController:
         if store is not None and mirror is not None:
             breaker = BreakerConfig(config.store_down_after_failures, config.store_probe_backoff_s,
                                     config.store_probe_max_backoff_s)
-            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock, cpus)
+            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock, cpus,
+                                         manifest)
         self._queued_writes: list[WriteOp] = []
         self._queues: dict[OpKind, deque] = {kind: deque() for kind in OpKind}
         self._prefetches: dict[str, PrefetchOp] = {}  # in submission order

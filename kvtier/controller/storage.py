@@ -137,15 +137,16 @@ class StorageWorker:
 
     def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int,
                  breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic,
-                 cpus: frozenset[int] | None = None) -> None:
-        """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py)."""
+                 cpus: frozenset[int] | None = None, manifest: tuple[str, str, dict] | None = None) -> None:
+        """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py);
+        `manifest`: (key prefix, namespace id, manifest) to write before the first page."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
         self._complain = Complaints(log)  # a full disk fails every backup: not a line each
         self.keeps_page_order = type(store).touch is not Store.touch  # else `touch` would do nothing
         self.clock = clock
         self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
-        self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to write once
+        self.manifest = manifest  # written once, then None
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
