@@ -44,10 +44,9 @@ class LinkerStore:
     def __init__(self, store: Store, mirror: HostMirror, settings, counters, clock: Callable[[], float]) -> None:
         self.store, self.mirror, self.counters = store, mirror, counters
         self.prefix, self.namespace_id = settings.key_prefix, settings.namespace.id
+        manifest = (settings.key_prefix, self.namespace_id, settings.namespace.manifest(mirror.page_bytes))
         self.worker = StorageWorker(store, mirror, settings.max_inflight_bytes, settings.breaker, clock,
-                                    settings.cpus)
-        self.worker.manifest = (settings.key_prefix, self.namespace_id,
-                                settings.namespace.manifest(mirror.page_bytes))
+                                    settings.cpus, manifest)
         self.progress = threading.Event()  # set whenever a read moves
 
     @property
