@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-_SECRET_FIELD = re.compile(r"password|secret|access_key|token", re.IGNORECASE)
+_SECRET_FIELD = re.compile(r"password|secret|access_key|token|tenant_key$", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:

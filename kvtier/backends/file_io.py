@@ -80,6 +80,20 @@ def _read_file(path: Path) -> bytes:
         return f.read()
 
 
+def _read_sealed_into(codec, items: list[tuple]) -> list:
+    """One thread job of `batch_get_into` for a store with a tenant key: each page of
+    `items` (path, ns, h, view) read whole, then authenticated (and decrypted) by `codec`
+    into its view; True, or the FrameError or OSError in its place."""
+    out: list = []
+    for path, ns, h, view in items:
+        try:
+            codec.decode_into(_read_file(path), ns, h, view)
+            out.append(True)
+        except (FrameError, OSError) as exc:
+            out.append(exc)
+    return out
+
+
 _HASH_CHUNK = 1 << 20  # big pages are written in chunks of this many bytes, hashed in cache
 _READ_CHUNK = 2 << 20  # and read in chunks of this many, hashed on a hashing thread
 _HASH_AWAY = 1 << 20  # pages this big are checked on a hashing thread as they are read
@@ -258,7 +272,7 @@ def _write_page(fd: int, page: frame.Frame) -> None:
     big page in chunks, each hashed just before it is written (still in cache), then the
     header in front."""
     payload = page.payload
-    if len(payload) > _HASH_CHUNK:
+    if len(payload) > _HASH_CHUNK and not page.codec.keyed:
         hasher = xxhash.xxh3_64()
         for off in range(0, len(payload), _HASH_CHUNK):
             chunk = payload[off:off + _HASH_CHUNK]
@@ -266,7 +280,7 @@ def _write_page(fd: int, page: frame.Frame) -> None:
             _write_all(fd, chunk, frame.HEADER_SIZE + off)
         _write_all(fd, memoryview(page.header_with(hasher.intdigest())), 0)
         return
-    header = page.header
+    header, payload = page  # a sealed page's body is its ciphertext
     n = os.writev(fd, [header, payload])
     if n < len(header) + len(payload):  # a short write: finish the rest
         rest = memoryview(header + payload)[n:] if n < len(header) else payload[n - len(header):]
