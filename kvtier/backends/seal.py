@@ -5,11 +5,12 @@
     | MAC 32 B | pad 8 B                                                         (128 B header)
 
 - mode 1, `mac`: body = the payload; MAC = HMAC-SHA256(mac subkey, sealed part ‖ payload);
-  the nonce is zero.
+  the nonce and the pad are zero.
 - mode 2, `aes-256-gcm` (`namespace.encrypt: true`): body = AES-256-GCM ciphertext ‖ its
   16-byte tag, the sealed part as associated data, a random 12-byte nonce, under a key
   derived for this page (keyed BLAKE2b of namespace id ‖ page hash under the aead subkey),
-  so nonces need only differ between writes of the same page; the MAC field is zero.
+  so nonces need only differ between writes of the same page; the MAC field and pad are
+  zero.
 
 A reader with a key ring accepts only sealed frames whose key id it holds and whose MAC
 or tag verifies: an unsealed frame, one of another key, or one that does not authenticate
@@ -118,6 +119,9 @@ class SealedCodec:
             raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
         if h[:hlen] != page_hash or hlen != len(page_hash):
             raise FrameError("page hash in the frame differs from the key's")
+        unused = SEALED_PART + (32 if mode == MODE_MAC else 0)  # the rest of the header is zero
+        if view[unused:HEADER_SIZE] != bytes(HEADER_SIZE - unused):
+            raise FrameError("nonzero bytes in the header's unused part")
         body = view[HEADER_SIZE:]
         want = length + (TAG_SIZE if mode == MODE_AEAD else 0)
         if len(body) != want:
