@@ -13,6 +13,7 @@ import os
 import queue
 import socket
 import stat
+import threading
 import uuid
 from pathlib import Path
 
@@ -82,16 +83,56 @@ def _read_file(path: Path) -> bytes:
 
 def _read_sealed_into(codec, items: list[tuple]) -> list:
     """One thread job of `batch_get_into` for a store with a tenant key: each page of
-    `items` (path, ns, h, view) read whole, then authenticated (and decrypted) by `codec`
-    into its view; True, or the FrameError or OSError in its place."""
+    `items` (path, ns, h, view) read and authenticated (and decrypted) by `codec` into its
+    view (`_read_sealed_page`); True, or the FrameError or OSError in its place."""
     out: list = []
     for path, ns, h, view in items:
         try:
-            codec.decode_into(_read_file(path), ns, h, view)
+            _read_sealed_page(codec, path, ns, h, view)
             out.append(True)
         except (FrameError, OSError) as exc:
             out.append(exc)
     return out
+
+
+def _read_sealed_page(codec, path: str, ns: str, h: bytes, view: memoryview) -> None:
+    """The header, then the body: an authenticated page straight into the caller's
+    buffer, an encrypted one into this thread's scratch buffer and decrypted from there."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = os.pread(fd, codec.header_size, 0)
+        codec.read_into(header, lambda bufs: _preadv_all(fd, bufs, codec.header_size), ns, h, view, _scratch)
+    finally:
+        os.close(fd)
+
+
+def _preadv_all(fd: int, bufs: list, offset: int) -> int:
+    """Fill `bufs` from `offset` on until they are full or the file ends; bytes read."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    total = 0
+    while views:
+        k = os.preadv(fd, views, offset + total)
+        if k == 0:
+            break
+        total += k
+        while views and k >= len(views[0]):
+            k -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][k:]
+    return total
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A buffer of at least `n` bytes that this I/O thread keeps (its biggest page's),
+    so an encrypted read does not fault in fresh memory every time."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _SCRATCH.buf = bytearray(n)
+    return memoryview(buf)
 
 
 _HASH_CHUNK = 1 << 20  # big pages are written in chunks of this many bytes, hashed in cache

@@ -23,7 +23,7 @@ TEST_KEY = "5e" * 32  # a tenant key for tests only
 
 def sealed_harness(h: "Harness", sealing: str | None = None) -> "Harness":
     """`h` whose stores frame with `sealing` (default: SEALING): plain, or sealed with
-    TEST_KEY (HMAC-SHA256, or AES-256-GCM)."""
+    TEST_KEY (AES-256-GMAC, or AES-256-GCM)."""
     sealing = SEALING if sealing is None else sealing
     if sealing not in SEALINGS:
         raise ValueError(f"STORE_TEST_SEALING={sealing!r}: allowed {', '.join(SEALINGS)}")

@@ -1,12 +1,13 @@
 """Sealed frames and keyed page hashes (docs/formats.md, docs/security.md), byte by byte."""
 
 import hashlib
-import hmac
 import os
 import struct
 
 import numpy as np
 import pytest
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.backends import frame, seal
 from kvtier.backends.frame import FrameError
@@ -32,20 +33,20 @@ def test_sealed_frame_layout_is_the_documented_one(encrypt):
     magic, version, mode, ns, hlen, h, length, key_id, nonce = struct.unpack_from("<4sHH16sB32sQ8s12s3x", blob)
     key = c.keys.current
     assert (magic, version, ns, hlen, h, length, key_id) == (b"KVTP", 2, bytes.fromhex(NS), 32, H, 4096, key.key_id)
-    if not encrypt:  # HMAC-SHA256 over the sealed part and the payload; body = payload
-        assert mode == 1 and nonce == bytes(12) and bytes(body) == payload
-        assert blob[88:120] == hmac.new(key.mac_key, blob[:88] + payload, hashlib.sha256).digest()
-    else:  # AES-256-GCM, a key per page, the sealed part as associated data; ciphertext ‖ tag
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-        page_key = hashlib.blake2b(bytes.fromhex(NS) + H, key=key.aead_key, digest_size=32).digest()
+    write_key = hashlib.blake2b(blob[:88], key=key.aead_key if encrypt else key.mac_key,
+                                digest_size=32).digest()  # a key per write, from the whole sealed part
+    if not encrypt:  # GMAC (AES-256-GCM without plaintext) of the payload; body = payload
+        assert mode == 1 and bytes(body) == payload and blob[104:128] == bytes(24)
+        assert AESGCM(write_key).encrypt(nonce, b"", payload) == blob[88:104]
+    else:  # AES-256-GCM, the sealed part as associated data; ciphertext ‖ tag
         assert mode == 2 and blob[88:128] == bytes(40) and payload not in blob
-        assert AESGCM(page_key).decrypt(nonce, blob[128:], blob[:88]) == payload
+        assert AESGCM(write_key).decrypt(nonce, blob[128:], blob[:88]) == payload
     assert bytes(c.decode(blob, NS, H)) == payload
-    assert c.seal(NS, H, payload)[0] != header if encrypt else c.seal(NS, H, payload)[0] == header  # fresh nonces
+    assert c.seal(NS, H, payload)[0] != header  # a fresh nonce every time
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
-@pytest.mark.parametrize("offset", [0, 4, 6, 8, 24, 25, 57, 65, 73, 86, 88, 119, 124, 140, -1])
+@pytest.mark.parametrize("offset", [0, 4, 6, 8, 24, 25, 57, 65, 73, 86, 88, 103, 104, 119, 124, 140, -1])
 def test_any_byte_changed_in_the_sealed_part_or_the_body_is_a_miss(encrypt, offset):
     c = codec(encrypt=encrypt)
     header, body = c.seal(NS, H, os.urandom(4096))
@@ -116,3 +117,29 @@ def test_keyed_page_hashes_follow_the_spec_and_unkeyed_ones_are_unchanged():
     keyed_ns = Namespace("m", "float16", "mha", 16, tenant_key_id=key.key_id.hex())
     assert keyed_ns.id != ns.id and keyed_ns.manifest(1)["tenant_key_id"] == key.key_id.hex()
     assert "tenant_key_id" not in ns.manifest(1)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+@pytest.mark.parametrize("damage", ["none", "flip_first", "flip_last", "one_byte_short", "one_byte_more",
+                                    "header_only", "empty"])
+async def test_the_file_stores_piecewise_sealed_read_misses_every_damage(tmp_path, encrypt, damage):
+    """The file store reads a sealed page header first, then the body into the caller's
+    buffer (authenticated) or its thread's scratch buffer (encrypted)."""
+    from kvtier.backends.file import FileStore, FileStoreConfig
+    from tests.backends.stores import new_key
+
+    store = FileStore(FileStoreConfig(root=str(tmp_path)))
+    store.seal_with(codec(encrypt=encrypt))
+    k, payload = new_key(), os.urandom((2 << 20) + 4096)
+    assert await store.batch_set([k], [payload]) == [True]
+    path = store.path(k)
+    blob = bytearray(path.read_bytes())
+    blob = {"flip_first": lambda b: b[:128] + bytes([b[128] ^ 1]) + b[129:],
+            "flip_last": lambda b: b[:-1] + bytes([b[-1] ^ 1]), "one_byte_short": lambda b: b[:-1],
+            "one_byte_more": lambda b: b + b"\0", "header_only": lambda b: b[:128], "empty": lambda b: b""
+            }.get(damage, lambda b: b)(blob)
+    path.write_bytes(bytes(blob))
+    buf = bytearray(len(payload))
+    assert await store.batch_get_into([k], [buf]) == [damage == "none"]
+    assert (bytes(buf) == payload) if damage == "none" else store.stats()["frame_failures"] == 1
+    await store.close()
