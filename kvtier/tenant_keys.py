@@ -12,12 +12,16 @@ key ring: the first seals new pages and keys the page hashes, the others only le
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
+import stat
 
 KEY_BYTES = 32
 KEY_ID_BYTES = 8
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
 _PERSON = b"kvtier-tenant"
+log = logging.getLogger(__name__)
 
 
 def _derive(secret: bytes, purpose: bytes, size: int) -> bytes:
@@ -99,8 +103,12 @@ def load_keys(tenant_key: str | None, tenant_key_file: str | None, section: str 
         return None
     try:
         with open(tenant_key_file, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{section}.tenant_key_file={tenant_key_file!r}: cannot read it "
                          f"({type(exc).__name__}: {getattr(exc, 'strerror', None) or 'not text'})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("%s.tenant_key_file=%r: others than its owner may read it (mode %03o); chmod 600 it",
+                    section, tenant_key_file, stat.S_IMODE(mode))
     return parse_keys(text, f"{section}.tenant_key_file={tenant_key_file!r}")

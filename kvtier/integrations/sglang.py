@@ -127,7 +127,7 @@ class KvtierStorageBase:
         self.store: Store = self._loop.run(self._build(config))
         keys = config.namespace.tenant_keys()
         self.tenant_key_id = None if keys is None else keys.current.key_id.hex()
-        self.keyed = None if keys is None else KeyedHash(keys.current.hash_key, "sha256", self.tenant_key_id)
+        self.keyed_hash = None if keys is None else KeyedHash(keys.current.hash_key, "sha256", self.tenant_key_id)
         if keys is not None:
             self.store.seal_with(SealedCodec(keys, config.namespace.encrypt))
         self.breaker = Breaker(self.store.name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
@@ -197,7 +197,7 @@ class KvtierStorageBase:
             raise RuntimeError("kvtier SGLang backend: register_mem_pool_host() must come before any I/O")
         if isinstance(keys, str):
             raise ValueError("keys: expected a list of SGLang page hashes, got one string")
-        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k, self.keyed)) for k in keys]
+        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k, self.keyed_hash)) for k in keys]
 
     # -- store calls -----------------------------------------------------------------------
 

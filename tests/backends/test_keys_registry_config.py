@@ -357,6 +357,10 @@ def test_tenant_key_is_never_printed_by_config_or_reprs(tmp_path, caplog):
 
     key_file = tmp_path / "tenant.key"
     key_file.write_text(f"# current first\n{KEY}\n{'ab' * 32}\n")
+    key_file.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        load_config(None, {"namespace": {"tenant_key_file": str(key_file)}}, env={})
+    assert "others than its owner may read it (mode 644); chmod 600 it" in caplog.text
     for namespace, env in ((f"{{tenant_key: '{KEY}'}}", {}), ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": KEY}),
                            (f"{{tenant_key_file: '{key_file}', encrypt: true}}", {})):
         p = tmp_path / "k.yaml"
