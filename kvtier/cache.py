@@ -42,7 +42,7 @@ from kvtier.controller.stats import CacheStats, PrometheusCollector
 from kvtier.controller.streams import TransferError, make_stream
 from kvtier.controller.tp import Agreement
 from kvtier.errors import StoreError, StoreUnavailable
-from kvtier.hashing import KeyedHash, Namespace
+from kvtier.hashing import Namespace
 from kvtier.held import Held
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
 from kvtier.tiers.mirror import HostMirror
@@ -90,13 +90,12 @@ class TieredCache:
         keys = ns.tenant_keys()  # docs/security.md: keyed page hashes and sealed frames
         self.namespace = Namespace(ns.model_id, config.pool.dtype, _layout(config), config.pool.page_size,
                                    rank, size, ns.tenant_salt, revision=ns.revision,
-                                   tenant_key_id=keys and keys.current.key_id.hex())
+                                   tenant_key_id=None if keys is None else keys.current.key_id.hex())
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
         if store is not None and keys is not None:
             store.seal_with(SealedCodec(keys, ns.encrypt))
-        hash_algo = config.tree.hash_algo if keys is None else \
-            KeyedHash(keys.current.hash_key, config.tree.hash_algo, keys.current.key_id.hex())
+        hash_algo = config.tree.hash_algo if keys is None else keys.current.page_hash(config.tree.hash_algo)
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, hash_algo)
         self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock)

@@ -17,6 +17,8 @@ import os
 import re
 import stat
 
+from kvtier.hashing import KeyedHash
+
 KEY_BYTES = 32
 KEY_ID_BYTES = 8
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
@@ -40,6 +42,10 @@ class TenantKey:
         self.hash_key = _derive(secret, b"page-hash", 32)
         self.mac_key = _derive(secret, b"frame-mac", 32)
         self.aead_key = _derive(secret, b"frame-aead", 32)
+
+    def page_hash(self, hash_algo: str) -> KeyedHash:
+        """The keyed page hash that stands in for `hash_algo` (same digest size)."""
+        return KeyedHash(self.hash_key, hash_algo, self.key_id.hex())
 
     def __repr__(self) -> str:
         return f"TenantKey(id={self.key_id.hex()})"

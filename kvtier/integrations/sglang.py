@@ -127,7 +127,7 @@ class KvtierStorageBase:
         self.store: Store = self._loop.run(self._build(config))
         keys = config.namespace.tenant_keys()
         self.tenant_key_id = None if keys is None else keys.current.key_id.hex()
-        self.keyed_hash = None if keys is None else KeyedHash(keys.current.hash_key, "sha256", self.tenant_key_id)
+        self.keyed_hash = None if keys is None else keys.current.page_hash("sha256")
         if keys is not None:
             self.store.seal_with(SealedCodec(keys, config.namespace.encrypt))
         self.breaker = Breaker(self.store.name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
