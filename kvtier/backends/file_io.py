@@ -96,12 +96,12 @@ def _read_sealed_into(codec, items: list[tuple]) -> list:
 
 
 def _read_sealed_page(codec, path: str, ns: str, h: bytes, view: memoryview) -> None:
-    """The header, then the body: an authenticated page straight into the caller's
-    buffer, an encrypted one into this thread's scratch buffer and decrypted from there."""
+    """Header, body and a byte more in one readv: an authenticated page straight into the
+    caller's buffer, an encrypted one into this thread's scratch buffer, decrypted from
+    there (`SealedCodec.read_into`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        header = os.pread(fd, codec.header_size, 0)
-        codec.read_into(header, lambda bufs: _preadv_all(fd, bufs, codec.header_size), ns, h, view, _scratch)
+        codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, view, _scratch)
     finally:
         os.close(fd)
 

@@ -161,24 +161,32 @@ class SealedCodec:
             return
         decrypt(opened, body, view)
 
-    def read_into(self, header: Buffer, read: Callable[[list], int], namespace_id: str, page_hash: bytes,
-                  view: memoryview, scratch: Callable[[int], memoryview]) -> None:
-        """A frame read piece by piece (the file store): `header`, then `read(buffers)`
-        fills the body (and a byte more) into buffers and says how many bytes it read. A
-        mode 1 body goes straight into `view` and is checked there; a mode 2 body into
-        `scratch(n)` (a buffer of at least n bytes), decrypted into `view`. FrameError if
-        it does not authenticate (`view` may then hold garbage)."""
-        opened = self.open_header(header, namespace_id, page_hash)
+    def read_into(self, read: Callable[[list], int], namespace_id: str, page_hash: bytes, view: memoryview,
+                  scratch: Callable[[int], memoryview]) -> None:
+        """A frame read in one go (the file store): `read(buffers)` fills the header, the
+        body and a byte more into buffers and says how many bytes it read. The body goes
+        where this codec's own mode wants it: an authenticated one straight into `view`,
+        checked there; an encrypted one into `scratch(n)` (a buffer of at least n bytes),
+        decrypted into `view`; a frame of the other mode is moved over first. FrameError
+        if it does not authenticate (`view` may then hold garbage)."""
+        header, tail, body = bytearray(HEADER_SIZE), bytearray(TAG_SIZE + 1), None
+        if self.encrypt:
+            body = scratch(len(view) + TAG_SIZE + 1)[:len(view) + TAG_SIZE + 1]
+            n = read([header, body]) - HEADER_SIZE
+        else:
+            n = read([header, view, tail]) - HEADER_SIZE
+        opened = self.open_header(header[:HEADER_SIZE + min(n, 0)], namespace_id, page_hash)
         if opened.length != len(view):
             raise FrameError(f"page is {opened.length} bytes, the buffer {len(view)}")
+        _check_length(n, opened)
         if opened.mode == MODE_MAC:
-            n = read([view, bytearray(1)])
-            _check_length(n, opened)
+            if body is not None:
+                view[:] = body[:len(view)]
             check_tag(opened, view)
             return
-        body = scratch(opened.body_size + 1)[:opened.body_size + 1]
-        n = read([body])
-        _check_length(n, opened)
+        if body is None:  # ciphertext in `view`, its tag in `tail`: together, as AES-GCM takes them
+            body = scratch(opened.body_size)
+            body[:len(view)], body[len(view):opened.body_size] = view, tail[:TAG_SIZE]
         decrypt(opened, body[:opened.body_size], view)
 
 

@@ -143,3 +143,27 @@ async def test_the_file_stores_piecewise_sealed_read_misses_every_damage(tmp_pat
     assert await store.batch_get_into([k], [buf]) == [damage == "none"]
     assert (bytes(buf) == payload) if damage == "none" else store.stats()["frame_failures"] == 1
     await store.close()
+
+
+@pytest.mark.parametrize("written_encrypted", [False, True])
+async def test_the_file_store_reads_pages_of_the_other_mode(tmp_path, written_encrypted):
+    """`encrypt` switched on (or off) with the same key: the pages sealed before still
+    read, though the file store lays out its read for its own mode."""
+    from kvtier.backends.file import FileStore, FileStoreConfig
+    from tests.backends.stores import new_key
+
+    cfg = FileStoreConfig(root=str(tmp_path))
+    writer, reader = FileStore(cfg), FileStore(cfg)
+    writer.seal_with(codec(encrypt=written_encrypted))
+    reader.seal_with(codec(encrypt=not written_encrypted))
+    keys, pages = [new_key(), new_key()], [os.urandom(4096), os.urandom(3 << 20)]
+    assert await writer.batch_set(keys, pages) == [True, True]
+    bufs = [bytearray(len(p)) for p in pages]
+    assert await reader.batch_get_into(keys, bufs) == [True, True] and bufs == pages
+    path = reader.path(keys[0])
+    blob = bytearray(path.read_bytes())
+    blob[-1] ^= 1
+    path.write_bytes(bytes(blob))
+    assert await reader.batch_get_into(keys[:1], [bytearray(4096)]) == [False]
+    for s in (writer, reader):
+        await s.close()
