@@ -24,6 +24,7 @@ from kvtier.errors import KvtierConfigError
 from kvtier.events.config import EventsConfig
 from kvtier.hashing import PREFIX_RE, HASH_ALGOS
 from kvtier.secrets import shown
+from kvtier.tenant_keys import TenantKeys, load_keys
 from kvtier.validate import check_positive
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import PoolConfig
@@ -37,11 +38,27 @@ log = logging.getLogger(__name__)
 class NamespaceConfig:
     """What names the bytes beyond the pool's geometry: `model_id`, plus `revision` when
     one model id can have several weights (a fine-tune, a checkpoint: pages of another
-    revision are never served), and a `tenant_salt` that keeps tenants apart."""
+    revision are never served), and a `tenant_salt` that keeps tenants apart.
+
+    `tenant_key` (a secret: 64 hex digits, or several separated by commas, the first
+    current) or `tenant_key_file` (a file holding them) keys the tenant's page hashes and
+    seals its frames, with `encrypt: true` encrypting them too (docs/security.md)."""
 
     model_id: str = "default"
     tenant_salt: str | None = None
     revision: str | None = None
+    tenant_key: str | None = field(default=None, repr=False)
+    tenant_key_file: str | None = None
+    encrypt: bool = False
+
+    def __post_init__(self) -> None:
+        self.tenant_keys()  # refuses a malformed key now, naming the field but never the key
+        if self.encrypt and self.tenant_key is None and self.tenant_key_file is None:
+            raise ValueError("encrypt=True: needs namespace.tenant_key or namespace.tenant_key_file")
+
+    def tenant_keys(self) -> TenantKeys | None:
+        """The tenant's key ring, or None without a key."""
+        return load_keys(self.tenant_key, self.tenant_key_file)
 
 
 @dataclass(slots=True, frozen=True)
@@ -290,14 +307,24 @@ def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[s
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:
-    """Check (YAML) or convert (env strings) `value` to `hint`; error names field and value."""
+    """Check (YAML) or convert (env strings) `value` to `hint`; error names field and value
+    (a secret's value as ***)."""
+    try:
+        return _coerce_value(name, hint, value)
+    except KvtierConfigError as exc:
+        if shown(name.rpartition(".")[2], value) == "***":
+            raise KvtierConfigError(str(exc).replace(repr(value), "***")) from None
+        raise
+
+
+def _coerce_value(name: str, hint: Any, value: Any) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(name, inner[0], value) if len(inner) == 1 else value
+        return _coerce_value(name, inner[0], value) if len(inner) == 1 else value
     if origin is Literal:
         if value not in args:
             raise KvtierConfigError(f"{name}={value!r}: allowed values are {', '.join(map(str, args))}")

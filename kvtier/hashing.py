@@ -61,6 +61,7 @@ class Namespace:
     tenant_salt: str | None = None
     key_format_version: int = KEY_FORMAT_VERSION
     revision: str | None = None  # the weights' revision or fingerprint (same model id, other bytes)
+    tenant_key_id: str | None = None  # hex id of the tenant key (never the key): its pages are sealed
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -71,10 +72,13 @@ class Namespace:
     def manifest(self, page_bytes: int) -> dict:
         """What `tierctl store ls` shows of a namespace (docs/formats.md). The tenant salt
         itself is never stored: only a digest that `purge --tenant SALT` can match."""
-        return {"format": 1, "namespace": self.id, "model_id": self.model_id, "revision": self.revision,
-                "dtype": self.dtype, "layout": self.layout, "page_size": self.page_size, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "tenant": tenant_digest(self.tenant_salt),
-                "key_format_version": self.key_format_version, "page_bytes": page_bytes}
+        out = {"format": 1, "namespace": self.id, "model_id": self.model_id, "revision": self.revision,
+               "dtype": self.dtype, "layout": self.layout, "page_size": self.page_size, "tp_rank": self.tp_rank,
+               "tp_size": self.tp_size, "tenant": tenant_digest(self.tenant_salt),
+               "key_format_version": self.key_format_version, "page_bytes": page_bytes}
+        if self.tenant_key_id is not None:
+            out["tenant_key_id"] = self.tenant_key_id
+        return out
 
     @property
     def id(self) -> str:
@@ -82,8 +86,8 @@ class Namespace:
         h = hashlib.sha256(b"kvtier/namespace")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "revision" and value is None:
-                continue  # ids from before revisions existed stay the same
+            if f.name in ("revision", "tenant_key_id") and value is None:
+                continue  # ids from before these fields existed stay the same
             h.update(_field(f.name.encode(), b"\x00" if value is None else b"\x01" + str(value).encode()))
         return h.hexdigest()[:NAMESPACE_ID_HEX]
 
@@ -92,7 +96,28 @@ def tenant_digest(salt: str | None) -> str | None:
     return None if salt is None else hashlib.sha256(b"kvtier/tenant\x00" + salt.encode()).hexdigest()[:16]
 
 
-def _hasher(algo: str):
+class KeyedHash:
+    """The page-hash function of a tenant with a key: keyed BLAKE2b of the digest size its
+    `hash_algo` names (32 bytes for sha256, 16 for xxh3_128), so only a holder of the key
+    can tell which tokens a page hash stands for (docs/security.md). It goes wherever a
+    `hash_algo` name goes; its repr names the key's id, never the key."""
+
+    __slots__ = ("digest_size", "_key", "key_id")
+
+    def __init__(self, hash_key: bytes, algo: str, key_id: str) -> None:
+        _hasher(algo)  # refuses an unknown name
+        self.digest_size, self._key, self.key_id = (32 if algo == "sha256" else 16), hash_key, key_id
+
+    def __call__(self, data: bytes = b""):
+        return hashlib.blake2b(data, digest_size=self.digest_size, key=self._key)
+
+    def __repr__(self) -> str:
+        return f"keyed-blake2b-{8 * self.digest_size}(key {self.key_id})"
+
+
+def _hasher(algo):
+    if isinstance(algo, KeyedHash):
+        return algo
     if algo == "sha256":
         return hashlib.sha256
     if algo == "xxh3_128":
@@ -106,7 +131,7 @@ def page_hashes(
     namespace_id: str,
     extra_key: str | None = None,
     prev: bytes | None = None,
-    algo: str = "sha256",
+    algo: str | KeyedHash = "sha256",
 ) -> list[bytes]:
     """Hash chain of the *whole* pages of `tokens`, continuing from `prev` (None = seed).
 

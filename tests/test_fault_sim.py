@@ -39,3 +39,13 @@ def test_fault_sim_kernel_io_path_finds_no_violation():
 def test_fault_sim_drawn_setups_find_no_violation(seed):
     out = io.StringIO()
     assert run(2000, seed, episode=400, out=out) == 0, out.getvalue()
+
+
+def test_fault_sim_with_sealed_pages_finds_no_violation():
+    """Pages sealed under a tenant key (docs/security.md): the damaged, swapped and
+    truncated pages the store answers with are misses, the bytes every forward reads right."""
+    setups = [Setup(4, "page_first", "direct", "write_through", "best_effort", sealing="mac"),
+              Setup(16, "layer_first", "direct", "write_back", "timeout", sealing="aes-gcm"),
+              Setup(1, "page_first", "direct", "write_through_selective", "wait_complete", sealing="aes-gcm")]
+    out = io.StringIO()
+    assert run(750, seed=11, episode=250, out=out, setups=setups) == 0, out.getvalue()

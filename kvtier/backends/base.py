@@ -65,18 +65,15 @@ def _is_page_key(key: str) -> bool:
 IntoResult = bool | FrameError | None
 
 
-def verify_into(blob, namespace_id: str, page_hash: bytes, view: memoryview) -> IntoResult:
+def verify_into(blob, namespace_id: str, page_hash: bytes, view: memoryview, codec=frame.PLAIN) -> IntoResult:
     """One stored blob into the caller's buffer: None if absent, the FrameError if it does
-    not verify (the buffer is untouched), True once the verified payload is in `view`."""
+    not verify (the buffer must not be used), True once the verified payload is in `view`."""
     if blob is None:
         return None
     try:
-        payload = frame.decode(blob, namespace_id, page_hash)
-        if len(payload) != len(view):
-            raise FrameError(f"page is {len(payload)} bytes, the buffer {len(view)}")
+        codec.decode_into(blob, namespace_id, page_hash, view)
     except FrameError as exc:
         return exc
-    view[:] = payload
     return True
 
 
@@ -99,6 +96,15 @@ class Store(ABC):
         self.timeout_s = timeout_s
         self.counters = StoreCounters()
         self._complaints = Complaints(log, f"{self.name} store: ")
+        self.codec = frame.PLAIN
+
+    def seal_with(self, codec) -> None:
+        """Frame and read every page with `codec` (a tenant's `SealedCodec`, docs/security.md)
+        from now on. One store object serves one tenant: a second, other codec is refused."""
+        if self.codec is not frame.PLAIN and codec is not self.codec:
+            raise ValueError(f"{self.name} store: this store object already seals pages for another tenant key; "
+                             "give each tenant's cache its own store object")
+        self.codec = codec
 
     # -- public API ------------------------------------------------------------------------
 
@@ -128,7 +134,7 @@ class Store(ABC):
                 out.append(self._count_read(key, None))
                 continue
             try:
-                payload = frame.decode(blob, ns, h)
+                payload = self.codec.decode(blob, ns, h)
             except FrameError as exc:
                 out.append(self._count_read(key, exc))
                 continue
@@ -159,7 +165,7 @@ class Store(ABC):
         if not keys:
             return []
         views = [memoryview(p).cast("B") for p in pages]
-        frames = [frame.Frame(ns, h, v) for (_, ns, h), v in zip(parsed, views)]  # headers made by the store
+        frames = [frame.Frame(ns, h, v, self.codec) for (_, ns, h), v in zip(parsed, views)]  # headers made by the store
         try:
             ok = await self._call("batch_set", self._set(list(keys), frames))
         except StoreError:
@@ -210,9 +216,11 @@ class Store(ABC):
                 namespaces[ns] = namespaces.get(ns, 0) + 1
         return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
 
-    async def check(self, keys: Sequence[str]) -> list[str | None]:
-        """Read and verify each page: None if its frame and checksum verify, else why not
-        ("missing", or the frame error). Nothing is counted as a hit or a miss."""
+    async def check(self, keys: Sequence[str], codec=None) -> list[str | FrameError | None]:
+        """Read and verify each page (with `codec`, else the store's): None if its frame and
+        checksum (or seal) verify, else why not ("missing", or the FrameError). Nothing is
+        counted as a hit or a miss."""
+        codec = self.codec if codec is None else codec
         parsed = self._check(keys)
         if not keys:
             return []
@@ -223,10 +231,10 @@ class Store(ABC):
                 out.append("missing")
                 continue
             try:
-                frame.decode(blob, ns, h)
+                codec.decode(blob, ns, h)
                 out.append(None)
             except FrameError as exc:
-                out.append(str(exc))
+                out.append(exc)
         return out
 
     async def put_manifest(self, prefix: str, namespace_id: str, manifest: dict) -> None:
@@ -288,7 +296,7 @@ class Store(ABC):
     async def _get_into(self, keys: list[str], parsed: list, views: list[memoryview]) -> list[IntoResult]:
         """Default: read whole frames, verify, copy. Stores that can read in place override."""
         blobs = await self._get(keys)
-        return [verify_into(blob, ns, h, view) for (_, ns, h), blob, view in zip(parsed, blobs, views)]
+        return [verify_into(blob, ns, h, view, self.codec) for (_, ns, h), blob, view in zip(parsed, blobs, views)]
 
     def _map_error(self, op: str, exc: BaseException) -> StoreError:
         """Client error -> kvtier error. Subclasses extend for their client's exceptions."""

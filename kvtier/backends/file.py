@@ -31,7 +31,8 @@ from pathlib import Path
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import FrameError
 from kvtier.backends.file_io import (
-    TMP, mtime, read_file, read_pages_into, run_all, sizes_of, unlink_quietly, write_atomically, write_small,
+    TMP, mtime, read_file, read_pages_into, read_sealed_into, run_all, sizes_of, unlink_quietly,
+    write_atomically, write_small,
 )
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
@@ -177,8 +178,8 @@ class FileStore(Store):
     async def _get_into(self, keys, parsed, views):
         await self._adopt(keys)
         items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
-        got = await self._jobs(partial(read_pages_into, self._hashers),
-                               [(self._file(k), ns, h, v) for k, ns, h, v in items])
+        job = partial(read_sealed_into, self.codec) if self.codec.keyed else partial(read_pages_into, self._hashers)
+        got = await self._jobs(job, [(self._file(k), ns, h, v) for k, ns, h, v in items])
         results = dict(zip([it[0] for it in items], got))
         return [self._after_read(k, results.get(k)) for k in keys]
 

@@ -4,7 +4,9 @@
     page hash 32 B (zero padded) | payload length u64 | xxh3-64 of payload u64 | pad 7 B
 
 A frame that does not verify (magic, version, namespace, page hash, length, checksum)
-is a miss, never data.
+is a miss, never data. That is the frame of a store without a tenant key (`PLAIN`); with
+one, pages are sealed instead (`kvtier/backends/seal.py`, docs/formats.md). A store frames
+and reads through its codec: `PLAIN` here, or a `SealedCodec`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,40 @@ HEADER_SIZE = _HEADER.size  # 80
 Buffer = Union[bytes, bytearray, memoryview]
 
 
+SEALED_VERSION = 2  # the version of a frame sealed with a tenant key (seal.py)
+
+
 class FrameError(Exception):
     """Why a stored blob is not the page asked for (turned into a miss by the store)."""
+
+
+class PlainCodec:
+    """The xxh3 frame: detects damage, not forgery (anyone who can write the store can
+    frame any bytes). The codec of a store without a tenant key."""
+
+    keyed = False
+    header_size = HEADER_SIZE
+
+    def frame_size(self, payload_length: int) -> int:
+        return HEADER_SIZE + payload_length
+
+    def seal(self, namespace_id: str, page_hash: bytes, payload: Buffer) -> tuple[bytes, Buffer]:
+        """(header, body): what the store writes for this page."""
+        return encode_header(namespace_id, page_hash, payload), payload
+
+    def decode(self, blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
+        return decode(blob, namespace_id, page_hash)
+
+    def decode_into(self, blob: Buffer, namespace_id: str, page_hash: bytes, view: memoryview) -> None:
+        """The verified payload of `blob` into `view` (same length); FrameError otherwise,
+        `view` then untouched."""
+        payload = decode(blob, namespace_id, page_hash)
+        if len(payload) != len(view):
+            raise FrameError(f"page is {len(payload)} bytes, the buffer {len(view)}")
+        view[:] = payload
+
+
+PLAIN = PlainCodec()
 
 
 def encode_header(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
@@ -38,35 +72,45 @@ def header_with(namespace_id: str, page_hash: bytes, length: int, checksum: int)
 
 
 class Frame:
-    """One page to store: its payload (the caller's buffer) and a header made on first use.
+    """One page to store: its payload (the caller's buffer), and a header and body (what
+    is written after the header) made by its codec on first use.
 
-    The header's checksum is one pass over the payload; a store computes it where it is
-    cheapest (in its I/O threads, or while streaming the payload: `header_with`). A frame
-    unpacks as `(header, payload)` for stores that want both at once."""
+    The header's checksum (or MAC, or the encryption) is one pass over the payload; a
+    store makes it where it is cheapest (in its I/O threads, or while streaming the payload
+    of a plain frame: `header_with`). The body is the payload itself, except for an
+    encrypted frame. A frame unpacks as `(header, body)` for stores that want both."""
 
-    __slots__ = ("namespace_id", "page_hash", "payload", "_header")
+    __slots__ = ("namespace_id", "page_hash", "payload", "codec", "_header", "_body")
 
-    def __init__(self, namespace_id: str, page_hash: bytes, payload: memoryview) -> None:
-        self.namespace_id, self.page_hash, self.payload = namespace_id, page_hash, payload
+    def __init__(self, namespace_id: str, page_hash: bytes, payload: memoryview, codec=PLAIN) -> None:
+        self.namespace_id, self.page_hash, self.payload, self.codec = namespace_id, page_hash, payload, codec
         self._header: bytes | None = None
+        self._body: Buffer = payload
 
     @property
     def size(self) -> int:
-        return HEADER_SIZE + len(self.payload)
+        return self.codec.frame_size(len(self.payload))
 
     @property
     def header(self) -> bytes:
         if self._header is None:
-            self._header = encode_header(self.namespace_id, self.page_hash, self.payload)
+            self._header, self._body = self.codec.seal(self.namespace_id, self.page_hash, self.payload)
         return self._header
 
+    @property
+    def body(self) -> Buffer:
+        """What follows the header (made with it: ask for the header first or at once)."""
+        self.header
+        return self._body
+
     def header_with(self, checksum: int) -> bytes:
-        """The header for a checksum the caller computed over the payload."""
+        """The plain header for a checksum the caller computed over the payload."""
+        assert not self.codec.keyed, "a sealed frame is made by its codec, not from an xxh3 checksum"
         return header_with(self.namespace_id, self.page_hash, len(self.payload), checksum)
 
     def __iter__(self):
         yield self.header
-        yield self.payload
+        yield self._body
 
 
 def encode(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
@@ -80,6 +124,8 @@ def check_header(header: Buffer, namespace_id: str, page_hash: bytes) -> tuple[i
     magic, version, _, ns, hlen, h, length, checksum = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
+    if version == SEALED_VERSION:
+        raise FrameError("frame sealed with a tenant key, and this store has no key for it")
     if version != VERSION:
         raise FrameError(f"frame version {version}, this build reads {VERSION}")
     if ns != bytes.fromhex(namespace_id):

@@ -206,7 +206,7 @@ class RedisStore(Store):
                 if isinstance(header, BaseException):
                     raise header
                 k = key.encode()
-                parts += [b"%s%s$%d\r\n%s\r\n$%d\r\n%s" % (lead, argc, len(k), k, frame.size, header), frame.payload]
+                parts += [b"%s%s$%d\r\n%s\r\n$%d\r\n%s" % (lead, argc, len(k), k, frame.size, header), frame.body]
                 lead, batched = end, batched + frame.size
                 if batched >= _SEND_BYTES or len(parts) >= _SEND_PARTS:
                     conn.send_packed_command(parts, check_health=False)

@@ -23,6 +23,7 @@ with it patched out, 1 and 8 MiB reads ran at 0.88-0.99x raw instead of 0.72-0.8
 (through the loop's self-pipe), ~0.4-0.6 ms a call there.
 
 Run: python benchmarks/stores.py   (or: tierctl bench stores)
+     python benchmarks/stores.py --sealing   what a tenant key costs (kvtier/bench/sealing.py)
 """
 
 from __future__ import annotations
@@ -199,7 +200,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--repeat", type=int, default=15, help="alternating rounds; each side keeps its best")
     p.add_argument("--only", nargs="*", choices=["memory", "file", "redis", "s3"], help="store names")
+    p.add_argument("--sealing", action="store_true",
+                   help="instead: sealed frames (AES-256-GMAC, AES-256-GCM) against the plain one (kvtier/bench/sealing.py)")
     args = p.parse_args(argv)
+    if args.sealing:
+        from kvtier.bench import sealing
+        sealing.run(args.repeat, args.only)
+        return
     run(args.repeat, args.only)
 
 

@@ -35,6 +35,7 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
+from kvtier.backends.seal import SealedCodec
 from kvtier.cache.completions import Completions
 from kvtier.cache.loads import Loads
 from kvtier.cache.prefetch import Prefetcher
@@ -103,12 +104,17 @@ class TieredCache:
             agreement = Agreement(tp_group, config.controller.consensus_check or None)
         rank, size = agreement.rank, agreement.world_size
         ns = config.namespace
+        keys = ns.tenant_keys()  # docs/security.md: keyed page hashes and sealed frames
         self.namespace = Namespace(ns.model_id, config.pool.dtype, config.pool.page_layout, config.pool.page_size,
-                                   rank, size, ns.tenant_salt, revision=ns.revision)
+                                   rank, size, ns.tenant_salt, revision=ns.revision,
+                                   tenant_key_id=None if keys is None else keys.current.key_id.hex())
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
+        if store is not None and keys is not None:
+            store.seal_with(SealedCodec(keys, ns.encrypt))
+        hash_algo = config.tree.hash_algo if keys is None else keys.current.page_hash(config.tree.hash_algo)
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
-                              self.namespace.id, config.tree.hash_algo)
+                              self.namespace.id, hash_algo)
         manifest = None if self.mirror is None else (config.store.key_prefix, self.namespace.id,
                                                      self.namespace.manifest(self.mirror.page_bytes))
         self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock,

@@ -3,10 +3,12 @@
     tierctl store ls     [--config C] [--json]      namespaces: model, dtype, layout, pages, bytes, age
     tierctl store du     [--config C] [--json]      bytes per namespace and in all
     tierctl store verify [--config C] [--prune]     read every page: good / bad / orphaned; exit 1 if bad
-    tierctl store purge  [--config C] (--namespace ID | --tenant SALT | --older-than 7d) [--dry-run]
+    tierctl store purge  [--config C] (--namespace ID | --tenant [SALT] | --older-than 7d) [--dry-run]
 
 Every command streams the store in batches (SCAN on Redis, list pages on S3); a progress
-line is drawn on a terminal. The page and manifest formats: docs/formats.md.
+line is drawn on a terminal. The page and manifest formats: docs/formats.md. With a tenant
+key in the config (`namespace.tenant_key`), `verify` authenticates that tenant's sealed
+pages and `purge --tenant` also finds them by their seal (docs/security.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import time
 from collections import defaultdict
 
+from kvtier.backends import frame, seal
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import split_key, tenant_digest
 
@@ -37,7 +40,9 @@ def add_arguments(p) -> None:
         if name == "purge":
             which = s.add_mutually_exclusive_group(required=True)
             which.add_argument("--namespace", help="a namespace id (see `tierctl store ls`)")
-            which.add_argument("--tenant", help="a tenant salt: every namespace made with it")
+            which.add_argument("--tenant", nargs="?", const="", metavar="SALT",
+                               help="a tenant salt: every namespace made with it; alone: the --config's tenant "
+                                    "(its salt, and every page sealed with its tenant key, manifest or not)")
             which.add_argument("--older-than", type=_age, help="pages written longer ago than this: 90m, 12h, 7d")
             s.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
 
@@ -62,6 +67,7 @@ def _store_from(config_path: str):
 def run(args, default_config: str) -> int:
     cfg, store = _store_from(args.config or default_config)
     action = {"ls": _ls, "du": _du, "verify": _verify, "purge": _purge}[args.action]
+    args.tenant_config = cfg.namespace  # the config's tenant: its salt and key ring (verify, purge)
 
     async def go():
         try:
@@ -143,35 +149,72 @@ async def _du(store, prefix, args) -> int:
     return 0
 
 
+class _AnyFrame:
+    """The codec for a namespace without a manifest: a plain frame is checked as plain, a
+    sealed one with the config's keys (ForeignKey where it names a key not given)."""
+
+    def __init__(self, sealed: seal.SealedCodec | None) -> None:
+        self.sealed = sealed
+
+    def decode(self, blob, ns: str, h: bytes):
+        if seal.key_id_of(blob) is None:
+            return frame.PLAIN.decode(blob, ns, h)
+        if self.sealed is None:
+            raise seal.ForeignKey("sealed with a tenant key, and --config gives none")
+        return self.sealed.decode(blob, ns, h)
+
+
+def _codec_for(manifest: dict | None, keys) -> object | None:
+    """How `verify` checks a namespace's pages: as its manifest says (plain, or sealed with
+    the config's keys: then every page must authenticate), per frame without a manifest,
+    or None for a namespace sealed with a key the config does not give (not checked)."""
+    sealed = None if keys is None else seal.SealedCodec(keys)
+    if manifest is None:
+        return _AnyFrame(sealed)
+    key_id = manifest.get("tenant_key_id")
+    if key_id is None:
+        return frame.PLAIN
+    return sealed if keys is not None and key_id in keys.ids else None
+
+
 async def _verify(store, prefix, args) -> int:
-    """good: frame and checksum verify; bad: they do not; orphaned: a namespace without a
-    manifest (written by something else, or its manifest was lost)."""
+    """good: frame and checksum (or seal) verify; bad: they do not; orphaned: a namespace
+    without a manifest (written by something else, or its manifest was lost); foreign:
+    sealed with a tenant key the config does not give (not checked, never pruned)."""
     spaces = await _by_namespace(store, prefix, "listing")
-    good = bad = orphaned = pruned = 0
+    keys = args.tenant_config.tenant_keys()
+    good = bad = orphaned = pruned = foreign = 0
     bad_keys: list[tuple[str, str]] = []
     progress = _Progress("verifying")
     for ns, s in sorted(spaces.items()):
-        has_manifest = await store.get_manifest(prefix, ns) is not None
-        keys = [k for k, _ in s["keys"]]
-        for start in range(0, len(keys), BATCH):
-            chunk = keys[start:start + BATCH]
-            verdicts = await store.check(chunk)
+        manifest = await store.get_manifest(prefix, ns)
+        codec = _codec_for(manifest, keys)
+        page_keys = [k for k, _ in s["keys"]]
+        if codec is None:
+            foreign += len(page_keys)
+            continue
+        for start in range(0, len(page_keys), BATCH):
+            chunk = page_keys[start:start + BATCH]
+            verdicts = await store.check(chunk, codec)
             for k, why in zip(chunk, verdicts):
                 if why is None:
                     good += 1
-                    orphaned += not has_manifest
+                    orphaned += manifest is None
+                elif isinstance(why, seal.ForeignKey):
+                    foreign += 1
                 elif why != "missing":  # deleted meanwhile: nothing to say
                     bad += 1
-                    bad_keys.append((k, why))
+                    bad_keys.append((k, str(why)))
             progress.add(len(chunk))
     progress.done()
     if args.prune and bad_keys:
         pruned = await store.delete([k for k, _ in bad_keys])
     if args.json:
-        print(json.dumps({"store": store.name, "good": good, "bad": bad, "orphaned": orphaned, "pruned": pruned,
-                          "bad_pages": [{"key": k, "why": w} for k, w in bad_keys]}, indent=2))
+        print(json.dumps({"store": store.name, "good": good, "bad": bad, "orphaned": orphaned, "foreign": foreign,
+                          "pruned": pruned, "bad_pages": [{"key": k, "why": w} for k, w in bad_keys]}, indent=2))
     else:
         print(f"store {store.name}: {good} good, {bad} bad, {orphaned} orphaned (no manifest)"
+              + (f", {foreign} sealed with keys not given (not checked)" if foreign else "")
               + (f", {pruned} bad pages deleted" if args.prune else ""))
         for k, why in bad_keys[:20]:
             print(f"  bad: {k}: {why}")
@@ -186,11 +229,7 @@ async def _purge(store, prefix, args) -> int:
     if args.namespace:
         victims = [k for k, _ in spaces.get(args.namespace, {"keys": []})["keys"]]
     elif args.tenant is not None:
-        want = tenant_digest(args.tenant)
-        for ns, s in spaces.items():
-            m = await store.get_manifest(prefix, ns)
-            if m is not None and m.get("tenant") == want:
-                victims += [k for k, _ in s["keys"]]
+        victims = await _tenant_pages(store, prefix, spaces, args)
     else:
         ages = [t for s in spaces.values() for _, t in s["keys"]]
         if ages and all(t is None for t in ages):
@@ -209,6 +248,32 @@ async def _purge(store, prefix, args) -> int:
     progress.done()
     print(f"deleted {deleted} pages")
     return 0
+
+
+async def _tenant_pages(store, prefix, spaces: dict, args) -> list[str]:
+    """A tenant's pages: those of namespaces whose manifest names its salt (or its key's
+    id), and, where the config holds the tenant's key, every page of a namespace without a
+    manifest that authenticates under that key."""
+    mine = args.tenant_config
+    salt = args.tenant or mine.tenant_salt
+    keys = mine.tenant_keys() if salt == mine.tenant_salt else None
+    if salt is None and keys is None:
+        raise KvtierConfigError("purge --tenant: give a SALT, or a --config with namespace.tenant_salt or "
+                                "namespace.tenant_key")
+    want, key_ids = tenant_digest(salt), set(keys.ids if keys is not None else ())
+    victims: list[str] = []
+    for ns, s in spaces.items():
+        page_keys = [k for k, _ in s["keys"]]
+        m = await store.get_manifest(prefix, ns)
+        if m is not None:
+            if (salt is not None and m.get("tenant") == want) or m.get("tenant_key_id") in key_ids:
+                victims += page_keys
+        elif keys is not None:
+            for start in range(0, len(page_keys), BATCH):
+                chunk = page_keys[start:start + BATCH]
+                verdicts = await store.check(chunk, seal.SealedCodec(keys))
+                victims += [k for k, why in zip(chunk, verdicts) if why is None]
+    return victims
 
 
 def _size(n: int) -> str:

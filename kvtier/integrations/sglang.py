@@ -13,7 +13,9 @@ its key, and its bytes never reach SGLang's host pool as a hit.
 SGLang's page hashes (64 hex digits) become the hash part of kvtier's key; the namespace
 part names what SGLang's keys leave out: model, KV dtype, the host layout (the flat page's
 byte order depends on it), page size, geometry, TP rank/size (MLA: replicated, one
-namespace for all ranks), PP/CP/DCP shard, tenant salt and weights revision.
+namespace for all ranks), PP/CP/DCP shard, tenant salt, weights revision and tenant key id.
+With a tenant key (`namespace.tenant_key`, docs/security.md), SGLang's page hashes go
+through the tenant's keyed hash before they become keys, and every page is sealed.
 
 SGLang is imported only when `KvtierStorage` is first looked up: this module imports
 without SGLang installed. Every store call runs on one private event-loop thread; SGLang's
@@ -35,10 +37,11 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
+from kvtier.backends.seal import SealedCodec
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
-from kvtier.hashing import Namespace, make_key
+from kvtier.hashing import KeyedHash, Namespace, make_key
 from kvtier.integrations.loop import LoopThread, breaker_for, guarded
 
 log = logging.getLogger(__name__)
@@ -50,11 +53,15 @@ _HEX_HASH = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")  # fullmatch: `$` would pas
 EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
 
 
-def page_hash_of(key: str) -> bytes:
+def page_hash_of(key: str, keyed: KeyedHash | None = None) -> bytes:
     """The page-hash part of kvtier's key for one SGLang key: SGLang's sha256 hex as is,
-    any other string (a test key, a suffixed sidecar key) through sha256 with a tag."""
+    any other string (a test key, a suffixed sidecar key) through sha256 with a tag; with
+    a tenant's `keyed` hash, every key through it (a key listing then tells nothing of
+    SGLang's hashes, which anyone can compute from the tokens)."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"key={key!r}: expected a non-empty string (SGLang's page hash)")
+    if keyed is not None:
+        return keyed(b"kvtier/sglang-key\x00" + key.encode()).digest()
     if _HEX_HASH.fullmatch(key):
         return bytes.fromhex(key)
     return hashlib.sha256(b"kvtier/sglang-key\x00" + key.encode()).digest()
@@ -92,6 +99,11 @@ class KvtierStorageBase:
         c = config.controller
         self._loop = LoopThread(check_cpus(c.cpus), name="kvtier-sglang-store")
         self.store: Store = self._loop.run(self._build(config))
+        keys = config.namespace.tenant_keys()
+        self.tenant_key_id = None if keys is None else keys.current.key_id.hex()
+        self.keyed_hash = None if keys is None else keys.current.page_hash("sha256")
+        if keys is not None:
+            self.store.seal_with(SealedCodec(keys, config.namespace.encrypt))
         self.breaker = breaker_for(self.store.name, c)
         self.mem_pool_host = None
         self.namespace: Namespace | None = None
@@ -148,7 +160,8 @@ class KvtierStorageBase:
             rank, size = sc.tp_rank, sc.tp_size
         ns = self.kvtier_config.namespace
         model = sc.model_name or ns.model_id
-        return Namespace(model, dtype, layout, pool.page_size, rank, size, ns.tenant_salt, revision=ns.revision)
+        return Namespace(model, dtype, layout, pool.page_size, rank, size, ns.tenant_salt, revision=ns.revision,
+                         tenant_key_id=self.tenant_key_id)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         if self._closed:  # its loop is gone: a call would wait on it forever
@@ -157,7 +170,7 @@ class KvtierStorageBase:
             raise RuntimeError("kvtier SGLang backend: register_mem_pool_host() must come before any I/O")
         if isinstance(keys, str):
             raise ValueError("keys: expected a list of SGLang page hashes, got one string")
-        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k)) for k in keys]
+        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k, self.keyed_hash)) for k in keys]
 
     # -- store calls -----------------------------------------------------------------------
 

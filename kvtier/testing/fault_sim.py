@@ -37,6 +37,7 @@ from kvtier.testing.misuse import Violation, misuse
 from kvtier.testing.parts import SimStore, SimStreams
 
 LAYERS = 2
+SIM_TENANT_KEY = "5a" * 32  # the sealed runs' tenant key (a test key, never a real one)
 _M = (1 << 61) - 1
 
 
@@ -73,6 +74,7 @@ class Setup:
     prefetch_policy: str
     evict_headroom: float = 0.0  # the sim's pools are a few pages: 3% would round to none
     hash_algo: str = "sha256"  # xxh3_128: 16-byte page hashes, zero padded in the frame
+    sealing: str = "plain"  # mac, aes-gcm: pages sealed under a tenant key (docs/security.md)
 
     @classmethod
     def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
@@ -81,7 +83,8 @@ class Setup:
                    rng.choice(["write_through", "write_through", "write_through_selective", "write_back"]),
                    rng.choice(["best_effort", "wait_complete", "timeout"]),
                    rng.choice([0.0, 0.25]),  # drawn after the others: they stay what each seed drew
-                   rng.choice(["sha256", "xxh3_128"]))
+                   rng.choice(["sha256", "xxh3_128"]),
+                   rng.choice(["plain", "mac", "aes-gcm"]))
 
 
 @dataclass(eq=False)
@@ -114,6 +117,8 @@ class FaultSim:
             "store": {"backend": "none"},
             "tree": {"hash_algo": setup.hash_algo},
         }
+        if setup.sealing != "plain":
+            overrides["namespace"] = {"tenant_key": SIM_TENANT_KEY, "encrypt": setup.sealing == "aes-gcm"}
         cfg = load_config(None, overrides, env={})
         self.cache = TieredCache(cfg, store=self.store, stream_factory=self.streams.factory,
                                  clock=lambda: self.clock, agreement=agreement)

@@ -235,7 +235,7 @@ class SimStore(MemoryStore):
                     blob = rng.choice(others)
             if outcome == "miss" and rng.random() < 0.5:
                 blob = None
-            result = verify_into(blob, ns, h, view)  # into the caller's buffer, as a reader thread would
+            result = verify_into(blob, ns, h, view, self.codec)  # into the caller's buffer, as a reader thread would
             out.append(None if result is True and outcome == "false_failure" and rng.random() < 0.5 else result)
         return out
 

@@ -16,6 +16,30 @@ from kvtier.hashing import make_key
 
 NS = "0123456789abcdef0123456789abcdef"
 OTHER_NS = "fedcba9876543210fedcba9876543210"
+SEALING = os.environ.get("STORE_TEST_SEALING", "plain")  # plain, mac or aes-gcm: how the suite's stores frame
+SEALINGS = ("plain", "mac", "aes-gcm")
+TEST_KEY = "5e" * 32  # a tenant key for tests only
+
+
+def sealed_harness(h: "Harness", sealing: str | None = None) -> "Harness":
+    """`h` whose stores frame with `sealing` (default: SEALING): plain, or sealed with
+    TEST_KEY (AES-256-GMAC, or AES-256-GCM)."""
+    sealing = SEALING if sealing is None else sealing
+    if sealing not in SEALINGS:
+        raise ValueError(f"STORE_TEST_SEALING={sealing!r}: allowed {', '.join(SEALINGS)}")
+    if sealing == "plain":
+        return h
+    from kvtier.backends.seal import SealedCodec
+    from kvtier.tenant_keys import parse_keys
+
+    codec, make = SealedCodec(parse_keys(TEST_KEY, "test key"), encrypt=sealing == "aes-gcm"), h.make
+
+    def make_sealed():
+        store = make()
+        store.seal_with(codec)
+        return store
+    h.make = make_sealed
+    return h
 
 
 def new_key(ns: str = NS) -> str:

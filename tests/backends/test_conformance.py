@@ -1,4 +1,6 @@
-"""One conformance suite, run against every store."""
+"""One conformance suite, run against every store: with plain frames, or with every page
+sealed under a tenant key when STORE_TEST_SEALING is `mac` or `aes-gcm` (.ci/run runs it
+so too)."""
 
 import asyncio
 import os
@@ -9,13 +11,20 @@ from kvtier.backends import frame
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.hashing import split_key
-from tests.backends.stores import OTHER_NS, file_harness, memory_harness, new_key, redis_harness, s3_harness
+from kvtier.backends.frame import FrameError
+from tests.backends.stores import (
+    OTHER_NS, SEALING, file_harness, memory_harness, new_key, redis_harness, s3_harness, sealed_harness,
+)
 
 STORES = ["memory", "file", "redis", "redis_cluster", "s3"]
 
 
 @pytest.fixture(params=STORES)
 def harness(request, tmp_path):
+    return sealed_harness(_harness(request, tmp_path))
+
+
+def _harness(request, tmp_path):
     name = request.param
     if name == "memory":
         return memory_harness(tmp_path)
@@ -191,14 +200,16 @@ async def test_scan_check_and_manifest(store, harness):
     seen = {}
     async for batch in store.scan(batch=2):
         seen.update({p.key: p for p in batch if split_key(p.key)[1] == ns})
-    assert set(seen) == set(keys) and all(p.size == frame.HEADER_SIZE + 4096 for p in seen.values())
+    assert set(seen) == set(keys) and all(p.size == store.codec.frame_size(4096) for p in seen.values())
     if harness.name in ("file", "s3"):
         assert all(p.mtime is not None for p in seen.values())
     blob = bytearray(harness.raw_get(keys[2]))
     blob[-1] ^= 0xFF
     harness.raw_put(keys[2], bytes(blob))
     gets = store.stats()["gets"]
-    assert await store.check(keys + [new_key(ns)]) == [None, None, "checksum mismatch", None, None, "missing"]
+    verdicts = await store.check(keys + [new_key(ns)])
+    assert verdicts[:2] + verdicts[3:] == [None, None, None, None, "missing"] and isinstance(verdicts[2], FrameError)
+    assert str(verdicts[2]).startswith({"plain": "checksum", "mac": "MAC", "aes-gcm": "AES-GCM tag"}[SEALING])
     assert store.stats()["gets"] == gets
     assert await store.get_manifest("kvtier/test", ns) is None
     await store.put_manifest("kvtier/test", ns, {"format": 1, "model_id": "m"})

@@ -342,6 +342,71 @@ def test_secrets_are_not_printed(tmp_path):
     assert "hunter2" not in explain(load_config(p, env={}))
 
 
+KEY = "c0ffee" * 10 + "f00d"  # 64 hex digits
+SECRET_BITS = ("c0ffee", "f00d", "123456789")
+
+
+def _no_secret(text: str) -> None:
+    assert not any(bit in text for bit in SECRET_BITS), text
+
+
+def test_tenant_key_is_never_printed_by_config_or_reprs(tmp_path, caplog):
+    from kvtier.backends.seal import SealedCodec
+    from kvtier.cache import TieredCache
+    from kvtier.hashing import KeyedHash
+
+    key_file = tmp_path / "tenant.key"
+    key_file.write_text(f"# current first\n{KEY}\n{'ab' * 32}\n")
+    key_file.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        load_config(None, {"namespace": {"tenant_key_file": str(key_file)}}, env={})
+    assert "others than its owner may read it (mode 644); chmod 600 it" in caplog.text
+    for namespace, env in ((f"{{tenant_key: '{KEY}'}}", {}), ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": KEY}),
+                           (f"{{tenant_key_file: '{key_file}', encrypt: true}}", {})):
+        p = tmp_path / "k.yaml"
+        p.write_text(f"namespace: {namespace}\npool: {{size: 64, num_layers: 1, page_size: 4}}\n"
+                     "store: {backend: memory}\n")
+        cfg = load_config(p, env=env)
+        text = explain(cfg)
+        _no_secret(text + repr(cfg) + str(cfg))
+        assert "namespace.tenant_key = ***" in text or "namespace.tenant_key_file = " in text
+        keys = cfg.namespace.tenant_keys()
+        _no_secret(repr(keys) + repr(keys.current) + repr(SealedCodec(keys))
+                   + repr(KeyedHash(keys.current.hash_key, "sha256", keys.current.key_id.hex())))
+        with caplog.at_level("DEBUG"):
+            cache = TieredCache(cfg)
+            cache.close()
+        _no_secret(caplog.text)
+
+
+@pytest.mark.parametrize("namespace,env,message", [
+    ("{tenant_key: 'c0ffee'}", {}, "namespace.tenant_key: key 1 of 1 is 6 characters; expected 64 hex digits"),
+    ("{tenant_key: 123456789}", {}, "namespace.tenant_key=***: expected a string"),
+    ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": KEY + "x"}, "key 1 of 1 is 65 characters, not all hex digits"),
+    ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": f"{KEY},{KEY}"}, "namespace.tenant_key: the same key appears twice"),
+    ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": " , "}, "namespace.tenant_key: no key in it"),
+    (f"{{tenant_key: '{KEY}', tenant_key_file: /x}}", {}, "tenant_key and namespace.tenant_key_file are both set"),
+    ("{tenant_key_file: /no/such/key}", {}, "tenant_key_file='/no/such/key': cannot read it (FileNotFoundError"),
+    ("{encrypt: true}", {}, "encrypt=True: needs namespace.tenant_key or namespace.tenant_key_file"),
+])
+def test_bad_tenant_keys_are_refused_without_showing_them(tmp_path, namespace, env, message):
+    p = tmp_path / "k.yaml"
+    p.write_text(f"namespace: {namespace}\n")
+    with pytest.raises(KvtierConfigError) as err:
+        load_config(p, env=env)
+    assert message in str(err.value)
+    _no_secret(str(err.value))
+
+
+def test_a_bad_key_in_a_key_file_is_refused_without_showing_it(tmp_path):
+    key_file = tmp_path / "tenant.key"
+    key_file.write_text(f"{KEY}\n{KEY[:-1]}g\n")
+    with pytest.raises(KvtierConfigError) as err:
+        load_config(None, {"namespace": {"tenant_key_file": str(key_file)}}, env={})
+    assert "key 2 of 2 is 64 characters, not all hex digits" in str(err.value)
+    _no_secret(str(err.value))
+
+
 BAD = {
     "unknown section": ("poool: {size: 1}", "'poool': unknown section; allowed: namespace, pool"),
     "unknown key": ("pool: {size: 16, num_layers: 1, sise: 3}", "pool.sise: unknown key; allowed: size, num_layers"),

@@ -232,6 +232,23 @@ def test_config_never_prints_a_password(tmp_path, capsys):
     assert "hunter2" not in out and "rediss://app:***@cache.internal:6380/0" in out
 
 
+def test_config_and_errors_never_print_the_tenant_key(tmp_path, capsys, monkeypatch, cache_home):
+    key = "d00d" * 16
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", key)
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "namespace.tenant_key = ***  (env KVTIER_NAMESPACE_TENANT_KEY)" in out and "d00d" not in out
+    assert main(["replay", "--requests", "4"]) == 0 and main(["store", "verify"]) == 0
+    assert main(["store", "purge", "--tenant", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "d00d" not in captured.out + captured.err
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", key[:-2])
+    for argv in (["config"], ["replay", "--requests", "2"], ["store", "verify"]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert "namespace.tenant_key: key 1 of 1 is 62 characters" in captured.err and "d00d" not in captured.err
+
+
 def test_switching_the_store_to_memory_by_env_just_works(cache_home, capsys, monkeypatch):
     monkeypatch.setenv("KVTIER_STORE_BACKEND", "memory")
     assert main(["replay", "--requests", "10", "--verify"]) == 0

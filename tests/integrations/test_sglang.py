@@ -246,6 +246,32 @@ def test_tenant_salt_separates_and_clear_removes_only_its_namespace(sg, tmp_path
     b.close()
 
 
+@pytest.mark.parametrize("store_kind,encrypt", [("file", False), ("redis", True), ("redis_cluster", False),
+                                                ("s3", True)])
+def test_tenant_key_seals_pages_and_keeps_sglangs_hashes_out_of_the_keys(sg, store_kind, encrypt, request, tmp_path):
+    """docs/security.md: with a tenant key the store keys are keyed hashes of SGLang's (which
+    anyone can compute from the tokens), pages are sealed (a flipped byte is False), and
+    another tenant's key, or none, finds nothing."""
+    section = _store_section(store_kind, request, tmp_path)
+    a_path = write_yaml(tmp_path, section, tenant_key="a1" * 32, encrypt=encrypt)
+    keys = page_keys(4)
+    pool = rt.make_mha_pool(sg)
+    a = attach(sg, pool, a_path)
+    src = fill(pool, 4, seed=7)
+    assert a.batch_set_v1(keys, src) == [True] * 4
+    assert not any(k in full for k, full in zip(keys, a._keys(keys)))
+    dst = pool.alloc(4 * pool.page_size)
+    assert a.batch_get_v1(keys, dst) == [True] * 4 and page_bytes(pool, dst) == page_bytes(pool, src)
+    for other in ({"tenant_key": "b2" * 32}, {}):
+        b = attach(sg, rt.make_mha_pool(sg), write_yaml(tmp_path, section, **other))
+        assert b.batch_exists(keys) == 0
+        b.close()
+    corrupt(store_kind, a, keys[1], request)
+    assert a.batch_get_v1(keys, pool.alloc(4 * pool.page_size)) == [True, False, True, True]
+    assert a.kvtier_stats()["frame_failures"] == 1
+    a.close()
+
+
 # -- fail closed --------------------------------------------------------------------------
 
 

@@ -1,0 +1,176 @@
+"""Tenant keys through the real engine and tierctl (docs/security.md): an attacker who can
+write the store cannot make a keyed tenant serve forged KV, one who can list it cannot tell
+which prompts were cached, another tenant's key reads nothing, and dropping the key drops
+every page."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.backends import frame, seal
+from kvtier.cli.main import main
+from kvtier.engine.workloads import generate
+from kvtier.hashing import page_hashes
+from kvtier.tenant_keys import parse_keys
+
+KEY_A = "a1" * 32
+KEY_B = "b2" * 32
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "kvtier"
+
+
+def replay(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(["replay", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and len(p.name) == 64)
+
+
+def reframe(root: Path, how: str) -> int:
+    """What an attacker with write access does: every page gets another page's payload
+    (the next file's body, in a cycle) under a checksum recomputed for it. `plain`: a
+    plain frame with a fresh xxh3 (the attack of the issue); `sealed`: the page's own
+    sealed header kept, only the body swapped."""
+    files = page_files(root)
+    blobs = [f.read_bytes() for f in files]
+    for i, f in enumerate(files):
+        ns, h = f.parents[2].name, bytes.fromhex(f.name)
+        other = blobs[(i + 1) % len(blobs)]
+        hs = seal.HEADER_SIZE if seal.key_id_of(other) is not None else frame.HEADER_SIZE
+        body = other[hs:]
+        f.write_bytes(frame.encode(ns, h, body) if how == "plain" else blobs[i][:seal.HEADER_SIZE] + body)
+    return len(files)
+
+
+def test_without_a_key_reframed_pages_are_served(cache_home, capsys):
+    """The attack as filed: plain frames are checksummed, not authenticated."""
+    assert replay(capsys, "--requests", "12")[0] == 0
+    n = reframe(cache_home, "plain")
+    assert main(["store", "verify"]) == 0
+    assert f"{n} good, 0 bad" in capsys.readouterr().out
+    code, s = replay(capsys, "--requests", "12", "--verify")
+    assert code == 1 and s["hit_tokens"]["storage"] > 0 and s["verify_failures"]
+
+
+@pytest.mark.parametrize("how,encrypt", [("plain", False), ("plain", True), ("sealed", False)])
+def test_with_a_key_every_reframed_page_is_a_miss(cache_home, capsys, monkeypatch, how, encrypt):
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    monkeypatch.setenv("KVTIER_NAMESPACE_ENCRYPT", str(encrypt).lower())
+    assert replay(capsys, "--requests", "12")[0] == 0
+    n = reframe(cache_home, how)
+    assert n > 12
+    assert main(["store", "verify", "--json"]) == 1
+    v = json.loads(capsys.readouterr().out)
+    assert (v["good"], v["bad"], v["foreign"]) == (0, n, 0)
+    code, s = replay(capsys, "--requests", "12", "--verify")
+    assert code == 0 and s["verified_requests"] == 12 and s["verify_failures"] == []
+    assert s["hit_tokens"]["storage"] == 0 and s["store"]["frame_failures"] > 0 and s["store"]["hits"] == 0
+
+
+def first_prompts(requests: int) -> list[np.ndarray]:
+    """The prompts an attacker guesses: each session's first turn (no history before it)."""
+    return [np.array(t.prompt) for t in generate("multiturn", requests, 512, 0) if t.turn == 0]
+
+
+def found(root: Path, hash_algo) -> int:
+    """Pages of the guessed prompts that a key listing of `root` shows, with page hashes
+    made by `hash_algo` under the namespace id the listing shows."""
+    listed = {(f.parents[2].name, f.name) for f in page_files(root)}
+    [ns] = {ns for ns, _ in listed}
+    return sum((ns, h.hex()) in listed for p in first_prompts(20) for h in page_hashes(p, 16, ns, None, None, hash_algo))
+
+
+def test_a_key_listing_does_not_tell_which_prompts_were_cached(cache_home, capsys, monkeypatch):
+    assert replay(capsys, "--requests", "20")[0] == 0
+    assert found(cache_home, "sha256") >= 12  # no key: the prompt's pages are there to be found
+    for p in page_files(cache_home):
+        p.unlink()
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert replay(capsys, "--requests", "20")[0] == 0
+    assert len(page_files(cache_home)) > 20
+    assert found(cache_home, "sha256") == 0 and found(cache_home, "xxh3_128") == 0
+    assert found(cache_home, parse_keys(KEY_A, "test").current.page_hash("sha256")) >= 12  # with the key: all there
+
+
+def test_another_tenants_key_reads_nothing_and_no_key_reads_nothing(cache_home, capsys, monkeypatch):
+    """Two tenants of one store (same model, same salt): B's key gets 0 hits from A's pages
+    and no error; without a key, A's pages are all misses too (crypto-shredding)."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert replay(capsys, "--requests", "12")[0] == 0
+    code, s = replay(capsys, "--requests", "12", "--verify")
+    assert code == 0 and s["hit_tokens"]["storage"] > 0  # A reads its own pages
+    for key in (KEY_B, None):
+        if key is None:
+            monkeypatch.delenv("KVTIER_NAMESPACE_TENANT_KEY")
+        else:
+            monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", key)
+        code, s = replay(capsys, "--requests", "12", "--verify")
+        assert code == 0 and s["verify_failures"] == [] and s["failed_requests"] == 0
+        assert s["hit_tokens"]["storage"] == 0 and s["store"]["hits"] == 0 and s["store"]["errors"] == 0
+
+
+async def test_store_level_other_key_and_no_key_miss_every_page(tmp_path):
+    """The same at the store: A's keys read with B's codec, and with none, are misses
+    counted as frame failures, never errors."""
+    from kvtier.backends.file import FileStore, FileStoreConfig
+
+    cfg = FileStoreConfig(root=str(tmp_path / "l3"))
+    a, b, plain = FileStore(cfg), FileStore(cfg), FileStore(cfg)
+    a.seal_with(seal.SealedCodec(parse_keys(KEY_A, "a"), encrypt=True))
+    b.seal_with(seal.SealedCodec(parse_keys(KEY_B, "b")))
+    ns = os.urandom(16).hex()
+    keys = [f"kvtier/{ns}/{os.urandom(32).hex()}" for _ in range(8)]
+    pages = [os.urandom(4096) for _ in keys]
+    assert await a.batch_set(keys, pages) == [True] * 8
+    assert await a.batch_get(keys) == pages
+    for other in (b, plain):
+        assert await other.batch_exists(keys) == 8  # listed, but
+        assert await other.batch_get(keys) == [None] * 8
+        assert await other.batch_get_into(keys, [bytearray(4096) for _ in keys]) == [False] * 8
+        st = other.stats()
+        assert (st["hits"], st["misses"], st["frame_failures"], st["errors"]) == (0, 16, 16, 0)
+    stored = [(tmp_path / "l3").joinpath(*_split(k)).read_bytes() for k in keys]
+    assert not any(p in s for p, s in zip(pages, stored))  # encrypted: the KV bytes are not in the store
+    for s in (a, b, plain):
+        await s.close()
+
+
+def _split(key: str) -> list[str]:
+    prefix, ns, h = key.split("/")
+    return [prefix, ns, h[:2], h[2:4], h]
+
+
+def test_purge_tenant_works_from_the_key_when_the_manifest_is_gone(cache_home, capsys, monkeypatch, tmp_path):
+    assert replay(capsys, "--requests", "10")[0] == 0  # a tenant without a key shares the store
+    plain = set(page_files(cache_home))
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert replay(capsys, "--requests", "10")[0] == 0
+    keyed = set(page_files(cache_home)) - plain
+    assert keyed and plain
+    for m in cache_home.rglob("manifest.json"):
+        if json.loads(m.read_text()).get("tenant_key_id"):
+            m.unlink()
+    assert main(["store", "verify", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert (v["good"], v["bad"], v["orphaned"]) == (len(plain) + len(keyed), 0, len(keyed))
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_B)  # another tenant's key: its pages are not checked
+    assert main(["store", "verify", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert (v["good"], v["bad"], v["foreign"]) == (len(plain), 0, len(keyed))
+    assert main(["store", "purge", "--tenant"]) == 0
+    assert "deleted 0 pages" in capsys.readouterr().out
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert main(["store", "purge", "--tenant", "--dry-run"]) == 0
+    assert f"would delete {len(keyed)} pages" in capsys.readouterr().out
+    assert main(["store", "purge", "--tenant"]) == 0
+    assert f"deleted {len(keyed)} pages" in capsys.readouterr().out
+    assert set(page_files(cache_home)) == plain
