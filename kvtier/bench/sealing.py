@@ -56,7 +56,7 @@ def _row(name: str, n: int, size: int, gbs: dict[str, float]) -> str:
 
 def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, dict[str, float]]:
     """Rows per store and shape; returns the worst sealed/plain ratio per store, op and sealing."""
-    from kvtier.bench.stores import page_aligned
+    from kvtier.bench.pages import page_aligned
 
     loop = asyncio.new_event_loop()
     keys = parse_keys(os.urandom(32).hex(), "bench key")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.bench import servers
+from kvtier.bench.pages import page_aligned
 from kvtier.bench.timing import alternate
 from kvtier.hashing import make_key
 
@@ -48,14 +48,6 @@ SLOW_SMALL = {"s3"}  # moto's server spends ~6 ms a request: 64 KiB pages time m
 
 def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
-def page_aligned(n: int, size: int) -> list[memoryview]:
-    """n writable buffers of `size` bytes, each starting on a page boundary (one anonymous
-    mapping), as host mirror pages do."""
-    step = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    whole = memoryview(mmap.mmap(-1, max(1, n * step)))
-    return [whole[i * step:i * step + size] for i in range(n)]
 
 
 def _keys(n: int, tag: str) -> list[str]:
