@@ -290,19 +290,31 @@ class RadixTree:
     def _add_locks(self, node: TreeNode, tier: Tier, delta: int, stop: TreeNode) -> TreeNode | None:
         """Add `delta` to the lock counts from `node` up to `stop` (excluded), in one pass;
         the first node that may not take it (no value on `tier`, or a count going below
-        0) is returned, with the nodes below it changed, the rest not."""
+        0) is returned, with the nodes below it changed, the rest not.
+
+        Per path, not per node: only `node` can change leaf-set membership (every node
+        above it has a child on the path holding a `tier` value, so it is no leaf before or
+        after), and the sizes move once by the tokens whose count left or reached 0."""
+        moved, first, bad = 0, node, None
         while node is not stop:
             before = node.locks[tier]
             if node.values[tier] is None or before + delta < 0:
-                return node
+                bad = node
+                break
             node.locks[tier] = before + delta
-            if (before == 0) != (before + delta == 0):  # only then can its leaf-set membership change
-                moved = len(node) if delta > 0 else -len(node)
-                self._evictable[tier] -= moved
-                self._protected[tier] += moved
-                self._refresh(node, (tier,))  # a tier's lock count decides only that tier's membership
+            if (before == 0) != (before + delta == 0):
+                moved += len(node)
             node = node.parent
-        return None
+        if moved:
+            moved = moved if delta > 0 else -moved
+            self._evictable[tier] -= moved
+            self._protected[tier] += moved
+        if first is not bad and first is not stop:
+            if first.locks[tier]:
+                self._leaves[tier].discard(first)
+            elif is_evictable_leaf(first, tier):
+                self._leaves[tier].add(first)
+        return bad
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -420,9 +432,13 @@ class RadixTree:
             self._evictable[tier] += sign * len(node)
         node.values[tier] = value
         # the node's own membership: a device value also decides host evictability (only
-        # host-only nodes leave the host); its parent's: only the tier whose child changed
+        # host-only nodes leave the host); its parent's: only the tier whose child changed,
+        # and a child that gained a value there makes it no leaf without asking
         self._refresh(node, (D, H) if tier == D else (H,))
-        self._refresh(node.parent, (tier,))
+        if value is not None:
+            self._leaves[tier].discard(node.parent)
+        else:
+            self._refresh(node.parent, (tier,))
 
     def _remove(self, node: TreeNode) -> None:
         """Drop an empty leaf. Its parent's membership stays: a child without values never
@@ -481,6 +497,9 @@ def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:
     """May `node` be evicted from `tier` now? (The leaf-set predicate, recomputed by checks.)"""
     if node.values[tier] is None or node.locks[tier]:
         return False
-    if tier == H and node.on_device:
+    if tier == H and node.values[D] is not None:
         return False  # host eviction only takes nodes that are not on device
-    return all(c.values[tier] is None for c in node.children.values())
+    for c in node.children.values():
+        if c.values[tier] is not None:
+            return False
+    return True
