@@ -24,7 +24,7 @@ import torch
 from kvtier.hashing import page_hashes
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, render
-from kvtier.tree.key import RadixKey, child_key_at, common_prefix
+from kvtier.tree.key import RadixKey, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
@@ -178,8 +178,10 @@ class RadixTree:
         node, offset, prefix_len, added = anchor, 0, 0, []
         ps, tokens, extra, end = self.page_size, key.tokens, key.extra_key, len(key)
         data = tokens.tobytes()
+        page_bytes = ps << 3
         while offset < end:
-            child = node.children.get(child_key_at(tokens, offset, ps, extra))
+            page = data[offset << 3:(offset << 3) + page_bytes]  # == child_key_at(tokens, offset, ...)
+            child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 child = self._add_child(node, key[offset:], tier, indices[offset:])
                 if hashes is not None:
