@@ -21,9 +21,9 @@ import yaml
 
 from kvtier.controller.config import ControllerConfig
 from kvtier.errors import KvtierConfigError
-from kvtier.hashing import _PREFIX_RE, HASH_ALGOS
+from kvtier.hashing import PREFIX_RE, HASH_ALGOS
 from kvtier.secrets import shown
-from kvtier.tiers.indices import check_positive
+from kvtier.validate import check_positive
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import PoolConfig
 from kvtier.tree.policy import EvictionPolicy
@@ -67,7 +67,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "timeout_s")
-        if not _PREFIX_RE.fullmatch(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
+        if not PREFIX_RE.fullmatch(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
             raise ValueError(f"key_prefix={self.key_prefix!r}: path segments of [A-Za-z0-9_.-] separated by '/'")
 
 

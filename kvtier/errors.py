@@ -28,6 +28,10 @@ class StoreKeyError(StoreError, ValueError):
     """A key is not of the form `<prefix>/<namespace id>/<hex page hash>`."""
 
 
+class TransferError(KvtierError):
+    """A pool<->mirror copy failed; the pages it was moving are not usable."""
+
+
 class Complaints:
     """Logs the first failure of each kind, then every `every`-th with the running count. A
     sick store fails every call: a line per call would bury the log (counters keep them all)."""
@@ -43,3 +47,18 @@ class Complaints:
             self.log.warning("%s%s", self.prefix, message)
         elif seen % self.every == 0:
             self.log.warning("%s%d %s failures so far; latest: %s", self.prefix, seen, kind, message)
+
+
+class LogOnce:
+    """Logs the first failure of each kind at ERROR, the rest at DEBUG (counters carry them)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger
+        self.seen: set[str] = set()
+
+    def __call__(self, kind: str, message: str) -> None:
+        if kind in self.seen:
+            self.log.debug("%s", message)
+        else:
+            self.seen.add(kind)
+            self.log.error("%s (further %s failures are counted in stats, not logged)", message, kind)

@@ -29,7 +29,7 @@ SEED = b"kvtier/page-hash-chain/v1"
 NAMESPACE_ID_HEX = 32
 
 # fullmatch everywhere: `$` would also match before a trailing newline
-_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
+PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 _NS_RE = re.compile(r"[0-9a-f]{32}")
 _HASH_RE = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
 _DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")  # a '.' or '..' path segment
@@ -145,7 +145,7 @@ def key_maker(prefix: str, namespace_id: str):
 
 def make_key(prefix: str, namespace_id: str, page_hash: bytes) -> str:
     """`<prefix>/<namespace id>/<hex page hash>`, validated."""
-    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+    if not isinstance(prefix, str) or not PREFIX_RE.fullmatch(prefix):
         raise KvtierConfigError(
             f"key prefix={prefix!r}: allowed are path segments of [A-Za-z0-9_.-] separated by '/'"
         )
@@ -157,7 +157,7 @@ def _parse_key(key: str) -> tuple[str, str, str]:
     found by one regex over the whole key: that one backtracked, 5 us a key."""
     parts = key.rsplit("/", 2) if isinstance(key, str) else []
     well_formed = (len(parts) == 3 and _HASH_RE.fullmatch(parts[2]) and _NS_RE.fullmatch(parts[1])
-                   and _PREFIX_RE.fullmatch(parts[0]) and not _DOT_SEGMENT.search(parts[0]))
+                   and PREFIX_RE.fullmatch(parts[0]) and not _DOT_SEGMENT.search(parts[0]))
     if not well_formed:
         raise StoreKeyError(
             f"key={key!r}: expected '<prefix>/<32 hex namespace id>/<32 or 64 hex page hash>'"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-_SECRET_FIELD = re.compile(r"password|secret|access_key|token", re.IGNORECASE)
+# a secret-looking word as a whole part of the field name (`aws_session_token`,
+# `secret_access_key`, `password`), not inside another word (`prefetch_min_tokens`)
+_SECRET_FIELD = re.compile(r"(?:^|_)(?:password|passwd|secret|access_key|token|api_key)(?:_|$)", re.IGNORECASE)
 
 
 def redact_url(url: str) -> str:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.controller.streams import TransferError
+from kvtier.errors import TransferError
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import ModelConfig, TinyTransformer
 from kvtier.engine.workloads import Turn
@@ -39,8 +39,10 @@ def test_1_failed_load_inside_acquire_is_never_served():
     cache.mirror.__class__ = _BrokenLoads
     got = acquire(cache, A, "r1")  # locks the device prefix and starts the load, as a server does
     assert (got.host_hit, got.indices.numel()) == (16, 16)
-    with pytest.raises(TransferError, match="DMA failed"):
-        forward(cache, "r1")
+    waiter = cache.begin_forward(["r1"])
+    for layer in range(cache.pool.num_layers):
+        waiter.wait_layer(layer)  # the forward runs to its end: the one channel is failed()
+    assert waiter.failed() == ["r1"] and "DMA failed" in waiter.bad["r1"]
     with pytest.raises(TransferError, match="nothing was cached"):  # fail closed, even if the server goes on
         cache.cache_finished("r1", A, got.indices)
     settle(cache)
@@ -78,12 +80,12 @@ def test_2_a_store_read_that_times_out_keeps_its_host_pages_until_it_stops():
     assert not cache.acquire(A, "r").ready
     [exists] = wait_calls(cache, store)
     store.resolve(exists, "ok", rng)
-    op = cache.controller.prefetches["r"]
+    op = cache.prefetcher.prefetches["r"].op
     wait_until(cache, lambda: op.present == 4)
     cache.poll()  # grants 4 host pages
     [read_call] = wait_calls(cache, store)
     assert store.fire_deadline(read_call)
-    wait_until(cache, lambda: "r" in cache.poll() or cache.sync.is_ready("r"))
+    wait_until(cache, lambda: "r" in cache.poll() or cache.prefetcher.is_ready("r"))
     got = cache.acquire(A, "r")
     assert got.ready and got.storage_hit == 0  # the request goes on without the store
     assert cache.controller.host_available() == free - 16  # but the pages stay the read's
@@ -177,7 +179,7 @@ def test_6_engine_releases_a_request_too_large_for_the_pool():
     assert out[0].error and out[0].rejected and not out[1].error and len(out[1].output) == 4
     settle(cache)  # writes in flight hold locks until applied
     check(cache)
-    assert cache.tree.protected_size() == 0 and cache.requests == {}
+    assert cache.tree.protected_size() == 0 and len(cache.requests) == 0
     cache.close()
 
 
@@ -189,16 +191,16 @@ def test_7_write_back_allocation_that_splits_the_loaded_path_is_harmless():
     kv = compute(cache, A, seed=5)
     cache.evict(16)  # backs up, then demotes: host-only
     settle(cache)
-    real_alloc = cache.sync.alloc_device
+    real_alloc = cache.slots.alloc_device
 
     def alloc_then_split(n):
         out = real_alloc(n)
         cache.tree.match_prefix(cache.key(np.concatenate([A[:8], [9999] * 4])), touch=False)  # splits at 8
         return out
 
-    cache.sync.alloc_device = alloc_then_split
+    cache.slots.alloc_device = alloc_then_split
     got = acquire(cache, A, "r")
-    cache.sync.alloc_device = real_alloc
+    cache.slots.alloc_device = real_alloc
     forward(cache, "r")
     assert got.host_hit == 16 and same_kv(read(cache, got.indices), kv)
     cache.cache_finished("r", A, got.indices)

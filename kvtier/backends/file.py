@@ -31,11 +31,11 @@ from pathlib import Path
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import FrameError
 from kvtier.backends.file_io import (
-    _TMP, _mtime, _read_file, _read_pages_into, _run_all, _sizes_of, _unlink_quietly, _write_atomically, _write_small,
+    TMP, mtime, read_file, read_pages_into, run_all, sizes_of, unlink_quietly, write_atomically, write_small,
 )
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
-from kvtier.tiers.indices import check_positive, io_threads
+from kvtier.validate import check_positive, io_threads
 
 def default_root() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -119,9 +119,9 @@ class FileStore(Store):
         for dirpath, _, files in os.walk(self.root):
             for name in files:
                 full = os.path.join(dirpath, name)
-                if name.startswith(_TMP):
+                if name.startswith(TMP):
                     if _stale_temp(full, name):
-                        _unlink_quietly(Path(full))
+                        unlink_quietly(Path(full))
                     continue
                 key = _page_key(self.root, full)
                 if key is None:
@@ -144,7 +144,7 @@ class FileStore(Store):
         if not unknown:
             return
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._pool, _sizes_of, [self._file(k) for k in unknown], leading)
+        job = loop.run_in_executor(self._pool, sizes_of, [self._file(k) for k in unknown], leading)
         sizes = (await self._in_threads([job]))[0]
         for key, size in zip(unknown, sizes):
             if size is not None and key not in self._sizes:
@@ -153,8 +153,8 @@ class FileStore(Store):
 
     async def _batch(self, fn, items: list[tuple]) -> list:
         """`fn(*item)` for every item, in `max_concurrency` thread jobs; results in order,
-        an OSError in place of its item's result (`_run_all`)."""
-        return await self._jobs(partial(_run_all, fn), items)
+        an OSError in place of its item's result (`run_all`)."""
+        return await self._jobs(partial(run_all, fn), items)
 
     async def _jobs(self, job, items: list[tuple]) -> list:
         """`job(share)` over `items` split into `max_concurrency` thread jobs; the results,
@@ -171,13 +171,13 @@ class FileStore(Store):
     async def _get(self, keys):
         await self._adopt(keys)
         known = [k for k in keys if k in self._sizes]
-        blobs = dict(zip(known, await self._batch(_read_file, [(self._file(k),) for k in known])))
+        blobs = dict(zip(known, await self._batch(read_file, [(self._file(k),) for k in known])))
         return [self._after_read(k, blobs.get(k)) for k in keys]
 
     async def _get_into(self, keys, parsed, views):
         await self._adopt(keys)
         items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
-        got = await self._jobs(partial(_read_pages_into, self._hashers),
+        got = await self._jobs(partial(read_pages_into, self._hashers),
                                [(self._file(k), ns, h, v) for k, ns, h, v in items])
         results = dict(zip([it[0] for it in items], got))
         return [self._after_read(k, results.get(k)) for k in keys]
@@ -202,7 +202,7 @@ class FileStore(Store):
         fits = [f.size <= self.config.capacity_bytes for f in frames]
         items = [(self._file(k), f, self.config.fsync) for k, f, ok in zip(keys, frames, fits) if ok]
         written = [k for k, ok in zip(keys, fits) if ok]
-        outcomes = await self._batch(_write_atomically, items)
+        outcomes = await self._batch(write_atomically, items)
         await self._retry_if_disk_full(written, items, outcomes)
         results = dict(zip(written, outcomes))
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
@@ -245,7 +245,7 @@ class FileStore(Store):
         self.disk_full_evictions += len(victims)
         self.complain("disk_full", f"disk full under {self._root_str}: evicted {len(victims)} pages "
                                    f"({sum(n for _, n in victims)} bytes) to write {len(full)}")
-        for i, r in zip(full, await self._batch(_write_atomically, [items[i] for i in full])):
+        for i, r in zip(full, await self._batch(write_atomically, [items[i] for i in full])):
             outcomes[i] = r
 
     async def _enforce_capacity(self, added: int = 0) -> None:
@@ -267,7 +267,7 @@ class FileStore(Store):
 
     async def _unlink_victims(self, victims: list[tuple[str, int]]) -> None:
         """Remove the files of pages `_choose_victims` took off the index and the count."""
-        removed = await self._batch(_unlink_quietly, [(self._file(k),) for k, _ in victims])
+        removed = await self._batch(unlink_quietly, [(self._file(k),) for k, _ in victims])
         error = sum(size - (r if isinstance(r, int) else 0) for (_, size), r in zip(victims, removed))
         if error:
             with self._shared() as usage:
@@ -298,7 +298,7 @@ class FileStore(Store):
         present = [k for k in keys if k in self._sizes]
         for k in present:
             self._forget(k)
-        removed = await self._batch(_unlink_quietly, [(self._file(k),) for k in present])
+        removed = await self._batch(unlink_quietly, [(self._file(k),) for k in present])
         with self._shared() as usage:
             usage[0] -= sum(r for r in removed if isinstance(r, int))
         return len(present)
@@ -324,7 +324,7 @@ class FileStore(Store):
         keys = list(self._sizes)
         for start in range(0, len(keys), batch):
             chunk = keys[start:start + batch]
-            mtimes = await self._batch(_mtime, [(self._file(k),) for k in chunk])
+            mtimes = await self._batch(mtime, [(self._file(k),) for k in chunk])
             yield [StoredPage(k, self._sizes.get(k, 0), None if isinstance(m, OSError) else m)
                    for k, m in zip(chunk, mtimes)]
 
@@ -332,12 +332,12 @@ class FileStore(Store):
         return self.root.joinpath(*name.split("/"))
 
     async def _put_meta(self, name, data):
-        [err] = await self._batch(_write_atomically, [(self._meta_path(name), bytes(data), self.config.fsync)])
+        [err] = await self._batch(write_atomically, [(self._meta_path(name), bytes(data), self.config.fsync)])
         if isinstance(err, OSError):
             raise StoreError(f"file: writing {name}: {err}") from err
 
     async def _get_meta(self, name):
-        [got] = await self._batch(_read_file, [(self._meta_path(name),)])
+        [got] = await self._batch(read_file, [(self._meta_path(name),)])
         return None if isinstance(got, OSError) else got
 
     def _extra_stats(self):
@@ -369,7 +369,7 @@ def _store_usage(path: Path, fd: int | None, used: int) -> None:
     then renamed in; a damaged one is cut to the 20 digits."""
     data = b"%020d" % used
     if fd is None:
-        _write_small(path, data)
+        write_small(path, data)
     else:
         if os.pwrite(fd, data, 0) != len(data):
             raise OSError(f"short write to {path}")
@@ -380,7 +380,7 @@ def _bytes_under(root: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(root):
         for name in files:
-            if not name.startswith((_TMP, ".kvtier")):
+            if not name.startswith((TMP, ".kvtier")):
                 with contextlib.suppress(FileNotFoundError):
                     total += os.stat(os.path.join(dirpath, name)).st_size
     return total
@@ -395,10 +395,10 @@ def _claim_root(root: Path) -> None:
         return
     for dirpath, _, files in os.walk(root):  # a store from before markers is adopted
         for name in files:
-            if not (name.startswith((_TMP, ".kvtier")) or _page_key(root, os.path.join(dirpath, name))):
+            if not (name.startswith((TMP, ".kvtier")) or _page_key(root, os.path.join(dirpath, name))):
                 raise OSError(f"not a kvtier store: it holds other files ({name}) and no {MARKER} marker; "
                               f"name an empty directory (or create {marker} if it is one)")
-    _write_small(marker, b'{"format": 1}\n')
+    write_small(marker, b'{"format": 1}\n')
 
 
 def _page_key(root: Path, full: str) -> str | None:
@@ -415,7 +415,7 @@ def _page_key(root: Path, full: str) -> str | None:
 
 def _stale_temp(full: str, name: str) -> bool:
     """A temp file of a dead writer on this host, or one untouched for an hour."""
-    owner = name[len(_TMP):]
+    owner = name[len(TMP):]
     host, _, rest = owner.partition(".")
     pid = rest.partition(".")[0]
     if host == socket.gethostname() and pid.isdigit():

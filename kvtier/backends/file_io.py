@@ -21,13 +21,13 @@ import xxhash
 from kvtier.backends import frame
 from kvtier.backends.frame import FrameError
 
-_TMP = ".tmp-"
+TMP = ".tmp-"
 _OWNER = f"{socket.gethostname()}.{os.getpid()}."
 _RUN = uuid.uuid4().hex[:12] + "-"
 _TEMP_IDS = itertools.count()  # with a per-process random part: temp names never collide
 
 
-def _unlink_quietly(path: str | Path) -> int:
+def unlink_quietly(path: str | Path) -> int:
     """Bytes this call removed (0 if the file was gone already)."""
     try:
         size = os.stat(path).st_size
@@ -37,7 +37,7 @@ def _unlink_quietly(path: str | Path) -> int:
         return 0
 
 
-def _write_small(path: Path, data: bytes) -> None:
+def write_small(path: Path, data: bytes) -> None:
     tmp = _temp_name(str(path))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -45,7 +45,7 @@ def _write_small(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _run_all(fn, items: list[tuple]) -> list:
+def run_all(fn, items: list[tuple]) -> list:
     """One thread job: `fn` over items; an OSError is returned in its place, not raised."""
     out = []
     for item in items:
@@ -56,7 +56,7 @@ def _run_all(fn, items: list[tuple]) -> list:
     return out
 
 
-def _sizes_of(paths: list[Path], leading: bool) -> list[int | None]:
+def sizes_of(paths: list[Path], leading: bool) -> list[int | None]:
     """Each page file's size, None where there is none (with `leading`: None from the first
     absent on)."""
     out: list[int | None] = []
@@ -71,11 +71,11 @@ def _sizes_of(paths: list[Path], leading: bool) -> list[int | None]:
     return out
 
 
-def _mtime(path: str | Path) -> float:
+def mtime(path: str | Path) -> float:
     return os.stat(path).st_mtime
 
 
-def _read_file(path: Path) -> bytes:
+def read_file(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
 
@@ -85,7 +85,7 @@ _READ_CHUNK = 2 << 20  # and read in chunks of this many, hashed on a hashing th
 _HASH_AWAY = 1 << 20  # pages this big are checked on a hashing thread as they are read
 
 
-def _read_pages_into(hashers, items: list[tuple]) -> list:
+def read_pages_into(hashers, items: list[tuple]) -> list:
     """One thread job of `batch_get_into`: every page of `items` (path, ns, h, view) read
     into its view and checked (`_read_page`); True, or the FrameError or OSError in its
     place. Pages of `_HASH_AWAY` bytes or more are read in chunks that a thread of
@@ -219,13 +219,13 @@ def _read_chunks(fd: int, header: bytearray, view: memoryview, extra: bytearray,
 
 
 def _temp_name(final: str) -> str:
-    return os.path.join(os.path.dirname(final), f"{_TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}")
+    return os.path.join(os.path.dirname(final), f"{TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}")
 
 
-def _write_atomically(final: str, data, fsync: bool) -> int:
+def write_atomically(final: str, data, fsync: bool) -> int:
     """Write `data` (a page's Frame, or plain bytes) to an owner-named temp file (mode
     0600), then rename it over `final`: readers see the whole file or none. Returns the
-    bytes of the file it replaced (0 if new); raises OSError (collected by `_run_all`)."""
+    bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`)."""
     tmp = _temp_name(str(final))
     try:
         try:
@@ -249,7 +249,7 @@ def _write_atomically(final: str, data, fsync: bool) -> int:
         os.replace(tmp, final)
         return replaced
     except OSError:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
 
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvtier.backends.base import Store, StoredPage
-from kvtier.tiers.indices import check_positive
+from kvtier.validate import check_positive
 
 
 @dataclass(slots=True, frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from kvtier.backends.base import Store, StoredPage
 from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import redact_url
-from kvtier.tiers.indices import check_positive, io_threads
+from kvtier.validate import check_positive, io_threads
 
 
 @dataclass(slots=True, frozen=True)

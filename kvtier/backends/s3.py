@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.backends.base import Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
-from kvtier.tiers.indices import check_positive
+from kvtier.validate import check_positive
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 

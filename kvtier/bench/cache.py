@@ -130,7 +130,7 @@ class Scheduler:
                     continue
                 batch.append((rid, t, got, torch.cat([got.indices, mine])))
             if not batch:  # writes in flight lock device pages until polled: wait for them
-                if not cache.controller.busy() and len(runnable) == 1:
+                if not cache.busy() and len(runnable) == 1:
                     raise RuntimeError("device pool too small for one request")
                 start = time.perf_counter()
                 cache.wait_progress()

@@ -1,27 +1,25 @@
 """The cache controller: moves KV between the pool, the mirror and the store.
 
 It owns every asynchronous thing — the write and load streams, the storage thread, the
-op queues — and never touches the tree. Ops carry an opaque `tag` (the cache's node);
-the scheduler thread asks how many ops are finished (`ready()`), agrees on the counts
-across ranks, and pops exactly that many, in submission order.
+op queues, the host allocator's lock — and never touches the tree. Ops carry a `tag` of
+the caller's type (the cache's node); the scheduler thread asks how many ops of each kind
+are finished (`finished()`), agrees on the counts across ranks, and takes exactly that
+many (`take`), in submission order. Nobody else touches the queues.
 
-Slot ownership (device / host):
-
-| state                               | held by                          |
-|-------------------------------------|----------------------------------|
-| free                                | the allocator                    |
-| reserved for a write / a prefetch   | the op, until the cache pops it  |
-| in the tree                         | the tree (the cache frees them)  |
-| handed to a request                 | the request, via the cache       |
+Host slot ownership: free in the mirror's allocator; reserved by a write or a prefetch
+until the cache takes the op; then the tree's, or back to the allocator. Device slots are
+not the controller's: `cache/slots.py` owns them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from enum import IntEnum
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -31,17 +29,34 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.controller.cpus import check_cpus, confine
 from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
 from kvtier.controller.streams import Handle, make_stream
-from kvtier.tiers.allocator import PagedAllocator
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.tiers.indices import check_slots, concat, page_slots
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 
 
+Tag = TypeVar("Tag")  # what the caller ties an op to (the cache: a tree node)
+
+
+class OpKind(IntEnum):
+    WRITE = 0
+    LOAD = 1
+    BACKUP = 2
+
+
+class Finished(NamedTuple):
+    """Leading finished ops of each kind (snapshots; they only grow)."""
+
+    writes: int
+    loads: int
+    backups: int
+
+
 @dataclass(eq=False)
-class WriteOp:
+class WriteOp(Generic[Tag]):
     device_slots: np.ndarray
     host_slots: np.ndarray
-    tag: Any
+    tag: Tag
     handle: Handle | None = None
     started: float = field(default_factory=time.perf_counter)
     applied: bool = False  # the scheduler took it (its host slots went to the tree or back)
@@ -49,7 +64,7 @@ class WriteOp:
 
 
 @dataclass(eq=False)
-class LoadOp:
+class LoadOp(Generic[Tag]):
     """A host->device copy into fresh device slots. The slots belong to the op until its
     worker has returned, then to whoever started it (a request): nothing in the tree
     points at them while the copy is in flight. `orphaned`: the request let go before the
@@ -57,7 +72,7 @@ class LoadOp:
 
     host_slots: np.ndarray
     device_slots: np.ndarray
-    tag: Any
+    tag: Tag
     handle: Handle
     started: float = field(default_factory=time.perf_counter)
     orphaned: bool = False
@@ -78,7 +93,6 @@ class CacheController:
         self.mirror = mirror
         self.config = config
         self.page_size = pool.config.page_size
-        self.device_alloc = PagedAllocator(pool.config.size, self.page_size)
         self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
         self.write_stream = stream_factory("write", pool.device)
         self.load_stream = stream_factory("load", pool.device)
@@ -90,15 +104,24 @@ class CacheController:
                                     config.store_probe_max_backoff_s)
             self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock, cpus)
         self._queued_writes: list[WriteOp] = []
-        self.writes: deque[WriteOp] = deque()
-        self.loads: deque[LoadOp] = deque()
-        self.backups: deque[BackupOp] = deque()
-        self.prefetches: dict[str, PrefetchOp] = {}  # in submission order
-        self.unsettled: list[PrefetchOp] = []  # finished, but the store may still write their pages
+        self._queues: dict[OpKind, deque] = {kind: deque() for kind in OpKind}
+        self._prefetches: dict[str, PrefetchOp] = {}  # in submission order
+        self._unsettled: list[PrefetchOp] = []  # ended, but the store may still write their pages
 
     @property
     def store(self) -> Store | None:
         return self.storage.store if self.storage else None
+
+    def probe_store(self, key_prefix: str, namespace_id: str, timeout_s: float) -> None:
+        """Reach the store once (its manifest), or close and raise StoreUnavailable (one line)."""
+        storage = self.storage
+        probe = storage.store.get_manifest(key_prefix, namespace_id)
+        try:
+            asyncio.run_coroutine_threadsafe(probe, storage.loop).result(timeout_s)
+        except (StoreError, TimeoutError) as exc:
+            self.close()
+            raise StoreUnavailable(f"store.required: the {storage.store.name} store cannot be reached at start: "
+                                   f"{str(exc) or type(exc).__name__}") from exc
 
     # -- host slots (the lock makes accounting snapshots consistent) --------------------------
 
@@ -141,7 +164,7 @@ class CacheController:
 
     # -- device -> host -----------------------------------------------------------------------
 
-    def write(self, device_slots: np.ndarray, tag: Any) -> np.ndarray | None:
+    def write(self, device_slots: np.ndarray, tag: Tag) -> np.ndarray | None:
         """Reserve host slots and queue a device->host copy; None if the mirror is full."""
         host = self.alloc_host(device_slots.size)
         if host is None:
@@ -158,13 +181,20 @@ class CacheController:
         host = _joined([op.host_slots for op in ops])
         mirror, pool = self.mirror, self.pool
         handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle())
+        writes = self._queues[OpKind.WRITE]
         for op in ops:
             op.handle = handle
-            self.writes.append(op)
+            writes.append(op)
+
+    def wait_writes(self, timeout: float = 30.0) -> None:
+        """Submit the queued writes and wait for every write in flight to land (or fail)."""
+        self.flush_writes()
+        for op in list(self._queues[OpKind.WRITE]):
+            self.write_stream.wait(op.handle, timeout)
 
     # -- host -> device -----------------------------------------------------------------------
 
-    def load(self, host_slots: np.ndarray, device_slots: np.ndarray, tag: Any) -> LoadOp:
+    def load(self, host_slots: np.ndarray, device_slots: np.ndarray, tag: Tag) -> LoadOp:
         """Copy host slots into (already allocated) device slots, one layer at a time."""
         mirror, pool = self.mirror, self.pool
         check_slots("host_slots", host_slots)
@@ -178,41 +208,75 @@ class CacheController:
 
         handle = self.load_stream.submit(job, Handle(pool.num_layers))
         op = LoadOp(host_slots, device_slots, tag, handle)
-        self.loads.append(op)
+        self._queues[OpKind.LOAD].append(op)
         return op
+
+    def load_pending(self, op: LoadOp) -> bool:
+        """Is `op` still queued (not taken by the scheduler)?"""
+        return op in self._queues[OpKind.LOAD]
 
     # -- host <-> store -----------------------------------------------------------------------
 
-    def backup(self, keys: list[str], host_pages: np.ndarray, tag: Any) -> BackupOp | None:
+    def backup(self, keys: list[str], host_pages: np.ndarray, tag: Tag) -> BackupOp | None:
         if self.storage is None:
             return None
         op = BackupOp(keys, host_pages, tag)
-        self.backups.append(op)
+        self._queues[OpKind.BACKUP].append(op)
         self.storage.submit_backup(op)
         return op
 
     def prefetch(self, op: PrefetchOp) -> None:
-        if op.request_id in self.prefetches:
+        if op.request_id in self._prefetches:
             raise ValueError(f"prefetch: request_id={op.request_id!r} already has a prefetch in flight")
-        self.prefetches[op.request_id] = op
+        self._prefetches[op.request_id] = op
         self.storage.submit_prefetch(op)
+
+    def end_prefetch(self, op: PrefetchOp, settled: bool) -> None:
+        """The scheduler is done with `op`; unless its store call has `settled`, its pages
+        stay reserved until `take_settled` names it."""
+        self._prefetches.pop(op.request_id, None)
+        if not settled:
+            self._unsettled.append(op)
+
+    def prefetch_ops(self) -> list[PrefetchOp]:
+        """The prefetches that may hold host pages: in flight, or ended and not settled."""
+        return [*self._prefetches.values(), *self._unsettled]
+
+    def unsettled(self) -> list[int]:
+        """Per ended prefetch whose store call had not settled, in order: 1 if it has now."""
+        return [int(op.settled) for op in self._unsettled]
+
+    def take_settled(self, settled: list[int]) -> list[PrefetchOp]:
+        """The first `len(settled)` unsettled prefetches whose flag is set (agreed): they
+        leave the controller; the rest stay, in order."""
+        head = self._unsettled[: len(settled)]
+        self._unsettled = [op for op, done in zip(head, settled) if not done] + self._unsettled[len(settled):]
+        return [op for op, done in zip(head, settled) if done]
 
     # -- completion ---------------------------------------------------------------------------
 
-    def ready(self) -> list[int]:
-        """Leading finished counts [writes, loads, backups] (snapshots; only grow)."""
-        return [_leading(self.writes, lambda op: op.handle.is_done()),
-                _leading(self.loads, lambda op: op.handle.is_done()),
-                _leading(self.backups, lambda op: op.finished)]
+    def finished(self) -> Finished:
+        """Leading finished ops of each kind (snapshots; only grow)."""
+        q = self._queues
+        return Finished(_leading(q[OpKind.WRITE], lambda op: op.handle.is_done()),
+                        _leading(q[OpKind.LOAD], lambda op: op.handle.is_done()),
+                        _leading(q[OpKind.BACKUP], lambda op: op.finished))
 
     def writes_landed(self) -> list[int]:
         """Per write in flight, in order: 1 if it has landed here. A write's outcome changes
         the tree, so under tensor parallelism the ranks agree on these (MIN): a write that
         failed on any rank fails on every rank."""
-        return [int(op.handle.is_done() and op.handle.error is None) for op in self.writes]
+        return [int(op.handle.is_done() and op.handle.error is None) for op in self._queues[OpKind.WRITE]]
 
-    def pop(self, queue: deque, n: int) -> list:
+    def take(self, kind: OpKind, n: int) -> list:
+        """The `n` oldest ops of `kind` (finished on every rank), which leave the controller."""
+        queue = self._queues[kind]
         return [queue.popleft() for _ in range(n)]
+
+    def queue_sizes(self) -> dict[str, int]:
+        q = self._queues
+        return {"writes": len(q[OpKind.WRITE]), "loads": len(q[OpKind.LOAD]), "backups": len(q[OpKind.BACKUP]),
+                "prefetches": len(self._prefetches)}
 
     def host_accounting(self) -> tuple[int, int]:
         """(free host slots, host slots reserved by ops not applied yet), one consistent snapshot."""
@@ -221,21 +285,22 @@ class CacheController:
 
     def _in_flight_host_slots(self) -> int:
         n = sum(op.host_slots.size for op in self._queued_writes)
-        n += sum(op.host_slots.size for op in self.writes)
-        for op in [*self.prefetches.values(), *self.unsettled]:
+        n += sum(op.host_slots.size for op in self._queues[OpKind.WRITE])
+        for op in self.prefetch_ops():
             if op.host_pages is not None:
                 n += (op.host_pages.size - op.inserted) * self.page_size
         return n
 
     def busy(self) -> bool:
         """Any op not applied yet (or a prefetch whose store call has not settled)?"""
-        return bool(self.writes or self.loads or self.backups or self.prefetches or self._queued_writes or self.unsettled)
+        return bool(any(self._queues.values()) or self._prefetches or self._queued_writes or self._unsettled)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until every submitted transfer and store op has finished."""
         self.flush_writes()
         deadline = time.monotonic() + timeout
-        for stream, ops in ((self.write_stream, list(self.writes)), (self.load_stream, list(self.loads))):
+        for stream, ops in ((self.write_stream, list(self._queues[OpKind.WRITE])),
+                            (self.load_stream, list(self._queues[OpKind.LOAD]))):
             for op in ops:
                 stream.wait(op.handle, max(0.0, deadline - time.monotonic()))
         if self.storage is not None:
@@ -249,7 +314,7 @@ class CacheController:
         self.storage.progress.clear()
 
     def close(self) -> None:
-        for op in self.prefetches.values():
+        for op in self._prefetches.values():
             self.stop_prefetch(op)
         self.wait_idle()
         self.write_stream.close()

@@ -7,27 +7,26 @@ import operator
 
 import numpy as np
 
-from kvtier.controller.streams import Handle, TransferError
+from kvtier.controller.streams import Handle
+from kvtier.errors import TransferError
 from kvtier.controller.tp import Agreement
 
 
 class LayerWaiter:
     """The loads one forward must wait for; later loads belong to the next forward.
 
-    One rank: a failed or late load raises TransferError from `wait_layer` (the forward
-    stops; abort its requests). Under tensor parallelism it must not: every rank's forward
-    runs the same collectives, and a rank that stopped alone would hang the others. There
-    `wait_layer` notes the failure and returns; the forward runs to its end on every rank,
-    and `failed()` then names the requests whose load failed on any rank, agreed in one
-    collective: abort exactly those, on every rank (docs/design.md §8)."""
+    The one channel for a failed load (docs/design.md §8): `wait_layer` never raises for a
+    failed or late load — it notes the failure and returns, and the forward runs to its
+    end (under tensor parallelism every rank's forward runs the same collectives: a rank
+    that stopped alone would hang the others). After the forward, `failed()` names the
+    requests whose load failed on any rank (agreed in one collective under tensor
+    parallelism): their outputs are garbage; abort exactly those, on every rank."""
 
-    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, defer: bool,
-                 num_layers: int) -> None:
+    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, num_layers: int) -> None:
         self.loads = loads  # request id -> its load, in the caller's (replicated) order
         self.num_layers = num_layers
         self.timeout_s = timeout_s
         self.agreement = agreement
-        self.defer = defer
         self.bad: dict[str, str] = {}  # request id -> why its load is unusable (this rank)
 
     def wait_layer(self, layer: int) -> None:
@@ -39,8 +38,6 @@ class LayerWaiter:
             try:
                 h.wait_layer(layer, self.timeout_s)
             except TransferError as exc:
-                if not self.defer:
-                    raise
                 self.bad[rid] = str(exc)
 
     def _layer(self, layer) -> int:
@@ -57,8 +54,8 @@ class LayerWaiter:
 
     def failed(self) -> list[str]:
         """After the forward, on every rank: the requests whose load failed on any rank
-        (their outputs are garbage; abort them). One collective iff the forward read loads,
-        which is the same on every rank."""
+        (their outputs are garbage; abort them). One collective iff the forward read loads
+        and there are several ranks (the loads are the same on every rank)."""
         if not self.loads:
             return []
         rids = list(self.loads)

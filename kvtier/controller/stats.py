@@ -21,9 +21,9 @@ class Histogram:
 
     def as_dict(self) -> dict:
         return {"count": self.count, "sum_s": self.sum,
-                "buckets": dict(zip([*map(str, BUCKETS_S), "+Inf"], self._cumulative()))}
+                "buckets": dict(zip([*map(str, BUCKETS_S), "+Inf"], self.cumulative()))}
 
-    def _cumulative(self) -> list[int]:
+    def cumulative(self) -> list[int]:
         out, total = [], 0
         for c in self.counts:
             total += c
@@ -38,9 +38,7 @@ class Counters:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     d2h_bytes: int = 0
-    d2h_seconds: float = 0.0
     h2d_bytes: int = 0
-    h2d_seconds: float = 0.0
     l3_write_bytes: int = 0
     l3_write_pages: int = 0
     l3_write_failures: int = 0
@@ -99,6 +97,6 @@ class PrometheusCollector:
             if isinstance(value, (int, float)):  # a bool (store_down) is 0 or 1
                 yield GaugeMetricFamily(f"kvtier_store_{name}", f"kvtier store {name.replace('_', ' ')}", value=value)
         for op, h in self.cache.stats_obj.latency.items():
-            buckets = [(str(b), c) for b, c in zip(BUCKETS_S, h._cumulative())] + [("+Inf", h.count)]
+            buckets = [(str(b), c) for b, c in zip(BUCKETS_S, h.cumulative())] + [("+Inf", h.count)]
             yield HistogramMetricFamily(f"kvtier_{op}_latency_seconds", f"kvtier {op} latency",
                                         buckets=buckets, sum_value=h.sum)

@@ -23,7 +23,8 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from enum import Enum
+from typing import Callable, Generic, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -41,10 +42,9 @@ CHUNK_BYTES = 8 << 20
 
 class PageKeys(Sequence):
     """The store keys of `count` pages, made on first use by the storage thread from their
-    hashes — given, or computed then by `hashing()` (a prefetch's chain over the prompt).
-    In `benchmarks/cache.py` the scheduler thread had keyed ~55 pages a request and hashed
-    ~40 of them for prefetches. `hashes` stays None until computed; the scheduler only
-    reads it (one attribute store, under the GIL)."""
+    hashes — given, or computed then by `hashing()` (a prefetch's chain over the prompt):
+    keying and hashing stay off the scheduler thread. `hashes` stays None until computed;
+    the scheduler only reads it (one attribute store, under the GIL)."""
 
     __slots__ = ("hashes", "count", "key_of", "_hashing", "_keys")
 
@@ -73,11 +73,26 @@ class PageKeys(Sequence):
         return iter(self._made())
 
 
+class Outcome(Enum):
+    """How a prefetch ended (set by the storage thread)."""
+
+    RUNNING = "running"
+    DONE = "done"  # every page the store holds landed
+    PARTIAL = "partial"  # stopped at a miss, a page that did not verify, or fewer pages granted
+    STOPPED = "stopped"  # the scheduler stopped it
+    NO_SPACE = "no_space"  # no host page was granted
+    ERROR = "error"
+    STORE_DOWN = "store_down"  # the breaker kept it from the store
+    SLOW_STORE = "slow_store"  # loading was expected slower than recomputing (speed.py)
+
+
+Tag = TypeVar("Tag")
+
+
 @dataclass(eq=False)
 class PrefetchOp:
     request_id: str
     keys: Sequence[str]  # a list, or PageKeys (made on the storage thread)
-    tag: Any  # the scheduler's anchor; opaque here
     tokens: int  # tokens the keys cover
     started: float = field(default_factory=time.perf_counter)
     # written by the scheduler, then `StorageWorker.wake` (plain flags: nothing blocks on them)
@@ -86,22 +101,21 @@ class PrefetchOp:
     wake: asyncio.Event | None = None  # the storage loop's view of `granted` / `stop`
     host_pages: np.ndarray | None = None  # page numbers, set by the scheduler before `granted`
     # written by the storage thread
-    present: int = -1  # -1 until batch_exists answered
+    present: int | None = None  # pages the store holds, once batch_exists answered
     landed: int = 0
     finished: bool = False
     settled: bool = False
-    outcome: str = "running"  # done | partial | stopped | no_space | error
+    outcome: Outcome = Outcome.RUNNING
     error: str | None = None
     # the scheduler's side
     inserted: int = 0
-    stop_reason: str | None = None
 
 
 @dataclass(eq=False)
-class BackupOp:
+class BackupOp(Generic[Tag]):
     keys: Sequence[str]  # a list, or PageKeys
     host_pages: np.ndarray  # page numbers
-    tag: Any
+    tag: Tag
     started: float = field(default_factory=time.perf_counter)
     ok: list[bool] | None = None
     finished: bool = False
@@ -211,10 +225,11 @@ class StorageWorker:
         try:
             settled = await self._prefetch_pages(op)
         finally:
-            # ended before the store said what it holds: nothing. Left at -1 (unknown), the
-            # agreed count stayed unknown, and a rank whose store did answer waited for a
-            # grant that never came (docs/design.md §7)
-            op.present = max(op.present, 0)
+            # ended before the store said what it holds: nothing. Left unknown, the agreed
+            # count would stay unknown, and a rank whose store did answer would wait for a
+            # grant that never comes (docs/design.md §7)
+            if op.present is None:
+                op.present = 0
             op.finished = True
             self.progress.set()
         if settled is not None:
@@ -229,32 +244,32 @@ class StorageWorker:
             op.wake.set()
         try:
             if not self.breaker.admit():
-                op.present, op.outcome = 0, "store_down"
+                op.present, op.outcome = 0, Outcome.STORE_DOWN
                 return None
             asked = self.clock()
             present = await self._guarded(self.store.batch_exists(list(op.keys)))
             self.speed.observe_call(self.clock() - asked)
             if present and not self.speed.worth_loading(present, -(-present // self.chunk),
                                                         present * op.tokens // len(op.keys)):
-                op.present, op.outcome = 0, "slow_store"
+                op.present, op.outcome = 0, Outcome.SLOW_STORE
                 self.progress.set()
                 return None
             op.present = present
             self.progress.set()
             if op.present == 0:
-                op.outcome = "done"
+                op.outcome = Outcome.DONE
                 return
             if not await self._wait_grant(op):
-                op.outcome = "stopped"
+                op.outcome = Outcome.STOPPED
                 return
             pages = op.host_pages
             if pages is None or len(pages) == 0:
-                op.outcome = "no_space"
+                op.outcome = Outcome.NO_SPACE
                 return
-            op.outcome = "done" if len(pages) == op.present else "partial"
+            op.outcome = Outcome.DONE if len(pages) == op.present else Outcome.PARTIAL
             for start in range(0, len(pages), self.chunk):
                 if op.stop:
-                    op.outcome = "stopped"
+                    op.outcome = Outcome.STOPPED
                     return
                 chunk = pages[start:start + self.chunk]
                 async with self._slots:
@@ -265,14 +280,14 @@ class StorageWorker:
                 op.landed += run
                 self.progress.set()
                 if run < len(ok):
-                    op.outcome = "partial"  # a miss or a page that did not verify: stop at it
+                    op.outcome = Outcome.PARTIAL  # a miss or a page that did not verify: stop at it
                     return
         except KvtierError as exc:
-            op.outcome, op.error = "error", str(exc)
+            op.outcome, op.error = Outcome.ERROR, str(exc)
             self._complain("prefetch", f"prefetch {op.request_id}: {exc} (its pages are misses)")
             return getattr(exc, "settled", None)
         except Exception as exc:  # never leave an op unfinished
-            op.outcome, op.error = "error", f"{type(exc).__name__}: {exc}"
+            op.outcome, op.error = Outcome.ERROR, f"{type(exc).__name__}: {exc}"
             log.exception("prefetch %s failed", op.request_id)
         return None
 

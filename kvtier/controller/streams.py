@@ -20,11 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvtier.errors import KvtierError
-
-
-class TransferError(KvtierError):
-    """A pool<->mirror copy failed; the pages it was moving are not usable."""
+from kvtier.errors import TransferError
 
 
 # One condition for every handle: a handle costs no lock or Event of its own (a load over 80

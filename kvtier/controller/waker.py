@@ -2,10 +2,9 @@
 
 `loop.call_soon_threadsafe` wakes a loop by `socket.send` on its self-pipe, and Python
 releases the GIL around every `send`. The woken loop thread takes the GIL at once and
-the scheduler waits until the loop gives it back: with the storage and copy threads busy
-on two cores, one wake-up cost the scheduler thread ~250 us (measured in
-`benchmarks/cache.py`; 360 us next to one spinning thread, against 1 us for the write
-below). So the scheduler writes the wake-up byte with libc's `write` called through
+the scheduler waits until the loop gives it back: with the storage and copy threads busy,
+a wake-up costs the scheduler hundreds of microseconds against about one for the write
+below (docs/design.md §2). So the scheduler writes the wake-up byte with libc's `write` called through
 `ctypes.PyDLL`, which holds the GIL for the call: a non-blocking one-byte write never
 waits. Where libc cannot be loaded this falls back to `os.write`.
 """

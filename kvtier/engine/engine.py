@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import TieredCache
-from kvtier.controller.streams import TransferError
+from kvtier.errors import TransferError
 from kvtier.engine.model import Chunk, TinyTransformer
 from kvtier.engine.workloads import Turn
 from kvtier.tiers.req_to_token import ReqToTokenPool
@@ -115,7 +115,7 @@ class Engine:
             return True
         need = len(self.histories.get(turn.session, [])) + len(turn.prompt) + turn.output_len
         reserved = sum(len(a.prompt) + a.turn.output_len - a.pos for a in active)  # still to allocate
-        room = self.cache.controller.device_alloc.available_size() + self.cache.tree.evictable_size()
+        room = self.cache.room()
         return need + reserved + self.page_size * (len(active) + 1) <= room
 
     def _start(self, turn: Turn, active: list, parked: dict, done: list) -> None:
@@ -159,7 +159,7 @@ class Engine:
             chunks.append(Chunk(a.row, a.pos, torch.tensor(tokens, dtype=torch.int64), slots))
             batch.append((a, tokens))
         if not chunks:
-            if self.cache.controller.busy():  # writes in flight hold locks: once polled, room frees
+            if self.cache.busy():  # writes in flight hold locks: once polled, room frees
                 time.sleep(0.001)
                 return
             # nobody can move: preempt the youngest (what it computed stays cached)
@@ -215,7 +215,7 @@ class Engine:
         more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
         if more is None:
             return None
-        slots = torch.cat([first, more])
+        slots = torch.cat([first, more[:rest]])  # the rest of the last page: `first` of the next step
         a.last_slot = int(slots[-1])
         return slots
 

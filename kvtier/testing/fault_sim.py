@@ -10,7 +10,7 @@ every episode.
 
 Checked after every step: `sanity_check()`, `check_accounting()`, and that every byte a
 forward reads for a token equals the reference KV of that token's prefix (unless that
-forward got a TransferError). Before `close()`, once every copy and store call is
+forward's waiter named its load failed). Before `close()`, once every copy and store call is
 answered, every waiting request is named ready (none waits forever); after it, every slot
 is free.
 
@@ -32,7 +32,7 @@ import torch
 
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
-from kvtier.controller.streams import TransferError
+from kvtier.errors import TransferError
 from kvtier.testing.misuse import Violation, misuse
 from kvtier.testing.parts import SimStore, SimStreams
 
@@ -122,7 +122,7 @@ class FaultSim:
         self.tp = self.cache.agreement.world_size > 1
         self.skews = random.Random(f"{seed}/{self.cache.agreement.rank}")
         if self.tp:
-            self.cache.sync.clock = lambda: self.clock + self.skew
+            self.cache.prefetcher.clock = lambda: self.clock + self.skew
         vocab = 6 if ps == 1 else 50
         self.bases = [np.array([self.rng.randrange(vocab) for _ in range(self.max_len)]) for _ in range(4)]
         self.vocab = vocab
@@ -237,27 +237,19 @@ class FaultSim:
             return
         waiter = self.cache.begin_forward([req.rid for req, _, _ in batch])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        waiter.defer = self.rng.random() < 0.5 or self.tp  # as under tensor parallelism: the forward runs on
         self.note("forward " + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch) +
-                  f" loads={len(waiter.loads)} defer={waiter.defer}")
-        try:
-            for layer in range(LAYERS):
-                self._land_or_not(list(waiter.loads.values()))
-                waiter.wait_layer(layer)
-                for req, n, own in batch:
-                    if req.rid not in waiter.bad:  # a noted failure: the bytes are garbage, never used
-                        self._read_check(req, layer)
-                    k, v = req.ref[layer]
-                    self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
-                if self.rng.random() < 0.15:  # an overlap scheduler: the next step runs during this forward
-                    self.note(f"  mid-forward after layer {layer}:")
-                    self.poll() if self.rng.random() < 0.6 else self.arrive()
-        except TransferError as exc:  # the forward stopped: every request in it is aborted
-            for req, _, own in batch:
-                self.note(f"  {req.rid}: {exc}; abort")
-                req.row = torch.cat([req.row, own])
-                self._abort(req)
-            return
+                  f" loads={len(waiter.loads)}")
+        for layer in range(LAYERS):  # a failed load never stops the forward: failed() names it after
+            self._land_or_not(list(waiter.loads.values()))
+            waiter.wait_layer(layer)
+            for req, n, own in batch:
+                if req.rid not in waiter.bad:  # a noted failure: the bytes are garbage, never used
+                    self._read_check(req, layer)
+                k, v = req.ref[layer]
+                self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
+            if self.rng.random() < 0.15:  # an overlap scheduler: the next step runs during this forward
+                self.note(f"  mid-forward after layer {layer}:")
+                self.poll() if self.rng.random() < 0.6 else self.arrive()
         failed = waiter.failed()
         for req, n, own in batch:
             row = torch.cat([req.row, own])
@@ -286,7 +278,7 @@ class FaultSim:
         first = torch.arange(last + 1, last + 1 + min(room, n), dtype=torch.int64)
         rest = n - first.numel()
         more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
-        return None if more is None else torch.cat([first, more])
+        return None if more is None else torch.cat([first, more[:rest]])
 
     def _land_or_not(self, handles) -> None:
         """Before a layer is read, each of its loads still pending lands, fails, or not."""
@@ -374,7 +366,7 @@ class FaultSim:
         pages = {(np.frombuffer(v, dtype=np.uint8).ctypes.data - base) // mirror.page_bytes for v in call.args[1]}
         ctl = self.cache.controller
         owned = set()
-        for op in [*ctl.prefetches.values(), *ctl.unsettled]:
+        for op in ctl.prefetch_ops():
             if op.host_pages is not None:
                 owned |= set(op.host_pages[op.inserted:].tolist())
         if not pages <= owned:
@@ -430,9 +422,9 @@ class FaultSim:
         self._auto(self.cache.close)
         self.check()
         ctl = self.cache.controller
-        if ctl.device_alloc.available_size() != self.cache.config.pool.size or \
+        if self.cache.slots.device_free() != self.cache.config.pool.size or \
                 ctl.host_available() != self.cache.mirror.size:
-            raise Violation(f"after close: device free {ctl.device_alloc.available_size()}/"
+            raise Violation(f"after close: device free {self.cache.slots.device_free()}/"
                             f"{self.cache.config.pool.size}, host free {ctl.host_available()}/{self.cache.mirror.size}")
 
 

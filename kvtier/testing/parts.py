@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from kvtier.backends.base import verify_into
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
-from kvtier.controller.streams import Handle, TransferError, TransferStream
+from kvtier.controller.streams import Handle, TransferStream
+from kvtier.errors import TransferError
 
 
 @dataclass(eq=False)

@@ -132,11 +132,11 @@ def replicated_cache(cache) -> dict[str, object]:
         nodes.append((node.key.tokens.tobytes(), tuple(node.locks), node.last_access,
                       *(None if v is None else v.tobytes() for v in node.values)))
         stack.extend(sorted(node.children.values(), key=lambda n: n.key.tokens.tobytes()))
-    prefetches = sorted((rid, p.waiting, p.ready, p.result) for rid, p in cache.sync.prefetches.items())
+    prefetches = sorted((rid, p.link.value, p.result) for rid, p in cache.prefetcher.prefetches.items())
     return {"tree": xxhash.xxh3_64_hexdigest(repr(nodes).encode()), "tree nodes": len(nodes),
-            "device free": ctl.device_alloc.available_size(),
+            "device free": cache.slots.device_free(),
             "host free": ctl.host_available() if cache.mirror is not None else 0,
-            "busy": ctl.busy(), "requests": sorted(cache.requests), "request pages": cache.request_pages,
+            "busy": ctl.busy(), "requests": sorted(cache.requests.ids()), "request pages": cache.requests.pages,
             "prefetches": prefetches}
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 
 import numpy as np
 import torch
@@ -130,18 +129,3 @@ def runs(src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_e
     starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
     lengths = np.diff(starts, append=n)
     return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist()))
-
-
-def check_positive(obj: object, *names: str, integer: bool = False) -> None:
-    """Each named field of a config dataclass is a number > 0 (an int when `integer`)."""
-    for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not value > 0:
-            kind = "an integer" if integer else "a number"
-            raise ValueError(f"{name}={value!r}: must be {kind} > 0")
-
-
-def io_threads(most: int = 4) -> int:
-    """Default thread count for a store's I/O: up to `most`, but at most half the cores, so
-    that on a small machine the scheduler thread keeps a core to itself."""
-    return max(1, min(most, (os.cpu_count() or 2) // 2))

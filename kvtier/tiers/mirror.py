@@ -206,6 +206,9 @@ class HostMirror:
                 for layer in range(self.num_layers):
                     self._copy_small_pages(pool, layer, plan.device_pages, plan.host_pages, to_host=True)
                 return
+        if not pool.stacked:  # per-layer tensors: every layer's copies in one batch
+            self._copy_layers(pool, range(self.num_layers), self.plan(dev, host_indices), to_host=True)
+            return
         # direct: one copy per slot run and part covers every layer (strided over layers)
         split = self.page_size if self.config.layout == "page_first" else 0
         pieces = runs(device_indices, host_indices, split)
@@ -270,28 +273,35 @@ class HostMirror:
                 copy_rows(h_rows, d_rows, host.to(d_rows.device), dev.to(d_rows.device))
 
     def _copy(self, pool: DeviceKVPool, layer: int, plan: "CopyPlan", to_host: bool) -> None:
+        self._copy_layers(pool, (layer,), plan, to_host)
+
+    def _copy_layers(self, pool: DeviceKVPool, layers, plan: "CopyPlan", to_host: bool) -> None:
+        """Copy `layers` by `plan`: memmoves per layer on a CPU pool, else one batched
+        `_foreach_copy_` over every layer's pieces."""
         if pool.device.type == "cpu":
-            self._copy_blocks(pool, layer, plan, to_host)
+            for layer in layers:
+                self._copy_blocks(pool, layer, plan, to_host)
             return
         ps, split = self.page_size, self.config.layout == "page_first"
         dsts, srcs = [], []
-        for d_rows, h_view in zip(pool.rows(layer), self._views[layer]):
-            if plan.device_pages is not None:
-                d_pages = d_rows.view(-1, ps, d_rows.shape[-1])
-                ds = [d_pages[p] for p in plan.device_pages.tolist()]
-                hs = [h_view[p] for p in plan.host_pages.tolist()]
-            else:
-                h_rows = None if split else h_view.view(-1, h_view.shape[-1])
-                ds, hs = [], []
-                for d0, h0, n in plan.runs:
-                    ds.append(d_rows[d0:d0 + n])
-                    if h_rows is not None:
-                        hs.append(h_rows[h0:h0 + n])
-                    else:
-                        page, off = divmod(h0, ps)
-                        hs.append(h_view[page, off:off + n])
-            dsts += hs if to_host else ds
-            srcs += ds if to_host else hs
+        for layer in layers:
+            for d_rows, h_view in zip(pool.rows(layer), self._views[layer]):
+                if plan.device_pages is not None:
+                    d_pages = d_rows.view(-1, ps, d_rows.shape[-1])
+                    ds = [d_pages[p] for p in plan.device_pages.tolist()]
+                    hs = [h_view[p] for p in plan.host_pages.tolist()]
+                else:
+                    h_rows = None if split else h_view.view(-1, h_view.shape[-1])
+                    ds, hs = [], []
+                    for d0, h0, n in plan.runs:
+                        ds.append(d_rows[d0:d0 + n])
+                        if h_rows is not None:
+                            hs.append(h_rows[h0:h0 + n])
+                        else:
+                            page, off = divmod(h0, ps)
+                            hs.append(h_view[page, off:off + n])
+                dsts += hs if to_host else ds
+                srcs += ds if to_host else hs
         torch._foreach_copy_(dsts, srcs, non_blocking=self._async)
 
     def _copy_blocks(self, pool: DeviceKVPool, layer: int, plan: "CopyPlan", to_host: bool) -> None:
@@ -343,9 +353,9 @@ class HostMirror:
     def _copy_small_pages(self, pool: DeviceKVPool, layer: int, dev: np.ndarray, host: np.ndarray,
                           to_host: bool) -> None:
         """Small whole pages (CPU pool). Up to `_LOOP_PAGES` pages, a memmove per page and part
-        through memoryview slices: a copy under the GIL, about 0.1 µs each. numpy's fancy
-        indexing takes 3 µs for 40 pages alone but lets the GIL go, and on a busy machine
-        winning it back costs hundreds (docs/design.md §2); for more pages it is used."""
+        through memoryview slices: a copy under the GIL. numpy's fancy indexing lets the GIL
+        go, and on a busy machine winning it back costs more than the copy (docs/design.md
+        §2); for more pages it is used."""
         if dev.size == 0:
             return
         arrays = self._page_arrays(pool, layer)

@@ -3,6 +3,9 @@
 MHA: per layer K `[size+page_size, heads, head_dim]` and V `[size+page_size, heads, v_head_dim]`.
 MLA: per layer one latent `[size+page_size, 1, kv_lora_rank+rope_dim]`.
 Rows 0..page_size-1 are page 0: padding, never handed out.
+
+A pool either allocates its tensors (`DeviceKVPool(config)`: one tensor per part for all
+layers) or wraps an engine's own per-layer tensors (`DeviceKVPool.from_tensors`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from kvtier.tiers.indices import check_indices, check_size
 
 Attention = Literal["mha", "mla"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -34,13 +38,14 @@ class PoolConfig:
     head_dim: int = 64
     v_head_dim: int | None = None
     kv_lora_rank: int = 512
-    rope_dim: int = 64
+    rope_dim: int = 64  # 0 where the split of an engine's latent is not known (from_tensors)
     dtype: str = "float16"
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("size", "num_layers", "page_size", "num_kv_heads", "head_dim", "kv_lora_rank", "rope_dim"):
+        for name in ("size", "num_layers", "page_size", "num_kv_heads", "head_dim", "kv_lora_rank"):
             check_size(name, getattr(self, name))
+        check_size("rope_dim", self.rope_dim, minimum=0)
         if self.v_head_dim is not None:
             check_size("v_head_dim", self.v_head_dim)
         if self.size % self.page_size:
@@ -48,6 +53,14 @@ class PoolConfig:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention={self.attention!r}: allowed values are mha, mla")
         parse_dtype(self.dtype)
+
+    @property
+    def page_layout(self) -> str:
+        """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
+        if self.attention == "mla":
+            return f"mla:layers={self.num_layers}:lora={self.kv_lora_rank}:rope={self.rope_dim}"
+        return (f"mha:layers={self.num_layers}:heads={self.num_kv_heads}:head_dim={self.head_dim}"
+                f":v={self.v_head_dim or self.head_dim}")
 
     @property
     def part_widths(self) -> tuple[int, ...]:
@@ -61,22 +74,83 @@ class DeviceKVPool:
     """KV bytes on the device (CPU tensors when there is no GPU). Slot 0 is padding."""
 
     def __init__(self, config: PoolConfig) -> None:
-        self.config = config
-        self.dtype = parse_dtype(config.dtype)
-        self.device = torch.device(config.device)
-        rows = config.size + config.page_size
         c = config
+        dtype, device = parse_dtype(c.dtype), torch.device(c.device)
+        rows = c.size + c.page_size
         if c.attention == "mla":
             shapes = [(rows, 1, c.kv_lora_rank + c.rope_dim)]
         else:
             shapes = [(rows, c.num_kv_heads, c.head_dim), (rows, c.num_kv_heads, c.v_head_dim or c.head_dim)]
         # One tensor per part for all layers, so a backup copies a slot run of every layer at
         # once; buffers[layer][part] are views of it.
-        self.parts = [torch.zeros(c.num_layers, *s, dtype=self.dtype, device=self.device) for s in shapes]
-        self.buffers = [[part[layer] for part in self.parts] for layer in range(c.num_layers)]
-        self._rows = [[b.view(b.shape[0], -1) for b in bufs] for bufs in self.buffers]
+        parts = [torch.zeros(c.num_layers, *s, dtype=dtype, device=device) for s in shapes]
+        self._setup(c, [[part[layer] for part in parts] for layer in range(c.num_layers)], parts)
+
+    def _setup(self, config: PoolConfig, buffers: list[list[torch.Tensor]],
+               parts: list[torch.Tensor] | None, latent_split: bool = True) -> None:
+        self.config = c = config
+        self.dtype = parse_dtype(c.dtype)
+        self.device = torch.device(c.device)
+        self.parts = parts  # the all-layer tensors, or None where each layer is its own tensor
+        self.buffers = buffers
+        self._latent_split = latent_split
+        self._rows = [[b.view(b.shape[0], -1) for b in bufs] for bufs in buffers]
         # counted per applied transfer on the scheduler thread: computed once
         self.bytes_per_token = sum(c.part_widths) * self.dtype.itemsize * c.num_layers
+
+    @classmethod
+    def from_tensors(cls, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor] | None = None, *,
+                     page_size: int, kv_lora_rank: int | None = None) -> "DeviceKVPool":
+        """A pool over an engine's own per-layer tensors (no copy; the engine keeps writing them).
+
+        MHA: `k_buffers[layer]` and `v_buffers[layer]` each `[rows, heads, head_dim]`
+        (SGLang's MHATokenToKVPool). MLA: `v_buffers=None` and `k_buffers[layer]` the latent
+        `[rows, 1, kv_lora_rank + rope_dim]` (MLATokenToKVPool); pass `kv_lora_rank` for
+        `v_buffer` views. rows = size + page_size: rows 0..page_size-1 are padding."""
+        check_size("page_size", page_size)
+        k_buffers = list(k_buffers)
+        if not k_buffers:
+            raise ValueError("from_tensors: k_buffers is empty; one tensor per layer is needed")
+        parts_of = [[k] for k in k_buffers]
+        if v_buffers is not None:
+            v_buffers = list(v_buffers)
+            if len(v_buffers) != len(k_buffers):
+                raise ValueError(f"from_tensors: {len(k_buffers)} k_buffers but {len(v_buffers)} v_buffers")
+            parts_of = [[k, v] for k, v in zip(k_buffers, v_buffers)]
+        first = parts_of[0]
+        for layer, bufs in enumerate(parts_of):
+            for name, buf, ref in zip(("k_buffers", "v_buffers"), bufs, first):
+                _check_buffer(f"{name}[{layer}]", buf, ref)
+        k0 = first[0]
+        rows, heads = k0.shape[0], k0.shape[1]
+        if rows <= page_size or (rows - page_size) % page_size:
+            raise ValueError(f"from_tensors: {rows} rows; must be size + page_size with size a positive "
+                             f"multiple of page_size={page_size}")
+        if k0.dtype not in DTYPE_NAMES:
+            raise ValueError(f"from_tensors: dtype {k0.dtype}: allowed dtypes are {', '.join(DTYPES)}")
+        common = dict(size=rows - page_size, num_layers=len(k_buffers), page_size=page_size,
+                      dtype=DTYPE_NAMES[k0.dtype], device=str(k0.device))
+        if v_buffers is None:
+            if heads != 1:
+                raise ValueError(f"from_tensors: k_buffers[0] has shape {tuple(k0.shape)}; an MLA latent is "
+                                 "[rows, 1, kv_lora_rank + rope_dim] (for MHA pass v_buffers)")
+            width = k0.shape[2]
+            if kv_lora_rank is not None and not 0 < check_size("kv_lora_rank", kv_lora_rank) <= width:
+                raise ValueError(f"kv_lora_rank={kv_lora_rank}: must be in [1, {width}] (the latent's width)")
+            rank = width if kv_lora_rank is None else kv_lora_rank
+            config = PoolConfig(attention="mla", kv_lora_rank=rank, rope_dim=width - rank, **common)
+        else:
+            if kv_lora_rank is not None:
+                raise ValueError("from_tensors: kv_lora_rank is for MLA (v_buffers=None) only")
+            v0 = first[1]
+            if v0.shape[:2] != k0.shape[:2]:
+                raise ValueError(f"from_tensors: v_buffers[0] has shape {tuple(v0.shape)}, k_buffers[0] "
+                                 f"{tuple(k0.shape)}: rows and heads must match")
+            config = PoolConfig(attention="mha", num_kv_heads=heads, head_dim=k0.shape[2],
+                                v_head_dim=None if v0.shape[2] == k0.shape[2] else v0.shape[2], **common)
+        pool = cls.__new__(cls)
+        pool._setup(config, parts_of, None, latent_split=v_buffers is not None or kv_lora_rank is not None)
+        return pool
 
     @property
     def num_layers(self) -> int:
@@ -88,6 +162,8 @@ class DeviceKVPool:
     def v_buffer(self, layer: int) -> torch.Tensor:
         """V for MHA; for MLA the first kv_lora_rank channels of the latent (a view)."""
         if self.config.attention == "mla":
+            if not self._latent_split:
+                raise ValueError("v_buffer: this MLA pool was made without kv_lora_rank (from_tensors)")
             return self.buffers[layer][0][..., : self.config.kv_lora_rank]
         return self.buffers[layer][1]
 
@@ -96,8 +172,16 @@ class DeviceKVPool:
         once: a load's copy may run on the scheduler thread, and `view` gives up the GIL."""
         return list(self._rows[layer])
 
+    @property
+    def stacked(self) -> bool:
+        """Do all layers of a part share one tensor (so one copy covers every layer)?"""
+        return self.parts is not None
+
     def all_layer_rows(self) -> list[torch.Tensor]:
-        """3-D `[layers, slots, width]` views, one per part: what all-layer backups copy."""
+        """3-D `[layers, slots, width]` views, one per part: what all-layer backups copy
+        (stacked pools only; a pool over per-layer tensors is copied layer by layer)."""
+        if self.parts is None:
+            raise ValueError("all_layer_rows: the layers of this pool are separate tensors (from_tensors)")
         return [p.view(p.shape[0], p.shape[1], -1) for p in self.parts]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -109,3 +193,16 @@ class DeviceKVPool:
             if value.shape[0] != loc.numel():
                 raise ValueError(f"set_kv: {loc.numel()} slots but {value.shape[0]} rows of KV")
             buf[loc] = value.to(self.dtype).view(-1, *buf.shape[1:])
+
+
+def _check_buffer(name: str, buf: object, ref: torch.Tensor) -> None:
+    """`buf` must be a contiguous 3-D tensor like `ref` (same shape, dtype, device)."""
+    if not isinstance(buf, torch.Tensor):
+        raise ValueError(f"from_tensors: {name} is a {type(buf).__name__}, not a torch.Tensor")
+    if buf.dim() != 3:
+        raise ValueError(f"from_tensors: {name} has shape {tuple(buf.shape)}; [rows, heads, dim] is needed")
+    if buf is not ref and (buf.shape != ref.shape or buf.dtype != ref.dtype or buf.device != ref.device):
+        raise ValueError(f"from_tensors: {name} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; layer 0 is "
+                         f"{tuple(ref.shape)} {ref.dtype} on {ref.device}: every layer must match")
+    if not buf.is_contiguous():
+        raise ValueError(f"from_tensors: {name} is not contiguous; transfers copy rows of contiguous memory")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from kvtier.hashing import page_hashes
 from kvtier.tree.node import Tier, TreeNode
 
-if TYPE_CHECKING:
-    from kvtier.tree.radix import RadixTree
+H = Tier.HOST
 
 
 def walk(root: TreeNode) -> list[TreeNode]:
@@ -24,15 +21,13 @@ def walk(root: TreeNode) -> list[TreeNode]:
     return out
 
 
-def tier_slots(tree: "RadixTree", tier: Tier) -> np.ndarray:
+def tier_slots(tree, tier: Tier) -> np.ndarray:
     """Every slot the tree holds on `tier` (a full walk: for checks, not for a hot path)."""
     values = [n.values[tier] for n in walk(tree.root) if n.values[tier] is not None]
     return np.concatenate(values) if values else np.empty(0, dtype=np.int64)
 
 
-def check_tree(tree: "RadixTree") -> list[str]:
-    from kvtier.tree.radix import is_evictable_leaf
-
+def check_tree(tree) -> list[str]:
     ps, root, problems = tree.page_size, tree.root, []
     if root.locks != [1, 1]:
         problems.append(f"root locks are {root.locks}, expected [1, 1]")
@@ -97,7 +92,7 @@ def _check_node(node: TreeNode, ps: int, root: TreeNode) -> list[str]:
     return out
 
 
-def _check_hashes(tree: "RadixTree", nodes: list[TreeNode]) -> list[str]:
+def _check_hashes(tree, nodes: list[TreeNode]) -> list[str]:
     """Every page hash a node keeps equals its chain recomputed from the root: a wrong one
     would store or look up pages under another prefix's key."""
     out, last = [], {tree.root.id: None}  # node id -> hash of its last page, recomputed
@@ -123,3 +118,15 @@ def render(root: TreeNode, max_lines: int = 200) -> str:
         lines.append(f"{'  ' * depth}{node!r} key={head}{'...' if len(node) > 4 else ''}")
         stack.extend((c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id))
     return "\n".join(lines)
+
+
+def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:
+    """May `node` be evicted from `tier` now? (The leaf-set predicate, recomputed by checks.)"""
+    if node.values[tier] is None or node.locks[tier]:
+        return False
+    if tier == H and node.values[Tier.DEVICE] is not None:
+        return False  # host eviction only takes nodes that are not on device
+    for c in node.children.values():
+        if c.values[tier] is not None:
+            return False
+    return True

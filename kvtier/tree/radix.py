@@ -23,7 +23,7 @@ import torch
 
 from kvtier.hashing import page_hashes
 from kvtier.tiers.indices import check_size, check_slots, concat
-from kvtier.tree.check import check_tree, render
+from kvtier.tree.check import check_tree, is_evictable_leaf, render
 from kvtier.tree.key import RadixKey, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
@@ -250,18 +250,6 @@ class RadixTree:
         if node.parent is not self.root and not node.parent.on_device:
             raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
         self._set_value(node, D, concat([slots]))
-
-    def demote(self, node: TreeNode) -> torch.Tensor:
-        """Take `node` off device (a load that failed): returns the device slots to free.
-
-        `node` must be backed up, unlocked, and have no child on device."""
-        if not node.on_device or not node.backed_up or node.locks[D]:
-            raise ValueError(f"demote: {node} must be on device, backed up and unlocked")
-        if any(c.on_device for c in node.children.values()):
-            raise ValueError(f"demote: {node} has a child on device; demote bottom-up")
-        slots = node.values[D]
-        self._set_value(node, D, None)
-        return torch.from_numpy(slots)
 
     # -- locks --------------------------------------------------------------------------------
 
@@ -494,14 +482,3 @@ def _check_hashes(what: str, hashes: object) -> None:
     if hashes is not None and not isinstance(hashes, KnownHashes):
         raise ValueError(f"{what}: hashes: expected KnownHashes or None, got {type(hashes).__name__}")
 
-
-def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:
-    """May `node` be evicted from `tier` now? (The leaf-set predicate, recomputed by checks.)"""
-    if node.values[tier] is None or node.locks[tier]:
-        return False
-    if tier == H and node.values[D] is not None:
-        return False  # host eviction only takes nodes that are not on device
-    for c in node.children.values():
-        if c.values[tier] is not None:
-            return False
-    return True

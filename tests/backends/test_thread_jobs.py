@@ -126,7 +126,7 @@ def test_file_reads_hashed_on_a_hashing_thread_keep_each_page_its_own_checksum(t
     (tmp_path / "page-4").unlink()
     bufs = [bytearray(len(p)) for *_, p in files]
     with ThreadPoolExecutor(1) as hashers:
-        got = file_io._read_pages_into(hashers, [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)])
+        got = file_io.read_pages_into(hashers, [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)])
     assert [got[0], got[2], got[5], got[6]] == [True] * 4
     assert isinstance(got[1], FrameError) and isinstance(got[3], FrameError)
     assert isinstance(got[4], FileNotFoundError)
@@ -154,7 +154,7 @@ def test_a_file_read_job_that_raises_leaves_no_hashing_task_waiting(tmp_path, mo
     hashers = ThreadPoolExecutor(1)
     try:
         with pytest.raises(BufferError):
-            file_io._read_pages_into(hashers, items)
+            file_io.read_pages_into(hashers, items)
         assert len(started) == 1 and started[0]._digests.done()
     finally:
         for hashing in started:  # a failed run must not leave the thread parked past the test

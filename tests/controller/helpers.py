@@ -56,7 +56,7 @@ def same_kv(a, b) -> bool:
 
 def settle(cache: TieredCache) -> None:
     """Let every background op finish and apply it."""
-    cache.sync.drain()
+    cache.drain()
 
 
 _ids = itertools.count()

@@ -78,13 +78,13 @@ def _round(cache, calls: Probe, base: int) -> None:
     """A device miss, a load back from host, and a prefetch from the store."""
     tokens = np.arange(base, base + 48)
     _request(cache, calls, tokens, f"miss-{base}", 1)
-    cache.sync.drain()
+    cache.drain()
     calls(cache.evict, 48)  # demoted to host: the next request loads it back
     _request(cache, calls, tokens, f"load-{base}", 2)
-    cache.sync.drain()
+    cache.drain()
     cache.flush()  # only the store holds it now
     _request(cache, calls, tokens, f"prefetch-{base}", 3)
-    cache.sync.drain()
+    cache.drain()
 
 
 def test_a_request_makes_no_torch_call_no_key_and_no_prefetch_hash_on_the_scheduler_thread(tmp_path):

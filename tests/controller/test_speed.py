@@ -98,7 +98,7 @@ def _replay(store, model, prefill_rate):
     cache.set_prefill_rate(prefill_rate)
     results = Engine(cache, model).run(generate("multiturn", 16, model.config.vocab, 0), keep_logits=True)
     stats = cache.stats()
-    cache.sync.drain()
+    cache.drain()
     cache.check_accounting()
     cache.tree.sanity_check()
     cache.close()

@@ -28,7 +28,7 @@ def test_ops_submitted_together_wake_the_storage_loop_once():
     ops = [BackupOp([key(bytes([i]) * 32)], torch.tensor([i + 1]), tag=None) for i in range(10)]
     for op in ops:
         worker.submit_backup(op)
-    waiting = [PrefetchOp(f"r{i}", [], tag=None, tokens=0, wake=asyncio.Event()) for i in range(5)]
+    waiting = [PrefetchOp(f"r{i}", [], tokens=0, wake=asyncio.Event()) for i in range(5)]
     for op in waiting:  # grants made in the same poll ride along
         worker.wake(op)
     hold.set()

@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from kvtier.controller import streams
-from kvtier.controller.streams import CpuTransferStream, Handle, TransferError, _Finisher
+from kvtier.controller.streams import CpuTransferStream, Handle, _Finisher
+from kvtier.errors import TransferError
 
 
 class _Parked(_Finisher):

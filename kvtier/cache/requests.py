@@ -1,4 +1,5 @@
-"""What one request holds between `acquire` and its finish, and what its finish must match
+"""The request table: what each request holds between `acquire` and its finish — a lock on
+a tree node, a load, its own device pages — and what its finish must match
 (docs/design.md §8). Scheduler thread only, like the rest of `TieredCache`."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.cache.slots import Slots
 from kvtier.controller.controller import LoadOp
-from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tree import KnownHashes, RadixKey, TreeNode
 from kvtier.tree.key import same_prefix
 
@@ -27,8 +28,12 @@ class Held:
     since: float = field(default_factory=time.monotonic)  # for stats only (the oldest held request)
 
     @property
+    def loaded(self) -> int:
+        return 0 if self.load is None else self.load.device_slots.size
+
+    @property
     def handed(self) -> int:
-        return self.tree_len + (0 if self.load is None else self.load.device_slots.size)
+        return self.tree_len + self.loaded
 
     def known_hashes(self, key: RadixKey, page_size: int) -> KnownHashes | None:
         """The page hashes the request's prefetch computed, if the finished key starts with
@@ -39,8 +44,7 @@ class Held:
             return None
         return hashes if same_prefix(key, self.key, (hashes.first + len(hashes.chain)) * page_size) else None
 
-    def check_finish(self, what: str, request_id: str, key: RadixKey, kv: np.ndarray,
-                     device_alloc: PagedAllocator) -> None:
+    def check_finish(self, what: str, request_id: str, key: RadixKey, kv: np.ndarray, slots: Slots) -> None:
         """A finish (`what`) with `key` and slots `kv` keeps the KV it was handed under the
         tokens it was computed for, in slots nobody else owns; else ValueError, before
         anything changes:
@@ -55,9 +59,9 @@ class Held:
         if not same_prefix(key, self.key, n):
             raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
                              f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})")
-        self.check_row(what, request_id, kv, device_alloc)
+        self.check_row(what, request_id, kv, slots)
 
-    def check_row(self, what: str, request_id: str, kv: np.ndarray, device_alloc: PagedAllocator) -> None:
+    def check_row(self, what: str, request_id: str, kv: np.ndarray, slots: Slots) -> None:
         """`kv` is the request's row: it covers the prefix it was handed, past the tree's
         part the slots are the request's own (see `check_finish`); else ValueError."""
         start, n = self.tree_len, self.handed
@@ -67,7 +71,48 @@ class Held:
         if n > start and kv[start:n].tobytes() != self.load.device_slots.tobytes():
             raise ValueError(f"{what}: request_id={request_id!r}: kv_indices[{start}:{n}] are not the slots its "
                              f"prefix was loaded into")
-        bad = device_alloc.unallocated(kv[n:])
+        bad = slots.unallocated(kv[n:])
         if bad.size:
             raise ValueError(f"{what}: request_id={request_id!r}: kv_indices {bad[:8].tolist()} are not allocated "
                              f"(freed, or never from alloc): KV kept there would be overwritten by the page's next owner")
+
+
+class RequestTable:
+    """Requests that hold a prefix, by id (in acquire order), and the device pages handed to
+    requests and not given back yet (loaded prefixes and `alloc`s, tails included)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Held] = {}
+        self.pages = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def get(self, request_id: str) -> Held | None:
+        return self._held.get(request_id)
+
+    def require(self, request_id: str, what: str) -> Held:
+        held = self._held.get(request_id)
+        if held is None:
+            raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
+        return held
+
+    def ids(self) -> list[str]:
+        return list(self._held)
+
+    def hold(self, request_id: str, held: Held) -> None:
+        self._held[request_id] = held
+
+    def release(self, request_id: str) -> Held:
+        return self._held.pop(request_id)
+
+    def locked_tokens(self) -> int:
+        return sum(h.tree_len for h in self._held.values())
+
+    def ages(self) -> tuple[int, float]:
+        """(Requests held, age in seconds of the oldest): from any thread, a snapshot."""
+        now, held = time.monotonic(), list(self._held.values())
+        return len(held), max((now - h.since for h in held), default=0.0)

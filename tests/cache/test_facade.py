@@ -207,9 +207,9 @@ def test_duplicate_compute_frees_the_copy():
     got = acquire(cache, np.arange(999, 1003), "dup")  # unrelated: nothing cached
     assert got.indices.numel() == 0
     mine = cache.alloc(16)
-    free_before = cache.controller.device_alloc.available_size()
+    free_before = cache.slots.device_free()
     cache.cache_finished("dup", A, mine)  # computed A again without the cache
-    assert cache.controller.device_alloc.available_size() == free_before + 16
+    assert cache.slots.device_free() == free_before + 16
     settle(cache)
     check(cache)
 
@@ -303,7 +303,7 @@ def test_a_chain_under_a_half_split_during_its_write_is_kept_through_eviction():
         chain.append(n)
         n = n.parent
     assert len(chain) == 4 and not any(n.backed_up for n in chain)  # three turns + the split half
-    assert all(n.id in cache.sync.writing for n in chain[:3])  # on their way, locked
+    assert all(n.id in cache.writes.writing for n in chain[:3])  # on their way, locked
     cache.evict(10_000)  # device pressure before any write has landed
     settle(cache)
     assert all(n.backed_up for n in chain), [str(n) for n in chain if not n.backed_up]
@@ -444,12 +444,12 @@ def test_an_allocation_that_finds_a_tier_short_evicts_the_headroom_beyond_it(hea
     prompts = [np.arange(1000 * i, 1000 * i + 16) for i in range(8)]  # 8 nodes of 4 pages fill both tiers
     kvs = [compute(cache, p, seed=i) for i, p in enumerate(prompts)]
     settle(cache)
-    assert cache.controller.device_alloc.available_size() == 0
+    assert cache.slots.device_free() == 0
     assert cache.controller.host_available() == 0
 
     compute(cache, np.arange(9000, 9016), seed=9)  # 4 new pages: both tiers short by 16 tokens
     settle(cache)
-    assert cache.controller.device_alloc.available_size() == extra
+    assert cache.slots.device_free() == extra
     assert cache.controller.host_available() == extra
     assert cache.stats()["counters"]["device_evicted_tokens"] == 16 + extra  # whole nodes, oldest first
     assert cache.stats()["counters"]["host_evicted_tokens"] == 16 + extra
@@ -468,16 +468,16 @@ def test_evict_headroom_out_of_range_is_refused_naming_the_field():
 
 def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
     cache = make_cache()
-    free = cache.controller.device_alloc.available_size()
+    free = cache.slots.device_free()
     for bad in (-1, "8", 8.0):
         with pytest.raises(ValueError, match=f"alloc: n={bad!r}: must be an integer >= 0"):
             cache.alloc(bad)
     with pytest.raises(ValueError, match="free: indices: expected a 1-D torch.int64 tensor, got list"):
         cache.free([4, 5, 6, 7])
     mine = cache.alloc(np.int64(6))  # sizes computed from arrays are numpy integers
-    assert mine.numel() == 6 and cache.controller.device_alloc.available_size() == free - 8
+    assert mine.numel() == 8 and cache.slots.device_free() == free - 8  # the 6 and the rest of their page
     cache.free(mine)
-    assert cache.controller.device_alloc.available_size() == free
+    assert cache.slots.device_free() == free
     with pytest.raises(ValueError, match=r"free: pages \[\d+, \d+\] are not allocated \(double free\?\)"):
         cache.free(mine)  # twice: the accounting (free + requests) would have balanced it
     check(cache)
@@ -495,7 +495,7 @@ def test_a_closed_cache_refuses_requests_and_closes_once(tmp_path):
     for call in (lambda: cache.acquire(A, "late"), cache.poll, lambda: cache.alloc(4)):
         with pytest.raises(RuntimeError, match="this TieredCache is closed"):
             call()
-    assert cache.requests == {}
+    assert len(cache.requests) == 0
 
 
 def test_begin_forward_refuses_one_string_for_its_request_ids():
@@ -545,7 +545,7 @@ def test_acquire_refuses_an_extra_key_or_request_id_of_another_type(field, value
     rid = value if field == "request_id" else "r"
     with pytest.raises(ValueError, match=f"{field}={re.escape(repr(value))}: must be"):
         cache.acquire(np.concatenate([A, A + 1]), rid, **args)
-    assert cache.requests == {} and cache.sync.prefetches == {}
+    assert len(cache.requests) == 0 and cache.prefetcher.prefetches == {}
     check(cache)
     cache.close()
 
@@ -565,7 +565,8 @@ def test_finishing_with_tokens_other_than_the_handed_prefix_changes_nothing():
     for args, kwargs, message in [
         ((other, row), {}, "do not start with the 16 tokens it was handed KV for"),
         ((np.concatenate([A, [7, 7, 7, 7]]), row), {"extra_key": "lora-1"}, "extra_key='lora-1'"),
-        ((np.concatenate([A, [7, 7, 7, 7]]), row[:-1]), {}, "kv_indices: expected 20 indices, got 19"),
+        ((np.concatenate([A, [7, 7, 7, 7]]), row[:-1]), {}, "kv_indices: expected 20 indices .*, got 19"),
+        ((A, row), {}, r"expected 16 indices \(one per token, up to 16 with the tail of the last page\), got 20"),
         ((np.concatenate([A, [7, 7, 7, 7]]), row), {"priority": "high"}, "priority='high': must be an integer"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -633,7 +634,7 @@ def test_an_abort_with_a_row_the_request_does_not_own_changes_nothing():
         assert "b" in cache.requests
         check(cache)
     cache.abort("b", torch.cat([got.indices, mine]))
-    assert cache.requests == {} and cache.request_pages == 0
+    assert len(cache.requests) == 0 and cache.requests.pages == 0
     check(cache)
     cache.close()
 
@@ -653,7 +654,7 @@ def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
 
     compute(cache, np.arange(9100, 9116), seed=9)  # short by 16: prompts[1], backed up, covers it
     assert cache.stats()["counters"]["writes"] == writes, "a write was waited for only to free the headroom"
-    assert cache.controller.device_alloc.available_size() == 0  # the headroom would have needed `fresh` written
+    assert cache.slots.device_free() == 0  # the headroom would have needed `fresh` written
     m = cache.match_prefix(fresh, count=False)
     assert m.device_slots.size == 16 and not m.last_device_node.backed_up
     for i, (rid, got) in enumerate(held.items(), start=2):

@@ -1,4 +1,7 @@
-"""TieredCache: the facade a server embeds (tree + controller + pool + mirror + store).
+"""TieredCache: the facade a server embeds (docs/embedding.md). It wires the package's
+parts — the request table, slot ownership, writes, loads, the prefetcher, the per-poll
+completions — over the tree, the controller, the pool, the mirror and the store, and adds
+no state of its own beyond them.
 
 Thread: every method runs on the scheduler thread; background work finishes into the
 controller's queues and `poll()` applies it. Per request (docs/design.md §8):
@@ -19,7 +22,7 @@ controller's queues and `poll()` applies it. Per request (docs/design.md §8):
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
 import numbers
 import time
@@ -30,7 +33,12 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
-from kvtier.cache_sync import Applier
+from kvtier.cache.completions import Completions
+from kvtier.cache.loads import Loads
+from kvtier.cache.prefetch import Prefetcher
+from kvtier.cache.requests import Held, RequestTable
+from kvtier.cache.slots import DeviceAllocator, Slots
+from kvtier.cache.writes import Writes
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController
@@ -38,16 +46,15 @@ from kvtier.controller.cpus import check_cpus
 from kvtier.controller.layer_waiter import LayerWaiter
 from kvtier.controller.speed import prefill_rate
 from kvtier.controller.stats import CacheStats, PrometheusCollector
-from kvtier.controller.streams import TransferError, make_stream
+from kvtier.controller.streams import make_stream
 from kvtier.controller.tp import Agreement
-from kvtier.errors import StoreError, StoreUnavailable
-from kvtier.hashing import Namespace
-from kvtier.held import Held
+from kvtier.errors import LogOnce, TransferError
+from kvtier.hashing import Namespace, key_maker
+from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tiers.indices import check_size, check_slots, concat, pages_of, tensor
 from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 from kvtier.tree import MatchResult, RadixKey, RadixTree, Tier, TreeNode
-from kvtier.tree.check import tier_slots
 
 log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
@@ -74,19 +81,26 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class TieredCache:
     def __init__(self, config: KvtierConfig, tp_group=None, store: Store | None = None, stream_factory=make_stream,
-                 clock=time.monotonic, agreement: Agreement | None = None) -> None:
-        """`store` overrides the configured one; `stream_factory` and `clock` let a test
-        schedule every copy and every deadline itself, and `agreement` (in place of
-        `tp_group`) run several ranks in one process."""
+                 clock=time.monotonic, agreement: Agreement | None = None, *, pool: DeviceKVPool | None = None,
+                 device_allocator: DeviceAllocator | None = None) -> None:
+        """`pool`: the engine's own KV tensors (`DeviceKVPool.from_tensors`); it describes
+        the pool in place of `config.pool`. `device_allocator`: the engine's own slot
+        allocator over that pool (`cache.slots.DeviceAllocator`); kvtier then frees the
+        slots the tree evicts into it and allocates loads from it. `store` overrides the
+        configured one; `stream_factory` and `clock` let a test schedule every copy and
+        every deadline itself, and `agreement` (in place of `tp_group`) run several ranks
+        in one process."""
         check_cpus(config.controller.cpus)  # on this machine, before the store connects or a thread starts
+        if pool is not None:
+            config = dataclasses.replace(config, pool=pool.config)
         self.config = config
-        self.pool = DeviceKVPool(config.pool)
+        self.pool = DeviceKVPool(config.pool) if pool is None else pool
         self.mirror = HostMirror(self.pool, config.mirror) if config.mirror is not None else None
         if agreement is None:
             agreement = Agreement(tp_group, config.controller.consensus_check or None)
         rank, size = agreement.rank, agreement.world_size
         ns = config.namespace
-        self.namespace = Namespace(ns.model_id, config.pool.dtype, _layout(config), config.pool.page_size,
+        self.namespace = Namespace(ns.model_id, config.pool.dtype, config.pool.page_layout, config.pool.page_size,
                                    rank, size, ns.tenant_salt, revision=ns.revision)
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
@@ -96,28 +110,33 @@ class TieredCache:
         if self.controller.storage is not None:
             self.controller.storage.manifest = (config.store.key_prefix, self.namespace.id,
                                                 self.namespace.manifest(self.mirror.page_bytes))
-            if config.store.required:
-                self._probe_store()
+            if config.store.required:  # reach the store once at start, or refuse to start
+                self.controller.probe_store(config.store.key_prefix, self.namespace.id, config.store.timeout_s + 5)
         self.agreement = agreement
         self.stats_obj = CacheStats()
-        self.sync = Applier(self.tree, self.controller, config.controller, config.store.key_prefix, self.stats_obj,
-                            self.agreement, self.mirror is not None, clock)
-        self.page_size = config.pool.page_size
-        self.request_pages = 0  # device pages handed to requests and not yet given back
-        self.requests: dict[str, Held] = {}
+        self._wire(device_allocator, clock)
         self.closed = False
         log.info("kvtier: %s", self.describe())
 
-    def _probe_store(self) -> None:
-        """store.required: reach the store once at start, or refuse to start (one line)."""
-        storage = self.controller.storage
-        probe = storage.store.get_manifest(self.config.store.key_prefix, self.namespace.id)
-        try:
-            asyncio.run_coroutine_threadsafe(probe, storage.loop).result(self.config.store.timeout_s + 5)
-        except (StoreError, TimeoutError) as exc:
-            self.controller.close()
-            raise StoreUnavailable(f"store.required: the {storage.store.name} store cannot be reached at start: "
-                                   f"{str(exc) or type(exc).__name__}") from exc
+    def _wire(self, device_allocator: DeviceAllocator | None, clock) -> None:
+        """The parts, each owning its state, each calling only the ones made before it."""
+        cfg, ctl, tree, has_mirror = self.config.controller, self.controller, self.tree, self.mirror is not None
+        self.page_size = ps = self.config.pool.page_size
+        if device_allocator is None:
+            device_allocator = PagedAllocator(self.config.pool.size, ps)
+        elif device_allocator.page_size != ps or device_allocator.size != self.config.pool.size:
+            raise ValueError(f"device_allocator: size {device_allocator.size}, page_size {device_allocator.page_size}; "
+                             f"the pool has size {self.config.pool.size}, page_size {ps}")
+        key_of = key_maker(self.config.store.key_prefix, tree.namespace_id)  # page hash -> store key
+        complain = LogOnce(log)
+        self.requests = RequestTable()
+        self.slots = Slots(tree, ctl, device_allocator, cfg, self.stats_obj.counters, key_of, has_mirror)
+        self.writes = Writes(self.slots, cfg, self.stats_obj, key_of, complain)
+        self.loads = Loads(self.slots, cfg, self.stats_obj, complain)
+        self.prefetcher = Prefetcher(self.slots, cfg, self.stats_obj, key_of, clock)
+        self.completions = Completions(ctl, self.writes, self.loads, self.prefetcher, self.agreement,
+                                       self.stats_obj.counters)
+        self.slots.back_up = self.completions.back_up
 
     @classmethod
     def from_yaml(cls, path: str, tp_group=None, **overrides) -> "TieredCache":
@@ -148,7 +167,7 @@ class TieredCache:
         if count:
             self._count_lookup(len(key), m.device_slots.size, m.host_hit_length, 0)
         if count and self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self.sync.write_hot_path(m.last_device_node)
+            self.writes.write_hot_path(m.last_device_node)
         return m
 
     def _count_lookup(self, tokens: int, device: int, host: int, storage: int) -> None:
@@ -171,25 +190,26 @@ class TieredCache:
         if request_id in self.requests:
             raise ValueError(f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first")
         key = self.key(tokens, extra_key)
-        first = request_id not in self.sync.prefetches
-        if not self.sync.is_ready(request_id):
+        first = not self.prefetcher.started(request_id)
+        if not self.prefetcher.is_ready(request_id):
             return Acquired(False, _EMPTY)
         if first:
             m = self.tree.match_prefix(key)
-            if self.sync.start_prefetch(request_id, key, m):
+            if self.prefetcher.start(request_id, key, m):
                 return Acquired(False, _EMPTY)
             storage, hashed = 0, None
         else:
-            storage, hashed = self.sync.take_prefetch(request_id, key)
+            storage, hashed = self.prefetcher.take(request_id, key)
             m = self.tree.match_prefix(key, touch=False)  # the prefetch hung pages under it
         if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self.sync.write_hot_path(m.last_device_node)
+            self.writes.write_hot_path(m.last_device_node)
         self.lock(m.last_device_node)
-        load = self.sync.start_load(m.last_host_node) if m.host_hit_length else None
+        load = self.loads.start(m.last_host_node) if m.host_hit_length else None
         device_hit = m.device_slots.size
-        self.requests[request_id] = Held(m.last_device_node, device_hit, load, key, hashed)
-        loaded = 0 if load is None else load.device_slots.size
-        self.request_pages += loaded // self.page_size
+        held = Held(m.last_device_node, device_hit, load, key, hashed)
+        self.requests.hold(request_id, held)
+        loaded = held.loaded
+        self.requests.pages += loaded // self.page_size
         storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
         self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
         # a copy, never a view of a node's slots: what a request is handed is its own to change
@@ -207,14 +227,18 @@ class TieredCache:
     # -- device slots for requests ------------------------------------------------------------
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """`n` device slots in whole pages for a request, evicting on demand; None if short."""
+        """Whole pages for `n` more tokens of a request, evicting on demand; None if short.
+
+        Returns every slot the request now owns: the first `n` for those tokens, then the
+        tail of the last page (up to page_size - 1 slots), which the request's next tokens
+        fill. A finish takes the row with or without that tail."""
         self._check_open("alloc")
         pages = -(-check_size("alloc: n", n, minimum=0) // self.page_size)
-        slots = self.sync.alloc_device(pages * self.page_size)
+        slots = self.slots.alloc_device(pages * self.page_size)
         if slots is None:
             return None
-        self.request_pages += pages
-        return tensor(slots[:n])
+        self.requests.pages += pages
+        return tensor(slots)
 
     def free(self, indices: torch.Tensor) -> None:
         """Give back a request's own slots (not ones `acquire` handed out: `abort` those)."""
@@ -222,12 +246,16 @@ class TieredCache:
 
     def _free(self, slots: np.ndarray) -> None:
         if slots.size:
-            self.controller.device_alloc.free_slots(slots)  # a double free raises here, changing nothing
-            self.request_pages -= len(set(pages_of(slots, self.page_size).tolist()))
+            self.slots.free_device(slots)  # a double free raises here, changing nothing
+            self.requests.pages -= len(set(pages_of(slots, self.page_size).tolist()))
+
+    def room(self) -> int:
+        """Device tokens `alloc` could hand out now: free, plus what eviction could free."""
+        return self.slots.device_free() + self.tree.evictable_size(D)
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
-        return self.sync.evict_device(check_size("evict: num_tokens", num_tokens, minimum=0))
+        return self.slots.evict_device(check_size("evict: num_tokens", num_tokens, minimum=0))
 
     # -- finishing a request ------------------------------------------------------------------
 
@@ -236,30 +264,32 @@ class TieredCache:
         """The request is done: keep its page-aligned KV, free duplicates and its tail, unlock.
 
         `kv_indices[i]` holds token i's KV (what `acquire` handed out, then the request's own
-        slots). If a load the request depended on failed, nothing is kept, everything the
-        request held is released, and TransferError is raised: its KV was never right."""
-        held = self._held(request_id, "cache_finished")
+        slots), optionally followed by the tail of the last page. A load whose failure
+        `failed()` named must have been aborted; one that failed after every layer had
+        landed (after `failed()` was asked) is refused here: nothing is kept, everything
+        the request held is released, and TransferError is raised (docs/design.md §8)."""
+        held = self.requests.require(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
-        kv = check_slots("cache_finished: kv_indices", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
+        kv = self._row("cache_finished", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"cache_finished: priority={priority!r}: must be an integer")
-        held.check_finish("cache_finished", request_id, key, kv, self.controller.device_alloc)
+        held.check_finish("cache_finished", request_id, key, kv, self.slots)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv[:aligned], priority, held.known_hashes(key, self.page_size))
         self._give_back(kv, held.tree_len, r.prefix_len, aligned, len(key))
         self.unlock(held.node)
-        del self.requests[request_id]
-        self.sync.after_insert(r.added)
+        self.requests.release(request_id)
+        self.writes.after_insert(r.added)
 
     def cache_unfinished(self, request_id: str, tokens, kv_indices: torch.Tensor,
                          extra_key: str | None = None) -> torch.Tensor:
         """Chunked prefill: keep the page-aligned KV so far; returns the canonical slots of
         tokens [0, aligned) — repoint the request's row to them."""
-        held = self._held(request_id, "cache_unfinished")
+        held = self.requests.require(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
-        kv = check_slots("cache_unfinished: kv_indices", kv_indices, len(key))
-        held.check_finish("cache_unfinished", request_id, key, kv, self.controller.device_alloc)
+        kv = self._row("cache_unfinished", kv_indices, len(key))
+        held.check_finish("cache_unfinished", request_id, key, kv, self.slots)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
         r = self.tree.insert(key[:aligned], kv[:aligned])
@@ -268,9 +298,19 @@ class TieredCache:
         assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
         self.lock(m.last_device_node)
         self.unlock(held.node)
-        self.requests[request_id] = Held(m.last_device_node, aligned, None, key[:aligned])
-        self.sync.after_insert(r.added)
+        self.requests.hold(request_id, Held(m.last_device_node, aligned, None, key[:aligned]))
+        self.writes.after_insert(r.added)
         return tensor(concat([m.device_slots]))  # the request's own copy, as from acquire
+
+    def _row(self, what: str, kv_indices, tokens: int):
+        """A finish's row: one slot per token, optionally followed by the tail of the last
+        page (as `alloc` hands it out); returns the slots of the tokens."""
+        kv = check_slots(f"{what}: kv_indices", kv_indices)
+        whole = -(-tokens // self.page_size) * self.page_size
+        if not tokens <= kv.shape[0] <= whole:
+            raise ValueError(f"{what}: kv_indices: expected {tokens} indices (one per token, up to {whole} with the "
+                             f"tail of the last page), got {kv.shape[0]}")
+        return kv[:tokens]
 
     def abort(self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None) -> None:
         """Release whatever the request holds, in any state: its prefetch, its lock, the
@@ -281,26 +321,19 @@ class TieredCache:
         mine = None if kv_indices is None else check_slots("abort: kv_indices", kv_indices)
         held = self.requests.get(request_id)
         if held is not None and mine is not None:  # refused before anything changes, like a finish
-            held.check_row("abort", request_id, mine, self.controller.device_alloc)
-        self.sync.take_prefetch(request_id)  # stopped; what it landed stays on host for others
+            held.check_row("abort", request_id, mine, self.slots)
+        self.prefetcher.take(request_id)  # stopped; what it landed stays on host for others
         if held is None:
             return
-        del self.requests[request_id]
+        self.requests.release(request_id)
         self.stats_obj.counters.aborts += 1
         self.unlock(held.node)
-        loaded = 0
+        loaded = held.loaded
         if held.load is not None:
-            loaded = held.load.device_slots.size
-            self.request_pages -= loaded // self.page_size
-            self.sync.orphan_load(held.load)
+            self.requests.pages -= loaded // self.page_size
+            self.loads.orphan(held.load)
         if mine is not None:
             self._free(mine[held.tree_len + loaded:])
-
-    def _held(self, request_id: str, what: str) -> Held:
-        held = self.requests.get(request_id)
-        if held is None:
-            raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
-        return held
 
     def _check_load(self, request_id: str, held: Held, kv: np.ndarray) -> None:
         """Fail closed: a request whose load did not land intact must not insert anything."""
@@ -321,40 +354,38 @@ class TieredCache:
     def _give_back(self, kv: np.ndarray, tree_len: int, prefix_len: int, aligned: int, end: int) -> None:
         """Request slots [tree_len, end) leave the request: the tree took [prefix_len,
         aligned); duplicates [tree_len, prefix_len) and the tail [aligned, end) are freed."""
-        with self.controller.device_alloc.free_group():
+        with self.slots.free_group():
             if prefix_len > tree_len:
-                self.controller.device_alloc.free_slots(kv[tree_len:prefix_len])
+                self.slots.free_device(kv[tree_len:prefix_len])
             if end > aligned:
-                self.controller.device_alloc.free_slots(kv[aligned:end])
-        self.request_pages -= -(-end // self.page_size) - tree_len // self.page_size
+                self.slots.free_device(kv[aligned:end])
+        self.requests.pages -= -(-end // self.page_size) - tree_len // self.page_size
 
     # -- steps --------------------------------------------------------------------------------
 
     def begin_forward(self, request_ids=None) -> LayerWaiter:
         """What the forward about to run must wait for: the loads of the requests in it
         (default: of every request; waiting for more than needed is only slower). A failed
-        load raises TransferError at every forward of its request until it is aborted; under
-        tensor parallelism it is reported by `failed()` after the forward instead. Ids
-        kvtier does not hold (requests that never went through it) have nothing to wait for."""
+        load is named by the waiter's `failed()` after the forward, on one rank as on many
+        (docs/design.md §8): abort those requests. Ids kvtier does not hold (requests that
+        never went through it) have nothing to wait for."""
         if isinstance(request_ids, str):  # its characters would be looked up, its load never waited for
             raise ValueError(f"begin_forward: request_ids={request_ids!r}: expected a list of request ids, "
                              f"got one string")
-        ids = self.requests if request_ids is None else request_ids
+        ids = self.requests.ids() if request_ids is None else request_ids
         loads = {}
         for rid in ids:
             held = self.requests.get(rid)
             if held is not None and held.load is not None:
                 loads[rid] = held.load.handle
-        return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement,
-                           defer=self.agreement.world_size > 1, num_layers=self.pool.num_layers)
+        return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement, self.pool.num_layers)
 
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be
         acquired again. Call every scheduler step on every rank."""
         self._check_open("poll")
-        self.sync.poll()
-        ready, self.sync.newly_ready = self.sync.newly_ready, []
-        return ready
+        self.completions.poll()
+        return self.prefetcher.take_ready()
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed `tokens` of prefill in `seconds`: with this rate, a store load
@@ -370,6 +401,17 @@ class TieredCache:
         if self.controller.storage is not None:
             self.controller.storage.speed.set_prefill_rate(tokens_per_s)
 
+    def busy(self) -> bool:
+        """Is any transfer or store op not applied yet? (Writes in flight lock device pages:
+        a scheduler short of room polls until they are applied.)"""
+        return self.controller.busy()
+
+    def drain(self) -> None:
+        """Stop prefetches, wait for every transfer and store op and apply them all. On every
+        rank together, like `poll`."""
+        self._check_open("drain")
+        self.completions.drain()
+
     def wait_progress(self, timeout: float = 0.005) -> None:
         """For a scheduler with nothing to run: nap until a store op moves (or `timeout`)."""
         self.controller.wait_progress(timeout)
@@ -378,15 +420,14 @@ class TieredCache:
         """Drop everything on device and host (the store keeps its pages). Refused, before
         anything changes, while requests hold device prefixes; waiting requests are named
         ready by the next poll (their prefetches stop: they end with what landed)."""
-        held = sum(h.tree_len for h in self.requests.values())
+        held = self.requests.locked_tokens()
         if held:
             raise ValueError(f"flush: {held} device tokens are locked by requests; finish them first")
-        self.sync.drain()
+        self.completions.drain()
         locked = self.tree.protected_size(D)
         if locked:  # only requests lock, and none does: a bug, not bad input
             raise AssertionError(f"flush: {locked} device tokens still locked after draining")
-        ev = self.tree.evict_device(self.tree.total_size(D))
-        self.controller.device_alloc.free_slots(ev.device_slots)
+        self.slots.evict_all_device()
         if self.mirror is not None:
             hv = self.tree.evict_host(self.tree.total_size(H))
             self.controller.free_host(hv.host_slots)
@@ -400,7 +441,7 @@ class TieredCache:
         if self.closed:
             return
         self.closed = True
-        self.sync.drain()
+        self.completions.drain()
         if self.tree.protected_size(D):
             log.warning("close: %d device tokens still locked by requests; not flushed", self.tree.protected_size(D))
         else:
@@ -415,34 +456,17 @@ class TieredCache:
 
     def check_accounting(self) -> None:
         """free + held by the tree + held by requests/ops == total, for pool and mirror."""
-        problems = []
-        dev_free = self.controller.device_alloc.available_size()
-        dev_tree, dev_req = self.tree.total_size(D), self.request_pages * self.page_size
-        if dev_req < 0:  # a negative count would balance pages the tree holds but never allocated
-            problems.append(f"device: requests hold {dev_req} slots")
-        strays = self.controller.device_alloc.unallocated(tier_slots(self.tree, D))
-        if strays.size:
-            problems.append(f"device: the tree holds slots whose pages are not allocated: {strays[:8].tolist()}")
-        dev_ops = self.sync.orphaned_pages * self.page_size
-        if dev_free + dev_tree + dev_req + dev_ops != self.config.pool.size:
-            problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
-                            f"{dev_ops} != {self.config.pool.size}")
-        if self.mirror is not None:
-            host_free, in_flight = self.controller.host_accounting()
-            host_tree = self.tree.total_size(H)
-            if host_free + host_tree + in_flight != self.mirror.size:
-                problems.append(f"host: free {host_free} + tree {host_tree} + in flight {in_flight} != {self.mirror.size}")
+        problems = self.slots.accounting_problems(self.requests.pages, self.loads.orphaned_pages)
         if problems:
             raise AssertionError("kvtier accounting broken:\n  " + "\n  ".join(problems))
 
     def stats(self) -> dict:
-        tiers = {"device": self._tier_sizes(D, self.config.pool.size, self.controller.device_alloc.available_size())}
+        tiers = {"device": self._tier_sizes(D, self.config.pool.size, self.slots.device_free())}
         if self.mirror is not None:
             tiers["host"] = self._tier_sizes(H, self.mirror.size, self.controller.host_available())
         c = self.controller
         out = {"counters": self.stats_obj.as_dict(), "tiers": tiers,
-               "queues": {"writes": len(c.writes), "loads": len(c.loads), "backups": len(c.backups),
-                          "prefetches": len(c.prefetches), **self._request_ages()}}
+               "queues": {**c.queue_sizes(), **self._request_ages()}}
         if c.store is not None:
             out["store"] = {**c.store.stats(), **c.storage.breaker.stats(), **c.storage.speed.stats()}
         return out
@@ -451,9 +475,9 @@ class TieredCache:
         """Requests held (acquired, not finished) and waiting for a prefetch, with the age of
         the oldest of each: one that only grows is a request an engine forgot, or one never
         named ready. Read from any thread (a metrics scrape): snapshots, taken atomically."""
-        now, held = time.monotonic(), list(self.requests.values())
-        waiting = [p.op.started for p in list(self.sync.prefetches.values()) if not (p.ready or p.discard)]
-        return {"requests_held": len(held), "oldest_held_s": max((now - h.since for h in held), default=0.0),
+        held, oldest = self.requests.ages()
+        waiting = self.prefetcher.waiting_since()
+        return {"requests_held": held, "oldest_held_s": oldest,
                 "requests_waiting": len(waiting),
                 "oldest_waiting_s": max((time.perf_counter() - t for t in waiting), default=0.0)}
 
@@ -469,10 +493,3 @@ class TieredCache:
         registry.register(PrometheusCollector(self))
         return registry
 
-
-def _layout(config: KvtierConfig) -> str:
-    """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
-    p = config.pool
-    if p.attention == "mla":
-        return f"mla:layers={p.num_layers}:lora={p.kv_lora_rank}:rope={p.rope_dim}"
-    return f"mha:layers={p.num_layers}:heads={p.num_kv_heads}:head_dim={p.head_dim}:v={p.v_head_dim or p.head_dim}"
