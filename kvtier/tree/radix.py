@@ -353,33 +353,67 @@ class RadixTree:
     # -- hashes -------------------------------------------------------------------------------
 
     def page_hashes(self, node: TreeNode) -> list[bytes]:
-        """Hash chain of `node`'s pages (chained through its ancestors), computed lazily."""
-        pending = []
-        n = node
-        while n is not self.root and n.hashes is None:
-            pending.append(n)
-            n = n.parent
-        for n in reversed(pending):
-            prev = n.parent.hashes[-1] if n.parent is not self.root and n.parent.hashes else None
-            n.hashes = page_hashes(n.key.tokens, self.page_size, self.namespace_id,
-                                   n.key.extra_key, prev, self.hash_algo)
+        """Hash chain of `node`'s pages (chained through its ancestors), computed now on
+        this thread where not known yet (and kept)."""
+        plan = self._hash_plan(node)
+        if plan is not None:
+            for n, hashes in zip(plan.nodes, plan()):
+                n.hashes, n.hash_prefix = hashes, None
         return node.hashes if node is not self.root else []
+
+    def hashing_of(self, node: TreeNode) -> Callable[[], list[bytes]]:
+        """A function that returns `node`'s hash chain, which another thread may run: it
+        reads only what it takes now (the token arrays of `node` and of its ancestors not
+        hashed yet, which no one writes, and the last known hash above them). The tree keeps
+        the result only if given it back (`adopt_hashes`)."""
+        plan = self._hash_plan(node)
+        if plan is None:
+            return partial(list, node.hashes if node is not self.root else [])
+        return lambda: plan()[-1]
+
+    def adopt_hashes(self, node: TreeNode, hashes: list[bytes]) -> None:
+        """Keep a chain `hashing_of(node)` computed. `node` may have been split since: it
+        kept its deeper half, whose pages are the chain's last ones (a page's hash is a
+        function of the tokens from the root to its end)."""
+        pages = len(node) // self.page_size
+        if node.hashes is None and len(hashes) >= pages:
+            node.hashes, node.hash_prefix = list(hashes[len(hashes) - pages:]), None
 
     def hashing_below(self, anchor: TreeNode, key: RadixKey) -> Callable[[], list[bytes]]:
         """A function that computes the hash chain of `key`'s pages as they would hang below
-        `anchor` (what a prefetch asks the store for; another thread may run it: it reads
-        only `key` and the anchor's last hash, taken now)."""
-        prev = self.page_hashes(anchor)[-1] if anchor is not self.root else None
-        return partial(page_hashes, key.tokens, self.page_size, self.namespace_id, key.extra_key, prev, self.hash_algo)
+        `anchor` (what a prefetch asks the store for; another thread may run it, as for
+        `hashing_of`: the anchor's chain too, where it is not known yet)."""
+        ps, ns, algo = self.page_size, self.namespace_id, self.hash_algo
+        if anchor is self.root:
+            return partial(page_hashes, key.tokens, ps, ns, key.extra_key, None, algo)
+        if anchor.hashes is not None:
+            return partial(page_hashes, key.tokens, ps, ns, key.extra_key, anchor.hashes[-1], algo)
+        plan = self._hash_plan(anchor)
+        return lambda: page_hashes(key.tokens, ps, ns, key.extra_key, plan()[-1][-1], algo)
+
+    def _hash_plan(self, node: TreeNode) -> "_HashPlan | None":
+        """What computes the chains of `node` and its ancestors not hashed yet, root-down;
+        None when `node`'s is known."""
+        pending, n = [], node
+        while n is not self.root and n.hashes is None:
+            pending.append(n)
+            n = n.parent
+        if not pending:
+            return None
+        pending.reverse()
+        prev = n.hashes[-1] if n is not self.root else None
+        return _HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
+                         self.page_size, self.namespace_id, self.hash_algo)
 
     def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
-        """A new node starts with pages whose hashes the caller knows: keep them and chain
-        the rest on (its pages past a prompt are hashed now, not the prompt's again later)."""
+        """A new node starts with pages whose hashes the caller knows: keep them; the rest
+        of its chain is made when first needed (`hashing_of`: on the storage thread)."""
         if not known:
             return
-        rest = node.key.tokens[len(known) * self.page_size:]
-        node.hashes = known + page_hashes(rest, self.page_size, self.namespace_id, node.key.extra_key, known[-1],
-                                          self.hash_algo)
+        if len(known) == len(node) // self.page_size:
+            node.hashes = known
+        else:
+            node.hash_prefix = known
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -403,9 +437,15 @@ class RadixTree:
         upper.locks = list(child.locks)
         upper.hit_count, upper.last_access = child.hit_count, child.last_access
         upper.created, upper.priority = child.created, child.priority
+        pages = k // self.page_size
         if child.hashes is not None:
-            pages = k // self.page_size
             upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
+        elif child.hash_prefix is not None:
+            known = child.hash_prefix
+            if len(known) >= pages:
+                upper.hashes, child.hash_prefix = known[:pages], known[pages:] or None
+            else:
+                upper.hash_prefix, child.hash_prefix = known, None
         child.parent.children[child.key.child_key(self.page_size)] = upper
         child.key, child.edge = child.key[k:], None
         child.values = [None if v is None else v[k:] for v in child.values]
@@ -476,6 +516,30 @@ def _edge_match(child: TreeNode, data: bytes, tokens: np.ndarray, offset: int, e
     if offset + n <= end and data.startswith(edge, offset << 3):
         return n
     return common_prefix(child.key.tokens, tokens, offset, end, ps)
+
+
+class _HashPlan:
+    """The chains of `nodes` (root-down), from their token arrays and known first hashes
+    taken when it was made, continuing from `prev`: safe to run on another thread."""
+
+    __slots__ = ("nodes", "parts", "prev", "page_size", "namespace_id", "algo")
+
+    def __init__(self, nodes: list[TreeNode], parts: list[tuple], prev: bytes | None, page_size: int,
+                 namespace_id: str, algo: str) -> None:
+        self.nodes, self.parts, self.prev = nodes, parts, prev
+        self.page_size, self.namespace_id, self.algo = page_size, namespace_id, algo
+
+    def __call__(self) -> list[list[bytes]]:
+        out, prev, ps = [], self.prev, self.page_size
+        for tokens, extra_key, known in self.parts:
+            if known:
+                chain = known + page_hashes(tokens[len(known) * ps:], ps, self.namespace_id, extra_key, known[-1],
+                                            self.algo)
+            else:
+                chain = page_hashes(tokens, ps, self.namespace_id, extra_key, prev, self.algo)
+            out.append(chain)
+            prev = chain[-1]
+        return out
 
 
 def _check_hashes(what: str, hashes: object) -> None:
