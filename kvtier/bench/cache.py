@@ -1,11 +1,16 @@
 """Replay a synthetic multi-turn trace through TieredCache as a server's scheduler does
 (several requests in flight, parked while their prefetch runs): hit rate per tier against
-the infinite-cache bound measured in the same run, and time spent inside kvtier per request
-against the same requests' match+insert on a bare RadixTree.
+the infinite-cache bound measured in the same run, and the scheduler thread's CPU time
+inside kvtier per request against SGLang 0.5.23's own device prefix cache (RadixCache,
+ReqToTokenPool, its token allocator: `kvtier/bench/cache_arms.py`) on the same trace and
+pool size. kvtier runs twice: with all tiers (a 2x host mirror, the file store) and device
+only. The arms take turns, `--rounds` times; each figure is the median of its rounds. Where
+SGLang cannot be loaded the last line says so and measures against a bare RadixTree's
+match+insert of the same requests.
 
-Device pool ~10% of the working set, a 2x host mirror, the file store. Wall time inside
-kvtier is its CPU time plus time runnable but waiting for a core (Linux schedstat, printed):
-on a small machine kvtier's own storage and copy threads take cores from the scheduler.
+Device pool ~10% of the working set. Wall time inside kvtier (printed for the last round)
+is its CPU time plus time runnable but waiting for a core (Linux schedstat, printed): on a
+small machine kvtier's own storage and copy threads take cores from the scheduler.
 The file store creates a file per page and the run deletes them all at its end. On ext4,
 creating a file skips inodes freed in the last few minutes (the kernel reads each one's
 deletion time), so back-to-back runs slow each other's store down, and with it, on a
@@ -15,40 +20,40 @@ kvtier's own threads run on every CPU but the first (`controller.cpus`), as a se
 gives its scheduler a core would set it: where they share the scheduler's core, each of its
 calls runs on caches they left cold (about 1.3x the scheduler's time on 2 cores). `--kvtier-cpus all`
 lets them run anywhere, to compare.
-Run: python benchmarks/cache.py   (or: tierctl bench cache)
+Run: python benchmarks/cache.py --page-size 1   (or: tierctl bench cache --page-size 16)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import tempfile
 import threading
 import time
 from collections import deque
 
 import numpy as np
+import torch
 
+from kvtier.bench.cache_arms import bare_tree, sglang_device, sglang_unavailable
 from kvtier.bench.trace import multiturn
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.controller.cpus import allowed_cpus, format_cpu_list
 from kvtier.tree import RadixKey, RadixTree
 
-PAGE = 16
 
-
-def infinite_bound(trace) -> tuple[float, int]:
+def infinite_bound(trace, page: int) -> tuple[float, int]:
     """(hit rate of a cache that never evicts, tokens it ends up holding)."""
-    tree = RadixTree(page_size=PAGE)
+    tree = RadixTree(page_size=page)
     hit = total = 0
-    slot = PAGE
-    import torch
-
+    slot = page
     for t in trace:
         hit += tree.match_prefix(RadixKey(t.prompt)).device_slots.size
         total += len(t.prompt)
         full = np.concatenate([t.prompt, t.output])
-        full = full[: len(full) - len(full) % PAGE]
+        full = full[: len(full) - len(full) % page]
         tree.insert(RadixKey(full), torch.arange(slot, slot + len(full)))
         slot += len(full)
     return hit / total, tree.total_size()
@@ -91,8 +96,6 @@ class Scheduler:
             self.runqueue = None if start_wait is None or end_wait is None else end_wait - start_wait
 
     def _loop(self) -> None:
-        import torch
-
         cache = self.cache
         queue = deque(enumerate(self.trace))
         parked: dict[str, tuple[int, object]] = {}
@@ -164,67 +167,83 @@ def kvtier_cpus(choice: str) -> str | None:
     return format_cpu_list(allowed[1:]) if len(allowed) >= 2 else None
 
 
-def run(sessions: int = 150, turns: int = 6, device_fraction: float = 0.10, in_flight: int = 8,
-        cpus: str = "auto") -> dict:
+def _config(size: int, page: int, store_root: str | None, cpus: str):
+    """All tiers (a 2x host mirror, the file store at `store_root`) or, with no root, the
+    device pool alone."""
+    tiers = store_root is not None
+    return load_config(None, {
+        "pool": {"size": size, "num_layers": 2, "page_size": page, "num_kv_heads": 1, "head_dim": 16,
+                 "dtype": "float16"},
+        "mirror": {"ratio": 2.0, "layout": "page_first"} if tiers else None,
+        "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
+                       "cpus": kvtier_cpus(cpus)},
+        "store": {"backend": "file", "root": store_root, "capacity_bytes": 1 << 34} if tiers else {"backend": "none"},
+    }, env={})
+
+
+def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool) -> tuple[Scheduler, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _config(size, page, tmp if tiers else None, cpus)
+        cache = TieredCache(cfg)
+        sched = Scheduler(cache, trace, in_flight)
+        try:
+            sched.run()
+            cache.check_accounting()
+        finally:
+            cache.close()
+    return sched, cfg
+
+
+def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, device_fraction: float = 0.10,
+        in_flight: int = 8, cpus: str = "auto", sglang: bool = True) -> dict:
     trace = multiturn(sessions=sessions, turns=turns, system_prompts=6, system_len=512, msg_len=(32, 200), seed=3)
-    bound, working_set = infinite_bound(trace)
+    bound, working_set = infinite_bound(trace, page)
     longest = max(len(t.prompt) + len(t.output) for t in trace)
     # room for two of the longest requests: one that cannot fit alone would be aborted and
     # retried forever (a small --sessions gives a pool of ~1k tokens, below one long turn)
-    size = max(PAGE * 64, -(-2 * longest // PAGE) * PAGE, int(working_set * device_fraction) // PAGE * PAGE)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, {
-            "pool": {"size": size, "num_layers": 2, "page_size": PAGE, "num_kv_heads": 1, "head_dim": 16,
-                     "dtype": "float16"},
-            "mirror": {"ratio": 2.0, "layout": "page_first"},
-            "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
-                           "cpus": kvtier_cpus(cpus)},
-            "store": {"backend": "file", "root": tmp, "capacity_bytes": 1 << 34},
-        }, env={})
-        cache = TieredCache(cfg)
-        sched = Scheduler(cache, trace, in_flight)
-        sched.run()
-        cache.close()
+    size = max(page * 64, -(-2 * longest // page) * page, int(working_set * device_fraction) // page * page)
+    why_not = sglang_unavailable() if sglang else "not asked for (--baseline bare)"
+    arms = {"kvtier": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=True),
+            "device": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=False),
+            "bare": lambda: bare_tree(trace, page)}
+    if why_not is None:
+        arms["sglang"] = lambda: sglang_device(trace, size, page, in_flight)
+    cpu: dict[str, list[float]] = {k: [] for k in arms}
+    last: dict[str, object] = {}
+    for _ in range(rounds):  # the arms take turns, round after round, on the same minutes
+        for name, arm in arms.items():
+            gc.collect()  # the previous arm's garbage is not collected on this arm's clock
+            last[name] = out = arm()
+            spent = out[0].cpu if isinstance(out, tuple) else out.cpu
+            cpu[name].append(spent)
+    sched, cfg = last["kvtier"]
+    n = len(trace)
+    per = {k: statistics.median(v) / n for k, v in cpu.items()}
     prompt_tokens = sum(len(t.prompt) for t in trace)
-    bare = min(bare_tree_seconds(trace) for _ in range(3))  # the floor: its best of three rounds
     rates = [x / prompt_tokens for x in sched.hits]
     total = sum(rates)
-    n = len(trace)
-    print(f"{n} requests ({in_flight} in flight), {prompt_tokens} prompt tokens, working set {working_set} tokens, "
-          f"device pool {size} tokens ({size / working_set:.0%}), mirror 2x, file store; kvtier's threads on CPUs "
-          f"{cfg.controller.cpus or 'any'}")
+    print(f"{n} requests ({in_flight} in flight), page {page}, {prompt_tokens} prompt tokens, working set "
+          f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, file store; "
+          f"{rounds} alternating rounds, medians; kvtier's threads on CPUs {cfg.controller.cpus or 'any'}")
     print(f"hit rate: device {rates[0]:.3f} + host {rates[1]:.3f} + storage {rates[2]:.3f} = {total:.3f} "
           f"(infinite cache {bound:.3f})")
-    print(f"scheduler time inside kvtier: {sched.inside / n * 1e3:.3f} ms per request, of which CPU "
-          f"{sched.cpu / n * 1e3:.3f} ms (naps while only parked requests remained, excluded: "
-          f"{sched.naps / n * 1e3:.2f} ms); bare RadixTree match+insert of the same requests: {bare / n * 1e3:.3f} ms")
+    print(f"scheduler time inside kvtier, all tiers (last round): {sched.inside / n * 1e3:.3f} ms per request wall, "
+          f"CPU {sched.cpu / n * 1e3:.3f} ms (naps while only parked requests remained, excluded: "
+          f"{sched.naps / n * 1e3:.2f} ms)")
     if sched.runqueue is not None:
         print(f"scheduler thread waiting for a CPU core (runqueue, whole loop): {sched.runqueue / n * 1e3:.3f} ms "
               f"per request")
     print("per request, wall (CPU) ms: " + ", ".join(
         f"{name} {w / n * 1e3:.3f} ({c / n * 1e3:.3f})" for name, (w, c, _) in sched.by_call.items()))
-    print(f"cache: hit rate {total / bound:.3f}x bound, scheduler {sched.inside / bare:.2f}x bare tree")
-    return {"rates": rates, "bound": bound, "ms_per_request": sched.inside / n * 1e3,
-            "scheduler_ratio": sched.inside / bare}
-
-
-def bare_tree_seconds(trace) -> float:
-    """Wall time of the same requests' match (prompt) + insert (prompt and output, whole
-    pages) on a bare RadixTree: no tiers, no I/O, no locks. The floor for scheduler time."""
-    import torch
-
-    tree, slot, spent = RadixTree(page_size=PAGE), PAGE, 0.0
-    for t in trace:
-        full = np.concatenate([t.prompt, t.output])
-        prompt = RadixKey(t.prompt)
-        full = RadixKey(full[: len(full) - len(full) % PAGE])
-        fresh = torch.arange(slot, slot + len(full), dtype=torch.int64)
-        start = time.perf_counter()
-        tree.match_prefix(prompt)
-        tree.insert(full, fresh)
-        spent += time.perf_counter() - start
-        slot += len(full)
-    return spent
+    sg = f"SGLang RadixCache + pools {per['sglang'] * 1e3:.3f} ms" if "sglang" in per else f"SGLang: {why_not}"
+    print(f"scheduler CPU per request: kvtier all tiers {per['kvtier'] * 1e3:.3f} ms, kvtier device only "
+          f"{per['device'] * 1e3:.3f} ms, {sg}, bare RadixTree match+insert {per['bare'] * 1e3:.3f} ms")
+    base, label = (per["sglang"], "SGLang device-only") if "sglang" in per else (per["bare"], "bare tree")
+    print(f"device only: kvtier {per['device'] / base:.2f}x {label}")
+    print(f"cache: hit rate {total / bound:.3f}x bound, scheduler {per['kvtier'] / base:.2f}x {label}")
+    return {"rates": rates, "bound": bound, "cpu_ms_per_request": {k: v * 1e3 for k, v in per.items()},
+            "scheduler_ratio": per["kvtier"] / base, "device_ratio": per["device"] / base, "baseline": label,
+            "hit_ratio": total / bound}
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -232,10 +251,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p.add_argument("--sessions", type=int, default=150)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--in-flight", type=int, default=8, help="requests the scheduler keeps in flight")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (1 and 16 are the targets)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of every arm")
+    p.add_argument("--baseline", choices=("sglang", "bare"), default="sglang",
+                   help="sglang: SGLang's own RadixCache where it loads (else the bare tree); bare: the bare tree")
     p.add_argument("--kvtier-cpus", default="auto",
                    help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3")
     args = p.parse_args(argv)
-    run(args.sessions, args.turns, in_flight=args.in_flight, cpus=args.kvtier_cpus)
+    run(args.sessions, args.turns, page=args.page_size, rounds=args.rounds, in_flight=args.in_flight,
+        cpus=args.kvtier_cpus, sglang=args.baseline == "sglang")
 
 
 if __name__ == "__main__":

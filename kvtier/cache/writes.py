@@ -148,8 +148,8 @@ class Writes(Part):
     def _backup_to_store(self, node: TreeNode) -> None:
         if self.ctl.storage is None or not self.cfg.storage_backup:
             return
-        keys = PageKeys(self.tree.page_hashes(node), self.key_of)
         pages = node.values[Tier.HOST][:: self.page_size] // self.page_size
+        keys = PageKeys(self.tree.hashing_of(node), self.key_of, len(pages))  # hashed by the storage thread
         self.tree.protect_host(node)
         if self.events is not None:
             self.events.backup_started(node)
@@ -157,6 +157,8 @@ class Writes(Part):
 
     def apply_backup(self, op: BackupOp[TreeNode]) -> None:
         self.tree.release_host(op.tag)
+        if op.keys.hashes is not None:
+            self.tree.adopt_hashes(op.tag, op.keys.hashes)
         good = sum(op.ok or [])
         self.counters.l3_write_pages += good
         self.counters.l3_write_failures += len(op.keys) - good

@@ -255,6 +255,8 @@ class CudaTransferStream(TransferStream):
 
 
 def make_stream(name: str, device: torch.device) -> TransferStream:
+    """A cache's streams: on CPU every copy runs on the worker, never on the scheduler
+    thread while it waits (docs/design.md §2)."""
     if device.type == "cuda":
         return CudaTransferStream(name, device)
-    return CpuTransferStream(name)
+    return CpuTransferStream(name, help_waiters=False)

@@ -100,6 +100,9 @@ def _check_hashes(tree, nodes: list[TreeNode]) -> list[str]:
         fresh = page_hashes(node.key.tokens, tree.page_size, tree.namespace_id, node.key.extra_key,
                             last[node.parent.id], tree.hash_algo)
         last[node.id] = fresh[-1] if fresh else last[node.parent.id]
+        known = node.hash_prefix
+        if known is not None and (node.hashes is not None or known != fresh[:len(known)]):
+            out.append(f"{node}: known first page hashes differ from the chain recomputed from the root")
         if node.hashes is not None and node.hashes != fresh:
             bad = next(i for i, (a, b) in enumerate(zip(node.hashes, fresh)) if a != b) \
                 if len(node.hashes) == len(fresh) else "count"
@@ -124,6 +127,9 @@ def is_evictable_leaf(node: TreeNode, tier: Tier) -> bool:
     """May `node` be evicted from `tier` now? (The leaf-set predicate, recomputed by checks.)"""
     if node.values[tier] is None or node.locks[tier]:
         return False
-    if tier == H and node.on_device:
+    if tier == H and node.values[Tier.DEVICE] is not None:
         return False  # host eviction only takes nodes that are not on device
-    return all(c.values[tier] is None for c in node.children.values())
+    for c in node.children.values():
+        if c.values[tier] is not None:
+            return False
+    return True

@@ -24,7 +24,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "key", "parent", "children", "values", "locks",
-        "hit_count", "last_access", "created", "priority", "hashes", "edge",
+        "hit_count", "last_access", "created", "priority", "hashes", "hash_prefix", "edge",
     )
 
     def __init__(self, node_id: int, key: RadixKey, parent: "TreeNode | None", clock: int) -> None:
@@ -38,7 +38,8 @@ class TreeNode:
         self.last_access = clock
         self.created = clock
         self.priority = 0
-        self.hashes: list[bytes] | None = None
+        self.hashes: list[bytes] | None = None  # the chain of every page, or None until computed
+        self.hash_prefix: list[bytes] | None = None  # while `hashes` is None: those of its first pages, if known
         self.edge: bytes | None = None  # key.tokens as bytes, made on first compare (matches compare bytes)
 
     @property

@@ -24,7 +24,7 @@ import torch
 from kvtier.hashing import page_hashes
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
-from kvtier.tree.key import RadixKey, child_key_at, common_prefix
+from kvtier.tree.key import RadixKey, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
@@ -187,8 +187,10 @@ class RadixTree:
         node, offset, prefix_len, added = anchor, 0, 0, []
         ps, tokens, extra, end = self.page_size, key.tokens, key.extra_key, len(key)
         data = tokens.tobytes()
+        page_bytes = ps << 3
         while offset < end:
-            child = node.children.get(child_key_at(tokens, offset, ps, extra))
+            page = data[offset << 3:(offset << 3) + page_bytes]  # == child_key_at(tokens, offset, ...)
+            child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 child = self._add_child(node, key[offset:], tier, indices[offset:])
                 if hashes is not None:
@@ -287,19 +289,31 @@ class RadixTree:
     def _add_locks(self, node: TreeNode, tier: Tier, delta: int, stop: TreeNode) -> TreeNode | None:
         """Add `delta` to the lock counts from `node` up to `stop` (excluded), in one pass;
         the first node that may not take it (no value on `tier`, or a count going below
-        0) is returned, with the nodes below it changed, the rest not."""
+        0) is returned, with the nodes below it changed, the rest not.
+
+        Per path, not per node: only `node` can change leaf-set membership (every node
+        above it has a child on the path holding a `tier` value, so it is no leaf before or
+        after), and the sizes move once by the tokens whose count left or reached 0."""
+        moved, first, bad = 0, node, None
         while node is not stop:
             before = node.locks[tier]
             if node.values[tier] is None or before + delta < 0:
-                return node
+                bad = node
+                break
             node.locks[tier] = before + delta
-            if (before == 0) != (before + delta == 0):  # only then can its leaf-set membership change
-                moved = len(node) if delta > 0 else -len(node)
-                self._evictable[tier] -= moved
-                self._protected[tier] += moved
-                self._refresh(node, (tier,))  # a tier's lock count decides only that tier's membership
+            if (before == 0) != (before + delta == 0):
+                moved += len(node)
             node = node.parent
-        return None
+        if moved:
+            moved = moved if delta > 0 else -moved
+            self._evictable[tier] -= moved
+            self._protected[tier] += moved
+        if first is not bad and first is not stop:
+            if first.locks[tier]:
+                self._leaves[tier].discard(first)
+            elif is_evictable_leaf(first, tier):
+                self._leaves[tier].add(first)
+        return bad
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -348,33 +362,67 @@ class RadixTree:
     # -- hashes -------------------------------------------------------------------------------
 
     def page_hashes(self, node: TreeNode) -> list[bytes]:
-        """Hash chain of `node`'s pages (chained through its ancestors), computed lazily."""
-        pending = []
-        n = node
-        while n is not self.root and n.hashes is None:
-            pending.append(n)
-            n = n.parent
-        for n in reversed(pending):
-            prev = n.parent.hashes[-1] if n.parent is not self.root and n.parent.hashes else None
-            n.hashes = page_hashes(n.key.tokens, self.page_size, self.namespace_id,
-                                   n.key.extra_key, prev, self.hash_algo)
+        """Hash chain of `node`'s pages (chained through its ancestors), computed now on
+        this thread where not known yet (and kept)."""
+        plan = self._hash_plan(node)
+        if plan is not None:
+            for n, hashes in zip(plan.nodes, plan()):
+                n.hashes, n.hash_prefix = hashes, None
         return node.hashes if node is not self.root else []
+
+    def hashing_of(self, node: TreeNode) -> Callable[[], list[bytes]]:
+        """A function that returns `node`'s hash chain, which another thread may run: it
+        reads only what it takes now (the token arrays of `node` and of its ancestors not
+        hashed yet, which no one writes, and the last known hash above them). The tree keeps
+        the result only if given it back (`adopt_hashes`)."""
+        plan = self._hash_plan(node)
+        if plan is None:
+            return partial(list, node.hashes if node is not self.root else [])
+        return lambda: plan()[-1]
+
+    def adopt_hashes(self, node: TreeNode, hashes: list[bytes]) -> None:
+        """Keep a chain `hashing_of(node)` computed. `node` may have been split since: it
+        kept its deeper half, whose pages are the chain's last ones (a page's hash is a
+        function of the tokens from the root to its end)."""
+        pages = len(node) // self.page_size
+        if node.hashes is None and len(hashes) >= pages:
+            node.hashes, node.hash_prefix = list(hashes[len(hashes) - pages:]), None
 
     def hashing_below(self, anchor: TreeNode, key: RadixKey) -> Callable[[], list[bytes]]:
         """A function that computes the hash chain of `key`'s pages as they would hang below
-        `anchor` (what a prefetch asks the store for; another thread may run it: it reads
-        only `key` and the anchor's last hash, taken now)."""
-        prev = self.page_hashes(anchor)[-1] if anchor is not self.root else None
-        return partial(page_hashes, key.tokens, self.page_size, self.namespace_id, key.extra_key, prev, self.hash_algo)
+        `anchor` (what a prefetch asks the store for; another thread may run it, as for
+        `hashing_of`: the anchor's chain too, where it is not known yet)."""
+        ps, ns, algo = self.page_size, self.namespace_id, self.hash_algo
+        if anchor is self.root:
+            return partial(page_hashes, key.tokens, ps, ns, key.extra_key, None, algo)
+        if anchor.hashes is not None:
+            return partial(page_hashes, key.tokens, ps, ns, key.extra_key, anchor.hashes[-1], algo)
+        plan = self._hash_plan(anchor)
+        return lambda: page_hashes(key.tokens, ps, ns, key.extra_key, plan()[-1][-1], algo)
+
+    def _hash_plan(self, node: TreeNode) -> "_HashPlan | None":
+        """What computes the chains of `node` and its ancestors not hashed yet, root-down;
+        None when `node`'s is known."""
+        pending, n = [], node
+        while n is not self.root and n.hashes is None:
+            pending.append(n)
+            n = n.parent
+        if not pending:
+            return None
+        pending.reverse()
+        prev = n.hashes[-1] if n is not self.root else None
+        return _HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
+                         self.page_size, self.namespace_id, self.hash_algo)
 
     def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
-        """A new node starts with pages whose hashes the caller knows: keep them and chain
-        the rest on (its pages past a prompt are hashed now, not the prompt's again later)."""
+        """A new node starts with pages whose hashes the caller knows: keep them; the rest
+        of its chain is made when first needed (`hashing_of`: on the storage thread)."""
         if not known:
             return
-        rest = node.key.tokens[len(known) * self.page_size:]
-        node.hashes = known + page_hashes(rest, self.page_size, self.namespace_id, node.key.extra_key, known[-1],
-                                          self.hash_algo)
+        if len(known) == len(node) // self.page_size:
+            node.hashes = known
+        else:
+            node.hash_prefix = known
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -398,9 +446,15 @@ class RadixTree:
         upper.locks = list(child.locks)
         upper.hit_count, upper.last_access = child.hit_count, child.last_access
         upper.created, upper.priority = child.created, child.priority
+        pages = k // self.page_size
         if child.hashes is not None:
-            pages = k // self.page_size
             upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
+        elif child.hash_prefix is not None:
+            known = child.hash_prefix
+            if len(known) >= pages:
+                upper.hashes, child.hash_prefix = known[:pages], known[pages:] or None
+            else:
+                upper.hash_prefix, child.hash_prefix = known, None
         child.parent.children[child.key.child_key(self.page_size)] = upper
         child.key, child.edge = child.key[k:], None
         child.values = [None if v is None else v[k:] for v in child.values]
@@ -419,9 +473,13 @@ class RadixTree:
         if sign and self.observer is not None:
             self.observer.tier_changed(node, tier, value is not None)
         # the node's own membership: a device value also decides host evictability (only
-        # host-only nodes leave the host); its parent's: only the tier whose child changed
+        # host-only nodes leave the host); its parent's: only the tier whose child changed,
+        # and a child that gained a value there makes it no leaf without asking
         self._refresh(node, (D, H) if tier == D else (H,))
-        self._refresh(node.parent, (tier,))
+        if value is not None:
+            self._leaves[tier].discard(node.parent)
+        else:
+            self._refresh(node.parent, (tier,))
 
     def _remove(self, node: TreeNode) -> None:
         """Drop an empty leaf. Its parent's membership stays: a child without values never
@@ -469,6 +527,30 @@ def _edge_match(child: TreeNode, data: bytes, tokens: np.ndarray, offset: int, e
     if offset + n <= end and data.startswith(edge, offset << 3):
         return n
     return common_prefix(child.key.tokens, tokens, offset, end, ps)
+
+
+class _HashPlan:
+    """The chains of `nodes` (root-down), from their token arrays and known first hashes
+    taken when it was made, continuing from `prev`: safe to run on another thread."""
+
+    __slots__ = ("nodes", "parts", "prev", "page_size", "namespace_id", "algo")
+
+    def __init__(self, nodes: list[TreeNode], parts: list[tuple], prev: bytes | None, page_size: int,
+                 namespace_id: str, algo: str) -> None:
+        self.nodes, self.parts, self.prev = nodes, parts, prev
+        self.page_size, self.namespace_id, self.algo = page_size, namespace_id, algo
+
+    def __call__(self) -> list[list[bytes]]:
+        out, prev, ps = [], self.prev, self.page_size
+        for tokens, extra_key, known in self.parts:
+            if known:
+                chain = known + page_hashes(tokens[len(known) * ps:], ps, self.namespace_id, extra_key, known[-1],
+                                            self.algo)
+            else:
+                chain = page_hashes(tokens, ps, self.namespace_id, extra_key, prev, self.algo)
+            out.append(chain)
+            prev = chain[-1]
+        return out
 
 
 def _check_hashes(what: str, hashes: object) -> None:

@@ -412,8 +412,9 @@ def test_a_prefetch_is_not_taken_by_an_acquire_with_other_tokens():
 @pytest.mark.parametrize("same_prompt", [True, False])
 def test_prompt_pages_hashed_for_the_prefetch_are_not_hashed_again(same_prompt):
     """The prefetch hashed the prompt's pages to ask the store; the finished request's new
-    node keeps those hashes and chains its output pages on (sanity_check recomputes each
-    from the root). A finished key that does not start with the hashed prompt gets none."""
+    node keeps those hashes, and its backup hashes the output's on the storage thread and
+    hands the whole chain back (sanity_check recomputes each from the root). A finished key
+    that does not start with the hashed prompt gets none and is hashed from the root."""
     cache = make_cache()
     prompt = np.arange(300, 316)
     got = acquire(cache, prompt, "r")  # the store holds nothing: a prefetch asked, found 0
@@ -424,12 +425,14 @@ def test_prompt_pages_hashed_for_the_prefetch_are_not_hashed_again(same_prompt):
     node = cache.match_prefix(finished, count=False).last_device_node
     assert cache.stats()["counters"]["prefetches"] == 1
     assert node.parent is cache.tree.root and len(node) == 24
-    if same_prompt:  # the prompt's 4 pages kept, the output's 2 chained on
-        assert node.hashes is not None and len(node.hashes) == 6
+    assert node.hashes is None  # the output's pages: hashed when backed up
+    if same_prompt:  # the prompt's 4 pages kept
+        assert node.hash_prefix is not None and len(node.hash_prefix) == 4
     else:
-        assert node.hashes is None  # hashed when backed up, from the root
+        assert node.hash_prefix is None
     cache.tree.sanity_check()  # before any backup hashed the rest
     settle(cache)
+    assert node.hashes is not None and len(node.hashes) == 6 and node.hash_prefix is None
     check(cache)
     cache.close()
 

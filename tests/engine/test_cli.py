@@ -165,13 +165,24 @@ def test_bench_tree_runs(capsys):
     assert "tree: match time ratio" in capsys.readouterr().out
 
 
+def test_bench_cache_says_when_sglang_is_missing(capsys, monkeypatch):
+    """Without SGLang the comparison line says why and the ratio is against the bare tree."""
+    monkeypatch.setitem(sys.modules, "sglang", None)  # find_spec: not installed
+    assert main(["bench", "cache", "--sessions", "8", "--turns", "2", "--rounds", "1", "--page-size", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "SGLang: sglang is not installed (pip install --no-deps sglang==0.5.23)" in lines[-3], lines[-3]
+    assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]
+
+
 @pytest.mark.parametrize("cpus", ["auto", "all"])
 def test_bench_cache_ends_with_the_line_the_issue_reads(capsys, cpus):
     """The last line's exact shape (ratios only: no timing is asserted), and the header
-    names where kvtier's threads ran."""
-    assert main(["bench", "cache", "--sessions", "8", "--turns", "3", "--kvtier-cpus", cpus]) == 0
+    names where kvtier's threads ran. Against SGLang: tests/integrations/test_sglang_device.py."""
+    assert main(["bench", "cache", "--sessions", "8", "--turns", "3", "--rounds", "1", "--baseline", "bare",
+                 "--kvtier-cpus", cpus]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]
+    assert "SGLang: not asked for (--baseline bare)" in lines[-3], lines[-3]
     assert re.search(r"kvtier's threads on CPUs \S+$", lines[0]), lines[0]
     if cpus == "all":
         assert lines[0].endswith("CPUs any")

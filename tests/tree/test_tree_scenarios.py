@@ -251,3 +251,33 @@ def test_sanity_check_lists_every_violation():
         tree.sanity_check()
     text = str(err.value)
     assert "device sizes" in text and "host lock 1 on a node not on host" in text and "Node#" in text
+
+
+def test_known_hashes_are_kept_and_the_rest_is_hashed_off_thread_even_across_a_split():
+    """An insert keeps the page hashes a prefetch computed and hashes nothing itself; the
+    chain made by `hashing_of` on another thread equals the one the tree makes, and is
+    right for a node split meanwhile (its deeper half keeps the chain's last pages)."""
+    import threading
+
+    from kvtier.tree import KnownHashes
+
+    ps, tokens = 2, np.arange(40, 56)
+    whole = RadixTree(page_size=ps, namespace_id="ns")
+    chain = whole.page_hashes(whole.insert(key(tokens), torch.arange(2, 18)).last_node)
+    tree = RadixTree(page_size=ps, namespace_id="ns")
+    node = tree.insert(key(tokens), torch.arange(2, 18), hashes=KnownHashes(0, chain[:3])).last_node
+    assert node.hashes is None and node.hash_prefix == chain[:3]
+    tree.sanity_check()
+    compute = tree.hashing_of(node)
+    tree.match_prefix(key([40, 41, 42, 43, 1, 2]))  # splits the node after 2 pages
+    assert node.parent.hashes == chain[:2] and node.hash_prefix == chain[2:3]
+    out = []
+    t = threading.Thread(target=lambda: out.append(compute()))
+    t.start()
+    t.join()
+    assert out == [chain]
+    tree.adopt_hashes(node, out[0])
+    assert node.hashes == chain[2:] and node.hash_prefix is None
+    assert tree.hashing_below(node, key([7, 8]))() == whole.hashing_below(whole.match_prefix(key(tokens)).last_device_node,
+                                                                           key([7, 8]))()
+    tree.sanity_check()
