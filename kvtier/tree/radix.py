@@ -416,8 +416,10 @@ class RadixTree:
 
     def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
         """A new node starts with pages whose hashes the caller knows: keep them; the rest
-        of its chain is made when first needed (`hashing_of`: on the storage thread)."""
-        if not known:
+        of its chain is made when first needed (`hashing_of`: on the storage thread). A
+        node whose chain is known already (an observer asked for it as the node appeared)
+        keeps it: `hash_prefix` is only for a node whose `hashes` are not known."""
+        if not known or node.hashes is not None:
             return
         if len(known) == len(node) // self.page_size:
             node.hashes = known

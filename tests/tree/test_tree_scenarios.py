@@ -281,3 +281,30 @@ def test_known_hashes_are_kept_and_the_rest_is_hashed_off_thread_even_across_a_s
     assert tree.hashing_below(node, key([7, 8]))() == whole.hashing_below(whole.match_prefix(key(tokens)).last_device_node,
                                                                            key([7, 8]))()
     tree.sanity_check()
+
+
+def test_an_observer_that_hashes_a_new_node_leaves_no_stale_known_prefix():
+    """An observer (KV events) that asks for a node's chain the moment the node appears,
+    before the insert hands it the first hashes a prefetch knew: the node keeps its whole
+    chain and no `hash_prefix` beside it, so a later split leaves no stale prefix on the
+    deeper half (sanity_check: 'known first page hashes differ')."""
+    from kvtier.tree import KnownHashes
+
+    ps, tokens = 2, np.arange(40, 56)
+    whole = RadixTree(page_size=ps, namespace_id="ns")
+    chain = whole.page_hashes(whole.insert(key(tokens), torch.arange(2, 18)).last_node)
+    tree = RadixTree(page_size=ps, namespace_id="ns")
+
+    class Observer:
+        def tier_changed(self, node, tier, present):
+            tree.page_hashes(node)
+
+        def cleared(self):
+            pass
+
+    tree.set_observer(Observer())
+    node = tree.insert(key(tokens), torch.arange(2, 18), hashes=KnownHashes(0, chain[:3])).last_node
+    assert node.hashes == chain and node.hash_prefix is None
+    tree.match_prefix(key([40, 41, 42, 43, 1, 2]))  # splits the node after 2 pages
+    assert node.hashes == chain[2:] and node.hash_prefix is None
+    tree.sanity_check()
