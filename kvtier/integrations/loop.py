@@ -3,7 +3,9 @@ runs, and the breaker in front of each call (docs/sglang.md, docs/vllm.md).
 
 An adapter builds its store on this loop and calls it only from there: `run` when the
 engine's thread may block on the answer (SGLang's prefetch and backup threads), `submit`
-when it must not (vLLM's scheduler: the answer is polled).
+when it must not (vLLM's scheduler: the answer is polled). `tenant_of` is what the YAML's
+tenant key (docs/security.md) gives every adapter: the key id for its namespace, the keyed
+hash its engine's page keys go through before they become store keys, the seal of its store.
 """
 
 from __future__ import annotations
@@ -11,12 +13,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from kvtier.backends.base import Store
+from kvtier.backends.seal import SealedCodec
+from kvtier.config import NamespaceConfig
 from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.controller.config import ControllerConfig
 from kvtier.controller.cpus import keep_to
 from kvtier.errors import StoreError, StoreTimeout
+from kvtier.hashing import KeyedHash
 
 
 class LoopThread:
@@ -47,6 +54,30 @@ class LoopThread:
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+@dataclass(slots=True, frozen=True)
+class StoreTenant:
+    """A tenant key's part in an engine adapter; all None without a key. Its repr names
+    only the key's id."""
+
+    key_id: str | None = None  # hex: the adapter's Namespace(tenant_key_id=...)
+    keyed: KeyedHash | None = None  # the engine's page keys go through it before they become store keys
+    codec: SealedCodec | None = None
+
+    def seal(self, store: Store | None) -> None:
+        """The store frames and reads every page sealed with the tenant's key."""
+        if self.codec is not None and store is not None:
+            store.seal_with(self.codec)
+
+
+def tenant_of(ns: NamespaceConfig) -> StoreTenant:
+    """The tenant key of the YAML's `namespace:` (`tenant_key`, `encrypt`) for an engine
+    adapter; its keyed hash gives 32-byte page hashes, as SGLang's sha256 keys are."""
+    keys = ns.tenant_keys()
+    if keys is None:
+        return StoreTenant()
+    return StoreTenant(keys.current.key_id.hex(), keys.current.page_hash("sha256"), SealedCodec(keys, ns.encrypt))
 
 
 def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:

@@ -37,12 +37,11 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
-from kvtier.backends.seal import SealedCodec
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
-from kvtier.integrations.loop import LoopThread, breaker_for, guarded
+from kvtier.integrations.loop import LoopThread, breaker_for, guarded, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +95,11 @@ class KvtierStorageBase:
         self.storage_config = storage_config
         self.kv_cache_dtype = kv_cache_dtype
         self.key_prefix = config.store.key_prefix
+        self.tenant = tenant_of(config.namespace)  # docs/security.md: key id, keyed page keys, sealed store
         c = config.controller
         self._loop = LoopThread(check_cpus(c.cpus), name="kvtier-sglang-store")
         self.store: Store = self._loop.run(self._build(config))
-        keys = config.namespace.tenant_keys()
-        self.tenant_key_id = None if keys is None else keys.current.key_id.hex()
-        self.keyed_hash = None if keys is None else keys.current.page_hash("sha256")
-        if keys is not None:
-            self.store.seal_with(SealedCodec(keys, config.namespace.encrypt))
+        self.tenant.seal(self.store)
         self.breaker = breaker_for(self.store.name, c)
         self.mem_pool_host = None
         self.namespace: Namespace | None = None
@@ -161,7 +157,7 @@ class KvtierStorageBase:
         ns = self.kvtier_config.namespace
         model = sc.model_name or ns.model_id
         return Namespace(model, dtype, layout, pool.page_size, rank, size, ns.tenant_salt, revision=ns.revision,
-                         tenant_key_id=self.tenant_key_id)
+                         tenant_key_id=self.tenant.key_id)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         if self._closed:  # its loop is gone: a call would wait on it forever
@@ -170,7 +166,7 @@ class KvtierStorageBase:
             raise RuntimeError("kvtier SGLang backend: register_mem_pool_host() must come before any I/O")
         if isinstance(keys, str):
             raise ValueError("keys: expected a list of SGLang page hashes, got one string")
-        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k, self.keyed_hash)) for k in keys]
+        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k, self.tenant.keyed)) for k in keys]
 
     # -- store calls -----------------------------------------------------------------------
 

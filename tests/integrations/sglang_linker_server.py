@@ -15,13 +15,16 @@ import yaml
 TOKENS = list(range(100, 132))  # 8 pages of 4
 
 
-def write_yaml(tmp_path, store: dict, mirror: dict | None = None, controller: dict | None = None) -> str:
+def write_yaml(tmp_path, store: dict, mirror: dict | None = None, controller: dict | None = None,
+               namespace: dict | None = None) -> str:
     path = tmp_path / f"linker-{uuid.uuid4().hex[:6]}.yaml"
     doc = {"store": {"timeout_s": 5.0, **store}, "mirror": {"ratio": 2.0, "layout": "page_first", **(mirror or {})}}
     if store.get("backend") == "none":
         doc["store"] = {"backend": "none"}
     if controller:
         doc["controller"] = controller
+    if namespace:
+        doc["namespace"] = namespace
     path.write_text(yaml.safe_dump(doc))
     return str(path)
 
@@ -154,12 +157,16 @@ def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 TOKENS = list(range(100, 132))  # 8 pages of 4
 
 
+def engine_keys(sg, server: Server, tokens: list[int]) -> list[str]:
+    """SGLang's page keys of `tokens` (its sha256 chain, which anyone can compute)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    return get_storage_hash_str(sg.rc.RadixKey(array("q", tokens)), None, page_size=server.page_size)
+
+
 def page_files(sg, server: Server, root, tokens: list[int]) -> list:
     """The file store's file of each page of `tokens` (SGLang's page keys, kvtier's keys)."""
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-    keys = get_storage_hash_str(sg.rc.RadixKey(array("q", tokens)), None, page_size=server.page_size)
     out = []
-    for key in server.linker.core.l3.keys(keys):
+    for key in server.linker.core.l3.keys(engine_keys(sg, server, tokens)):
         prefix, ns, h = key.rsplit("/", 2)
         out.append(root / prefix / ns / h[0:2] / h[2:4] / h)
     return out

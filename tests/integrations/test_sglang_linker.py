@@ -13,6 +13,7 @@ SGLang is loaded by tests/integrations/sglang_linker_runtime.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,8 +24,11 @@ import torch
 
 from kvtier.bench.servers import BlackHole
 from kvtier.errors import KvtierConfigError
+from kvtier.hashing import make_key
+from kvtier.integrations.sglang import page_hash_of
 from tests.integrations import sglang_linker_runtime as rt
-from tests.integrations.sglang_linker_server import TOKENS, Server, assert_same, page_files, write_yaml
+from tests.integrations.sglang_linker_server import TOKENS, Server, assert_same, engine_keys, page_files, write_yaml
+from tests.integrations.tenant_store import KEY_A, KEY_A_ID, KEY_B, leaks_key, list_store, reframe_plain
 from tests.servers import IN_CI
 
 STORES = ["file", "redis", "s3"]
@@ -309,3 +313,71 @@ def test_cancel_and_reset_free_what_they_hold(sg, tmp_path, request):
     assert host["pages_free"] == host["pages_total"]
     loads_prefix(server, TOKENS, 8, want)
     server.close()
+
+
+# -- a tenant key (docs/security.md) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,encrypt", [("file", False), ("redis", True), ("s3", False)])
+def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(sg, tmp_path, request, caplog, kind, encrypt):
+    """With a tenant key the namespace carries its id, pages come back from the sealed
+    store byte for byte, the store's keys are keyed hashes (none holds SGLang's page hash,
+    which anyone can compute from the tokens), another key or none finds nothing, and no
+    repr, stat or log line shows the key."""
+    caplog.set_level(logging.DEBUG)
+    section = store_section(kind, request, tmp_path)
+    salt = uuid.uuid4().hex  # this test's pages only, whatever a shared store holds
+    path = write_yaml(tmp_path, section, namespace={"tenant_salt": salt, "tenant_key": KEY_A, "encrypt": encrypt})
+    first = Server(sg, path)
+    ns = first.linker.core.settings.namespace
+    assert ns.tenant_key_id == KEY_A_ID
+    want = first.compute(TOKENS, seed=11)
+    first.close()
+    second = Server(sg, path)
+    round_trip(second, TOKENS, want)  # host tier empty: every page from the store, authenticated
+    assert second.linker.stats()["counters"]["store_hit_pages"] == len(TOKENS) // 4
+    engine = engine_keys(sg, second, TOKENS)
+    seen = list_store(section, ns.id)
+    unkeyed = {make_key("kvtier", ns.id, page_hash_of(k)) for k in engine}
+    assert len(seen.keys) == len(engine) and not unkeyed & set(seen.keys)
+    assert not any(k in key for k in engine for key in seen.keys)
+    assert seen.plain == 0 and seen.manifest["tenant_key_id"] == KEY_A_ID  # every frame sealed
+    for other in ({"tenant_salt": salt, "tenant_key": KEY_B}, {"tenant_salt": salt}):
+        stranger = Server(sg, write_yaml(tmp_path, section, namespace=other))
+        assert stranger.match(stranger.request(TOKENS + [7]), TOKENS + [7]).host_hit_length == 0
+        stranger.close()
+    shown = " ".join([repr(second.linker.core.settings), repr(second.linker.core.store.codec),
+                      str(second.linker.stats()), caplog.text])
+    assert KEY_A_ID in repr(second.linker.core.settings) and not leaks_key(shown)
+    second.check()
+    second.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_tenant_key_a_reframed_store_page_fails_the_load_closed(sg, tmp_path, request, encrypt):
+    """Who can write the store re-frames page 5 of 8 with page 2's payload under a fresh
+    plain xxh3 checksum (which a store without a key serves): with a key the load fails
+    before any byte reaches the device pool, and the next request loads the 5 pages before
+    it byte for byte."""
+    path = write_yaml(tmp_path, store_section("file", request, tmp_path),
+                      namespace={"tenant_key": KEY_A, "encrypt": encrypt})
+    first = Server(sg, path)
+    want = first.compute(TOKENS, seed=12)
+    first.close()
+    second = Server(sg, path)
+    files = page_files(sg, second, tmp_path / "l3", TOKENS)
+    reframe_plain(files[5], files[2])
+    before = [b.clone() for b in second.buffers()]
+    req = second.request(TOKENS + [7])
+    result = second.match(req, TOKENS + [7])
+    assert result.host_hit_length == len(TOKENS)
+    n, slots, failed = second.load(req, result)
+    assert failed == [req] and req.skip_radix_cache_insert
+    for b, was in zip(second.buffers(), before):
+        assert torch.equal(b.view(torch.uint8), was.view(torch.uint8))
+    second.allocator.free(slots)
+    assert second.linker.stats()["counters"]["l3_read_failures"] == 1
+    assert second.linker.stats()["store"]["frame_failures"] == 1
+    second.check()
+    loads_prefix(second, TOKENS, 5, want)
+    second.close()

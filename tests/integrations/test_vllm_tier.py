@@ -4,6 +4,7 @@ redis-server, moto's S3 server)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from kvtier.errors import KvtierConfigError, StoreUnavailable
 from tests.integrations import vllm_runtime as rt
+from tests.integrations.tenant_store import KEY_A, KEY_A_ID, KEY_B, leaks_key, list_store, reframe_plain
 
 STORES = ["file", "redis", "s3"]
 
@@ -259,3 +261,71 @@ def test_a_store_that_cannot_be_built_leaves_no_thread_and_no_region():
     with pytest.raises(StoreUnavailable, match="unbuildable"):
         rt.Rig({"store": {"backend": "tests.integrations.test_vllm_tier:UnbuildableStore"}})
     assert leftovers() == before
+
+
+# -- a tenant key (docs/security.md) --------------------------------------------------------
+
+
+def keyed(cfg: dict, **namespace) -> dict:
+    return {**cfg, "namespace": {**cfg["namespace"], **namespace}}
+
+
+@pytest.mark.parametrize("kind,encrypt", [("file", False), ("redis", True), ("s3", False)])
+def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(kind, encrypt, request, tmp_path, rigs, caplog):
+    """With a tenant key the namespace carries its id, a new engine promotes the sealed
+    rows byte for byte, the store's keys are keyed hashes (none holds a vLLM block hash,
+    which anyone can compute from the tokens), the KV events keep vLLM's own keys, another
+    key or none finds nothing, and no repr, stat or log line shows the key."""
+    from vllm.v1.kv_offload.base import Medium
+
+    from kvtier.hashing import make_key
+    from kvtier.integrations.vllm.keys import page_hash_of
+
+    caplog.set_level(logging.DEBUG)
+    section = store_section(kind, request, tmp_path)
+    base = conf(section)
+    cfg = keyed(base, tenant_key=KEY_A, encrypt=encrypt)
+    keys = new_keys(4)
+    writer = rigs(cfg)
+    written = writer.store(keys)
+    assert [k for e in writer.events if e.medium is Medium.STORAGE and not e.removed for k in e.keys] == keys
+    t = writer.tier
+    assert t.namespace.tenant_key_id == KEY_A_ID
+    reader = rigs(cfg)
+    seen, got = reader.load(keys)
+    assert names(seen) == [["RETRY", "HIT_PENDING", "HIT"]] * 4 and got == written
+    seen = list_store(section, t.namespace.id)
+    unkeyed = {make_key(t.key_prefix, t.namespace.id, page_hash_of(k)) for k in keys}
+    assert len(seen.keys) == len(keys) and not unkeyed & set(seen.keys)
+    assert not any(k[:-4].hex() in key for k in keys for key in seen.keys)
+    assert seen.plain == 0 and seen.manifest["tenant_key_id"] == KEY_A_ID  # every frame sealed
+    for other in (keyed(base, tenant_key=KEY_B), base):
+        seen, got = rigs(other).load(keys)
+        assert names(seen) == [["RETRY", "MISS"]] * 4 and got == {}
+    shown = " ".join([repr(t.tenant), repr(t.store.codec), str(t.kvtier_stats()), caplog.text])
+    assert KEY_A_ID in repr(t.tenant) and not leaks_key(shown)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_tenant_key_a_reframed_block_is_a_miss(encrypt, tmp_path, rigs):
+    """Who can write the store re-frames row 1 with row 2's payload under a fresh plain
+    xxh3 checksum (which a store without a key serves): with a key its promotion is a MISS,
+    and the other rows come back byte for byte."""
+    cfg = keyed(conf({"backend": "file", "root": str(tmp_path / "l3")}), tenant_key=KEY_A, encrypt=encrypt)
+    keys = new_keys(3)
+    written = rigs(cfg).store(keys)
+    reader = rigs(cfg)
+    t = reader.tier
+    files = [t.store.path(k) for k in t.store_keys(keys)]
+    reframe_plain(files[1], files[2])
+    seen, got = reader.load(keys)
+    assert names(seen)[1] == ["RETRY", "HIT_PENDING", "MISS"]
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    assert t.kvtier_stats()["frame_failures"] == 1
+
+
+def test_a_malformed_tenant_key_is_refused_without_showing_it():
+    bad = KEY_A[:-2] + "zz"
+    with pytest.raises(ValueError, match="tenant_key") as err:
+        rt.Rig({"store": {"backend": "file"}, "namespace": {"tenant_key": bad}})
+    assert bad not in str(err.value) and not leaks_key(str(err.value))

@@ -40,7 +40,7 @@ from kvtier.backends.base import Store
 from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.storage import BackupOp
 from kvtier.controller.streams import Handle, TransferError, TransferStream, make_stream
-from kvtier.hashing import Namespace
+from kvtier.hashing import KeyedHash, Namespace
 from kvtier.integrations.sglang_linker.host_index import HostIndex
 from kvtier.integrations.sglang_linker.metrics import LinkerCounters
 from kvtier.integrations.sglang_linker.store_io import LinkerStore, StoreRead
@@ -64,6 +64,7 @@ class LinkerSettings:
     read_wait_s: float | None = None  # a load's wait for its store reads; None: 4 store timeouts
     lookup_pins: int = 64  # rids whose lookup keeps its host pages pinned (the newest ones)
     cpus: frozenset[int] | None = None
+    keyed_hash: KeyedHash | None = None  # a tenant key's (docs/security.md): SGLang's page keys go through it
 
 
 @dataclass(eq=False)

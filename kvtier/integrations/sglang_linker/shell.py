@@ -22,6 +22,7 @@ from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import Namespace
+from kvtier.integrations.loop import tenant_of
 from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -66,9 +67,10 @@ def tp_of(params) -> tuple[int, int]:
 
 
 def namespace_of(config: KvtierConfig, server_args, params, pool: DeviceKVPool, mla: bool, kv_cache_dtype,
-                 rank: int, size: int) -> Namespace:
+                 rank: int, size: int, tenant_key_id: str | None = None) -> Namespace:
     """What changes a page's bytes: model, KV dtype, geometry and host layout, page size,
-    PP/CP shard, TP rank/size (MLA: one namespace for every rank), tenant salt, revision."""
+    PP/CP shard, TP rank/size (MLA: one namespace for every rank), tenant salt, revision,
+    tenant key id."""
     pc = pool.config
     dtype = pc.dtype
     kv_cache_dtype = kv_cache_dtype or getattr(server_args, "kv_cache_dtype", None)
@@ -81,7 +83,8 @@ def namespace_of(config: KvtierConfig, server_args, params, pool: DeviceKVPool, 
     ns = config.namespace
     model = getattr(server_args, "model_path", None) or ns.model_id
     rank, size = (0, 1) if mla else (rank, size)
-    return Namespace(model, dtype, layout, pc.page_size, rank, size, ns.tenant_salt, revision=ns.revision)
+    return Namespace(model, dtype, layout, pc.page_size, rank, size, ns.tenant_salt, revision=ns.revision,
+                     tenant_key_id=tenant_key_id)
 
 
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
@@ -106,15 +109,18 @@ class KvtierLinker(UnifiedCacheLinker):
                                     "mirror section (ratio or size_bytes)")
         pool, mla = pool_over(params.token_to_kv_pool_allocator.get_kvcache(), params.page_size)
         rank, size = tp_of(params)
-        ns = namespace_of(config, server_args, params, pool, mla, extra.get("kv_cache_dtype"), rank, size)
+        tenant = tenant_of(config.namespace)  # docs/security.md: key id, keyed page keys, sealed store
+        ns = namespace_of(config, server_args, params, pool, mla, extra.get("kv_cache_dtype"), rank, size,
+                          tenant.key_id)
         c = config.controller
         settings = LinkerSettings(
             ns, config.store.key_prefix, config.mirror,
             BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s, c.store_probe_max_backoff_s),
             writes_store=not mla or rank == 0, max_inflight_bytes=c.max_inflight_prefetch_bytes,
-            cpus=check_cpus(c.cpus))
+            cpus=check_cpus(c.cpus), keyed_hash=tenant.keyed)
         store = None if config.store.backend == "none" else \
             build_store(config.store.backend, config.store.options, config.store.timeout_s)
+        tenant.seal(store)
         self.core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
         self.layer_done_counter = self.core.counter
         self.pools = {PoolName.KV: pool}

@@ -43,7 +43,7 @@ class StoreRead:
 class LinkerStore:
     def __init__(self, store: Store, mirror: HostMirror, settings, counters, clock: Callable[[], float]) -> None:
         self.store, self.mirror, self.counters = store, mirror, counters
-        self.prefix, self.namespace_id = settings.key_prefix, settings.namespace.id
+        self.prefix, self.namespace_id, self.keyed = settings.key_prefix, settings.namespace.id, settings.keyed_hash
         manifest = (settings.key_prefix, self.namespace_id, settings.namespace.manifest(mirror.page_bytes))
         self.worker = StorageWorker(store, mirror, settings.max_inflight_bytes, settings.breaker, clock,
                                     settings.cpus, manifest)
@@ -54,7 +54,8 @@ class LinkerStore:
         return self.store.timeout_s
 
     def keys(self, keys: Sequence[str]) -> list[str]:
-        return [make_key(self.prefix, self.namespace_id, page_hash_of(k)) for k in keys]
+        """The store keys of SGLang's page keys (through the tenant's keyed hash, with a key)."""
+        return [make_key(self.prefix, self.namespace_id, page_hash_of(k, self.keyed)) for k in keys]
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop)

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import KvtierConfigError
-from kvtier.hashing import Namespace
+from kvtier.hashing import KeyedHash, Namespace
 
 # the tier's own keys in vLLM's `secondary_tiers` entry; vLLM pops type, module_path, backpressure
 TIER_KEYS = ("kvtier_config", "tenant", "enable_kv_events", "locality", "index_keys")
@@ -59,11 +59,13 @@ def tier_settings(tier_type: str, given: Mapping[str, Any]) -> TierSettings:
     return TierSettings(config, tenant, events, locality, index_keys)
 
 
-def vllm_namespace(offloading: Any, row_bytes: int, settings: TierSettings) -> Namespace:
+def vllm_namespace(offloading: Any, row_bytes: int, settings: TierSettings,
+                   tenant_key_id: str | None = None) -> Namespace:
     """Everything that changes a primary-tier row's bytes: vLLM's model and KV dtype, the
     row's size and make-up (blocks per chunk, tokens per block of each KV group, KV layout),
     and the workers whose copies it concatenates (TP/PP/CP sizes and the rank), unless
-    vLLM says the row is the same under any topology; the tenant salt keeps tenants apart."""
+    vLLM says the row is the same under any topology; the tenant salt and the tenant key's
+    id keep tenants apart."""
     c = offloading.config
     ns = settings.config.namespace
     groups = ",".join(str(g.tokens_per_block) for g in c.groups)
@@ -79,14 +81,18 @@ def vllm_namespace(offloading: Any, row_bytes: int, settings: TierSettings) -> N
     page_size = max(1, max((g.tokens_per_block for g in c.groups), default=1) * c.cache.blocks_per_chunk)
     tenant = settings.tenant if settings.tenant is not None else ns.tenant_salt
     return Namespace(c.model.name or ns.model_id, c.model.dtype, layout, page_size, rank, size, tenant,
-                     revision=ns.revision)
+                     revision=ns.revision, tenant_key_id=tenant_key_id)
 
 
-def page_hash_of(key: bytes) -> bytes:
+def page_hash_of(key: bytes, keyed: KeyedHash | None = None) -> bytes:
     """kvtier's page hash for a vLLM `OffloadKey` (block hash + 4-byte big-endian KV group):
-    a 16- or 32-byte block hash of group 0 as it is, any other through a tagged sha256."""
+    a 16- or 32-byte block hash of group 0 as it is, any other through a tagged sha256; with
+    a tenant's `keyed` hash, every key through it (a key listing then tells nothing of
+    vLLM's block hashes, which anyone can compute from the tokens)."""
     if not isinstance(key, bytes) or len(key) < 5:
         raise ValueError(f"key={key!r}: expected vLLM's OffloadKey (block hash bytes + 4-byte group index)")
+    if keyed is not None:
+        return keyed(b"kvtier/vllm-key\x00" + key).digest()
     block, group = key[:-4], key[-4:]
     if group == b"\0\0\0\0" and len(block) in (16, 32):
         return block

@@ -6,7 +6,9 @@ below it. A cascade (`submit_store`) writes primary rows to the store, a promoti
 call runs on the tier's own loop thread (`integrations/loop.py`) behind kvtier's breaker,
 with kvtier's frames and checksums; the scheduler thread only queues work and polls what
 finished. Rows go to and from the store as views of the shared primary region: no copy
-on this side (a store that reads in place verifies in place).
+on this side (a store that reads in place verifies in place). With a tenant key
+(docs/security.md) the store keys are the tenant's keyed hashes of vLLM's keys and every
+row is sealed; the KV events keep vLLM's own keys.
 
 Threads: vLLM calls the tier under its manager lock, from the scheduler thread or its
 tier-poll thread. Those calls own the lookup index and the job table; the loop thread owns
@@ -32,7 +34,7 @@ from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig
 from kvtier.controller.cpus import check_cpus
 from kvtier.hashing import key_maker
-from kvtier.integrations.loop import LoopThread, breaker_for, guarded
+from kvtier.integrations.loop import LoopThread, breaker_for, guarded, tenant_of
 from kvtier.integrations.vllm.index import Answer, LookupIndex, Probe
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
 
@@ -59,13 +61,15 @@ class KvtierTier(SecondaryTierManager):
         s = tier_settings(tier_type, tier_config)
         self.settings = s
         self.locality = Locality(s.locality) if s.locality is not None else None
-        self.namespace = vllm_namespace(offloading_spec, self.block_size_bytes, s)
+        self.tenant = tenant_of(s.config.namespace)  # docs/security.md: key id, keyed store keys, sealed store
+        self.namespace = vllm_namespace(offloading_spec, self.block_size_bytes, s, self.tenant.key_id)
         self.key_prefix = s.config.store.key_prefix
         self._key = key_maker(self.key_prefix, self.namespace.id)
         self._flat = primary_kv_view.cast("B")  # rows addressed by byte offset (2-D views cannot be indexed)
         self._loop = LoopThread(check_cpus(s.config.controller.cpus), name="kvtier-vllm-store")
         try:
             self.store: Store = self._loop.run(self._build(s.config))
+            self.tenant.seal(self.store)
         except BaseException:
             self._loop.close()  # vLLM shuts down only the tiers it got
             raise
@@ -88,6 +92,11 @@ class KvtierTier(SecondaryTierManager):
     async def _build(config: KvtierConfig) -> Store:
         return build_store(config.store.backend, config.store.options, config.store.timeout_s)
 
+    def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
+        """The store keys of vLLM's keys (through the tenant's keyed hash, with a key); the
+        KV events keep vLLM's own keys."""
+        return [self._key(page_hash_of(k, self.tenant.keyed)) for k in keys]
+
     # -- lookups: never wait on the network (index.py) -------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -100,7 +109,7 @@ class KvtierTier(SecondaryTierManager):
             self._start(self._probe(probe), probe)
 
     async def _probe(self, probe: Probe) -> None:
-        full = [self._key(page_hash_of(k)) for k in probe.keys]
+        full = self.store_keys(probe.keys)
         run = await guarded(self.breaker, lambda: self.store.batch_exists(full), 0)
         self._outcomes.put(("probe", probe, run))
 
@@ -130,7 +139,7 @@ class KvtierTier(SecondaryTierManager):
         start = time.perf_counter()
         keys, ok = list(job.keys), [True] * len(job.keys)
         if todo:
-            full = [self._key(page_hash_of(keys[i])) for i in todo]
+            full = self.store_keys(keys[i] for i in todo)
             rows = self._rows([job.chunk_ids[i] for i in todo])
             written = await guarded(self.breaker, lambda: self._set(full, rows), [False] * len(todo))
             for i, good in zip(todo, written):
@@ -149,7 +158,7 @@ class KvtierTier(SecondaryTierManager):
         verification is False; vLLM frees its primary row unread."""
         start = time.perf_counter()
         keys = list(job.keys)
-        full = [self._key(page_hash_of(k)) for k in keys]
+        full = self.store_keys(keys)
         rows = self._rows(job.chunk_ids)
         ok = await guarded(self.breaker, lambda: self.store.batch_get_into(full, rows), [False] * len(keys))
         self._outcomes.put(("job", _Done(job, list(ok), time.perf_counter() - start,
@@ -245,7 +254,7 @@ class KvtierTier(SecondaryTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Known-stored rows just used: the store's eviction order hears it (no I/O waits)."""
-        full = [self._key(page_hash_of(k)) for k in keys if k in self.index.present]
+        full = self.store_keys(k for k in keys if k in self.index.present)
         if full and not self.breaker.down:
             self._loop.call_soon(lambda: self._touch_now(full))
 
