@@ -72,7 +72,11 @@ def _bench(args) -> int:
 def _config(args) -> int:
     from kvtier.config import explain, load_config
 
+    from kvtier.engine.engine import torch_threads
+
+    threads, origin = torch_threads()
     print(explain(load_config(args.config or default_config())))
+    print(f"engine.torch_threads = {threads}  ({origin}; tierctl replay and serve run the reference model with it)")
     return 0
 
 
