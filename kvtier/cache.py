@@ -442,7 +442,8 @@ class TieredCache:
         c = self.controller
         out = {"counters": self.stats_obj.as_dict(), "tiers": tiers,
                "queues": {"writes": len(c.writes), "loads": len(c.loads), "backups": len(c.backups),
-                          "prefetches": len(c.prefetches), **self._request_ages()}}
+                          "prefetches": len(c.prefetches), **self._request_ages(),
+                          "host_pages_quarantined": sum(p.size for p in c.quarantined)}}
         if c.store is not None:
             out["store"] = {**c.store.stats(), **c.storage.breaker.stats(), **c.storage.speed.stats()}
         return out

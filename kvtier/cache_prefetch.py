@@ -170,7 +170,7 @@ class PrefetchSide:
     def _free_unused(self, op) -> None:
         """An ended op's host pages not inserted (unused, or landed on some rank only)."""
         if op.host_pages is not None and op.host_pages.size > op.inserted:
-            self.ctl.free_host_pages(op.host_pages[op.inserted:])
+            self.ctl.free_unused_pages(op)
 
     def _insert_landed(self, p: PrefetchState, landed: int) -> None:
         """Pages [inserted, landed) are verified on host: hang them under the anchor."""

@@ -95,6 +95,7 @@ class CacheController:
         self.backups: deque[BackupOp] = deque()
         self.prefetches: dict[str, PrefetchOp] = {}  # in submission order
         self.unsettled: list[PrefetchOp] = []  # finished, but the store may still write their pages
+        self.quarantined: list[np.ndarray] = []  # host pages a stuck store read may still write
 
     @property
     def store(self) -> Store | None:
@@ -110,6 +111,16 @@ class CacheController:
         if slots.size:
             with self.host_lock:
                 self.mirror.allocator.free_slots(slots)
+
+    def free_unused_pages(self, op: PrefetchOp) -> None:
+        """A settled op's host pages past those inserted go back, but those of a read that
+        was abandoned stuck (`op.quarantined`): kept out of use for good, counted."""
+        pages = op.host_pages[op.inserted:]
+        if op.quarantined is not None:
+            stuck = np.isin(pages, op.quarantined)
+            self.quarantined.append(pages[stuck])
+            pages = pages[~stuck]
+        self.free_host_pages(pages)
 
     def free_host_pages(self, pages: np.ndarray) -> None:
         if pages.size:
@@ -225,7 +236,7 @@ class CacheController:
         for op in [*self.prefetches.values(), *self.unsettled]:
             if op.host_pages is not None:
                 n += (op.host_pages.size - op.inserted) * self.page_size
-        return n
+        return n + sum(p.size for p in self.quarantined) * self.page_size
 
     def busy(self) -> bool:
         """Any op not applied yet (or a prefetch whose store call has not settled)?"""

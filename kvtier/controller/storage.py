@@ -32,7 +32,7 @@ from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.controller.cpus import keep_to
 from kvtier.controller.speed import LoadSpeed
 from kvtier.controller.waker import Waker
-from kvtier.errors import Complaints, KvtierError
+from kvtier.errors import Complaints, KvtierError, StoreAbandoned
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ class PrefetchOp:
     landed: int = 0
     finished: bool = False
     settled: bool = False
+    reading: np.ndarray | None = None  # host pages a store read is filling now
+    quarantined: np.ndarray | None = None  # pages of a read abandoned stuck: never reused
     outcome: str = "running"  # done | partial | stopped | no_space | error
     error: str | None = None
     # the scheduler's side
@@ -217,10 +219,18 @@ class StorageWorker:
             op.present = max(op.present, 0)
             op.finished = True
             self.progress.set()
-        if settled is not None:
-            await settled
+        if settled is not None and self._abandoned(await settled):
+            op.quarantined = op.reading  # a stuck thread may still write them
         op.settled = True
         self.progress.set()
+
+    def _abandoned(self, outcome) -> bool:
+        """A call whose threads were given up on (a hung mount): the store is down now."""
+        if not isinstance(outcome, StoreAbandoned):
+            return False
+        while not self.breaker.down:
+            self.breaker.failed(str(outcome))
+        return True
 
     async def _prefetch_pages(self, op: PrefetchOp):
         """Read the op's pages; returns what to await before its pages are free (or None)."""
@@ -259,7 +269,9 @@ class StorageWorker:
                 chunk = pages[start:start + self.chunk]
                 async with self._slots:
                     asked = self.clock()
+                    op.reading = chunk
                     ok = await self._guarded(self._read(op.keys[start:start + len(chunk)], chunk))
+                    op.reading = None
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
@@ -341,7 +353,7 @@ class StorageWorker:
                 op.finished = True
                 self.progress.set()
         if settled is not None:
-            await settled
+            self._abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
             op.finished = True
             self.progress.set()
 
