@@ -139,7 +139,8 @@ class Server:
 class Listener:
     """uvicorn on a socket bound here (so `--port 0` names its port before serving)."""
 
-    def __init__(self, app, host: str, port: int, limits: Limits = Limits()) -> None:
+    def __init__(self, app, host: str, port: int, limits: Limits = Limits(), log_config: dict | None = None) -> None:
+        """`log_config`: a logging dictConfig to apply (the CLI's); None leaves logging alone."""
         import uvicorn
 
         from kvtier.cli.serve_http import protocol_with_deadline
@@ -158,7 +159,7 @@ class Listener:
         config = uvicorn.Config(app, http=protocol_with_deadline(limits.client_timeout), lifespan="off",
                                 backlog=limits.backlog, limit_concurrency=limits.max_connections,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=30, log_level=limits.log_level,
-                                access_log=limits.log_level in ("info", "debug"), log_config=_log_config(limits.log_level))
+                                access_log=limits.log_level in ("info", "debug"), log_config=log_config)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
@@ -192,7 +193,8 @@ def run(args, default_config: str) -> int:
     server = Server(args.config or default_config, batch=args.batch, sessions=args.sessions,
                     session_ttl_s=args.session_ttl, max_queue=args.max_queue)
     try:
-        listener = Listener(build_app(server, token, args.max_body), args.host, args.port, limits)
+        listener = Listener(build_app(server, token, args.max_body), args.host, args.port, limits,
+                            _log_config(args.log_level))
     except KvtierConfigError:
         server.close()
         raise

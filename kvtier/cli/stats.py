@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import urllib.error
 import urllib.request
 
-from kvtier.errors import KvtierConfigError, StoreError
+from kvtier.errors import KvtierConfigError, KvtierError, StoreError
 
 
 def add_arguments(p) -> None:
@@ -55,8 +56,13 @@ def _from_store(path: str) -> dict:
     async def inspect():
         try:
             return await store.inventory()
+        except KvtierError:
+            raise
+        except Exception as exc:  # the store's client outside a timed call (a listing): one line
+            raise StoreError(f"{store.name} store: {type(exc).__name__}: {exc}") from None
         finally:
-            await store.close()
+            with contextlib.suppress(Exception):
+                await store.close()
 
     inv = asyncio.run(inspect())
     return {"store": cfg.store.backend, **inv}

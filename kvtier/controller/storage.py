@@ -37,6 +37,7 @@ from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 8 << 20
+MANIFEST_CHECK_EVERY = 64  # backups between two checks that the namespace's manifest is there
 
 
 class PageKeys(Sequence):
@@ -133,7 +134,8 @@ class StorageWorker:
         self.keeps_page_order = type(store).touch is not Store.touch  # else `touch` would do nothing
         self.clock = clock
         self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
-        self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to write once
+        self.manifest: tuple[str, str, dict] | None = None  # (key prefix, namespace id, manifest) to keep written
+        self._manifest_due = 0  # backups until the manifest is checked again (0: the next one)
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
@@ -289,11 +291,18 @@ class StorageWorker:
         return None
 
     async def _write_manifest(self) -> None:
-        """Before a namespace's first page: describe it in the store (kept if already there)."""
+        """Before a namespace's first page, and every `MANIFEST_CHECK_EVERY` backups after:
+        describe it in the store if it is not there (kept if it is). A failed write is tried
+        again at the next backup, and a manifest the store dropped (Redis eviction, a TTL)
+        comes back: a namespace's pages always have their manifest, which `store purge
+        --tenant` finds them by."""
+        if self._manifest_due > 0:
+            self._manifest_due -= 1
+            return
         prefix, ns, manifest = self.manifest
-        self.manifest = None
         if await self._guarded(self.store.get_manifest(prefix, ns)) is None:
             await self._guarded(self.store.put_manifest(prefix, ns, {**manifest, "created": time.time()}))
+        self._manifest_due = MANIFEST_CHECK_EVERY
 
     async def _guarded(self, call):
         """A store call whose outcome the breaker learns (a miss or a bad page is no failure)."""

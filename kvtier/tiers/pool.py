@@ -48,6 +48,10 @@ class PoolConfig:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention={self.attention!r}: allowed values are mha, mla")
         parse_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)") from None
 
     @property
     def part_widths(self) -> tuple[int, ...]:
@@ -64,6 +68,9 @@ class DeviceKVPool:
         self.config = config
         self.dtype = parse_dtype(config.dtype)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"pool.device={config.device!r}: this torch sees no CUDA device "
+                             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use pool.device: cpu")
         rows = config.size + config.page_size
         c = config
         if c.attention == "mla":

@@ -217,7 +217,8 @@ def test_replay_against_an_unwritable_store_root_shows_the_failed_writes(cache_h
     (cache_home / "kvtier").write_text("not a directory")  # every page's directory fails to appear
     assert main(["replay", "--requests", "12", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["store"]["set_failures"] > 0 and s["store"]["errors"] > 0 and s["bytes"]["host_to_store"] == 0
+    # no page goes to the store before its namespace's manifest (retried at every backup)
+    assert s["store"]["errors"] > 0 and s["bytes"]["host_to_store"] == 0
     assert main(["replay", "--requests", "12"]) == 0
     assert "store trouble" in capsys.readouterr().out
 
