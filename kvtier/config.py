@@ -267,6 +267,9 @@ def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[s
         try:
             kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
         except KvtierConfigError as exc:
+            if shown(key, value) == "***":  # a secret's value is never printed, even when wrong
+                raise KvtierConfigError(f"{section}.{key}: {str(exc).rpartition(': ')[2]} "
+                                        f"(the value is not shown: a secret){where}") from None
             raise KvtierConfigError(f"{exc}{where}") from None
     required = [f.name for f in dataclasses.fields(cls)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

@@ -117,3 +117,18 @@ def test_the_manifest_comes_back_when_the_store_lost_it(cache_home, monkeypatch)
     cache.sync.drain()
     cache.close()
     assert manifest.exists()
+
+
+@pytest.mark.parametrize("yaml_text,env,field", [
+    ('store: {backend: redis, url: "redis://x:1/0", password: 12345}\n', {}, "store.password: expected a string"),
+    ("store: {backend: s3, bucket: b, secret_access_key: [sekrit, b]}\n", {}, "store.secret_access_key: expected"),
+    ("store: {backend: redis}\n", {"KVTIER_STORE_URL": "sekrit"}, "url=(not shown"),
+])
+def test_a_malformed_secret_is_refused_without_its_value(yaml_text, env, field, tmp_path, capsys, monkeypatch):
+    """main: the error quoted the value (a numeric password, a list secret key, a URL with no ':')."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    err = one_line(["config", "--config", str(cfg)], capsys)
+    assert field in err and "12345" not in err and "sekrit" not in err
