@@ -203,8 +203,8 @@ class Engine:
         request of the batch ends or the copies in flight land (they make the device pages
         they copy evictable)? The request then waits: started now, its load would find no
         room and it would recompute the whole prefix."""
-        if not self.share_prefixes or not (self._active or self.cache.controller.busy()):
-            return False
+        if not self.share_prefixes or not (self._active or self.cache.controller.writes):
+            return False  # nothing that ends soon would make room: start it (and recompute)
         m = self.cache.match_prefix(np.asarray(prompt[:-1], dtype=np.int64), count=False)
         room = self.cache.controller.device_alloc.available_size() + self.cache.tree.evictable_size()
         return m.host_hit_length > room
