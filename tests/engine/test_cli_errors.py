@@ -132,3 +132,13 @@ def test_a_malformed_secret_is_refused_without_its_value(yaml_text, env, field, 
         monkeypatch.setenv(k, v)
     err = one_line(["config", "--config", str(cfg)], capsys)
     assert field in err and "12345" not in err and "sekrit" not in err
+
+
+def test_a_quoted_yaml_boolean_is_refused(tmp_path, capsys, monkeypatch):
+    """main: `fsync: "no"` (a string in YAML) was taken as false; the environment's strings still are."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text('store: {backend: file, fsync: "no"}\n')
+    assert "store.fsync='no': expected true or false (quoted, it is a string in YAML)" in \
+        one_line(["config", "--config", str(cfg)], capsys)
+    monkeypatch.setenv("KVTIER_STORE_FSYNC", "no")
+    assert main(["config"]) == 0 and "store.fsync = False  (env KVTIER_STORE_FSYNC)" in capsys.readouterr().out
