@@ -2,6 +2,7 @@
 not stat, oversized and sparse page files, a wrong usage count, symlinked fan-out
 directories, a root that is a file. Each failed on main as the test says."""
 
+import contextlib
 import os
 
 import pytest
@@ -105,3 +106,31 @@ def test_a_root_that_is_a_file_is_one_clear_line(tmp_path):
     root.write_text("not a directory")
     with pytest.raises(StoreUnavailable, match="is a file, not a directory"):
         FileStore(FileStoreConfig(root=str(root)))
+
+
+async def test_opening_a_root_that_another_process_churns(tmp_path):
+    """main: the open walked the root, then stat'ed each page: one unlinked in between raised
+    FileNotFoundError (300 opens against a churning writer)."""
+    import threading
+
+    store = await filled(tmp_path, n=40)
+    await store.close()
+    paths = [store.path(_key(i)) for i in range(1, 41)]
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():  # every page gone, then all back: opens meet both halves
+            for p in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            for p in paths:
+                p.write_bytes(PAGE)
+
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        for _ in range(150):
+            store_at(tmp_path)  # no I/O threads start before a call
+    finally:
+        stop.set()
+        writer.join(10)
