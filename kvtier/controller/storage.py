@@ -33,7 +33,7 @@ from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.controller.cpus import keep_to
 from kvtier.controller.speed import LoadSpeed
 from kvtier.controller.waker import Waker
-from kvtier.errors import Complaints, KvtierError, StoreAbandoned
+from kvtier.errors import Complaints, KvtierError
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
@@ -238,18 +238,10 @@ class StorageWorker:
                 op.present = 0
             op.finished = True
             self.progress.set()
-        if settled is not None and self._abandoned(await settled):
+        if settled is not None and self.breaker.abandoned(await settled):
             op.quarantined = op.reading  # a stuck thread may still write them
         op.settled = True
         self.progress.set()
-
-    def _abandoned(self, outcome) -> bool:
-        """A call whose threads were given up on (a hung mount): the store is down now."""
-        if not isinstance(outcome, StoreAbandoned):
-            return False
-        while not self.breaker.down:
-            self.breaker.failed(str(outcome))
-        return True
 
     async def _prefetch_pages(self, op: PrefetchOp):
         """Read the op's pages; returns what to await before its pages are free (or None)."""
@@ -379,7 +371,7 @@ class StorageWorker:
                 op.finished = True
                 self.progress.set()
         if settled is not None:
-            self._abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
+            self.breaker.abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
             op.finished = True
             self.progress.set()
 
