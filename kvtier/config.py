@@ -285,8 +285,14 @@ def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[s
         if key not in allowed:
             raise KvtierConfigError(f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}{where}")
         try:
+            if hints[key] is bool and isinstance(value, str) and sources.get(f"{section}.{key}", "").startswith("file"):
+                raise KvtierConfigError(f"{section}.{key}={value!r}: expected true or false "
+                                        "(quoted, it is a string in YAML)")
             kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
         except KvtierConfigError as exc:
+            if shown(key, value) == "***":  # a secret's value is never printed, even when wrong
+                raise KvtierConfigError(f"{section}.{key}: {str(exc).rpartition(': ')[2]} "
+                                        f"(the value is not shown: a secret){where}") from None
             raise KvtierConfigError(f"{exc}{where}") from None
     required = [f.name for f in dataclasses.fields(cls)
                 if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

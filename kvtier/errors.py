@@ -20,6 +20,11 @@ class StoreTimeout(StoreError):
     """An L3 store operation did not finish within its configured timeout."""
 
 
+class StoreAbandoned(StoreTimeout):
+    """A store call stuck in the kernel (a hung mount) was given up on: its threads may still
+    write the buffers it was given, which stay out of use for good."""
+
+
 class StoreUnavailable(StoreError):
     """The L3 store could not be reached (connection refused, reset, DNS...)."""
 

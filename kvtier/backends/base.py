@@ -77,12 +77,14 @@ def verify_into(blob, namespace_id: str, page_hash: bytes, view: memoryview, cod
     return True
 
 
-async def _quietly(task: asyncio.Future) -> None:
-    """Wait for a cancelled call to end; its outcome no longer matters."""
+async def _quietly(task: asyncio.Future) -> BaseException | None:
+    """Wait for a cancelled call to end; what it ended with (StoreAbandoned: its threads
+    were given up on and may still write its buffers)."""
     try:
         await task
-    except BaseException:
-        pass
+    except BaseException as exc:
+        return exc
+    return None
 
 
 

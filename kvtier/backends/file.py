@@ -21,20 +21,21 @@ import errno
 import fcntl
 import os
 import socket
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from kvtier.backends.base import Store, StoredPage
-from kvtier.backends.frame import FrameError
+from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_io import (
     TMP, mtime, read_file, read_pages_into, read_sealed_into, run_all, sizes_of, unlink_quietly,
     write_atomically, write_small,
 )
-from kvtier.errors import StoreError, StoreUnavailable
+from kvtier.backends.io_threads import IoThreads, settle_jobs
+from kvtier.errors import StoreAbandoned, StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 from kvtier.validate import check_positive, io_threads
 
@@ -49,9 +50,10 @@ class FileStoreConfig:
     capacity_bytes: int = 16 << 30
     fsync: bool = False
     max_concurrency: int = field(default_factory=io_threads)  # up to 4, half the cores at most
+    max_page_bytes: int = 1 << 30  # a larger page file is not a page: the first to evict
 
     def __post_init__(self) -> None:
-        check_positive(self, "capacity_bytes", "max_concurrency", integer=True)
+        check_positive(self, "capacity_bytes", "max_concurrency", "max_page_bytes", integer=True)
 
 
 class FileStore(Store):
@@ -63,20 +65,24 @@ class FileStore(Store):
         self.config = config
         self.root = Path(os.path.expanduser(config.root or default_root())).resolve()
         self._root_str = str(self.root)
-        try:
-            _claim_root(self.root)
-        except OSError as exc:
-            raise StoreUnavailable(f"file store root={str(self.root)!r}: {exc}") from exc
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
         self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
         self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
-        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file")
+        self._hung: set[str] = set()  # keys of calls abandoned stuck: never asked again
+        self._inside_dirs: set[str] = set()  # directories checked to stay under the root
+        try:
+            _claim_root(self.root)
+            with self._shared() as usage:
+                self._rebuild_index()
+                usage[0] = self.used_bytes
+                usage.append("write")
+        except OSError as exc:
+            raise StoreUnavailable(f"file store root={str(self.root)!r}: {exc.strerror or exc}"
+                                   f"{'' if exc.strerror is None else f' ({exc.filename})'}") from None
+        # daemon threads: a call stuck in the kernel (a hung mount) is abandoned, not waited on
+        self._pool = IoThreads(config.max_concurrency, "kvtier-file")
         # checksums of big pages read, made while the I/O threads read the next (file_io)
-        self._hashers = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvtier-file-hash")
-        with self._shared() as usage:
-            self._rebuild_index()
-            usage[0] = self.used_bytes
-            usage.append("write")
+        self._hashers = IoThreads(config.max_concurrency, "kvtier-file-hash")
 
     @contextlib.contextmanager
     def _shared(self):
@@ -127,9 +133,13 @@ class FileStore(Store):
                 key = _page_key(self.root, full)
                 if key is None:
                     continue  # not ours
-                st = os.stat(full)
-                found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found):
+                try:
+                    st = os.stat(full)
+                except OSError:  # gone since the walk (another process evicted it), or a dangling link
+                    continue
+                oversized = st.st_size > self.config.max_page_bytes + HEADER_SIZE  # evicted first
+                found.append((not oversized, st.st_mtime_ns, key, st.st_size))
+        for _, _, key, size in sorted(found):
             self._sizes[key] = size
             self.used_bytes += size
 
@@ -141,12 +151,11 @@ class FileStore(Store):
         """Index pages another process wrote under the root after this one indexed it (TP
         ranks sharing MLA pages, replicas on one volume): stat the keys this index lacks
         (with `leading`, only up to the first one absent: callers want the leading run)."""
-        unknown = [k for k in keys if k not in self._sizes]
+        unknown = [k for k in keys if k not in self._sizes and k not in self._hung
+                   and self._inside(os.path.dirname(self._file(k)))]
         if not unknown:
             return
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self._pool, sizes_of, [self._file(k) for k in unknown], leading)
-        sizes = (await self._in_threads([job]))[0]
+        sizes = (await self._run_jobs([(partial(sizes_of, [self._file(k) for k in unknown], leading), unknown)]))[0]
         for key, size in zip(unknown, sizes):
             if size is not None and key not in self._sizes:
                 self._sizes[key] = size
@@ -161,18 +170,50 @@ class FileStore(Store):
         """`job(share)` over `items` split into `max_concurrency` thread jobs; the results,
         one per item, in order."""
         groups = min(self.config.max_concurrency, len(items))
-        loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._pool, job, items[g::groups]) for g in range(groups)]
-        done = await self._in_threads(jobs)
+        done = await self._run_jobs([(partial(job, items[g::groups]), items[g::groups]) for g in range(groups)])
         out: list = [None] * len(items)
         for g, results in enumerate(done):
             out[g::groups] = results
         return out
 
+    async def _run_jobs(self, jobs: list[tuple]) -> list:
+        """Each `(fn, items)` as one thread job, `fn(stop)`; their results. A job still stuck
+        `timeout_s` after the call's own timeout is abandoned (io_threads.py): the keys of its
+        items (their first element, a key or a path) are never asked again by this process."""
+        stop = threading.Event()
+        cfs = [self._pool.submit(fn, stop) for fn, _ in jobs]
+
+        def give_up() -> int:
+            stop.set()
+            for _, items in jobs:
+                for item in items:
+                    self._hang(item[0] if isinstance(item, tuple) else item)
+            return self._pool.abandon(cfs)
+
+        return await settle_jobs([asyncio.wrap_future(cf) for cf in cfs], self.timeout_s, give_up)
+
+    def _hang(self, key_or_path: str) -> None:
+        key = key_or_path if not key_or_path.startswith(self._root_str + "/") else \
+            _page_key(self.root, key_or_path)
+        if key is not None:
+            self._forget(key)
+            self._hung.add(key)
+
+    def _inside(self, directory: str) -> bool:
+        """Does `directory` (a page's fan-out directory) stay under the root, no symlink on
+        the way out? Checked once per directory."""
+        if directory in self._inside_dirs:
+            return True
+        if os.path.realpath(directory) != directory:
+            self.complain("error", f"{directory}: a symlink leads out of the store root; its pages are refused")
+            return False
+        self._inside_dirs.add(directory)
+        return True
+
     async def _get(self, keys):
         await self._adopt(keys)
         known = [k for k in keys if k in self._sizes]
-        blobs = dict(zip(known, await self._batch(read_file, [(self._file(k),) for k in known])))
+        blobs = dict(zip(known, await self._batch(read_file, [(self._file(k), True) for k in known])))
         return [self._after_read(k, blobs.get(k)) for k in keys]
 
     async def _get_into(self, keys, parsed, views):
@@ -201,7 +242,7 @@ class FileStore(Store):
         """Pages that were written are indexed; one that failed is reported not stored (and
         counted); when none could be written the batch fails as a store error."""
         fits = [f.size <= self.config.capacity_bytes for f in frames]
-        items = [(self._file(k), f, self.config.fsync) for k, f, ok in zip(keys, frames, fits) if ok]
+        items = [(self._file(k), f, self.config.fsync, self._inside) for k, f, ok in zip(keys, frames, fits) if ok]
         written = [k for k, ok in zip(keys, fits) if ok]
         outcomes = await self._batch(write_atomically, items)
         await self._retry_if_disk_full(written, items, outcomes)
@@ -261,7 +302,11 @@ class FileStore(Store):
         the index said (gone already, or rewritten) is corrected under the lock again."""
         with self._shared() as usage:
             if len(usage) == 1:
-                usage[0] += added
+                if usage[0] > self.config.capacity_bytes:  # over before this batch: a count gone
+                    usage[0] = _bytes_under(self.root)  # wrong (a flipped digit) is recounted first
+                    usage.append("recounted")
+                else:
+                    usage[0] += added
             victims = self._choose_victims(usage, self.config.capacity_bytes)
         if victims:
             await self._unlink_victims(victims)
@@ -305,8 +350,9 @@ class FileStore(Store):
         return len(present)
 
     async def _close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self._hashers.shutdown(wait=True)
+        """Threads not stuck are joined (within `timeout_s` in all); stuck ones are left."""
+        self._pool.shutdown(wait=True, timeout=self.timeout_s)
+        self._hashers.shutdown(wait=True, timeout=self.timeout_s)
 
     def touch(self, keys) -> None:
         for key in keys:
@@ -344,7 +390,8 @@ class FileStore(Store):
     def _extra_stats(self):
         return {"pages": len(self._sizes), "used_bytes": self.used_bytes,
                 "capacity_bytes": self.config.capacity_bytes, "root": str(self.root),
-                "disk_full_evictions": self.disk_full_evictions}
+                "disk_full_evictions": self.disk_full_evictions, "io_threads_abandoned": self._pool.abandoned,
+                "pages_abandoned": len(self._hung)}
 
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
@@ -382,7 +429,7 @@ def _bytes_under(root: Path) -> int:
     for dirpath, _, files in os.walk(root):
         for name in files:
             if not name.startswith((TMP, ".kvtier")):
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone since the walk, or a dangling link
                     total += os.stat(os.path.join(dirpath, name)).st_size
     return total
 
@@ -390,6 +437,8 @@ def _bytes_under(root: Path) -> int:
 def _claim_root(root: Path) -> None:
     """Use `root` only if it is a kvtier store (its marker) or new/empty: never clean up a
     directory that is somebody else's."""
+    if root.exists() and not root.is_dir():
+        raise OSError(f"{root} is a file, not a directory: name a directory (it is created if missing)")
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     marker = root / MARKER
     if marker.exists():

@@ -8,6 +8,7 @@ more, then checked (header, length, checksum) before the caller may use the buff
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import queue
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvtier.backends import frame
+from kvtier.backends import frame, seal
 from kvtier.backends.frame import FrameError
 
 TMP = ".tmp-"
@@ -46,10 +47,13 @@ def write_small(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def run_all(fn, items: list[tuple]) -> list:
-    """One thread job: `fn` over items; an OSError is returned in its place, not raised."""
+def run_all(fn, items: list[tuple], stop=None) -> list:
+    """One thread job: `fn` over items; an OSError is returned in its place, not raised.
+    Once `stop` is set (the job was abandoned) it touches no further item."""
     out = []
     for item in items:
+        if stop is not None and stop.is_set():
+            break
         try:
             out.append(fn(*item))
         except OSError as exc:
@@ -57,7 +61,7 @@ def run_all(fn, items: list[tuple]) -> list:
     return out
 
 
-def sizes_of(paths: list[Path], leading: bool) -> list[int | None]:
+def sizes_of(paths: list[Path], leading: bool, stop=None) -> list[int | None]:
     """Each page file's size, None where there is none (with `leading`: None from the first
     absent on)."""
     out: list[int | None] = []
@@ -76,17 +80,46 @@ def mtime(path: str | Path) -> float:
     return os.stat(path).st_mtime
 
 
-def read_file(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def read_file(path: Path, page: bool = False, limit: int = 1 << 20) -> bytes:
+    """A small file (a manifest: at most `limit` bytes), or with `page` a page file: its
+    header, then at most the body its header declares (plain or sealed) and a byte more (an
+    oversized or sparse file, or a device, is never read whole). Not a regular file, or a
+    symlink: an OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        if not page:
+            return _read_upto(fd, limit + 1)
+        header = _read_upto(fd, frame.HEADER_SIZE)
+        rest = seal.frame_bound(header)
+        if rest is None:
+            return header  # decoding it fails with the reason
+        return header + _read_upto(fd, rest + 1)
+    finally:
+        os.close(fd)
 
 
-def read_sealed_into(codec, items: list[tuple]) -> list:
+def _read_upto(fd: int, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = os.read(fd, min(n - got, _READ_CHUNK))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     """One thread job of `batch_get_into` for a store with a tenant key: each page of
     `items` (path, ns, h, view) read and authenticated (and decrypted) by `codec` into its
-    view (`_read_sealed_page`); True, or the FrameError or OSError in its place."""
+    view (`_read_sealed_page`); True, or the FrameError or OSError in its place. Once
+    `stop` is set (the job was abandoned) it reads into no further buffer."""
     out: list = []
     for path, ns, h, view in items:
+        if stop is not None and stop.is_set():
+            break
         try:
             _read_sealed_page(codec, path, ns, h, view)
             out.append(True)
@@ -140,18 +173,20 @@ _READ_CHUNK = 2 << 20  # and read in chunks of this many, hashed on a hashing th
 _HASH_AWAY = 1 << 20  # pages this big are checked on a hashing thread as they are read
 
 
-def read_pages_into(hashers, items: list[tuple]) -> list:
+def read_pages_into(hashers, items: list[tuple], stop=None) -> list:
     """One thread job of `batch_get_into`: every page of `items` (path, ns, h, view) read
     into its view and checked (`_read_page`); True, or the FrameError or OSError in its
     place. Pages of `_HASH_AWAY` bytes or more are read in chunks that a thread of
     `hashers` hashes as they arrive (`_Hashing`), while this one reads on: the checksum
     pass costs a fifth of the read done here, next to nothing that way. The job returns
     only after its hashing ended: no hashing thread reads the caller's buffers after the
-    call."""
+    call. Once `stop` is set (the job was abandoned) it reads into no further buffer."""
     out: list = []
     hashing = None
     try:
         for path, ns, h, view in items:
+            if stop is not None and stop.is_set():
+                break
             streamed = hashers is not None and len(view) >= _HASH_AWAY
             if streamed and hashing is None:
                 hashing = _Hashing(hashers)
@@ -277,10 +312,13 @@ def _temp_name(final: str) -> str:
     return os.path.join(os.path.dirname(final), f"{TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}")
 
 
-def write_atomically(final: str, data, fsync: bool) -> int:
+def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
     """Write `data` (a page's Frame, or plain bytes) to an owner-named temp file (mode
     0600), then rename it over `final`: readers see the whole file or none. Returns the
-    bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`)."""
+    bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`).
+    `inside(dir)`: False where the directory leads out of the store (a symlink): refused."""
+    if inside is not None and not inside(os.path.dirname(final)):
+        raise OSError(errno.EPERM, "a directory on the way is a symlink out of the store root; refused", final)
     tmp = _temp_name(str(final))
     try:
         try:

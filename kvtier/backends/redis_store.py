@@ -45,7 +45,8 @@ class RedisStoreConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url={self.url!r}: must start with redis://, rediss:// or unix://")
+            shown = repr(self.url) if ":" in self.url else "(not shown: with no scheme it may be a secret)"
+            raise ValueError(f"url={shown}: must start with redis://, rediss:// or unix://")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s={self.ttl_s}: must be > 0 or null")
         check_positive(self, "pool_size", "concurrent_min_bytes", "write_threads", integer=True)

@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from kvtier.backends.frame import HEADER_SIZE as PLAIN_HEADER_SIZE
 from kvtier.backends.frame import MAGIC, SEALED_VERSION, VERSION, Buffer, FrameError
 from kvtier.tenant_keys import TenantKeys
 
@@ -40,6 +41,26 @@ _SEALED = struct.Struct("<4sHH16sB32sQ8s12s3x")
 SEALED_PART = _SEALED.size  # 88
 HEADER_SIZE = 128
 TAG_SIZE = 16
+
+
+_PREFIX = struct.Struct("<4sHH16sB32sQ")  # what plain and sealed headers share: up to the payload length
+
+
+def frame_bound(header: Buffer) -> int | None:
+    """At most how many bytes follow the first `frame.HEADER_SIZE` bytes of a plain or
+    sealed frame that starts with `header`, as its header claims (unverified: a bound for a
+    read, which decoding then checks); None if `header` starts no frame."""
+    view = memoryview(header).cast("B")
+    if len(view) < _PREFIX.size:
+        return None
+    magic, version, *_rest, length = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        return None
+    if version == VERSION:
+        return length
+    if version == SEALED_VERSION:
+        return HEADER_SIZE - PLAIN_HEADER_SIZE + length + TAG_SIZE
+    return None
 
 
 class NotSealed(FrameError):

@@ -192,7 +192,7 @@ class Prefetcher(Part):
     def free_unused(self, op: PrefetchOp) -> None:
         """An ended op's host pages not inserted (unused, or landed on some rank only)."""
         if op.host_pages is not None and op.host_pages.size > op.inserted:
-            self.ctl.free_host_pages(op.host_pages[op.inserted:])
+            self.ctl.free_unused_pages(op)
 
     def _grant(self, p: PrefetchState, present: int) -> None:
         """Make room on host for the pages the store holds (agreed on every rank), reserve them."""

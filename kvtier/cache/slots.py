@@ -113,10 +113,11 @@ class Slots:
             problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
                             f"{dev_ops} != {total}")
         if self.has_mirror:
-            host_free, in_flight = self.ctl.host_accounting()
+            host = self.ctl.host_accounting()
             host_tree, total = tree.total_size(Tier.HOST), self.ctl.mirror.size
-            if host_free + host_tree + in_flight != total:
-                problems.append(f"host: free {host_free} + tree {host_tree} + in flight {in_flight} != {total}")
+            if host.free + host_tree + host.in_flight + host.quarantined != total:
+                problems.append(f"host: free {host.free} + tree {host_tree} + in flight {host.in_flight} "
+                                f"+ quarantined {host.quarantined} != {total}")
         return problems
 
     # -- host ---------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ Bad flags, a missing or invalid config: exit code 2 and one line naming the prob
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import kvtier
-from kvtier.errors import KvtierError
+from kvtier.errors import KvtierConfigError, KvtierError
 
 EXIT_USAGE = 2
 
@@ -32,6 +33,9 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(EXIT_USAGE)
+
+
+BENCHMARKS = ["transfer", "stores", "tree", "cache", "vllm_tier"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_arguments(so)
     so.set_defaults(func=lambda a: store.run(a, default_config()))
     b = sub.add_parser("bench", help="benchmarks against baselines measured in the same run")
-    b.add_argument("name", choices=["transfer", "stores", "tree", "cache", "vllm_tier"])
+    b.add_argument("name", nargs="?", choices=BENCHMARKS)
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
     c = sub.add_parser("config", help="print every setting and where it came from")
@@ -65,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args) -> int:
     import importlib
 
+    if args.name is None:
+        raise KvtierConfigError(f"bench: name a benchmark: {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]} "
+                                "(`tierctl bench NAME --help` for its options)")
     importlib.import_module(f"kvtier.bench.{args.name}").main(args.rest, prog=f"tierctl bench {args.name}")
     return 0
 
@@ -72,7 +79,11 @@ def _bench(args) -> int:
 def _config(args) -> int:
     from kvtier.config import explain, load_config
 
+    from kvtier.engine.engine import torch_threads
+
+    threads, origin = torch_threads()
     print(explain(load_config(args.config or default_config())))
+    print(f"engine.torch_threads = {threads}  ({origin}; tierctl replay and serve run the reference model with it)")
     return 0
 
 
@@ -83,10 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return args.func(args)
-    except (KvtierError, ValueError, FileNotFoundError) as exc:
-        sys.stderr.write(f"tierctl: {str(exc).splitlines()[0]}\n")
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in a message at exit
+        return code
+    except BrokenPipeError:  # `tierctl config | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (KvtierError, ValueError, OSError) as exc:
+        sys.stderr.write(f"tierctl: {_one_line(exc)}\n")
         return EXIT_USAGE
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return (text.splitlines() or [type(exc).__name__])[0]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ def check_arguments(args) -> None:
         raise KvtierConfigError(f"--verify {args.verify}: a fraction in (0, 1] (--verify alone checks every request)")
     if args.trace and (args.requests != 60 or args.workload != "multiturn"):
         raise KvtierConfigError("--trace replays its own turns: --requests and --workload do not apply to it")
+    if args.seed < 0:
+        raise KvtierConfigError(f"--seed {args.seed}: must be an integer >= 0 (the model's weights and the workload)")
     if args.requests < 1:
         raise KvtierConfigError(f"--requests {args.requests}: must be >= 1")
     if getattr(args, "batch", 1) < 1:
@@ -46,6 +48,10 @@ def check_arguments(args) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise KvtierConfigError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise KvtierConfigError(f"--plot {args.plot!r}: cannot write there ({folder} is not a writable "
+                                    "directory); checked before the replay runs")
 
 
 def run(args, default_config: str) -> int:
@@ -74,12 +80,12 @@ def run(args, default_config: str) -> int:
         cache.close()
     summary = _summary(results, seconds, stats, config.pool.page_size, checked, worst)
     summary["verify_failures"] = wrong
-    if args.plot:
-        _plot(results, args.plot)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(_table(summary))
+    if args.plot:  # after the table: a plot that fails loses nothing
+        _plot(results, args.plot, summary, args.trace or args.workload)
     return 1 if wrong or summary["failed_requests"] or not summary["counts_add_up"] else 0
 
 
@@ -126,7 +132,9 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
         "prefill_tokens_computed": computed, "prefill_tokens_without_cache": prompt,
         "bytes": {"device_to_host": c["d2h_bytes"], "host_to_device": c["h2d_bytes"],
                   "host_to_store": c["l3_write_bytes"], "store_to_host": c["l3_read_bytes"]},
-        "seconds": seconds, "requests_per_s": len(results) / seconds, "prompt_tokens_per_s": prompt / seconds,
+        "seconds": seconds,  # throughput counts the requests served, not those that failed
+        "requests_per_s": sum(r.error is None for r in results) / seconds,
+        "prompt_tokens_per_s": sum(len(r.prompt) for r in results if r.error is None) / seconds,
         "verified_requests": checked, "max_logit_diff": worst,
         "store": {k: stats.get("store", {}).get(k, 0) for k in ("hits", "misses", "frame_failures", "errors", "timeouts",
                                                                "set_failures", "store_down", "breaker_trips",
@@ -188,7 +196,7 @@ def _progress(done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def _plot(results, path: str) -> None:
+def _plot(results, path: str, summary: dict, workload: str) -> None:
     try:
         import matplotlib
 
@@ -204,11 +212,15 @@ def _plot(results, path: str) -> None:
             totals[k] += v
             series[k].append(totals[k] / prompt)
     fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(1, len(results) + 1)
     for k, ys in series.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=k)
+        ax.plot(xs, ys, label=k)
+    ax.plot(xs, [sum(t) for t in zip(*series.values())], label="total", color="black")
+    ax.axhline(summary["infinite_cache_hit_rate"], linestyle="--", color="grey",
+               label=f"bound: an infinite cache ({summary['infinite_cache_hit_rate']:.1%})")
     ax.set_xlabel("requests")
     ax.set_ylabel("cumulative hit rate (of prompt tokens)")
-    ax.set_title("kvtier replay: where prefixes were found")
+    ax.set_title(f"kvtier replay of {os.path.basename(workload)}: where prefixes were found")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -1,62 +1,100 @@
-"""`tierctl serve`: the reference engine behind a small HTTP server (loopback by default).
+"""`tierctl serve`: the reference engine behind HTTP (uvicorn + Starlette; loopback by default).
 
     POST /generate  {"prompt": [ids], "max_new_tokens": 16, "session": "optional"}
     GET  /metrics   Prometheus text
-    GET  /stats     JSON (cache.stats())
+    GET  /stats     JSON (cache.stats(), sessions, server)
     POST /flush     drop device and host contents (the store keeps its pages)
+
+One scheduler thread owns the engine and the cache (`kvtier.engine.loop`): concurrent
+requests share its batches. The limits (docs/http-api.md): a client has `--client-timeout`
+seconds to send a whole request, bodies over `--max-body` and JSON nested deeper than 8
+are refused, at most `--max-connections` connections and `--max-queue` queued requests,
+a listen backlog of `--backlog`; at most `--sessions` session histories, each dropped
+after `--session-ttl` seconds unused.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
 import signal
+import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from dataclasses import dataclass
 
+from kvtier.cli.serve_app import MAX_BODY, RequestFailed, RequestRejected, build_app
 from kvtier.errors import KvtierConfigError
 
 log = logging.getLogger(__name__)
-MAX_BODY = 1 << 20  # a /generate body is a list of token ids: 1 MiB is ~100k tokens
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_arguments(p) -> None:
-    p.description = "The reference engine behind HTTP. API, request and response, metrics: docs/http-api.md."
+    p.description = "The reference engine behind HTTP. API, request and response, limits, metrics: docs/http-api.md."
     p.add_argument("--config", default=None, help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3")
     p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --token")
     p.add_argument("--port", type=int, default=9400)
     p.add_argument("--token", default=None, help="require Authorization: Bearer TOKEN (or env KVTIER_SERVE_TOKEN)")
     p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("--client-timeout", type=float, default=10.0, help="seconds a client has to send a whole request")
+    p.add_argument("--max-connections", type=int, default=1024, help="open connections at most; more get a 503")
+    p.add_argument("--max-queue", type=int, default=1024, help="generate requests queued at most; more get a 503")
+    p.add_argument("--backlog", type=int, default=2048, help="connections the kernel queues before accept")
+    p.add_argument("--batch", type=int, default=4, help="requests per forward (default 4)")
+    p.add_argument("--sessions", type=int, default=4096, help="session histories kept at most (LRU)")
+    p.add_argument("--session-ttl", type=float, default=3600.0, help="seconds a session's history outlives its last turn")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="info logs every request (access log)")
 
 
-class RequestRejected(ValueError):
-    """The request itself is the problem (too large for this server): a 4xx."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body: int = MAX_BODY
+    client_timeout: float = 10.0
+    max_connections: int = 1024
+    backlog: int = 2048
+    log_level: str = "info"
 
 
-class RequestFailed(RuntimeError):
-    """The request was released after a failure on our side (a failed load): a 503."""
+def check_arguments(args) -> None:
+    """One line naming the flag, its value and what is allowed."""
+    if not 0 <= args.port <= 65535:
+        raise KvtierConfigError(f"serve --port {args.port}: must be in 0..65535")
+    for flag, value in (("--max-body", args.max_body), ("--max-connections", args.max_connections),
+                        ("--max-queue", args.max_queue), ("--backlog", args.backlog), ("--batch", args.batch),
+                        ("--sessions", args.sessions)):
+        if value < 1:
+            raise KvtierConfigError(f"serve {flag} {value}: must be an integer >= 1")
+    for flag, value in (("--client-timeout", args.client_timeout), ("--session-ttl", args.session_ttl)):
+        if not 0 < value < float("inf"):
+            raise KvtierConfigError(f"serve {flag} {value}: must be a number of seconds > 0")
 
 
 class Server:
-    """Engine + cache behind one lock: the engine runs one batch at a time."""
+    """Engine + cache on one scheduler thread (`EngineLoop`); request checks here."""
 
-    def __init__(self, config_path: str, seed: int = 0) -> None:
+    def __init__(self, config_path: str, seed: int = 0, batch: int = 4, sessions: int = 4096,
+                 session_ttl_s: float | None = 3600.0, max_queue: int = 1024) -> None:
         from kvtier.cache import TieredCache
         from kvtier.cli.replay import with_weights
         from kvtier.config import load_config
         from kvtier.engine.engine import Engine
+        from kvtier.engine.loop import EngineLoop
         from kvtier.engine.model import ModelConfig, TinyTransformer
+        from kvtier.engine.sessions import Histories
 
         self.model = TinyTransformer(ModelConfig(seed=seed))
         self.cache = TieredCache(with_weights(load_config(config_path), self.model))
-        self.engine = Engine(self.cache, self.model)
-        self.lock = threading.Lock()
-        self.served = 0
+        self.histories = Histories(sessions, session_ttl_s)
+        self.engine = Engine(self.cache, self.model, max_batch=batch, histories=self.histories)
+        self.loop = EngineLoop(self.engine, max_queue=max_queue)
+        self._anonymous = 0
 
-    def generate(self, body: dict) -> dict:
+    def turn_of(self, body: dict):
+        """The engine turn a /generate body asks for, and whether its session is kept."""
+        from kvtier.engine.workloads import Turn
+
         unknown = sorted(set(body) - _GENERATE_FIELDS)
         if unknown:  # a misspelt max_new_tokens would silently get the default
             raise ValueError(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_GENERATE_FIELDS))}")
@@ -67,154 +105,140 @@ class Server:
         n = body.get("max_new_tokens", 16)
         if not _is_int(n) or not 1 <= n <= 4096:
             raise ValueError(f"max_new_tokens={n!r}: must be an integer in [1, 4096]")
-        if body.get("session") is not None and not isinstance(body["session"], str):
-            raise ValueError(f"session={body['session']!r}: must be a string")
-        with self.lock:
-            self.served += 1
-            from kvtier.engine.workloads import Turn
+        session = body.get("session")
+        if session is not None and not isinstance(session, str):
+            raise ValueError(f"session={json.dumps(session)[:40]}: must be a string")
+        if session is None:  # one request, no history kept: its id only keeps it apart
+            self._anonymous += 1
+            return Turn(f"\0anonymous-{self._anonymous}", 0, tuple(prompt), n), False
+        return Turn(session, 0, tuple(prompt), n), True
 
-            session = str(body.get("session") or f"http-{self.served}")
-            [r] = self.engine.run([Turn(session, 0, tuple(prompt), n)])
+    def answer(self, body: dict, r) -> dict:
         if r.error is not None:
             raise (RequestRejected if r.rejected else RequestFailed)(r.error)
-        return {"output": r.output, "prompt_tokens": len(r.prompt), "cached_tokens": r.cached,
-                "hits": {"device": r.device_hit, "host": r.host_hit, "storage": r.storage_hit}}
+        return {"output": r.output, "prompt_tokens": len(r.prompt), "history_tokens": len(r.prompt) - len(body["prompt"]),
+                "cached_tokens": r.cached, "hits": {"device": r.device_hit, "host": r.host_hit, "storage": r.storage_hit}}
 
+    # the rest runs on the engine loop's thread (EngineLoop.call)
     def stats(self) -> dict:
-        with self.lock:
-            return self.cache.stats()
+        return {**self.cache.stats(), "sessions": self.histories.stats(), "server": self.loop.stats()}
 
     def metrics(self) -> bytes:
         from prometheus_client import generate_latest
 
-        with self.lock:
-            return generate_latest(self.cache.metrics_registry())
+        return generate_latest(self.cache.metrics_registry())
 
     def flush(self) -> dict:
-        with self.lock:
-            self.cache.flush()
+        self.cache.flush()
         return {"flushed": True}
 
     def close(self) -> None:
-        with self.lock:
-            self.cache.close()
+        self.loop.close()
 
 
-def make_handler(server: Server, token: str | None = None, max_body: int = MAX_BODY):
-    """Routes in docs/http-api.md. Every answer is JSON (but /metrics); a bad request is a
-    4xx, a failure of ours a 5xx, and the server keeps serving. With `token`, every request
-    needs `Authorization: Bearer <token>`."""
+class Listener:
+    """uvicorn on a socket bound here (so `--port 0` names its port before serving)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = 30  # seconds a client may take to send its request
+    def __init__(self, app, host: str, port: int, limits: Limits = Limits(), log_config: dict | None = None) -> None:
+        """`log_config`: a logging dictConfig to apply (the CLI's); None leaves logging alone."""
+        import uvicorn
 
-        def log_message(self, fmt, *args):  # quiet: metrics carry the numbers
-            return
+        from kvtier.cli.serve_http import protocol_with_deadline
 
-        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            self.sock.listen(limits.backlog)  # clients queue from here on, before uvicorn accepts
+        except OSError as exc:
+            self.sock.close()
+            raise KvtierConfigError(f"serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{self.port}"
+        config = uvicorn.Config(app, http=protocol_with_deadline(limits.client_timeout), lifespan="off",
+                                backlog=limits.backlog, limit_concurrency=limits.max_connections,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=30, log_level=limits.log_level,
+                                access_log=limits.log_level in ("info", "debug"), log_config=log_config)
+        self.server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
 
-        def _json(self, code: int, obj: dict) -> None:
-            self._send(code, json.dumps(obj).encode())
+    def serve(self) -> None:
+        """Serve until SIGTERM/SIGINT (in the main thread) or `stop()`; graceful."""
+        self.server.run(sockets=[self.sock])
 
-        def _allowed(self) -> bool:
-            if token is None or hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {token}"):
-                return True
-            self._json(401, {"error": "missing or wrong token: send Authorization: Bearer <token>"})
-            return False
+    def start(self, timeout: float = 30.0) -> "Listener":
+        """Serve on a thread (no signal handling there); returns once it accepts."""
+        self._thread = threading.Thread(target=self.serve, name="kvtier-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
 
-        def do_GET(self):
-            if not self._allowed():
-                return
-            try:
-                if self.path == "/stats":
-                    self._json(200, server.stats())
-                elif self.path == "/metrics":
-                    self._send(200, server.metrics(), "text/plain; version=0.0.4")
-                else:
-                    self._json(404, {"error": f"no route GET {self.path}; routes: GET /stats /metrics, "
-                                              "POST /generate /flush"})
-            except Exception as exc:
-                log.exception("serve: GET %s failed", self.path)
-                self._json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-
-        def do_POST(self):
-            """Every request gets a JSON answer; no error drops the connection or the server."""
-            if not self._allowed():
-                return
-            try:
-                body = self._body()
-                if self.path == "/generate":
-                    self._json(200, server.generate(body))
-                elif self.path == "/flush":
-                    self._json(200, server.flush())
-                else:
-                    self._json(404, {"error": f"no route POST {self.path}; routes: POST /generate /flush"})
-            except _TooLarge as exc:
-                self.close_connection = True  # the rest of the body is not read
-                self._json(413, {"error": str(exc)})
-            except RequestRejected as exc:
-                self._json(413, {"error": str(exc)})
-            except RequestFailed as exc:
-                self._json(503, {"error": str(exc)})
-            except (ValueError, json.JSONDecodeError) as exc:
-                self._json(400, {"error": str(exc)})
-            except Exception as exc:  # a bug of ours: say so, keep serving
-                log.exception("serve: %s %s failed", self.command, self.path)
-                self._json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-
-        def _body(self) -> dict:
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                raise ValueError("Content-Length must be an integer") from None
-            if length > max_body:
-                raise _TooLarge(f"body of {length} bytes; at most {max_body}")
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
-            return body
-
-    return Handler
-
-
-class _TooLarge(ValueError):
-    pass
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.sock.close()
 
 
 def run(args, default_config: str) -> int:
     token = args.token or os.environ.get("KVTIER_SERVE_TOKEN") or None
-    if args.host not in LOOPBACK and token is None:
+    if not _is_loopback(args.host) and token is None:
         raise KvtierConfigError(f"serve --host {args.host}: a non-loopback address needs a token "
                                 "(--token or KVTIER_SERVE_TOKEN); clients send Authorization: Bearer <token>")
-    if not 0 <= args.port <= 65535:
-        raise KvtierConfigError(f"serve --port {args.port}: must be in 0..65535")
-    server = Server(args.config or default_config)
+    check_arguments(args)
+    limits = Limits(args.max_body, args.client_timeout, args.max_connections, args.backlog, args.log_level)
+    server = Server(args.config or default_config, batch=args.batch, sessions=args.sessions,
+                    session_ttl_s=args.session_ttl, max_queue=args.max_queue)
     try:
-        httpd = ThreadingHTTPServer((args.host, args.port), make_handler(server, token, args.max_body))
-    except OSError as exc:
+        listener = Listener(build_app(server, token, args.max_body), args.host, args.port, limits,
+                            _log_config(args.log_level))
+    except KvtierConfigError:
         server.close()
-        raise KvtierConfigError(f"serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    httpd.daemon_threads = True
+        raise
 
-    def drain(signum, frame):  # SIGTERM: stop accepting, finish the request in hand, close the cache
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
+    # before uvicorn installs its handlers, and when it re-raises the signal that stopped it
+    # once done: stop (again), then close the cache and return
+    def stop(*_) -> None:
+        listener.server.should_exit = True
 
-    previous = signal.signal(signal.SIGTERM, drain)
-    print(f"tierctl serve: http://{args.host}:{httpd.server_address[1]} (/generate /metrics /stats /flush)", flush=True)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    print(f"tierctl serve: {listener.url} (/generate /metrics /stats /flush)", flush=True)
+    log.info("serving %s: batch %d, sessions %d (ttl %.0fs), client timeout %.1fs, max body %d, token %s",
+             listener.url, args.batch, args.sessions, args.session_ttl, args.client_timeout, args.max_body,
+             "required" if token else "none")
     try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        listener.serve()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        httpd.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        listener.sock.close()
         server.close()
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _log_config(level: str) -> dict:
+    """uvicorn's logging (its access log included), with kvtier's loggers on the same handler."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["loggers"]["kvtier"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return cfg
 
 
 _GENERATE_FIELDS = {"prompt", "max_new_tokens", "session"}

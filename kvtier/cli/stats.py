@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import urllib.error
 import urllib.request
 
-from kvtier.errors import KvtierConfigError, StoreError
+from kvtier.errors import KvtierConfigError, KvtierError, StoreError
 
 
 def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running `tierctl serve`, e.g. http://127.0.0.1:9400")
     src.add_argument("--config", help="inspect the store this config names, without a server")
+    p.add_argument("--token", default=None, help="with --url: the server's token (or env KVTIER_SERVE_TOKEN)")
     p.add_argument("--json", action="store_true")
 
 
@@ -27,17 +31,23 @@ def _store_from(config_path: str):
 
 
 def run(args) -> int:
-    data = _from_url(args.url) if args.url else _from_store(args.config)
+    token = args.token or os.environ.get("KVTIER_SERVE_TOKEN") or None
+    data = _from_url(args.url, token) if args.url else _from_store(args.config)
     print(json.dumps(data, indent=2) if args.json else (_server_table(data) if args.url else _store_table(data)))
     return 0
 
 
-def _from_url(url: str) -> dict:
+def _from_url(url: str, token: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/stats", timeout=10) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/stats", headers=headers),
+                                    timeout=10) as resp:
             return json.loads(resp.read())
-    except OSError as exc:
-        raise StoreError(f"cannot read stats from {url}: {exc}") from exc
+    except urllib.error.HTTPError as exc:
+        why = "send its token: --token or KVTIER_SERVE_TOKEN" if exc.code == 401 else exc.reason
+        raise StoreError(f"cannot read stats from {url}: HTTP {exc.code} ({why})") from None
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"cannot read stats from {url}: {exc}") from None
 
 
 def _from_store(path: str) -> dict:
@@ -46,8 +56,13 @@ def _from_store(path: str) -> dict:
     async def inspect():
         try:
             return await store.inventory()
+        except KvtierError:
+            raise
+        except Exception as exc:  # the store's client outside a timed call (a listing): one line
+            raise StoreError(f"{store.name} store: {type(exc).__name__}: {exc}") from None
         finally:
-            await store.close()
+            with contextlib.suppress(Exception):
+                await store.close()
 
     inv = asyncio.run(inspect())
     return {"store": cfg.store.backend, **inv}

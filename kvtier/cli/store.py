@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -22,7 +23,7 @@ import time
 from collections import defaultdict
 
 from kvtier.backends import frame, seal
-from kvtier.errors import KvtierConfigError
+from kvtier.errors import KvtierConfigError, KvtierError, StoreError
 from kvtier.hashing import split_key, tenant_digest
 
 BATCH = 256
@@ -39,7 +40,7 @@ def add_arguments(p) -> None:
             s.add_argument("--prune", action="store_true", help="delete the pages that do not verify")
         if name == "purge":
             which = s.add_mutually_exclusive_group(required=True)
-            which.add_argument("--namespace", help="a namespace id (see `tierctl store ls`)")
+            which.add_argument("--namespace", type=_namespace_id, help="a namespace id (see `tierctl store ls`)")
             which.add_argument("--tenant", nargs="?", const="", metavar="SALT",
                                help="a tenant salt: every namespace made with it; alone: the --config's tenant "
                                     "(its salt, and every page sealed with its tenant key, manifest or not)")
@@ -72,8 +73,13 @@ def run(args, default_config: str) -> int:
     async def go():
         try:
             return await action(store, cfg.store.key_prefix, args)
+        except KvtierError:
+            raise
+        except Exception as exc:  # the store's client outside a timed call (a listing): one line
+            raise StoreError(f"{store.name} store: {type(exc).__name__}: {exc}") from None
         finally:
-            await store.close()
+            with contextlib.suppress(Exception):
+                await store.close()
 
     return asyncio.run(go())
 
@@ -130,9 +136,9 @@ async def _ls(store, prefix, args) -> int:
           f"{_size(sum(r['bytes'] for r in rows))}")
     print(f"{'namespace':32}  {'model':24} {'dtype':8} {'page':>4} {'tenant':16} {'pages':>7} {'size':>10}  newest")
     for r in rows:
-        print(f"{r['namespace']:32}  {str(r['model_id'] or '(no manifest)')[:24]:24} {str(r['dtype'] or '-'):8} "
-              f"{str(r['page_size'] or '-'):>4} {str(r['tenant'] or '-'):16} {r['pages']:>7} {_size(r['bytes']):>10}  "
-              f"{_when(r['newest'])}")
+        print(f"{r['namespace']:32}  {_shown(r['model_id'] or '(no manifest)')[:24]:24} {_shown(r['dtype'] or '-'):8} "
+              f"{_shown(r['page_size'] or '-'):>4} {_shown(r['tenant'] or '-'):16} {r['pages']:>7} "
+              f"{_size(r['bytes']):>10}  {_when(r['newest'])}")
     return 0
 
 
@@ -274,6 +280,20 @@ async def _tenant_pages(store, prefix, spaces: dict, args) -> list[str]:
                 verdicts = await store.check(chunk, seal.SealedCodec(keys))
                 victims += [k for k, why in zip(chunk, verdicts) if why is None]
     return victims
+
+
+def _shown(value) -> str:
+    """A manifest field for a terminal: what another writer put there is escaped (no
+    control or escape sequence reaches the terminal)."""
+    text = str(value)
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
+def _namespace_id(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a namespace id is 32 lowercase hex digits "
+                                         "(see `tierctl store ls`)")
+    return text
 
 
 def _size(n: int) -> str:

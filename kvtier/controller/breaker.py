@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kvtier.errors import StoreAbandoned
+
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +69,15 @@ class Breaker:
             self.next_probe = self.clock() + self.backoff
             log.error("store %s is down after %d failed calls (last: %s); skipping it, probing every %.1fs+",
                       self.name, self.consecutive, why, self.backoff)
+
+    def abandoned(self, outcome) -> bool:
+        """Did the call whose `settled` gave `outcome` get abandoned, its threads stuck (a
+        hung mount)? Then the store is down now, without waiting for more failures."""
+        if not isinstance(outcome, StoreAbandoned):
+            return False
+        while not self.down:
+            self.failed(str(outcome))
+        return True
 
     def stats(self) -> dict:
         return {"store_down": self.down, "breaker_trips": self.trips, "calls_skipped_store_down": self.skipped}

@@ -44,6 +44,14 @@ class OpKind(IntEnum):
     BACKUP = 2
 
 
+class HostAccounting(NamedTuple):
+    """Host slots outside the tree, in slots."""
+
+    free: int
+    in_flight: int  # reserved by ops not applied yet
+    quarantined: int  # of abandoned store reads: never reused
+
+
 class Finished(NamedTuple):
     """Leading finished ops of each kind (snapshots; they only grow)."""
 
@@ -110,6 +118,7 @@ class CacheController:
         self._queues: dict[OpKind, deque] = {kind: deque() for kind in OpKind}
         self._prefetches: dict[str, PrefetchOp] = {}  # in submission order
         self._unsettled: list[PrefetchOp] = []  # ended, but the store may still write their pages
+        self._quarantined: list[np.ndarray] = []  # host pages an abandoned store read may still write
 
     @property
     def store(self) -> Store | None:
@@ -136,6 +145,22 @@ class CacheController:
         if slots.size:
             with self.host_lock:
                 self.mirror.allocator.free_slots(slots)
+
+    def free_unused_pages(self, op: PrefetchOp) -> None:
+        """A settled op's host pages past those inserted go back, but those of a read that
+        was abandoned stuck (`op.quarantined`): kept out of use for good, counted."""
+        pages = op.host_pages[op.inserted:]
+        if op.quarantined is not None:
+            stuck = np.isin(pages, op.quarantined)
+            if stuck.any():
+                with self.host_lock:  # one consistent accounting snapshot
+                    self._quarantined.append(pages[stuck])
+            pages = pages[~stuck]
+        self.free_host_pages(pages)
+
+    def quarantined_pages(self) -> int:
+        """Host pages kept out of use for good: an abandoned store read may still write them."""
+        return sum(p.size for p in self._quarantined)
 
     def free_host_pages(self, pages: np.ndarray) -> None:
         if pages.size:
@@ -279,12 +304,13 @@ class CacheController:
     def queue_sizes(self) -> dict[str, int]:
         q = self._queues
         return {"writes": len(q[OpKind.WRITE]), "loads": len(q[OpKind.LOAD]), "backups": len(q[OpKind.BACKUP]),
-                "prefetches": len(self._prefetches)}
+                "prefetches": len(self._prefetches), "host_pages_quarantined": self.quarantined_pages()}
 
-    def host_accounting(self) -> tuple[int, int]:
-        """(free host slots, host slots reserved by ops not applied yet), one consistent snapshot."""
+    def host_accounting(self) -> HostAccounting:
+        """Where the host slots not in the tree are, one consistent snapshot."""
         with self.host_lock:
-            return self.mirror.allocator.available_size(), self._in_flight_host_slots()
+            return HostAccounting(self.mirror.allocator.available_size(), self._in_flight_host_slots(),
+                                  self.quarantined_pages() * self.page_size)
 
     def _in_flight_host_slots(self) -> int:
         n = sum(op.host_slots.size for op in self._queued_writes)

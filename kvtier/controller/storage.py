@@ -38,6 +38,7 @@ from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 8 << 20
+MANIFEST_CHECK_EVERY = 64  # backups between two checks that the namespace's manifest is there
 
 
 class PageKeys(Sequence):
@@ -105,6 +106,8 @@ class PrefetchOp:
     landed: int = 0
     finished: bool = False
     settled: bool = False
+    reading: np.ndarray | None = None  # host pages a store read is filling now
+    quarantined: np.ndarray | None = None  # pages of a read abandoned stuck: never reused
     outcome: Outcome = Outcome.RUNNING
     error: str | None = None
     # the scheduler's side
@@ -139,14 +142,16 @@ class StorageWorker:
                  breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic,
                  cpus: frozenset[int] | None = None, manifest: tuple[str, str, dict] | None = None) -> None:
         """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py);
-        `manifest`: (key prefix, namespace id, manifest) to write before the first page."""
+        `manifest`: (key prefix, namespace id, manifest) to write before the first page and
+        keep written (`_write_manifest`)."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
         self._complain = Complaints(log)  # a full disk fails every backup: not a line each
         self.keeps_page_order = type(store).touch is not Store.touch  # else `touch` would do nothing
         self.clock = clock
         self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
-        self.manifest = manifest  # written once, then None
+        self.manifest = manifest  # (key prefix, namespace id, manifest) kept written
+        self._manifest_due = 0  # backups until the manifest is checked again (0: the next one)
         self.mirror = mirror
         pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
@@ -233,8 +238,8 @@ class StorageWorker:
                 op.present = 0
             op.finished = True
             self.progress.set()
-        if settled is not None:
-            await settled
+        if settled is not None and self.breaker.abandoned(await settled):
+            op.quarantined = op.reading  # a stuck thread may still write them
         op.settled = True
         self.progress.set()
 
@@ -275,7 +280,9 @@ class StorageWorker:
                 chunk = pages[start:start + self.chunk]
                 async with self._slots:
                     asked = self.clock()
+                    op.reading = chunk
                     ok = await self._guarded(self._read(op.keys[start:start + len(chunk)], chunk))
+                    op.reading = None
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
@@ -293,11 +300,18 @@ class StorageWorker:
         return None
 
     async def _write_manifest(self) -> None:
-        """Before a namespace's first page: describe it in the store (kept if already there)."""
+        """Before a namespace's first page, and every `MANIFEST_CHECK_EVERY` backups after:
+        describe it in the store if it is not there (kept if it is). A failed write is tried
+        again at the next backup, and a manifest the store dropped (Redis eviction, a TTL)
+        comes back: a namespace's pages always have their manifest, which `store purge
+        --tenant` finds them by."""
+        if self._manifest_due > 0:
+            self._manifest_due -= 1
+            return
         prefix, ns, manifest = self.manifest
-        self.manifest = None
         if await self._guarded(self.store.get_manifest(prefix, ns)) is None:
             await self._guarded(self.store.put_manifest(prefix, ns, {**manifest, "created": time.time()}))
+        self._manifest_due = MANIFEST_CHECK_EVERY
 
     async def _guarded(self, call):
         """A store call whose outcome the breaker learns (a miss or a bad page is no failure)."""
@@ -357,7 +371,7 @@ class StorageWorker:
                 op.finished = True
                 self.progress.set()
         if settled is not None:
-            await settled
+            self.breaker.abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
             op.finished = True
             self.progress.set()
 

@@ -8,6 +8,7 @@ load) in prefill chunks and decode steps -> cache_finished; on any error, abort.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.errors import TransferError
 from kvtier.engine.model import Chunk, TinyTransformer
+from kvtier.engine.sessions import Histories
 from kvtier.engine.workloads import Turn
 from kvtier.tiers.req_to_token import ReqToTokenPool
 from kvtier.tree import RadixKey, RadixTree
@@ -36,6 +38,7 @@ class Result:
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)
     error: str | None = None  # why the request failed (its KV was released, nothing cached)
     rejected: bool = False  # failed because of the request itself (too large): a client error
+    ticket: str = ""  # what `Engine.submit` returned
 
     @property
     def computed(self) -> int:
@@ -45,6 +48,7 @@ class Result:
 @dataclass
 class _Active:
     rid: str
+    ticket: str
     turn: Turn
     prompt: list[int]
     row: int
@@ -53,96 +57,199 @@ class _Active:
     last_slot: int = -1
     filled: int = 0  # row entries that hold the request's slots
     fed: list[int] = field(default_factory=list)  # tokens fed so far (prompt, then outputs)
+    in_tree: int = 0  # prompt tokens whose KV the tree holds (cached at acquire, or by a chunk)
+    remember: bool = True  # grow the session's history when it finishes
+
+
+@dataclass(slots=True)
+class _Queued:
+    ticket: str  # what `submit` returned; a request preempted and started again keeps it
+    turn: Turn
+    remember: bool = True
 
 
 class Engine:
     """Requests wait in a queue; a request whose prefix is being fetched from the store
-    waits aside (`parked`) while others run, and joins once `cache.poll()` names it."""
+    waits aside (`parked`) while others run, and joins once `cache.poll()` names it.
+
+    `submit` queues a request, `step` runs one scheduler step (admit, one forward, finish,
+    poll) and returns the requests that ended in it; `run` does both for a list of turns.
+    A request whose prompt shares an uncached prefix of at least a page with a request in
+    the batch waits until that one has cached it (SGLang's in-batch prefix check), so a
+    shared document is computed once, not once per request of the batch."""
 
     def __init__(self, cache: TieredCache, model: TinyTransformer, max_batch: int = 4, chunk_size: int = 256,
-                 max_context: int = 16384, report_prefill: bool = False) -> None:
+                 max_context: int = 16384, report_prefill: bool = False, histories: Histories | None = None,
+                 share_prefixes: bool = True) -> None:
         """`report_prefill`: tell the cache how fast this model prefills (each forward's
-        prefill tokens and seconds), so that it skips store loads slower than that."""
+        prefill tokens and seconds), so that it skips store loads slower than that.
+        `histories`: where session histories live (default: an LRU of 4,096 sessions)."""
         model.check_pool(cache.pool)
+        set_torch_threads()
         self.report_prefill = report_prefill
         self.cache = cache
         self.model = model
         self.max_batch = max_batch
         self.chunk_size = chunk_size
         self.max_context = max_context
+        self.share_prefixes = share_prefixes
         self.rows = ReqToTokenPool(max_batch, max_context)
-        self.histories: dict[str, list[int]] = {}
+        self.histories = histories if histories is not None else Histories()
         self.page_size = cache.page_size
         self._next_id = 0
+        self._next_ticket = 0
         self.preempted = 0  # requests sent back to the queue when the pool ran out
+        self.held_back = 0  # admissions deferred because a batch member was computing the prefix
+        self._waiting: deque[_Queued] = deque()
+        self._active: list[_Active] = []
+        self._parked: dict[str, tuple[_Queued, list[int]]] = {}
+        self._ready: deque[str] = deque()  # parked requests poll() named, in that order
+
+    def submit(self, turn: Turn, remember: bool = True) -> str:
+        """Queue `turn`; returns its ticket (`Result.ticket`). With `remember`, the
+        session's history grows by this turn once it finishes."""
+        ticket = f"t-{self._next_ticket}"
+        self._next_ticket += 1
+        self._waiting.append(_Queued(ticket, turn, remember))
+        return ticket
+
+    def pending(self) -> bool:
+        return bool(self._waiting or self._active or self._parked)
 
     def run(self, turns: list[Turn], keep_logits: bool = False, progress=None) -> list[Result]:
         """Serve `turns` in order (a session's next turn waits for its previous one). A
         request that fails is released and returned with `error` set; the rest go on."""
-        waiting, active, done = deque(turns), [], []
-        parked: dict[str, tuple[Turn, list[int]]] = {}
-        ready: deque[str] = deque()  # parked requests poll() named, in that order
-        while waiting or active or parked:
-            while ready and self._fits(parked[ready[0]][0], active):
-                rid = ready.popleft()
-                self._acquire(rid, *parked.pop(rid), active, done, parked)
-            while waiting and not ready and len(active) + len(parked) < self.max_batch and \
-                    self._can_admit(waiting[0], active, parked):
-                self._start(waiting.popleft(), active, parked, done)
-            if active:
-                self._step(active, keep_logits, done, waiting)
-            for a in [a for a in active if len(a.result.output) == a.turn.output_len]:
-                active.remove(a)
-                done.append(self._finish(a))
-            ready += [rid for rid in self.cache.poll() if rid in parked]
+        for t in turns:
+            self.submit(t)
+        done: list[Result] = []
+        while self.pending():
+            done += self.step(keep_logits)
             if progress:
                 progress(len(done), len(turns))
-            if parked and not active:
-                self.cache.wait_progress()
+        return done
+
+    def step(self, keep_logits: bool = False) -> list[Result]:
+        """One scheduler step; the requests that ended in it."""
+        waiting, active, parked, ready, done = self._waiting, self._active, self._parked, self._ready, []
+        while ready and self._fits(parked[ready[0]][1], parked[ready[0]][0].turn, active) and \
+                not self._load_must_wait(parked[ready[0]][1]):
+            rid = ready.popleft()
+            q, prompt = parked.pop(rid)
+            self._acquire(rid, q, prompt, active, done, parked)
+        self._admit(done)
+        if active:
+            self._step(active, keep_logits, done, waiting)
+        for a in [a for a in active if len(a.result.output) == a.turn.output_len]:
+            active.remove(a)
+            done.append(self._finish(a))
+        ready += [rid for rid in self.cache.poll() if rid in parked]
+        if (parked or waiting) and not active:  # nothing could run: nap until a store op or copy moves
+            self.cache.wait_progress()
         return done
 
     # -- admission ----------------------------------------------------------------------------
 
-    def _can_admit(self, turn: Turn, active: list[_Active], parked: dict) -> bool:
+    def _admit(self, done: list) -> None:
+        """Start queued requests while the batch has room, in order. A request held back by
+        the prefix check is passed over (and the later turns of its session with it)."""
+        waiting, active, parked = self._waiting, self._active, self._parked
+        passed: set[str] = set()
+        i = 0
+        while i < len(waiting) and i < 8 * self.max_batch and not self._ready and \
+                len(active) + len(parked) < self.max_batch:
+            q = waiting[i]
+            if q.turn.session in passed:
+                i += 1
+                continue
+            prompt = self._prompt(q.turn)
+            if not self._can_admit(q.turn, prompt, active, parked):
+                break
+            if self.share_prefixes and self._computing_prefix_of(prompt, active):
+                passed.add(q.turn.session)
+                self.held_back += 1
+                i += 1
+                continue
+            if self._load_must_wait(prompt):
+                self.held_back += 1
+                break
+            del waiting[i]
+            self._start(q, prompt, active, parked, done)
+
+    def _prompt(self, turn: Turn) -> list[int]:
+        """The session's history, then the turn's tokens; a turn that already starts with
+        its history (a client resending the whole conversation) is taken as it is."""
+        history = self.histories.get(turn.session)
+        if history and len(turn.prompt) >= len(history) and list(turn.prompt[:len(history)]) == history:
+            return list(turn.prompt)
+        return history + list(turn.prompt)
+
+    def _computing_prefix_of(self, prompt: list[int], active: list[_Active]) -> bool:
+        """Does a request of the batch (running, or waiting for its prefetch) compute a page
+        or more of `prompt`'s prefix that the tree does not hold yet?"""
+        key = np.asarray(prompt[:-1], dtype=np.int64)
+        started = [(a.prompt, a.in_tree) for a in active] + [(p, 0) for _, p in self._parked.values()]
+        for other, in_tree in started:
+            n = min(len(key), len(other))
+            if n - in_tree < self.page_size:
+                continue
+            differ = np.flatnonzero(key[:n] != np.asarray(other[:n], dtype=np.int64))
+            common = int(differ[0]) if differ.size else n
+            if common - in_tree >= self.page_size:
+                return True
+        return False
+
+    def _load_must_wait(self, prompt: list[int]) -> bool:
+        """Is the prompt's prefix on host, with no device room to load it into until a
+        request of the batch ends or the copies in flight land (they make the device pages
+        they copy evictable)? The request then waits: started now, its load would find no
+        room and it would recompute the whole prefix."""
+        if not self.share_prefixes or not (self._active or self.cache.writes.writing):
+            return False  # nothing that ends soon would make room: start it (and recompute)
+        m = self.cache.match_prefix(np.asarray(prompt[:-1], dtype=np.int64), count=False)
+        return m.host_hit_length > self.cache.room()
+
+    def _can_admit(self, turn: Turn, prompt: list[int], active: list[_Active], parked: dict) -> bool:
         """Same session waits for its previous turn; a new request must fit what the pool can
         free (a lone request is always tried)."""
-        if turn.session in {a.turn.session for a in active} | {t.session for t, _ in parked.values()}:
+        if turn.session in {a.turn.session for a in active} | {q.turn.session for q, _ in parked.values()}:
             return False
-        return self._fits(turn, active)
+        return self._fits(prompt, turn, active)
 
-    def _fits(self, turn: Turn, active: list[_Active]) -> bool:
+    def _fits(self, prompt: list[int], turn: Turn, active: list[_Active]) -> bool:
         if not active:
             return True
-        need = len(self.histories.get(turn.session, [])) + len(turn.prompt) + turn.output_len
+        need = len(prompt) + turn.output_len
         reserved = sum(len(a.prompt) + a.turn.output_len - a.pos for a in active)  # still to allocate
         room = self.cache.room()
         return need + reserved + self.page_size * (len(active) + 1) <= room
 
-    def _start(self, turn: Turn, active: list, parked: dict, done: list) -> None:
-        prompt = self.histories.get(turn.session, []) + list(turn.prompt)
-        rid = f"req-{self._next_id}"
-        self._next_id += 1
+    def _start(self, q: _Queued, prompt: list[int], active: list, parked: dict, done: list) -> None:
+        turn = q.turn
         need = len(prompt) + turn.output_len
         limit = min(self.cache.config.pool.size - self.page_size, self.max_context)
         if not turn.output_len or need > limit:
             why = (f"request needs {need} tokens of KV (prompt {len(prompt)} + output {turn.output_len}); "
                    f"this server holds at most {limit}") if turn.output_len else "output_len must be >= 1"
-            done.append(Result(turn.session, turn.turn, prompt, [], error=why, rejected=True))
+            done.append(Result(turn.session, turn.turn, prompt, [], error=why, rejected=True, ticket=q.ticket))
             return
-        self._acquire(rid, turn, prompt, active, done, parked)
+        self._acquire(f"req-{self._next_id}", q, prompt, active, done, parked)
+        self._next_id += 1
 
-    def _acquire(self, rid: str, turn: Turn, prompt: list[int], active: list, done: list, parked=None) -> None:
+    def _acquire(self, rid: str, q: _Queued, prompt: list[int], active: list, done: list, parked=None) -> None:
         # all but the last prompt token: its logits start the output, so it is computed
         got = self.cache.acquire(np.asarray(prompt[:-1], dtype=np.int64), rid)
         if not got.ready:
-            parked[rid] = (turn, prompt)
+            parked[rid] = (q, prompt)
             return
         cached = got.indices.numel()
         row = int(self.rows.alloc(1)[0])
         self.rows.write(row, 0, got.indices)
-        result = Result(turn.session, turn.turn, prompt, [], got.device_hit, got.host_hit, got.storage_hit, cached)
+        turn = q.turn
+        result = Result(turn.session, turn.turn, prompt, [], got.device_hit, got.host_hit, got.storage_hit, cached,
+                        ticket=q.ticket)
         last = int(got.indices[-1]) if cached else -1
-        active.append(_Active(rid, turn, prompt, row, cached, result, last, cached, list(prompt[:cached])))
+        active.append(_Active(rid, q.ticket, turn, prompt, row, cached, result, last, cached, list(prompt[:cached]),
+                              in_tree=cached, remember=q.remember))
 
     # -- forward steps ------------------------------------------------------------------------
 
@@ -168,7 +275,7 @@ class Engine:
             if active:
                 self.cache.abort(a.rid, self.rows.read(a.row, a.filled))
                 self.rows.free(torch.tensor([a.row], dtype=torch.int64))
-                waiting.appendleft(a.turn)
+                waiting.appendleft(_Queued(a.ticket, a.turn, a.remember))
                 self.preempted += 1
             else:
                 done.append(self._fail(a, f"device pool exhausted: no room for {n} more tokens"))
@@ -224,6 +331,7 @@ class Engine:
         kv = self.rows.read(a.row, a.pos)
         canon = self.cache.cache_unfinished(a.rid, np.asarray(a.fed, dtype=np.int64), kv)
         self.rows.write(a.row, 0, canon)
+        a.in_tree = a.pos - a.pos % self.page_size
 
     def _finish(self, a: _Active) -> Result:
         fed = np.asarray(a.fed, dtype=np.int64)  # prompt + outputs but the last: those have K/V
@@ -232,8 +340,8 @@ class Engine:
         except TransferError as exc:  # the cache released it already
             a.result.error = str(exc)
         self.rows.free(torch.tensor([a.row], dtype=torch.int64))
-        if a.result.error is None:
-            self.histories[a.turn.session] = a.prompt + a.result.output
+        if a.result.error is None and a.remember:
+            self.histories.put(a.turn.session, a.prompt + a.result.output)
         return a.result
 
     def _fail(self, a: _Active, why: str) -> Result:
@@ -242,6 +350,24 @@ class Engine:
         self.rows.free(torch.tensor([a.row], dtype=torch.int64))
         a.result.error = why
         return a.result
+
+
+def torch_threads() -> tuple[int, str]:
+    """(torch intra-op threads the engine runs with, where that number comes from). The
+    reference model's matmuls are small: one thread is fastest, and on a machine whose
+    cores other processes share, torch's default (a thread per core) thrashes (0.4 req/s
+    against 5-6 with one thread measured on 2 shared cores). OMP_NUM_THREADS overrides."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    if raw.strip().isdigit() and int(raw) >= 1:
+        return int(raw), "OMP_NUM_THREADS"
+    return 1, "default (the reference model's matmuls are small)"
+
+
+def set_torch_threads() -> int:
+    n, _ = torch_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
 
 
 def verify(model: TinyTransformer, result: Result, atol: float = 1e-5) -> float:

@@ -82,8 +82,13 @@ def _agent(n: int, rng, vocab: int) -> list[Turn]:
 def load_trace(path: str | Path, vocab: int) -> list[Turn]:
     """Read a JSONL trace; every line is checked (field, value, what is allowed)."""
     turns = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text: a trace is JSONL, one turn per line "
+                                 "(a gzipped trace: gunzip it first)") from None
             if not line.strip():
                 continue
             try:
@@ -103,15 +108,21 @@ def _turn(obj: object, where: str, vocab: int) -> Turn:
     if unknown:
         raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}; allowed: session, turn, prompt, output_len")
     prompt = obj.get("prompt")
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-        raise ValueError(f"{where}: prompt must be a non-empty list of token ids in [0, {vocab})")
+    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and 0 <= t < vocab for t in prompt):
+        raise ValueError(f"{where}: prompt must be a non-empty list of token ids in [0, {vocab}) "
+                         "(JSON true/false are not token ids)")
     out_len = obj.get("output_len", 16)
-    if not isinstance(out_len, int) or out_len < 1:
+    if not _is_int(out_len) or out_len < 1:
         raise ValueError(f"{where}: output_len={out_len!r}: must be an integer >= 1")
     turn = obj.get("turn", 0)
-    if not isinstance(turn, int) or turn < 0:
+    if not _is_int(turn) or turn < 0:
         raise ValueError(f"{where}: turn={turn!r}: must be an integer >= 0")
     return Turn(str(obj.get("session", where)), turn, tuple(prompt), out_len)
+
+
+def _is_int(value) -> bool:
+    """A JSON integer: `true` is a bool, which Python counts as an int."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def write_trace(turns: list[Turn], path: str | Path) -> None:

@@ -88,7 +88,8 @@ def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:
 
 async def guarded(breaker: Breaker, call: Callable[[], Awaitable], fallback: Any) -> Any:
     """One store call behind the breaker, on the loop. A failure is `fallback` (a miss); a
-    timed-out call returns only once the store has stopped touching the caller's buffers."""
+    timed-out call returns only once the store has stopped touching the caller's buffers,
+    or has abandoned the call's stuck threads (a hung mount: the store is then down)."""
     if not breaker.admit():  # counted by the breaker
         return fallback
     try:
@@ -97,7 +98,7 @@ async def guarded(breaker: Breaker, call: Callable[[], Awaitable], fallback: Any
         breaker.failed(str(exc))
         settled = getattr(exc, "settled", None)
         if settled is not None:
-            await settled
+            breaker.abandoned(await settled)
         return fallback
     except StoreError as exc:
         breaker.failed(str(exc))

@@ -10,6 +10,7 @@ Page 0 (slots 0..page_size-1) is padding, as in the pool.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import threading
@@ -165,6 +166,8 @@ class HostMirror:
             # Triton has no CPU backend; its interpreter (tests) is the one way to run it here.
             log.info("io=kernel needs a GPU device; the CPU pool uses the direct path")
             self.io = "direct"
+        if self.io == "kernel" and importlib.util.find_spec("triton") is None:  # an optional dependency
+            raise ValueError("mirror.io='kernel' needs triton: pip install 'kvtier[cuda]' (or mirror.io: direct)")
 
     def _allocate(self, pages: int) -> list[list[torch.Tensor]]:
         """views[layer][part] -> `[pages, page_size, width]`; also sets `_all_layers[part]`:

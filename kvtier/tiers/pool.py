@@ -53,6 +53,10 @@ class PoolConfig:
         if self.attention not in ("mha", "mla"):
             raise ValueError(f"attention={self.attention!r}: allowed values are mha, mla")
         parse_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)") from None
 
     @property
     def page_layout(self) -> str:
@@ -70,12 +74,21 @@ class PoolConfig:
         return (self.num_kv_heads * self.head_dim, self.num_kv_heads * (self.v_head_dim or self.head_dim))
 
 
+def usable_device(device: str) -> torch.device:
+    """`device` as a torch device this torch can allocate on (a one-line error if not)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"pool.device={device!r}: this torch sees no CUDA device "
+                         f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use pool.device: cpu")
+    return dev
+
+
 class DeviceKVPool:
     """KV bytes on the device (CPU tensors when there is no GPU). Slot 0 is padding."""
 
     def __init__(self, config: PoolConfig) -> None:
         c = config
-        dtype, device = parse_dtype(c.dtype), torch.device(c.device)
+        dtype, device = parse_dtype(c.dtype), usable_device(c.device)
         rows = c.size + c.page_size
         if c.attention == "mla":
             shapes = [(rows, 1, c.kv_lora_rank + c.rope_dim)]
@@ -90,7 +103,7 @@ class DeviceKVPool:
                parts: list[torch.Tensor] | None, latent_split: bool = True) -> None:
         self.config = c = config
         self.dtype = parse_dtype(c.dtype)
-        self.device = torch.device(c.device)
+        self.device = usable_device(c.device)
         self.parts = parts  # the all-layer tensors, or None where each layer is its own tensor
         self.buffers = buffers
         self._latent_split = latent_split

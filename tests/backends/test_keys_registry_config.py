@@ -381,7 +381,7 @@ def test_tenant_key_is_never_printed_by_config_or_reprs(tmp_path, caplog):
 
 @pytest.mark.parametrize("namespace,env,message", [
     ("{tenant_key: 'c0ffee'}", {}, "namespace.tenant_key: key 1 of 1 is 6 characters; expected 64 hex digits"),
-    ("{tenant_key: 123456789}", {}, "namespace.tenant_key=***: expected a string"),
+    ("{tenant_key: 123456789}", {}, "namespace.tenant_key: expected a string (the value is not shown: a secret)"),
     ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": KEY + "x"}, "key 1 of 1 is 65 characters, not all hex digits"),
     ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": f"{KEY},{KEY}"}, "namespace.tenant_key: the same key appears twice"),
     ("{}", {"KVTIER_NAMESPACE_TENANT_KEY": " , "}, "namespace.tenant_key: no key in it"),

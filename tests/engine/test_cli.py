@@ -6,12 +6,12 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from http.server import ThreadingHTTPServer
 
 import pytest
 
 from kvtier.cli.main import default_config, main
-from kvtier.cli.serve import Server, make_handler
+from kvtier.cli.serve import Limits, Listener, Server
+from kvtier.cli.serve_app import build_app
 
 
 @pytest.fixture
@@ -62,10 +62,8 @@ def test_stats_config_inspects_a_filled_file_store(cache_home, tmp_path, capsys)
 
 def test_serve_and_stats_url_end_to_end(cache_home, capsys):
     server = Server(default_config())
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    listener = Listener(build_app(server), "127.0.0.1", 0, Limits(log_level="warning")).start()
+    url = listener.url
     try:
         def post(path, body):
             req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
@@ -114,7 +112,7 @@ def test_serve_and_stats_url_end_to_end(cache_home, capsys):
         assert third["output"] == first["output"] and third["hits"]["device"] == 0
         assert third["hits"]["storage"] > 0  # the store kept its pages across the flush
     finally:
-        httpd.shutdown()
+        listener.stop()
         server.close()
 
 
@@ -230,7 +228,8 @@ def test_replay_against_an_unwritable_store_root_shows_the_failed_writes(cache_h
     (cache_home / "kvtier").write_text("not a directory")  # every page's directory fails to appear
     assert main(["replay", "--requests", "12", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["store"]["set_failures"] > 0 and s["store"]["errors"] > 0 and s["bytes"]["host_to_store"] == 0
+    # no page goes to the store before its namespace's manifest (retried at every backup)
+    assert s["store"]["errors"] > 0 and s["bytes"]["host_to_store"] == 0
     assert main(["replay", "--requests", "12"]) == 0
     assert "store trouble" in capsys.readouterr().out
 
@@ -297,9 +296,9 @@ def test_store_ls_du_verify_prune_purge_on_a_filled_file_store(cache_home, capsy
 
 def test_serve_token_body_cap_and_unknown_paths(cache_home):
     server = Server(default_config())
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server, token="s3cret", max_body=4096))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    listener = Listener(build_app(server, token="s3cret", max_body=4096), "127.0.0.1", 0,
+                        Limits(log_level="warning")).start()
+    url = listener.url
 
     def call(path, body=None, token="s3cret"):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -318,7 +317,7 @@ def test_serve_token_body_cap_and_unknown_paths(cache_home):
         assert code == 413 and "at most 4096" in body["error"]
         assert call("/generate", json.dumps({"prompt": [1, 2, 3], "max_new_tokens": 2}).encode())[0] == 200
     finally:
-        httpd.shutdown()
+        listener.stop()
         server.close()
 
 

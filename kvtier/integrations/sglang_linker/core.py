@@ -144,6 +144,7 @@ class LinkerCore:
         self.queued: dict[str, LoadOp] = {}
         self.started: dict[int, LoadBatch] = {}
         self.orphans: list[tuple[StoreRead, np.ndarray]] = []  # ended reads whose pages wait to settle
+        self.quarantined: list[np.ndarray] = []  # pages of abandoned store reads: never reused
         self.next_index = 0
         self.closed = False
 
@@ -255,7 +256,9 @@ class LinkerCore:
         if self.orphans:
             still = []
             for read, pages in self.orphans:
-                if read.settled:
+                if read.settled and read.abandoned:  # a stuck thread may still write them
+                    self.quarantined.append(pages)
+                elif read.settled:
                     self.index.release(pages)
                 else:
                     still.append((read, pages))
@@ -464,7 +467,7 @@ class LinkerCore:
         for op in list(self.queued.values()) + [o for b in self.started.values() for o in b.loads]:
             if op.read is not None:
                 owned += op.host_pages[op.read_index].tolist()
-        for _, pages in self.orphans:
+        for pages in [p for _, p in self.orphans] + self.quarantined:
             owned += pages.tolist()
         if sorted(owned) != sorted(self.index.reserved):
             problems.append(f"reserved host pages {sorted(self.index.reserved)[:8]}... are not those ops hold "
@@ -484,7 +487,8 @@ class LinkerCore:
         out = {"counters": self.counters.as_dict(),
                "host": {"pages_total": alloc.num_pages, "pages_free": alloc.available_size() // self.page_size,
                         "pages_published": len(self.index.pages), "pages_pinned": len(self.index.pins),
-                        "pages_evicted": self.index.evicted_pages},
+                        "pages_evicted": self.index.evicted_pages,
+                        "pages_quarantined": sum(p.size for p in self.quarantined)},
                "queues": {"offloads": len(self.offloads), "loads_queued": len(self.queued),
                           "loads_started": len(self.started), "store_writes": len(self.backups)},
                "namespace": self.settings.namespace.id}

@@ -38,6 +38,7 @@ class StoreRead:
     answered: bool = False  # the store answered: a page short of `keys` missed or did not verify
     finished: bool = False
     settled: bool = False
+    abandoned: bool = False  # given up on stuck (a hung mount): a thread may still write its pages
 
 
 class LinkerStore:
@@ -100,7 +101,7 @@ class LinkerStore:
             read.finished = True
             self.progress.set()
         if settled is not None:
-            await settled
+            read.abandoned = self.worker.breaker.abandoned(await settled)
         read.settled = True
         self.progress.set()
 

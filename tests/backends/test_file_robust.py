@@ -1,0 +1,156 @@
+"""The file store against a root that others (or accidents) changed: entries that vanish or do
+not stat, oversized and sparse page files, a wrong usage count, symlinked fan-out
+directories, a root that is a file. Each failed on main as the test says."""
+
+import contextlib
+import os
+
+import pytest
+
+from kvtier.backends.file import USAGE, FileStore, FileStoreConfig
+from kvtier.errors import StoreUnavailable
+from kvtier.hashing import make_key
+
+NS = "cd" * 16
+PAGE = bytes(range(256)) * 4  # 1 KiB
+
+
+def _key(i: int, first: int | None = None) -> str:
+    h = bytes([i]) * 32 if first is None else bytes([first]) + bytes([i]) * 31
+    return make_key("kvtier", NS, h)
+
+
+def store_at(tmp_path, **cfg) -> FileStore:
+    return FileStore(FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1, **cfg), timeout_s=10)
+
+
+async def filled(tmp_path, n=10, **cfg) -> FileStore:
+    store = store_at(tmp_path, **cfg)
+    keys = [_key(i) for i in range(1, n + 1)]
+    assert all(await store.batch_set(keys, [PAGE] * n))
+    return store
+
+
+async def test_open_tolerates_a_page_path_that_does_not_stat(tmp_path):
+    """main: FileNotFoundError from the open's stat; every tierctl command exited at start."""
+    store = await filled(tmp_path)
+    await store.close()
+    dangling = store.path(_key(99))
+    dangling.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(tmp_path / "nowhere", dangling)
+    again = store_at(tmp_path)
+    assert await again.batch_exists([_key(i) for i in range(1, 11)]) == 10
+    assert await again.batch_exists([_key(99)]) == 0
+    await again.close()
+
+
+async def test_verify_reads_at_most_a_pages_declared_size(tmp_path):
+    """main: a page file read whole (a symlink to /dev/zero never ends; a huge one fills memory)."""
+    store = await filled(tmp_path, n=3)
+    zero = store.path(_key(1))
+    os.unlink(zero)
+    os.symlink("/dev/zero", zero)
+    big = store.path(_key(2))
+    with open(big, "r+b") as f:
+        f.seek(64 << 20)
+        f.write(b"x")  # a sparse 64 MiB tail past the declared payload
+    got = await store.check([_key(1), _key(2), _key(3)])
+    assert got[0] and got[1] and got[2] is None  # bad, bad, good: each said, none read whole
+    assert "trailing" in str(got[1]) or "payload" in str(got[1])
+    await store.close()
+
+
+async def test_a_sparse_huge_page_file_is_evicted_first_not_the_good_pages(tmp_path):
+    """main: one sparse 8 GiB page file made the next replay evict 505 of 588 pages."""
+    store = await filled(tmp_path, capacity_bytes=64 << 10, max_page_bytes=8 << 10)
+    await store.close()
+    with open(store.path(_key(5)), "r+b") as f:
+        f.truncate(1 << 30)  # sparse: a 1 GiB size, no blocks
+    again = store_at(tmp_path, capacity_bytes=64 << 10, max_page_bytes=8 << 10)
+    assert await again.batch_set([_key(50)], [PAGE]) == [True]
+    assert again.counters.evictions == 1  # the oversized file only
+    keys = [_key(i) for i in range(1, 11) if i != 5]
+    assert [await again.batch_exists([k]) for k in keys] == [1] * 9
+    await again.close()
+
+
+async def test_a_wrong_usage_count_is_recounted_before_anything_is_evicted(tmp_path):
+    """main: one flipped digit in .kvtier-usage evicted 620 pages."""
+    store = await filled(tmp_path, capacity_bytes=64 << 10)
+    with open(store.root / USAGE, "wb") as f:
+        f.write(b"%020d" % (9 << 30))
+    assert await store.batch_set([_key(50)], [PAGE]) == [True]
+    assert store.counters.evictions == 0
+    assert int((store.root / USAGE).read_bytes()) < 64 << 10
+    await store.close()
+
+
+async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root(tmp_path):
+    """main: writes followed the symlink (133 page files outside the root)."""
+    store = store_at(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    key = _key(7, first=0xAA)
+    fanout = store.path(key).parent.parent  # <root>/kvtier/<ns>/aa
+    fanout.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(outside, fanout)
+    assert await store.batch_set([key, _key(8)], [PAGE, PAGE]) == [False, True]
+    assert not any(outside.rglob("*"))
+    assert await store.batch_exists([key]) == 0
+    await store.close()
+
+
+def test_a_root_that_is_a_file_is_one_clear_line(tmp_path):
+    """main: 'File exists'."""
+    root = tmp_path / "l3"
+    root.write_text("not a directory")
+    with pytest.raises(StoreUnavailable, match="is a file, not a directory"):
+        FileStore(FileStoreConfig(root=str(root)))
+
+
+async def test_opening_a_root_that_another_process_churns(tmp_path):
+    """main: the open walked the root, then stat'ed each page: one unlinked in between raised
+    FileNotFoundError (300 opens against a churning writer)."""
+    import threading
+
+    store = await filled(tmp_path, n=40)
+    await store.close()
+    paths = [store.path(_key(i)) for i in range(1, 41)]
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():  # every page gone, then all back: opens meet both halves
+            for p in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            for p in paths:
+                p.write_bytes(PAGE)
+
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        for _ in range(150):
+            store_at(tmp_path)  # no I/O threads start before a call
+    finally:
+        stop.set()
+        writer.join(10)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+async def test_verify_of_a_sealed_store_reads_a_pages_declared_size(tmp_path, encrypt):
+    """The bounded read knows a sealed header's size too: sealed pages verify good, and a
+    sealed page with a sparse tail is bad, not read whole (with the plain header's bound
+    alone every sealed page was bad)."""
+    from kvtier.backends.seal import SealedCodec
+    from kvtier.tenant_keys import parse_keys
+
+    store = store_at(tmp_path)
+    store.seal_with(SealedCodec(parse_keys("07" * 32, "test"), encrypt))
+    keys = [_key(i) for i in range(1, 4)]
+    assert all(await store.batch_set(keys, [PAGE] * 3))
+    with open(store.path(keys[0]), "r+b") as f:
+        f.seek(64 << 20)
+        f.write(b"x")
+    got = await store.check(keys)
+    assert got[0] is not None and got[1] is None and got[2] is None
+    await store.close()

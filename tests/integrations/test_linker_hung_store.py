@@ -1,0 +1,62 @@
+"""The SGLang linker over a file store on a hung mount (a FIFO at each page path: its open
+never returns). The load's store read is abandoned after its timeout and a grace as long;
+the host pages it was reading into stay out of use for good (a stuck thread may still write
+them), counted, and the accounting balances. Without the quarantine they went back to the
+host tier's free pages once the read settled. Engine-free: LinkerCore needs no SGLang."""
+
+import asyncio
+import errno
+import os
+
+import torch
+
+from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.hashing import Namespace
+from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
+from kvtier.testing.linker_sim import page_keys
+from kvtier.tiers.mirror import MirrorConfig
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+
+PS, LAYERS, PAGES = 4, 2, 3
+
+
+def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path):
+    pool = DeviceKVPool(PoolConfig(size=PS * 8, num_layers=LAYERS, page_size=PS, num_kv_heads=1, head_dim=2,
+                                   dtype="float32"))
+    page_bytes = PS * 4 * LAYERS * 4
+    settings = LinkerSettings(Namespace("m", "float32", "t", PS),
+                              mirror=MirrorConfig(size_bytes=page_bytes * 8, layout="page_first"))
+    cfg = FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1)
+    keys = page_keys([1, 2, 3])
+    writer = FileStore(cfg, timeout_s=0.3)
+    core = LinkerCore(pool, settings, writer)
+    store_keys = core.l3.keys(keys)
+    core.close()
+    writer = FileStore(cfg, timeout_s=0.3)
+
+    async def fill():
+        assert all(await writer.batch_set(store_keys, [bytes(page_bytes)] * PAGES))
+        await writer.close()
+
+    asyncio.run(fill())
+    fifos = [str(writer.path(k)) for k in store_keys]
+    for p in fifos:
+        os.unlink(p)
+        os.mkfifo(p)
+    core = LinkerCore(pool, settings, FileStore(cfg, timeout_s=0.3))  # the FIFOs are indexed: they stat
+    try:
+        assert core.load("r1", keys, torch.arange(PS, PS + PAGES * PS))
+        assert core.cancel_queued_load("r1")  # SGLang's release_request while the read hangs
+        core.quiesce()  # waits for the read to settle: abandoned after timeout + grace
+        host = core.stats()["host"]
+        assert host["pages_quarantined"] == PAGES
+        assert host["pages_free"] == host["pages_total"] - PAGES
+        assert core.check_accounting() == []
+        assert core.stats()["store"]["store_down"]
+    finally:
+        for p in fifos:  # let the stuck thread go: nothing outlives the test
+            try:
+                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError as exc:
+                assert exc.errno in (errno.ENXIO, errno.ENOENT)
+        core.close()
