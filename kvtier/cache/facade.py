@@ -36,6 +36,7 @@ import torch
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
 from kvtier.backends.seal import SealedCodec
+from kvtier.cache import report
 from kvtier.cache.completions import Completions
 from kvtier.cache.loads import Loads
 from kvtier.cache.prefetch import Prefetcher
@@ -160,15 +161,8 @@ class TieredCache:
         return cls(load_config(path, overrides), tp_group)
 
     def describe(self) -> str:
-        c = self.config
-        mirror = "none" if self.mirror is None else (
-            f"{c.mirror.layout} {self.mirror.size} slots ({'pinned' if self.mirror.pinned else 'plain memory'}) io={self.mirror.io}")
-        store = self.controller.store
-        return (f"tree page_size={c.pool.page_size} eviction={c.tree.eviction_policy.value} hash={c.tree.hash_algo} | "
-                f"pool {c.pool.attention} {c.pool.num_layers} layers {c.pool.size} slots {c.pool.dtype} {c.pool.device} | "
-                f"mirror {mirror} | write={c.controller.write_policy.value} prefetch={c.controller.prefetch_policy.value} "
-                f"threads on CPUs {c.controller.cpus or 'any'} | "
-                f"store {store.name if store else 'none'} | namespace {self.namespace.id}")
+        """The start-up log line: tree, pool, mirror, policies, threads, store, namespace."""
+        return report.describe(self)
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -482,29 +476,8 @@ class TieredCache:
             raise AssertionError("kvtier accounting broken:\n  " + "\n  ".join(problems))
 
     def stats(self) -> dict:
-        tiers = {"device": self._tier_sizes(D, self.config.pool.size, self.slots.device_free())}
-        if self.mirror is not None:
-            tiers["host"] = self._tier_sizes(H, self.mirror.size, self.controller.host_available())
-        c = self.controller
-        out = {"counters": self.stats_obj.as_dict(), "tiers": tiers,
-               "queues": {**c.queue_sizes(), **self._request_ages()}}
-        if c.store is not None:
-            out["store"] = {**c.store.stats(), **c.storage.breaker.stats(), **c.storage.speed.stats()}
-        return out
-
-    def _request_ages(self) -> dict:
-        """Requests held (acquired, not finished) and waiting for a prefetch, with the age of
-        the oldest of each: one that only grows is a request an engine forgot, or one never
-        named ready. Read from any thread (a metrics scrape): snapshots, taken atomically."""
-        held, oldest = self.requests.ages()
-        waiting = self.prefetcher.waiting_since()
-        return {"requests_held": held, "oldest_held_s": oldest,
-                "requests_waiting": len(waiting),
-                "oldest_waiting_s": max((time.perf_counter() - t for t in waiting), default=0.0)}
-
-    def _tier_sizes(self, tier: Tier, total: int, free: int) -> dict:
-        return {"total_tokens": total, "free_tokens": free, "evictable_tokens": self.tree.evictable_size(tier),
-                "protected_tokens": self.tree.protected_size(tier)}
+        """Counters, tier sizes, queues and the store's own numbers (`cache/report.py`)."""
+        return report.stats(self)
 
     def metrics_registry(self):
         """A Prometheus CollectorRegistry of this cache's metrics (nothing global)."""

@@ -24,6 +24,7 @@ import torch
 from kvtier.hashing import page_hashes
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
+from kvtier.tree.hash_plan import HashPlan
 from kvtier.tree.key import RadixKey, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
@@ -400,7 +401,7 @@ class RadixTree:
         plan = self._hash_plan(anchor)
         return lambda: page_hashes(key.tokens, ps, ns, key.extra_key, plan()[-1][-1], algo)
 
-    def _hash_plan(self, node: TreeNode) -> "_HashPlan | None":
+    def _hash_plan(self, node: TreeNode) -> HashPlan | None:
         """What computes the chains of `node` and its ancestors not hashed yet, root-down;
         None when `node`'s is known."""
         pending, n = [], node
@@ -411,7 +412,7 @@ class RadixTree:
             return None
         pending.reverse()
         prev = n.hashes[-1] if n is not self.root else None
-        return _HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
+        return HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
                          self.page_size, self.namespace_id, self.hash_algo)
 
     def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
@@ -529,30 +530,6 @@ def _edge_match(child: TreeNode, data: bytes, tokens: np.ndarray, offset: int, e
     if offset + n <= end and data.startswith(edge, offset << 3):
         return n
     return common_prefix(child.key.tokens, tokens, offset, end, ps)
-
-
-class _HashPlan:
-    """The chains of `nodes` (root-down), from their token arrays and known first hashes
-    taken when it was made, continuing from `prev`: safe to run on another thread."""
-
-    __slots__ = ("nodes", "parts", "prev", "page_size", "namespace_id", "algo")
-
-    def __init__(self, nodes: list[TreeNode], parts: list[tuple], prev: bytes | None, page_size: int,
-                 namespace_id: str, algo: str) -> None:
-        self.nodes, self.parts, self.prev = nodes, parts, prev
-        self.page_size, self.namespace_id, self.algo = page_size, namespace_id, algo
-
-    def __call__(self) -> list[list[bytes]]:
-        out, prev, ps = [], self.prev, self.page_size
-        for tokens, extra_key, known in self.parts:
-            if known:
-                chain = known + page_hashes(tokens[len(known) * ps:], ps, self.namespace_id, extra_key, known[-1],
-                                            self.algo)
-            else:
-                chain = page_hashes(tokens, ps, self.namespace_id, extra_key, prev, self.algo)
-            out.append(chain)
-            prev = chain[-1]
-        return out
 
 
 def _check_hashes(what: str, hashes: object) -> None:
