@@ -92,6 +92,8 @@ class _FreeList:
         self.released_count = 0
         self.group: list[np.ndarray] | None = None
         self.held = np.zeros(n + 1, dtype=bool)  # handed out and not given back
+        self._seen = np.zeros(n + 1, dtype=np.int64)  # scratch of `_repeats`
+        self._order = np.arange(n + 1, dtype=np.int64)
 
     def available(self) -> int:
         return self.free.size + self.released_count
@@ -105,10 +107,14 @@ class _FreeList:
         self.held[out] = True
         return out
 
-    def give(self, units: np.ndarray, what: str) -> None:
+    def give(self, units: np.ndarray, what: str, distinct: bool = True) -> None:
+        """Take `units` back. `distinct=False`: they may repeat (the slots of a page-1
+        pool, where a slot is a page), and each is taken back once."""
         if units.size == 0:
             return
         self._check(units, what)
+        if not distinct and self._repeats(units):
+            units = _distinct(units)
         self.held[units] = False
         if self.group is not None:
             self.group.append(units)
@@ -126,6 +132,16 @@ class _FreeList:
             raise ValueError(f"free: {what} listed twice in one call (double free)")
         if bad.size:
             raise ValueError(f"free: {what} {bad[:8].tolist()} are not allocated (double free?)")
+
+    def _repeats(self, units: np.ndarray) -> bool:
+        """Is a unit of `units` (all in range) listed twice? Each unit's position is
+        scattered into a scratch row and read back: a repeated unit reads its last
+        position at its first. Three numpy calls, no sort (about an eighth of `_distinct`
+        on a request's slots)."""
+        k = units.shape[0]
+        order = self._order[:k] if k <= self.n + 1 else np.arange(k, dtype=np.int64)
+        self._seen[units] = order
+        return bool((self._seen[units] != order).any())
 
     def not_held(self, units: np.ndarray) -> np.ndarray:
         """The units of `units` that are not handed out: those out of range (padding
@@ -276,7 +292,10 @@ class PagedAllocator:
 
     def free_slots(self, slots: np.ndarray) -> None:
         """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
-        self._free.give(_pages_touched(pages_of(slots, self.page_size), self.page_size), "pages")
+        if self.page_size == 1:  # a slot is a page: repeats are rare, and found without a set
+            self._free.give(slots, "pages", distinct=False)
+        else:
+            self._free.give(_pages_touched(pages_of(slots, self.page_size), self.page_size), "pages")
 
     def free_group(self):
         return self._free.grouped()

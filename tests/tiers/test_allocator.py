@@ -273,3 +273,17 @@ def test_alloc_pages_and_free_pages_by_number():
     with pytest.raises(ValueError, match="not allocated"):
         a.free_pages(pages[2:])  # page 3 went back already
     assert a.available_size() == 32 - 4 and a.alloc_slots(4).tolist() == [16, 17, 18, 19]  # page 4: never used
+
+
+def test_a_page_1_free_listing_a_slot_twice_frees_it_once():
+    """At page size 1 a slot is a page: one listed twice in a free is one page touched,
+    taken back once (found without a set: `_FreeList._repeats`)."""
+    a = PagedAllocator(16, 1)
+    got = a.alloc(4)
+    a.free(torch.tensor([got[1], got[1], got[2]]))
+    assert a.available_size() == 14
+    rest = a.alloc(14)
+    assert len(set(rest.tolist())) == 14 and a.alloc(1) is None
+    a.free(torch.tensor([got[0], got[0]]))
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(torch.tensor([got[0]]))  # freed once above, however often it was listed
