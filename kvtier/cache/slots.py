@@ -142,9 +142,10 @@ class Slots:
         storage = self.ctl.storage
         if storage is None or not storage.keeps_page_order:
             return  # no hashes gathered on the scheduler thread for a store that ignores them
-        hashes = [h for node in nodes if node.hashes for h in node.hashes]
-        if hashes:
-            storage.touch(PageKeys(hashes, self.key_of))
+        chains = [node.hashes for node in nodes if node.hashes]  # removed nodes: nobody changes them
+        count = sum(map(len, chains))
+        if count:  # flattened by the storage thread, with the keys
+            storage.touch(PageKeys(lambda: [h for chain in chains for h in chain], self.key_of, count))
 
 
 class Part:
