@@ -92,10 +92,31 @@ class Completions:
         self.agreement = agreement
         self.tp = agreement.world_size > 1
         self.counters = counters
+        # `ctl.moves()` read at the start of the last full poll, if it applied everything it
+        # read (None: the next poll reads everything). One rank only: ranks poll in lockstep,
+        # one collective each, whatever moved where.
+        self._quiet_at: int | None = None
+        self._may_skip = not self.tp and not agreement.consensus_check
 
     def poll(self) -> None:
+        """Apply what every rank has finished. On one rank, a poll after which nothing has
+        moved — no copy or store op changed (`ctl.moves()`), the scheduler changed nothing the
+        prefetches read (`Prefetcher.quiet`), no write queued — returns at once: the full
+        poll would agree on the same numbers and apply nothing."""
         ctl, pf = self.ctl, self.prefetcher
         ctl.flush_writes()
+        moves = ctl.moves()  # before anything is read: a change after it shows at the next poll
+        self.counters.polls += 1
+        if moves == self._quiet_at and pf.quiet():
+            self.counters.polls_idle += 1
+            return
+        pf.changed = False
+        errors = self.counters.apply_errors
+        self._full_poll()
+        self._quiet_at = moves if self._may_skip and self.counters.apply_errors == errors else None
+
+    def _full_poll(self) -> None:
+        ctl, pf = self.ctl, self.prefetcher
         live = pf.live()
         pf.wish_stops(live)
         agreed = PollReport.of(ctl.finished(), live, ctl.unsettled(), ctl.writes_landed() if self.tp else []) \

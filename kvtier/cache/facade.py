@@ -200,10 +200,12 @@ class TieredCache:
             raise ValueError(f"acquire: request_id={request_id!r}: must be a str")
         if request_id in self.requests:
             raise ValueError(f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first")
-        key = self.key(tokens, extra_key)
         first = not self.prefetcher.started(request_id)
         if not self.prefetcher.is_ready(request_id):
             return Acquired(False, _EMPTY)
+        key = None if first else self.prefetcher.same_key(request_id, tokens, extra_key)
+        if key is None:
+            key = self.key(tokens, extra_key)
         if first:
             m = self.tree.match_prefix(key)
             if self.prefetcher.start(request_id, key, m):

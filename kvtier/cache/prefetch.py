@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Callable
 
+import numpy as np
+
 from kvtier.cache.slots import Part, Slots
 from kvtier.controller.config import ControllerConfig, PrefetchPolicy
 from kvtier.controller.stats import CacheStats
@@ -64,6 +66,9 @@ class Prefetcher(Part):
         self.clock = clock
         self.prefetches: dict[str, PrefetchState] = {}  # in start order (replicated)
         self._ready: list[str] = []  # requests named ready since `take_ready`
+        # the scheduler changed something a poll reads (a stop wish, a new prefetch) since the
+        # last full poll: the next one reads everything (`quiet`)
+        self.changed = False
 
     # -- the request's side -------------------------------------------------------------------
 
@@ -87,6 +92,7 @@ class Prefetcher(Part):
         if anchor is not self.tree.root:
             self.tree.protect_host(anchor)
         self.prefetches[request_id] = PrefetchState(op, key, suffix, start // ps, anchor, deadline)
+        self.changed = True
         self.ctl.prefetch(op)
         self.counters.prefetches += 1
         return True
@@ -114,12 +120,23 @@ class Prefetcher(Part):
         taken = p.op.inserted * self.page_size
         if p.result is None:
             p.want_stop, p.link = True, Link.DISCARDED
+            self.changed = True
         else:
             del self.prefetches[request_id]
         chain = p.op.keys.hashes  # None if the storage thread never hashed them (store down)
         if chain is None or key is None or not same_prefix(key, p.whole, (p.first + len(chain)) * self.page_size):
             return taken, None
         return taken, KnownHashes(p.first, chain)
+
+    def same_key(self, request_id: str, tokens, extra_key: str | None) -> RadixKey | None:
+        """The key the request's prefetch was started with, if `tokens` (a numpy array, as
+        kvtier's own callers pass) and `extra_key` are the same again: the second acquire of
+        a request does not copy and check its prompt a second time. Else None."""
+        p = self.prefetches.get(request_id)
+        if p is None or not isinstance(tokens, np.ndarray) or tokens.dtype != np.int64 or extra_key != p.whole.extra_key:
+            return None
+        whole = p.whole.tokens
+        return p.whole if tokens.shape == whole.shape and tokens.tobytes() == whole.tobytes() else None
 
     def take_ready(self) -> list[str]:
         """The requests named ready since the last call."""
@@ -146,6 +163,20 @@ class Prefetcher(Part):
     def stop_all(self) -> None:
         for p in self.prefetches.values():
             p.want_stop = True
+        self.changed = True
+
+    def quiet(self) -> bool:
+        """Would a poll whose background state did not move since the last full one change
+        nothing here? Not after a change of the scheduler's own (`changed`), nor while a
+        prefetch's deadline or its poll count (best effort) decides when its request goes on."""
+        if self.changed:
+            return False
+        policy = self.cfg.prefetch_policy
+        if policy == PrefetchPolicy.WAIT_COMPLETE or not self.prefetches:
+            return True
+        if policy == PrefetchPolicy.TIMEOUT:
+            return all(p.deadline is None or p.result is not None for p in self.prefetches.values())
+        return all(p.link is not Link.WAITING for p in self.prefetches.values())
 
     def forget_ended(self) -> None:
         self.prefetches = {rid: p for rid, p in self.prefetches.items() if p.result is None}

@@ -119,6 +119,7 @@ class CacheController:
         self._prefetches: dict[str, PrefetchOp] = {}  # in submission order
         self._unsettled: list[PrefetchOp] = []  # ended, but the store may still write their pages
         self._quarantined: list[np.ndarray] = []  # host pages an abandoned store read may still write
+        self._copies_done = 0  # write and load handles finished (bumped by their runners)
 
     @property
     def store(self) -> Store | None:
@@ -173,6 +174,9 @@ class CacheController:
 
     def grant(self, op: PrefetchOp, pages: int) -> int:
         """Reserve up to `pages` free host pages for `op` and let its reads start."""
+        if pages == 0 and op.present == 0:  # this rank's store holds none: its op waits for no grant
+            op.granted = True
+            return 0
         ps = self.page_size
         with self.host_lock:
             take = min(pages, self.mirror.allocator.available_size() // ps)
@@ -208,7 +212,7 @@ class CacheController:
         dev = _joined([op.device_slots for op in ops])
         host = _joined([op.host_slots for op in ops])
         mirror, pool = self.mirror, self.pool
-        handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle())
+        handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle(on_done=self._copy_done))
         writes = self._queues[OpKind.WRITE]
         for op in ops:
             op.handle = handle
@@ -234,7 +238,7 @@ class CacheController:
                 mirror.load_layer(pool, host_slots, device_slots, layer, plan)
                 h.layer_done(layer)
 
-        handle = self.load_stream.submit(job, Handle(pool.num_layers))
+        handle = self.load_stream.submit(job, Handle(pool.num_layers, self._copy_done))
         op = LoadOp(host_slots, device_slots, tag, handle)
         self._queues[OpKind.LOAD].append(op)
         return op
@@ -282,6 +286,15 @@ class CacheController:
         return [op for op, done in zip(head, settled) if done]
 
     # -- completion ---------------------------------------------------------------------------
+
+    def _copy_done(self) -> None:
+        self._copies_done += 1  # by the stream's runner, after the handle says done
+
+    def moves(self) -> int:
+        """A count that grows after every change the background threads make to what
+        `finished()`, `unsettled()` and the prefetch ops report (each bumps it after its
+        change). Equal at two reads: nothing of that moved in between."""
+        return self._copies_done + (self.storage.moves if self.storage is not None else 0)
 
     def finished(self) -> Finished:
         """Leading finished ops of each kind (snapshots; only grow)."""

@@ -59,6 +59,8 @@ class Counters:
     prefetch_errors: int = 0
     prefetch_skipped_store_down: int = 0
     prefetch_skipped_slow: int = 0  # loads expected slower than recomputing (controller/speed.py)
+    polls: int = 0
+    polls_idle: int = 0  # of those: nothing had moved since the last one, so none was read (completions.py)
 
 
 @dataclass

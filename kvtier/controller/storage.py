@@ -168,6 +168,13 @@ class StorageWorker:
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
+        self.moves = 0  # bumped after each change to an op the scheduler reads (`_moved`)
+
+    def _moved(self) -> None:
+        """An op changed (its fields are written first): the scheduler's next poll reads
+        them (`moves` tells it something moved), and an idle scheduler wakes up."""
+        self.moves += 1
+        self.progress.set()
 
     def _run(self, cpus: frozenset[int] | None) -> None:
         keep_to(cpus)  # before any store thread is started from here: they inherit it
@@ -237,11 +244,11 @@ class StorageWorker:
             if op.present is None:
                 op.present = 0
             op.finished = True
-            self.progress.set()
+            self._moved()
         if settled is not None and self.breaker.abandoned(await settled):
             op.quarantined = op.reading  # a stuck thread may still write them
         op.settled = True
-        self.progress.set()
+        self._moved()
 
     async def _prefetch_pages(self, op: PrefetchOp):
         """Read the op's pages; returns what to await before its pages are free (or None)."""
@@ -258,10 +265,10 @@ class StorageWorker:
             if present and not self.speed.worth_loading(present, -(-present // self.chunk),
                                                         present * op.tokens // len(op.keys)):
                 op.present, op.outcome = 0, Outcome.SLOW_STORE
-                self.progress.set()
+                self._moved()
                 return None
             op.present = present
-            self.progress.set()
+            self._moved()
             if op.present == 0:
                 op.outcome = Outcome.DONE
                 return
@@ -286,7 +293,7 @@ class StorageWorker:
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
                 op.landed += run
-                self.progress.set()
+                self._moved()
                 if run < len(ok):
                     op.outcome = Outcome.PARTIAL  # a miss or a page that did not verify: stop at it
                     return
@@ -369,11 +376,11 @@ class StorageWorker:
         finally:
             if settled is None:
                 op.finished = True
-                self.progress.set()
+                self._moved()
         if settled is not None:
             self.breaker.abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
             op.finished = True
-            self.progress.set()
+            self._moved()
 
     def _payloads(self, pages: np.ndarray) -> list:
         if self.mirror.config.layout == "page_first":

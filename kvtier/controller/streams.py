@@ -43,15 +43,16 @@ class Handle:
     """Completion of one job: `landed` layers (in order, for loads) and `done` overall.
     The job's runner signals (`layer_done`, `finish`, `fail`); anyone may wait."""
 
-    __slots__ = ("num_layers", "landed", "done", "error", "cuda_events", "run_here")
+    __slots__ = ("num_layers", "landed", "done", "error", "cuda_events", "run_here", "on_done")
 
-    def __init__(self, num_layers: int = 0) -> None:
+    def __init__(self, num_layers: int = 0, on_done: Callable[[], None] | None = None) -> None:
         self.num_layers = num_layers
         self.landed = 0  # layers [0, landed) have landed (all of them once done)
         self.done = False
         self.error: BaseException | None = None
         self.cuda_events: list | None = None  # CUDA stream: one per layer, made by its worker
         self.run_here: Callable[[], None] | None = None  # CPU stream: run the job on the waiter's thread if not started
+        self.on_done = on_done  # called by the runner once `done` is set (the controller counts moves)
 
     def layer_done(self, layer: int) -> None:
         if self.cuda_events is not None:
@@ -63,6 +64,8 @@ class Handle:
     def finish(self) -> None:
         with _SIGNAL:
             self.landed, self.done = self.num_layers, True
+            if self.on_done is not None:  # before any waiter wakes: one that polls next sees it
+                self.on_done()
             _SIGNAL.notify_all()
 
     def fail(self, exc: BaseException) -> None:

@@ -740,3 +740,35 @@ def test_pages_that_leave_host_are_touched_in_redis(redis_server):
     finally:
         cache.close()
         raw.close()
+
+
+def test_the_second_acquire_reads_the_tokens_it_is_given_not_the_first_ones():
+    """The second acquire of a request reuses its first key only for the same tokens: a
+    buffer the engine refilled in between is the prompt now."""
+    from tests.controller.helpers import compute, make_cache, settle
+
+    cache = make_cache()
+    compute(cache, np.arange(100, 116), seed=1)
+    settle(cache)
+    cache.flush()
+    tokens = np.arange(100, 116)
+    assert not cache.acquire(tokens, "r").ready
+    tokens[:] = np.arange(300, 316)  # refilled in place: nothing of it is cached
+    while "r" not in cache.poll():
+        cache.wait_progress(0.01)
+    got = cache.acquire(tokens, "r")
+    assert got.ready and got.indices.numel() == 0, "the first acquire's tokens were matched"
+    cache.abort("r")
+    settle(cache)
+    cache.flush()  # the prefetch hung the pages on host: from the store again
+    again = np.arange(100, 116)
+    assert not cache.acquire(again, "s").ready
+    while "s" not in cache.poll():
+        cache.wait_progress(0.01)
+    got = cache.acquire(again, "s")  # the same tokens: the prefetched prefix
+    assert got.storage_hit == 16
+    cache.abort("s", got.indices)
+    settle(cache)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()

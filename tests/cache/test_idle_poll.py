@@ -1,0 +1,121 @@
+"""A poll after which nothing moved returns at once (`Completions.poll`), and never at the
+price of a completion, a stop or a retry: each test drives a request through the sequence a
+server runs and checks the poll that must not be skipped is not."""
+
+import asyncio
+import threading
+
+import numpy as np
+import torch
+
+from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+from tests.controller.helpers import acquire, compute, fill, forward, make_cache, read_back, same_kv, settle
+
+
+class GatedStore(MemoryStore):
+    """`batch_exists` answers only once the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStoreConfig())
+        self.gate = threading.Event()
+        self.asked = threading.Event()
+
+    async def _exists(self, keys):
+        self.asked.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.001)
+        return await super()._exists(keys)
+
+
+def _counters(cache):
+    c = cache.stats_obj.counters
+    return c.polls, c.polls_idle
+
+
+def test_polls_with_nothing_moved_are_idle_and_the_next_move_is_applied():
+    cache = make_cache()
+    kv = compute(cache, np.arange(100, 116), seed=1)
+    settle(cache)
+    polls, idle = _counters(cache)
+    for _ in range(5):
+        assert cache.poll() == []
+    assert _counters(cache) == (polls + 5, idle + 5)  # nothing ran in the background
+    cache.flush()  # from the store again: a prefetch, polls that apply it, a load
+    got, back = read_back(cache, np.arange(100, 116), "r")
+    assert got.storage_hit == 16 and same_kv(back, kv)
+    assert _counters(cache)[1] - idle < _counters(cache)[0] - polls  # the moves were read
+    settle(cache)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_an_abort_while_nothing_moves_stops_the_prefetch_at_the_next_poll():
+    """The scheduler's own change (a stop wish) is what the next poll must read: no
+    background thread moves while the store has not answered."""
+    store = GatedStore()
+    cache = make_cache(store_obj=store)
+    compute(cache, np.arange(100, 116), seed=1)
+    settle(cache)
+    cache.flush()
+    assert not cache.acquire(np.arange(100, 116), "r").ready  # its prefetch waits on the store
+    assert store.asked.wait(5)
+    cache.poll()
+    polls, idle = _counters(cache)
+    cache.poll()
+    assert _counters(cache) == (polls + 1, idle + 1)
+    op = cache.prefetcher.prefetches["r"].op
+    cache.abort("r")
+    cache.poll()
+    assert op.stop, "the abort's stop was not applied: the poll was skipped"
+    store.gate.set()
+    settle(cache)
+    assert "r" not in cache.prefetcher.prefetches
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(monkeypatch):
+    """Applying a landed prefetch raises once (a bug): it is released, and ends at a later
+    poll although its store op had already ended (no background move follows)."""
+    cache = make_cache()
+    kv = compute(cache, np.arange(100, 116), seed=1)
+    settle(cache)
+    cache.flush()
+    calls = []
+    real = cache.prefetcher._insert_landed
+
+    def flaky(p, landed):
+        calls.append(landed)
+        if len(calls) == 1:
+            raise RuntimeError("a bug while applying")
+        return real(p, landed)
+
+    monkeypatch.setattr(cache.prefetcher, "_insert_landed", flaky)
+    got = cache.acquire(np.arange(100, 116), "r")
+    assert not got.ready
+    op = cache.prefetcher.prefetches["r"].op
+    ready = []
+    while not op.granted:  # the store answered: a poll grants host pages
+        ready += cache.poll()
+        cache.wait_progress(0.01)
+    while not op.settled:  # the pages land, the op ends, with no poll in between
+        cache.wait_progress(0.01)
+    assert not calls
+    ready += cache.poll()  # applies the whole op at once: the insert raises
+    assert calls and cache.stats()["counters"]["apply_errors"] == 1
+    for _ in range(3):  # nothing moves any more: only a poll that reads it again ends it
+        ready += cache.poll()
+    assert ready == ["r"]
+    got = cache.acquire(np.arange(100, 116), "r")
+    assert got.ready and got.storage_hit == 0  # the broken prefetch inserted nothing
+    new = cache.alloc(16 - got.indices.numel())
+    forward(cache, "r")
+    fill(cache, new, seed=2)
+    cache.cache_finished("r", np.arange(100, 116), torch.cat([got.indices, new]))
+    settle(cache)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+    assert kv  # computed once, read back never: the test is about the poll, not the bytes
