@@ -107,13 +107,13 @@ class _FreeList:
         self.held[out] = True
         return out
 
-    def give(self, units: np.ndarray, what: str, distinct: bool = True) -> None:
-        """Take `units` back. `distinct=False`: they may repeat (the slots of a page-1
-        pool, where a slot is a page), and each is taken back once."""
+    def give(self, units: np.ndarray, what: str) -> None:
+        """Take `units` back, each once however often it is listed (the slots of a page-1
+        pool touch a page once each, and a repeat is rare: found without a set)."""
         if units.size == 0:
             return
         self._check(units, what)
-        if not distinct and self._repeats(units):
+        if self._repeats(units):
             units = _distinct(units)
         self.held[units] = False
         if self.group is not None:
@@ -292,10 +292,8 @@ class PagedAllocator:
 
     def free_slots(self, slots: np.ndarray) -> None:
         """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
-        if self.page_size == 1:  # a slot is a page: repeats are rare, and found without a set
-            self._free.give(slots, "pages", distinct=False)
-        else:
-            self._free.give(_pages_touched(pages_of(slots, self.page_size), self.page_size), "pages")
+        pages = slots if self.page_size == 1 else _pages_touched(pages_of(slots, self.page_size), self.page_size)
+        self._free.give(pages, "pages")  # (a slot is a page at page size 1: `give` drops repeats)
 
     def free_group(self):
         return self._free.grouped()
