@@ -21,10 +21,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvtier.hashing import page_hashes
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
-from kvtier.tree.hash_plan import HashPlan
+from kvtier.tree.hash_plan import HashPlan, adopt, chain_below, plan_chains, split_hashes, take_known
 from kvtier.tree.key import RadixKey, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
@@ -195,7 +194,7 @@ class RadixTree:
             if child is None:
                 child = self._add_child(node, key[offset:], tier, indices[offset:])
                 if hashes is not None:
-                    self._take_hashes(child, hashes.leading(offset // ps, len(child) // ps))
+                    take_known(child, hashes.leading(offset // ps, len(child) // ps), ps)
                 added.append(child)
                 offset = end
             else:
@@ -385,47 +384,17 @@ class RadixTree:
         """Keep a chain `hashing_of(node)` computed. `node` may have been split since: it
         kept its deeper half, whose pages are the chain's last ones (a page's hash is a
         function of the tokens from the root to its end)."""
-        pages = len(node) // self.page_size
-        if node.hashes is None and len(hashes) >= pages:
-            node.hashes, node.hash_prefix = list(hashes[len(hashes) - pages:]), None
+        adopt(node, hashes, self.page_size)
 
     def hashing_below(self, anchor: TreeNode, key: RadixKey) -> Callable[[], list[bytes]]:
         """A function that computes the hash chain of `key`'s pages as they would hang below
         `anchor` (what a prefetch asks the store for; another thread may run it, as for
         `hashing_of`: the anchor's chain too, where it is not known yet)."""
-        ps, ns, algo = self.page_size, self.namespace_id, self.hash_algo
-        if anchor is self.root:
-            return partial(page_hashes, key.tokens, ps, ns, key.extra_key, None, algo)
-        if anchor.hashes is not None:
-            return partial(page_hashes, key.tokens, ps, ns, key.extra_key, anchor.hashes[-1], algo)
-        plan = self._hash_plan(anchor)
-        return lambda: page_hashes(key.tokens, ps, ns, key.extra_key, plan()[-1][-1], algo)
+        return chain_below(anchor, key.tokens, key.extra_key, self.root, self.page_size, self.namespace_id,
+                           self.hash_algo)
 
     def _hash_plan(self, node: TreeNode) -> HashPlan | None:
-        """What computes the chains of `node` and its ancestors not hashed yet, root-down;
-        None when `node`'s is known."""
-        pending, n = [], node
-        while n is not self.root and n.hashes is None:
-            pending.append(n)
-            n = n.parent
-        if not pending:
-            return None
-        pending.reverse()
-        prev = n.hashes[-1] if n is not self.root else None
-        return HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
-                         self.page_size, self.namespace_id, self.hash_algo)
-
-    def _take_hashes(self, node: TreeNode, known: list[bytes]) -> None:
-        """A new node starts with pages whose hashes the caller knows: keep them; the rest
-        of its chain is made when first needed (`hashing_of`: on the storage thread). A
-        node whose chain is known already (an observer asked for it as the node appeared)
-        keeps it: `hash_prefix` is only for a node whose `hashes` are not known."""
-        if not known or node.hashes is not None:
-            return
-        if len(known) == len(node) // self.page_size:
-            node.hashes = known
-        else:
-            node.hash_prefix = known
+        return plan_chains(node, self.root, self.page_size, self.namespace_id, self.hash_algo)
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -449,15 +418,7 @@ class RadixTree:
         upper.locks = list(child.locks)
         upper.hit_count, upper.last_access = child.hit_count, child.last_access
         upper.created, upper.priority = child.created, child.priority
-        pages = k // self.page_size
-        if child.hashes is not None:
-            upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
-        elif child.hash_prefix is not None:
-            known = child.hash_prefix
-            if len(known) >= pages:
-                upper.hashes, child.hash_prefix = known[:pages], known[pages:] or None
-            else:
-                upper.hash_prefix, child.hash_prefix = known, None
+        split_hashes(upper, child, k // self.page_size)
         child.parent.children[child.key.child_key(self.page_size)] = upper
         child.key, child.edge = child.key[k:], None
         child.values = [None if v is None else v[k:] for v in child.values]

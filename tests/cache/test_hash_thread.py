@@ -7,19 +7,19 @@ import threading
 import numpy as np
 import torch
 
-from kvtier.tree import radix
+from kvtier.tree import hash_plan
 from tests.controller.helpers import acquire, fill, forward, make_cache, read_back, same_kv, settle
 
 
 def test_no_page_is_hashed_on_the_scheduler_thread(monkeypatch):
     where = []
-    real = radix.page_hashes
+    real = hash_plan.page_hashes
 
     def recording(*args, **kwargs):
         where.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(radix, "page_hashes", recording)
+    monkeypatch.setattr(hash_plan, "page_hashes", recording)
     cache = make_cache()
     prompt, output = np.arange(100, 108), np.arange(500, 508)
     got = acquire(cache, prompt, "r1")
