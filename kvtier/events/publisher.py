@@ -112,11 +112,13 @@ class ZmqPublisher:
             except queue.Empty:
                 continue
             if item is _STOP:
+                self._queue.task_done()
                 break
             ts, events = item
             payload = encoder.payload(ts, events, self.config.data_parallel_rank)
             self._send(seq, payload, len(events))
             seq += 1
+            self._queue.task_done()  # after `_send` counted it: `wait_sent` and `unsent` see it sent
 
     def _send(self, seq: int, payload: bytes, n_events: int) -> None:
         seq_bytes = seq.to_bytes(8, "big")
@@ -159,7 +161,18 @@ class ZmqPublisher:
     # -- lifetime ---------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        return {**self.counters, "queued": self._queue.qsize(), "buffered": len(self._buffer)}
+        """Counters; `queued`: batches waiting for the thread; `unsent`: batches handed over
+        and not yet sent (or kept for replay), the one the thread is encoding included."""
+        return {**self.counters, "queued": self._queue.qsize(), "unsent": self._queue.unfinished_tasks,
+                "buffered": len(self._buffer)}
+
+    def wait_sent(self, timeout: float = 5.0) -> bool:
+        """Wait until every batch handed over so far is sent (or, past the HWM, kept for
+        replay); False if that took longer than `timeout` seconds. An empty queue is not
+        enough: the thread may hold a batch it took and has not sent yet."""
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what was handed over, then close; a second call does nothing."""

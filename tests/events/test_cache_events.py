@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
@@ -40,7 +39,7 @@ def settle(cache: TieredCache) -> None:
 def collect(cache: TieredCache, sub: Subscriber) -> PrefixIndex:
     """Every batch published so far, live, in sequence order (a gap would be replayed)."""
     pub = cache.events.publisher
-    wait_for(lambda: pub.stats()["queued"] == 0, "the publisher to send")
+    assert pub.wait_sent(30), "the publisher did not send every batch"
     total = pub.stats()["batches"]
     index, seq = PrefixIndex(), 0
     while seq < total:
@@ -72,8 +71,6 @@ def run(cache: TieredCache, turns) -> list:
     return results
 
 
-@pytest.mark.xfail(strict=False, reason="known race, open: in about half the runs (on 94f8e0e too) the tree "
-                   "holds a few pages whose events the index never got; see the closing note of stop 34")
 def test_events_say_which_pages_each_tier_holds(tmp_path, ipc):  # noqa: F811
     cache = make_cache(tmp_path / "l3", pool=1024, events=ipc)  # small: evictions from both tiers
     sub = Subscriber(*ipc, topic="kv@test")
@@ -103,8 +100,6 @@ def acquire_ready(cache: TieredCache, tokens: list[int], rid: str):
     raise AssertionError(f"{rid}: never ready")
 
 
-@pytest.mark.xfail(strict=False, reason="known race, open: in about half the runs (on 94f8e0e too) the tree "
-                   "holds a few pages whose events the index never got; see the closing note of stop 34")
 def test_events_of_one_server_predict_the_store_hits_of_the_next(tmp_path, ipc):  # noqa: F811
     turns = generate("docqa", 12, 512, seed=4)
     first = make_cache(tmp_path / "l3", pool=4096, events=ipc)

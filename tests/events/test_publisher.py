@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 
 import msgspec
@@ -192,5 +193,36 @@ def test_a_subscriber_that_stops_reading_is_bounded_by_hwm_and_counted(ipc):
         assert pub.stats()["skipped_hwm"] > 0
         assert [m.seq for m in sub.replay(0, timeout_ms=20000)] == list(range(300))
     finally:
+        pub.close()
+        sub.close()
+
+
+def test_wait_sent_waits_for_the_batch_the_thread_holds(ipc, monkeypatch):
+    """An empty queue does not mean sent: the thread may have taken a batch and not sent it
+    yet. A reader that stops at `queued == 0` misses it; `wait_sent` and `unsent` do not."""
+    import kvtier.events.publisher as publisher
+
+    taken, release = threading.Event(), threading.Event()
+    real = publisher.Encoder.payload
+
+    def held(self, *args):
+        taken.set()
+        release.wait(10)
+        return real(self, *args)
+
+    monkeypatch.setattr(publisher.Encoder, "payload", held)
+    pub, sub = connected(ipc)
+    try:
+        assert pub.publish(BATCHES[0])
+        assert taken.wait(10)
+        stats = pub.stats()
+        assert (stats["queued"], stats["unsent"], stats["batches"]) == (0, 1, 0)
+        assert pub.wait_sent(0.05) is False
+        release.set()
+        assert pub.wait_sent(10) is True
+        assert (pub.stats()["unsent"], pub.stats()["batches"]) == (0, 1)
+        assert sub.recv().seq == 0
+    finally:
+        release.set()
         pub.close()
         sub.close()
