@@ -2,8 +2,10 @@
 
 Contracts shared by both allocators:
 - `alloc` returns a 1-D int64 tensor, or None on shortage with no side effect.
-- `free` takes back what `alloc` gave; released slots are merged lazily (one concat +
-  sort when the free list runs short), so frees on the hot path cost one list append.
+- `free` takes back what `alloc` gave, as one list append: allocations take the free
+  array's lowest units, then released ones in the order they were freed (a few hundred
+  in all are sorted back in first, by Python). No numpy sort on the hot path: it would
+  give the GIL up, and sort a pool's worth of units a request.
 - `available_size()` is exact at every moment.
 - A free of a unit not allocated (a double free), of padding or of one out of range
   raises, before anything changes: a page freed twice would be handed to two owners,
@@ -20,7 +22,9 @@ call (measured in `benchmarks/cache.py`); the helpers of `indices.py` keep it.
 from __future__ import annotations
 
 import os
+import sys
 from array import array
+from collections import deque
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -81,14 +85,26 @@ def _collapse_runs(units: np.ndarray) -> np.ndarray:
     return concat(parts)
 
 
+_HIGH = 1 if sys.byteorder == "little" else 0  # the upper 32 bits of an int64, viewed as two uint32s
+_ZEROS = bytes(4 * GIL_CHUNK)
+_ONES = b"\x01" * GIL_CHUNK  # numpy's True, byte by byte
+
+
+def _put(flags: np.ndarray, units: np.ndarray, value: bool) -> None:
+    """`flags[units] = value` in pieces of GIL_CHUNK (keeping the GIL)."""
+    for i in range(0, units.shape[0], GIL_CHUNK):
+        flags[units[i:i + GIL_CHUNK]] = value
+
+
 class _FreeList:
-    """Free units (slots or pages) 1..n as a sorted array plus lazily merged releases."""
+    """Free units (slots or pages) 1..n: a sorted array, then released arrays in the order
+    they were freed."""
 
     def __init__(self, n: int, debug: bool) -> None:
         self.n = n
         self.debug = debug
         self.free = np.arange(1, n + 1, dtype=np.int64)
-        self.released: list[np.ndarray] = []
+        self.released: deque[np.ndarray] = deque()
         self.released_count = 0
         self.group: list[np.ndarray] | None = None
         self.held = np.zeros(n + 1, dtype=bool)  # handed out and not given back
@@ -103,19 +119,41 @@ class _FreeList:
             return None
         if k > self.free.size:
             self.merge()
-        out, self.free = self.free[:k], self.free[k:]
-        self.held[out] = True
+        if k <= self.free.size:
+            out, self.free = self.free[:k], self.free[k:]
+        else:
+            out = self._take_released(k)
+        _put(self.held, out, True)
         return out
+
+    def _take_released(self, k: int) -> np.ndarray:
+        """The free array, then released units, oldest first (a part taken in half
+        leaves its rest first in line): `k` units joined keeping the GIL."""
+        parts, need, released = [self.free], k - self.free.size, self.released
+        self.released_count -= need
+        self.free = self.free[:0]
+        while need:
+            part = released[0]
+            if part.size <= need:
+                parts.append(released.popleft())
+                need -= part.size
+            else:
+                parts.append(part[:need])
+                released[0] = part[need:]
+                need = 0
+        return concat(parts)
 
     def give(self, units: np.ndarray, what: str) -> None:
         """Take `units` back, each once however often it is listed (the slots of a page-1
         pool touch a page once each, and a repeat is rare: found without a set)."""
         if units.size == 0:
             return
+        if not units.flags.c_contiguous:
+            units = concat([units])
         self._check(units, what)
         if self._repeats(units):
             units = _distinct(units)
-        self.held[units] = False
+        _put(self.held, units, False)
         if self.group is not None:
             self.group.append(units)
             return
@@ -125,6 +163,10 @@ class _FreeList:
     def _check(self, units: np.ndarray, what: str) -> None:
         """A few microseconds for a request's pages (two reductions and a lookup); the
         reasons are worked out only when a check fails."""
+        if self.all_held(units):
+            if self.debug and np.unique(units).size != units.size:
+                raise ValueError(f"free: {what} listed twice in one call (double free)")
+            return
         bad = self.not_held(units)
         if bad.size and (bad.min() < 1 or bad.max() > self.n):
             raise ValueError(f"free: {what} {bad[:8].tolist()} out of range 1..{self.n} (0 is padding)")
@@ -138,10 +180,33 @@ class _FreeList:
         scattered into a scratch row and read back: a repeated unit reads its last
         position at its first. Three numpy calls, no sort (about an eighth of `_distinct`
         on a request's slots)."""
-        k = units.shape[0]
+        k, seen = units.shape[0], self._seen
         order = self._order[:k] if k <= self.n + 1 else np.arange(k, dtype=np.int64)
-        self._seen[units] = order
-        return bool((self._seen[units] != order).any())
+        for i in range(0, k, GIL_CHUNK):
+            seen[units[i:i + GIL_CHUNK]] = order[i:i + GIL_CHUNK]
+        for i in range(0, k, GIL_CHUNK):
+            if seen[units[i:i + GIL_CHUNK]].tobytes() != order[i:i + GIL_CHUNK].tobytes():
+                return True
+        return False
+
+    def all_held(self, units: np.ndarray) -> bool:
+        """Is every unit of `units` in range and handed out? In pieces of GIL_CHUNK, with
+        byte compares for the reductions: at page size 1 the scheduler thread frees
+        thousands of units at once, and one numpy pass over them gives the GIL up
+        (docs/design.md §2). A unit below 0 or past 2**32 has upper 32 bits; one past n
+        raises on the lookup; padding 0 is never held."""
+        held = self.held
+        for i in range(0, units.shape[0], GIL_CHUNK):
+            part = units[i:i + GIL_CHUNK]
+            k = part.shape[0]
+            if part.view(np.uint32)[_HIGH::2].tobytes() != _ZEROS[:4 * k]:
+                return False
+            try:
+                if held[part].tobytes() != _ONES[:k]:
+                    return False
+            except IndexError:
+                return False
+        return True
 
     def not_held(self, units: np.ndarray) -> np.ndarray:
         """The units of `units` that are not handed out: those out of range (padding
@@ -154,18 +219,15 @@ class _FreeList:
         return units[:0] if held.all() else units[~held]
 
     def merge(self) -> None:
-        """Released units back into the sorted free array (allocations stay runs). Up to
-        GIL_CHUNK units are sorted by Python (~20 us, what a GIL hand-off costs the
-        scheduler thread); more by numpy, whose sort always gives the GIL up."""
-        if self.released:
-            if self.free.size + self.released_count <= GIL_CHUNK:
-                units = self.free.tolist()
-                for part in self.released:
-                    units += part.tolist()
-                units.sort()
-                self.free = np.frombuffer(array("q", units), dtype=np.int64)
-            else:
-                self.free = np.sort(np.concatenate([self.free, *self.released]))
+        """A few released units (up to GIL_CHUNK with the free ones) go back into the sorted
+        free array, sorted by Python (a numpy sort always gives the GIL up); more stay in
+        line (`_take_released`)."""
+        if self.released and self.free.size + self.released_count <= GIL_CHUNK:
+            units = self.free.tolist()
+            for part in self.released:
+                units += part.tolist()
+            units.sort()
+            self.free = np.frombuffer(array("q", units), dtype=np.int64)
             self.released.clear()
             self.released_count = 0
 
@@ -302,6 +364,8 @@ class PagedAllocator:
         """The slots of `slots` whose page is not allocated (free, padding or out of range):
         KV kept there would be overwritten by the page's next owner."""
         pages = pages_of(slots, self.page_size)
+        if self._free.all_held(pages):
+            return slots[:0]
         bad = self._free.not_held(pages)
         return slots[np.isin(pages, bad)] if bad.size else bad
 

@@ -218,16 +218,21 @@ def test_pages_touched_equals_the_distinct_pages_of_the_slots(values, page_size,
         assert sorted(got.tolist()) == sorted(want) and got.size == len(want)
 
 
-@pytest.mark.parametrize("pages", [40, 1200])  # merged by Python (<= 500 pages) and by numpy
-def test_merge_returns_released_pages_in_order(pages):
+@pytest.mark.parametrize("pages", [40, 1200])  # sorted back by Python (<= 500 pages), or taken in line
+def test_released_pages_come_back_each_once_sorted_when_few_in_release_order_when_many(pages):
     a = PagedAllocator(pages * 4, 4, debug=True)
     held = a.alloc(pages * 4).reshape(-1, 4)
     order = np.random.default_rng(pages).permutation(pages)
     for chunk in np.array_split(order, 7):  # released out of order, in several frees
         a.free(held[torch.from_numpy(chunk)].reshape(-1))
     assert a.available_size() == pages * 4
-    again = a.alloc(pages * 4)
-    assert again.tolist() == list(range(4, pages * 4 + 4)), "pages come back as one ascending run"
+    again = (a.alloc(pages * 4 - 8) // 4).tolist()[::4] + (a.alloc(8) // 4).tolist()[::4]  # one taken in half
+    if pages <= 500:
+        assert again == list(range(1, pages + 1)), "a few pages come back as one ascending run"
+    else:  # no numpy sort on the scheduler thread: they come back in the order they were freed,
+        freed = (order + 1).tolist()  # but for the last two, few enough to be sorted back in
+        assert again == freed[:-2] + sorted(freed[-2:])
+    assert a.available_size() == 0 and a.alloc(4) is None
 
 
 @pytest.mark.parametrize("debug", [False, True])
