@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Hashable
 
 import numpy as np
 import torch
 
-from kvtier.numpy_gil import GIL_CHUNK
+from kvtier.numpy_gil import GIL_CHUNK, HIGH
 from kvtier.tiers.indices import concat
 
-_HIGH = 1 if sys.byteorder == "little" else 0  # the upper 32 bits of an int64, viewed as two uint32s
 
 
 class RadixKey:
@@ -101,7 +99,7 @@ def _check_range(tokens: np.ndarray) -> None:
     prompts the tree tells apart would share stored pages. The upper halves must all be
     zero; counted in pieces of GIL_CHUNK: one numpy pass over a long prompt would give the
     GIL up (docs/design.md §2)."""
-    high = tokens.view(np.uint32)[_HIGH::2]
+    high = tokens.view(np.uint32)[HIGH::2]
     for i in range(0, high.shape[0], GIL_CHUNK):
         if np.count_nonzero(high[i:i + GIL_CHUNK]):
             _refuse_range(tokens[(tokens < 0) | (tokens > 0xFFFFFFFF)])
