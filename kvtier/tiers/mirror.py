@@ -238,7 +238,7 @@ class HostMirror:
         host = check_slots("host_indices", host_indices, dev.shape[0])
         ps = self.page_size
         pages = _whole_pages(dev, ps), _whole_pages(host, ps)
-        if ps > 1 and pages[0] is not None and pages[1] is not None:
+        if pages[0] is not None and pages[1] is not None:
             d, h = pages
             if self.config.layout == "page_first":
                 return CopyPlan(d, h, None)

@@ -85,10 +85,12 @@ def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout, 
             assert not b[rest].view(torch.uint8).any()
 
 
-def test_page_first_copies_whole_pages_by_number_even_when_they_continue_each_other():
+@pytest.mark.parametrize("ps", [1, 4])
+def test_page_first_copies_whole_pages_by_number_even_when_they_continue_each_other(ps):
     """In page_first a page's slots of one layer are never next to the next page's, so
-    merging runs gains nothing there: the plan stays by page. layer_first merges them."""
-    ps = 4
+    merging runs gains nothing there: the plan stays by page, at page size 1 too (as runs
+    it was one run per slot: a torch view or a memmove each, holding the GIL). layer_first
+    merges them."""
     pool = filled_pool("mha", ps)
     dev = torch.arange(ps, 4 * ps)  # pages 1-3, in order
     for layout, by_page in (("page_first", True), ("layer_first", False)):
@@ -99,6 +101,12 @@ def test_page_first_copies_whole_pages_by_number_even_when_they_continue_each_ot
         assert (plan.device_pages is not None) == by_page, layout
         if not by_page:
             assert plan.runs == [(ps, ps, 3 * ps)]
+        mirror.backup(pool, dev, host)
+        target = DeviceKVPool(pool.config)
+        mirror.load(target, host, dev)
+        for layer in range(pool.num_layers):
+            for a, b in zip(pool.buffers[layer], target.buffers[layer]):
+                assert torch.equal(a[dev].view(torch.uint8), b[dev].view(torch.uint8)), (layout, layer)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
