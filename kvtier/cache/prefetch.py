@@ -66,8 +66,10 @@ class Prefetcher(Part):
         self.clock = clock
         self.prefetches: dict[str, PrefetchState] = {}  # in start order (replicated)
         self._ready: list[str] = []  # requests named ready since `take_ready`
-        # the scheduler changed something a poll reads (a stop wish, a new prefetch) since the
-        # last full poll: the next one reads everything (`quiet`)
+        # the scheduler changed something a poll reads (a stop wish) since the last full poll:
+        # the next one reads everything (`quiet`). A new prefetch is not such a change: until
+        # its store op moves (which `ctl.moves()` shows) a poll has nothing of it to apply,
+        # and `quiet` already reads a new deadline or a new waiting request
         self.changed = False
 
     # -- the request's side -------------------------------------------------------------------
@@ -92,7 +94,6 @@ class Prefetcher(Part):
         if anchor is not self.tree.root:
             self.tree.protect_host(anchor)
         self.prefetches[request_id] = PrefetchState(op, key, suffix, start // ps, anchor, deadline)
-        self.changed = True
         self.ctl.prefetch(op)
         self.counters.prefetches += 1
         return True

@@ -76,6 +76,33 @@ def test_an_abort_while_nothing_moves_stops_the_prefetch_at_the_next_poll():
     cache.close()
 
 
+def test_a_new_prefetch_alone_leaves_the_next_poll_idle_until_its_store_answers():
+    """Starting a prefetch changes nothing a poll could apply before its store answers (a
+    full poll would agree on the same numbers and apply nothing); the answer is a move, and
+    the poll after it grants the pages."""
+    store = GatedStore()
+    cache = make_cache(store_obj=store)
+    kv = compute(cache, np.arange(100, 116), seed=1)
+    settle(cache)
+    cache.flush()
+    polls, idle = _counters(cache)
+    assert not cache.acquire(np.arange(100, 116), "r").ready
+    assert store.asked.wait(5)  # the storage thread is inside batch_exists: nothing moved
+    assert cache.poll() == []
+    assert _counters(cache) == (polls + 1, idle + 1)
+    op = cache.prefetcher.prefetches["r"].op
+    store.gate.set()
+    while not op.granted:
+        assert cache.poll() in ([], ["r"])
+        cache.wait_progress(0.01)
+    got, back = read_back(cache, np.arange(100, 116), "r")
+    assert got.storage_hit == 16 and same_kv(back, kv)
+    settle(cache)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
 def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(monkeypatch):
     """Applying a landed prefetch raises once (a bug): it is released, and ends at a later
     poll although its store op had already ended (no background move follows)."""
