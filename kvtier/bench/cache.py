@@ -73,7 +73,7 @@ class Scheduler:
         self.hits = [0, 0, 0]
         self.requests = 0
         self.runqueue: float | None = None  # seconds runnable but off-CPU over the loop (Linux)
-        self.polls = self.polls_idle = 0  # the cache's own count (idle: nothing had moved)
+        self.polls = self.polls_idle = self.polls_deferred = 0  # the cache's own counts (completions.py)
 
     def _call(self, fn, *args):
         start, cpu = time.perf_counter(), time.thread_time()
@@ -191,7 +191,7 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool)
             sched.run()
             cache.check_accounting()
             c = cache.stats_obj.counters
-            sched.polls, sched.polls_idle = c.polls, c.polls_idle
+            sched.polls, sched.polls_idle, sched.polls_deferred = c.polls, c.polls_idle, c.polls_deferred
         finally:
             cache.close()
     return sched, cfg
@@ -236,7 +236,8 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     if sched.runqueue is not None:
         print(f"scheduler thread waiting for a CPU core (runqueue, whole loop): {sched.runqueue / n * 1e3:.3f} ms "
               f"per request")
-    print(f"polls per request: {sched.polls / n:.1f} ({sched.polls_idle / n:.1f} found nothing moved)")
+    print(f"polls per request: {sched.polls / n:.1f} ({sched.polls_idle / n:.1f} found nothing moved, "
+          f"{sched.polls_deferred / n:.1f} only finished copies or backups, left for a later poll)")
     print("per request, wall (CPU) ms: " + ", ".join(
         f"{name} {w / n * 1e3:.3f} ({c / n * 1e3:.3f})" for name, (w, c, _) in sched.by_call.items()))
     sg = f"SGLang RadixCache + pools {per['sglang'] * 1e3:.3f} ms" if "sglang" in per else f"SGLang: {why_not}"

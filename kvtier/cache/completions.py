@@ -23,6 +23,9 @@ from kvtier.controller.tp import Agreement
 from kvtier.tree import TreeNode
 
 log = logging.getLogger(__name__)
+# On one rank, polls in a row that may leave finished copies and backups for a later poll
+# (no request waits for them; a prefetch's move, a drain or this many polls apply them)
+LAZY_POLLS = 4
 UNKNOWN = -1  # a prefetch's `present` before its store answered (below every real count, for MIN)
 
 
@@ -95,25 +98,41 @@ class Completions:
         # `ctl.moves()` read at the start of the last full poll, if it applied everything it
         # read (None: the next poll reads everything). One rank only: ranks poll in lockstep,
         # one collective each, whatever moved where.
-        self._quiet_at: int | None = None
+        self._quiet_at: tuple[int, int] | None = None
         self._may_skip = not self.tp and not agreement.consensus_check
+        self._deferred = 0  # polls in a row that left finished copies or backups for later
 
-    def poll(self) -> None:
+    def poll(self, force: bool = False) -> None:
         """Apply what every rank has finished. On one rank, a poll after which nothing has
         moved — no copy or store op changed (`ctl.moves()`), the scheduler changed nothing the
         prefetches read (`Prefetcher.quiet`), no write queued — returns at once: the full
-        poll would agree on the same numbers and apply nothing."""
+        poll would agree on the same numbers and apply nothing. So does one after which only
+        copies or backups finished, up to `LAZY_POLLS` in a row: no request waits for them,
+        and applied together with the next prefetch's move they cost one full poll, not one
+        each. `force` (a drain, a write-back eviction) applies everything."""
         ctl, pf = self.ctl, self.prefetcher
         ctl.flush_writes()
         moves = ctl.moves()  # before anything is read: a change after it shows at the next poll
         self.counters.polls += 1
-        if moves == self._quiet_at and pf.quiet():
-            self.counters.polls_idle += 1
-            return
+        quiet = self._quiet_at
+        if quiet is not None and not force and moves[0] == quiet[0] and pf.quiet():
+            if moves[1] == quiet[1]:
+                self.counters.polls_idle += 1
+                return
+            if self._deferred < LAZY_POLLS:
+                self._deferred += 1
+                self.counters.polls_deferred += 1
+                return
         pf.changed = False
         errors = self.counters.apply_errors
+        self._deferred = 0
         self._full_poll()
         self._quiet_at = moves if self._may_skip and self.counters.apply_errors == errors else None
+
+    def short_of_room(self) -> None:
+        """An allocation failed: finished writes unlock device pages, so the next poll that
+        sees any applies them."""
+        self._deferred = LAZY_POLLS
 
     def _full_poll(self) -> None:
         ctl, pf = self.ctl, self.prefetcher
@@ -146,7 +165,7 @@ class Completions:
         """Write-back eviction: write the paths to `leaves` to host, wait, apply the writes."""
         self.writes.write_paths(leaves)
         self.ctl.wait_writes()
-        self.poll()
+        self.poll(force=True)
 
     def drain(self, rounds: int = 100) -> None:
         """Stop prefetches, wait for every transfer and store op, apply all of them (applying
@@ -154,7 +173,7 @@ class Completions:
         with what it landed and the request is named ready, as at any end."""
         self.prefetcher.stop_all()
         for _ in range(rounds):
-            self.poll()  # applies the stops (and grants): no op is left waiting for the scheduler
+            self.poll(force=True)  # applies the stops (and grants): no op is left waiting for the scheduler
             if not self.ctl.busy():  # the same on every rank: each op leaves at an agreed poll
                 break
             self.ctl.wait_idle()

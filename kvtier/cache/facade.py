@@ -249,6 +249,7 @@ class TieredCache:
         pages = -(-check_size("alloc: n", n, minimum=0) // self.page_size)
         slots = self.slots.alloc_device(pages * self.page_size)
         if slots is None:
+            self.completions.short_of_room()  # writes in flight lock pages: the next poll applies them
             return None
         self.requests.hand_out(pages)
         return tensor(slots)
@@ -395,7 +396,9 @@ class TieredCache:
 
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be
-        acquired again. Call every scheduler step on every rank."""
+        acquired again. Call every scheduler step on every rank. On one rank, finished
+        copies and backups (no request waits for them) may wait a few polls, to be applied
+        together (docs/design.md §7); `drain` applies everything."""
         self._check_open("poll")
         self.completions.poll()
         if self.events is not None:

@@ -290,11 +290,15 @@ class CacheController:
     def _copy_done(self) -> None:
         self._copies_done += 1  # by the stream's runner, after the handle says done
 
-    def moves(self) -> int:
-        """A count that grows after every change the background threads make to what
-        `finished()`, `unsettled()` and the prefetch ops report (each bumps it after its
-        change). Equal at two reads: nothing of that moved in between."""
-        return self._copies_done + (self.storage.moves if self.storage is not None else 0)
+    def moves(self) -> tuple[int, int]:
+        """Two counts that grow after every change the background threads make to what
+        `finished()`, `unsettled()` and the prefetch ops report (each bumps one after its
+        change): (prefetches, which requests wait for; copies and backups, which none does).
+        Equal at two reads: nothing of that moved in between."""
+        storage = self.storage
+        if storage is None:
+            return 0, self._copies_done
+        return storage.moves, self._copies_done + storage.backups_moved
 
     def finished(self) -> Finished:
         """Leading finished ops of each kind (snapshots; only grow)."""

@@ -61,6 +61,7 @@ class Counters:
     prefetch_skipped_slow: int = 0  # loads expected slower than recomputing (controller/speed.py)
     polls: int = 0
     polls_idle: int = 0  # of those: nothing had moved since the last one, so none was read (completions.py)
+    polls_deferred: int = 0  # of those: only copies or backups had finished; left for a later poll (completions.py)
 
 
 @dataclass

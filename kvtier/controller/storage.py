@@ -168,12 +168,17 @@ class StorageWorker:
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
         self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
-        self.moves = 0  # bumped after each change to an op the scheduler reads (`_moved`)
+        self.moves = 0  # bumped after each change to a prefetch the scheduler reads (`_moved`)
+        self.backups_moved = 0  # the same for a backup's end, which no request waits for
 
-    def _moved(self) -> None:
+    def _moved(self, backup: bool = False) -> None:
         """An op changed (its fields are written first): the scheduler's next poll reads
-        them (`moves` tells it something moved), and an idle scheduler wakes up."""
-        self.moves += 1
+        them (`moves` or `backups_moved` tells it something moved), and an idle scheduler
+        wakes up."""
+        if backup:
+            self.backups_moved += 1
+        else:
+            self.moves += 1
         self.progress.set()
 
     def _run(self, cpus: frozenset[int] | None) -> None:
@@ -376,11 +381,11 @@ class StorageWorker:
         finally:
             if settled is None:
                 op.finished = True
-                self._moved()
+                self._moved(backup=True)
         if settled is not None:
             self.breaker.abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
             op.finished = True
-            self._moved()
+            self._moved(backup=True)
 
     def _payloads(self, pages: np.ndarray) -> list:
         if self.mirror.config.layout == "page_first":

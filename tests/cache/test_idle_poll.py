@@ -3,12 +3,15 @@ price of a completion, a stop or a retry: each test drives a request through the
 server runs and checks the poll that must not be skipped is not."""
 
 import asyncio
+import random
 import threading
 
 import numpy as np
 import torch
 
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+from kvtier.cache.completions import LAZY_POLLS
+from kvtier.testing.parts import SimStreams
 from tests.controller.helpers import acquire, compute, fill, forward, make_cache, read_back, same_kv, settle
 
 
@@ -146,3 +149,52 @@ def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(monk
     cache.check_accounting()
     cache.close()
     assert kv  # computed once, read back never: the test is about the poll, not the bytes
+
+
+def _landed_write(cache, streams, tokens):
+    """A request computed and finished; the poll after it submits its write, which lands."""
+    compute(cache, tokens, seed=3)
+    cache.poll()
+    (job,) = streams.pending
+    streams.resolve(job, "ok", random.Random(0))
+    return cache.stats_obj.counters
+
+
+def test_a_landed_write_waits_at_most_lazy_polls_polls_to_be_applied():
+    """No request waits for a write: polls leave it for later (one full poll applies what
+    landed meanwhile together), `LAZY_POLLS` in a row at most; the next one applies it."""
+    streams = SimStreams(random.Random(0))
+    cache = make_cache(store="none", stream_factory=streams.factory)
+    c = _landed_write(cache, streams, np.arange(100, 116))
+    writes, deferred = c.writes, c.polls_deferred
+    for _ in range(LAZY_POLLS):
+        assert cache.poll() == []
+    assert (c.writes, c.polls_deferred) == (writes, deferred + LAZY_POLLS)
+    assert cache.tree.protected_size() == 16  # still locked by its write
+    cache.poll()
+    assert c.writes == writes + 1 and cache.tree.protected_size() == 0
+    assert cache.match_prefix(np.arange(100, 116), count=False).last_device_node.backed_up
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes():
+    """Writes in flight lock device pages: a scheduler whose allocation failed polls for
+    them, and that poll applies what landed."""
+    streams = SimStreams(random.Random(0))
+    cache = make_cache(store="none", stream_factory=streams.factory)
+    c = _landed_write(cache, streams, np.arange(100, 116))
+    writes = c.writes
+    cache.poll()
+    assert c.writes == writes  # left for later
+    size = cache.config.pool.size
+    assert cache.alloc(size) is None  # the locked pages cannot be evicted
+    cache.poll()
+    assert c.writes == writes + 1 and cache.tree.protected_size() == 0
+    mine = cache.alloc(size - cache.page_size)  # every page but the padding one: evicted now
+    assert mine is not None
+    cache.free(mine)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
