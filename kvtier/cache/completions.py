@@ -130,8 +130,8 @@ class Completions:
         self._quiet_at = moves if self._may_skip and self.counters.apply_errors == errors else None
 
     def short_of_room(self) -> None:
-        """An allocation failed: finished writes unlock device pages, so the next poll that
-        sees any applies them."""
+        """An allocation or an engine's eviction fell short: finished writes unlock device
+        pages, so the next poll that sees any applies them."""
         self._deferred = LAZY_POLLS
 
     def _full_poll(self) -> None:

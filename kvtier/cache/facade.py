@@ -269,7 +269,11 @@ class TieredCache:
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
-        return self.slots.evict_device(check_size("evict: num_tokens", num_tokens, minimum=0))
+        n = check_size("evict: num_tokens", num_tokens, minimum=0)
+        evicted = self.slots.evict_device(n)
+        if evicted < n:  # an engine's own allocator is short: writes in flight lock pages
+            self.completions.short_of_room()
+        return evicted
 
     # -- finishing a request ------------------------------------------------------------------
 

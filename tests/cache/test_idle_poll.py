@@ -7,6 +7,7 @@ import random
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
@@ -179,9 +180,11 @@ def test_a_landed_write_waits_at_most_lazy_polls_polls_to_be_applied():
     cache.close()
 
 
-def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes():
-    """Writes in flight lock device pages: a scheduler whose allocation failed polls for
-    them, and that poll applies what landed."""
+@pytest.mark.parametrize("short", ["alloc", "evict"])
+def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes(short):
+    """Writes in flight lock device pages: a scheduler whose allocation failed (or an
+    engine whose own allocator asked kvtier to evict, and got less) polls for them, and
+    that poll applies what landed."""
     streams = SimStreams(random.Random(0))
     cache = make_cache(store="none", stream_factory=streams.factory)
     c = _landed_write(cache, streams, np.arange(100, 116))
@@ -189,7 +192,10 @@ def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes():
     cache.poll()
     assert c.writes == writes  # left for later
     size = cache.config.pool.size
-    assert cache.alloc(size) is None  # the locked pages cannot be evicted
+    if short == "alloc":
+        assert cache.alloc(size) is None  # the locked pages cannot be evicted
+    else:
+        assert cache.evict(16) == 0
     cache.poll()
     assert c.writes == writes + 1 and cache.tree.protected_size() == 0
     mine = cache.alloc(size - cache.page_size)  # every page but the padding one: evicted now
