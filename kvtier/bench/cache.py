@@ -74,6 +74,7 @@ class Scheduler:
         self.requests = 0
         self.runqueue: float | None = None  # seconds runnable but off-CPU over the loop (Linux)
         self.polls = self.polls_idle = self.polls_deferred = 0  # the cache's own counts (completions.py)
+        self.threads: dict[str, float] = {}  # kvtier's own threads: CPU seconds by name (`_threads_cpu`)
 
     def _call(self, fn, *args):
         start, cpu = time.perf_counter(), time.thread_time()
@@ -147,6 +148,23 @@ class Scheduler:
                 self.requests += 1
 
 
+def _threads_cpu() -> dict[str, float]:
+    """CPU seconds of the cache's own threads alive now (storage loop, store I/O, copy
+    workers), summed by name without its number. The process's shared helper for copies of
+    4 MiB and more (`kvtier-copy`, none in this trace) outlives a cache: not counted."""
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if not t.name.startswith("kvtier-") or t.name.startswith("kvtier-copy") or t.ident is None:
+            continue
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, AttributeError):  # gone meanwhile, or no per-thread clocks here
+            continue
+        name = t.name.rstrip("0123456789").rstrip("_")
+        out[name] = out.get(name, 0.0) + cpu
+    return out
+
+
 def _runqueue_seconds() -> float | None:
     """Time this thread has spent runnable but waiting for a CPU core (Linux schedstat), or
     None where the kernel does not say."""
@@ -192,6 +210,7 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool)
             cache.check_accounting()
             c = cache.stats_obj.counters
             sched.polls, sched.polls_idle, sched.polls_deferred = c.polls, c.polls_idle, c.polls_deferred
+            sched.threads = _threads_cpu()
         finally:
             cache.close()
     return sched, cfg
@@ -236,6 +255,10 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     if sched.runqueue is not None:
         print(f"scheduler thread waiting for a CPU core (runqueue, whole loop): {sched.runqueue / n * 1e3:.3f} ms "
               f"per request")
+    if sched.threads:
+        print("kvtier's own threads, CPU per request (last round, on CPUs "
+              f"{cfg.controller.cpus or 'any'}): " + ", ".join(
+                  f"{name} {cpu / n * 1e3:.3f} ms" for name, cpu in sorted(sched.threads.items())))
     print(f"polls per request: {sched.polls / n:.1f} ({sched.polls_idle / n:.1f} found nothing moved, "
           f"{sched.polls_deferred / n:.1f} only finished copies or backups, left for a later poll)")
     print("per request, wall (CPU) ms: " + ", ".join(
