@@ -24,7 +24,8 @@ from kvtier.tree import TreeNode
 
 log = logging.getLogger(__name__)
 # On one rank, polls in a row that may leave finished copies and backups for a later poll
-# (no request waits for them; a prefetch's move, a drain or this many polls apply them)
+# (no request waits for them; a prefetch's move, a drain, an allocation or eviction that
+# fell short, or this many polls apply them)
 LAZY_POLLS = 4
 UNKNOWN = -1  # a prefetch's `present` before its store answered (below every real count, for MIN)
 

@@ -92,6 +92,8 @@ def _whole_pages(indices: np.ndarray, ps: int) -> np.ndarray | None:
     """Page numbers if `indices` are whole pages in slot order, else None."""
     if indices.shape[0] == 0 or indices.shape[0] % ps:
         return None
+    if ps == 1:  # every slot is a page
+        return indices
     first = indices[::ps]
     if (first % ps).any():
         return None
