@@ -9,8 +9,8 @@ function of their inputs: never Python's `hash()`, never seeded per process.
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import itertools
 import re
 import struct
 from dataclasses import dataclass, fields
@@ -164,7 +164,9 @@ def key_maker(prefix: str, namespace_id: str):
     def key(page_hash: bytes) -> str:
         if len(page_hash) not in (16, 32):
             raise StoreKeyError(f"page hash of {len(page_hash)} bytes: expected 16 or 32")
-        return base + page_hash.hex()
+        made = base + page_hash.hex()
+        _remember(made, (prefix, namespace_id, bytes(page_hash)))  # well formed by construction
+        return made
     return key
 
 
@@ -198,13 +200,29 @@ def validate_key(key: str) -> str:
 
 def split_key(key: str) -> tuple[str, str, bytes]:
     """(prefix, namespace id, page hash) of a validated key. A store parses each key of
-    a batch several times (check, path, index): the recent ones are remembered."""
+    a batch several times (check, path, index): the recent ones are remembered, and so
+    is every key `key_maker` made (the storage thread keys every page it moves, and at
+    page size 1 parsing each key again was a third of its time)."""
     if not isinstance(key, str):
         _parse_key(key)  # raises, naming it
-    return _split_recent(key)
+    parts = _RECENT.get(key)
+    if parts is None:
+        prefix, ns, hx = _parse_key(key)
+        parts = _remember(key, (prefix, ns, bytes.fromhex(hx)))
+    return parts
 
 
-@functools.lru_cache(maxsize=8192)
-def _split_recent(key: str) -> tuple[str, str, bytes]:
-    prefix, ns, hx = _parse_key(key)
-    return prefix, ns, bytes.fromhex(hx)
+# Recently parsed or made keys -> their parts, oldest first (~300 bytes each). Threads
+# share it: a dict's get and set are atomic under the GIL, and so is listing its oldest
+# keys (C code over str keys runs no Python in between); when full, the older half goes.
+# A prefetch's keys are made, then read again after its grant: they must still be here.
+_RECENT: dict[str, tuple[str, str, bytes]] = {}
+_RECENT_MAX = 1 << 15
+
+
+def _remember(key: str, parts: tuple[str, str, bytes]) -> tuple[str, str, bytes]:
+    if len(_RECENT) >= _RECENT_MAX:
+        for old in list(itertools.islice(_RECENT, _RECENT_MAX // 2)):
+            _RECENT.pop(old, None)
+    _RECENT[key] = parts
+    return parts

@@ -108,6 +108,29 @@ def test_key_round_trip():
         make_key("a b", NS, b"\x01" * 32)
 
 
+
+def test_a_key_the_maker_made_is_split_without_parsing_it_again(monkeypatch):
+    import kvtier.hashing as hashing
+    key_of = key_maker("kvtier/a", NS)
+    made = key_of(b"\x07" * 16)
+    assert made == make_key("kvtier/a", NS, b"\x07" * 16)  # the same key make_key validates
+
+    def no_parse(key):
+        raise AssertionError(f"parsed {key!r} again")
+    monkeypatch.setattr(hashing, "_parse_key", no_parse)
+    assert split_key(made) == ("kvtier/a", NS, b"\x07" * 16)
+
+
+def test_remembered_keys_are_bounded(monkeypatch):
+    import kvtier.hashing as hashing
+    monkeypatch.setattr(hashing, "_RECENT", {})
+    monkeypatch.setattr(hashing, "_RECENT_MAX", 4)
+    keys = [make_key("p", NS, bytes([i]) * 16) for i in range(10)]
+    for k in keys:
+        assert split_key(k)[2] == bytes.fromhex(k.rpartition("/")[2])
+        assert len(hashing._RECENT) <= 4
+    assert list(hashing._RECENT) == keys[-4:]  # the newest kept: each time it filled, the older half went
+
 async def test_file_store_rebuilds_index_on_reopen_without_reading(tmp_path):
     cfg = FileStoreConfig(root=str(tmp_path))
     store = FileStore(cfg)
