@@ -21,6 +21,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -201,10 +202,22 @@ class FileStore(Store):
 
     def _inside(self, directory: str) -> bool:
         """Does `directory` (a page's fan-out directory) stay under the root, no symlink on
-        the way out? Checked once per directory."""
+        the way out? Checked once per directory. Under a parent found a real directory
+        inside the root (checked whole once), one `lstat` tells: a real directory, or none
+        yet (a write makes it; a file there fails that write). 65,536 of them each took a whole-path `realpath`."""
         if directory in self._inside_dirs:
             return True
-        if os.path.realpath(directory) != directory:
+        parent = os.path.dirname(directory)
+        if parent in self._inside_dirs:
+            try:
+                inside = not stat.S_ISLNK(os.lstat(directory).st_mode)
+            except FileNotFoundError:
+                inside = True
+        else:
+            inside = os.path.realpath(directory) == directory
+            if inside and os.path.isdir(parent):  # only a parent that exists: a symlink made later is seen
+                self._inside_dirs.add(parent)
+        if not inside:
             self.complain("error", f"{directory}: a symlink leads out of the store root; its pages are refused")
             return False
         self._inside_dirs.add(directory)

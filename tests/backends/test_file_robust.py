@@ -100,6 +100,24 @@ async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root
     await store.close()
 
 
+
+async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_path):
+    """The parent of a page's directory is checked whole once; its other directories by
+    one lstat each. A symlink there still takes no write and serves no page."""
+    store = store_at(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    assert await store.batch_set([_key(7, first=0xAA)], [PAGE]) == [True]  # makes <ns>/aa and aa/07
+    assert await store.batch_set([_key(6, first=0xAA)], [PAGE]) == [True]  # <ns>/aa is there: checked once
+    (outside / store.path(_key(8, first=0xAA)).name).write_bytes(PAGE)  # a page waiting out there
+    leaf = store.path(_key(8, first=0xAA)).parent  # <root>/kvtier/<ns>/aa/08
+    os.symlink(outside, leaf)
+    assert await store.batch_exists([_key(8, first=0xAA)]) == 0
+    assert await store.batch_set([_key(8, first=0xAA), _key(9, first=0xAA)], [PAGE, PAGE]) == [False, True]
+    assert sorted(p.name for p in outside.iterdir()) == [store.path(_key(8, first=0xAA)).name]
+    assert await store.batch_exists([_key(i, first=0xAA) for i in (6, 7, 9)]) == 3
+    await store.close()
+
 def test_a_root_that_is_a_file_is_one_clear_line(tmp_path):
     """main: 'File exists'."""
     root = tmp_path / "l3"
