@@ -29,20 +29,16 @@ class Loads(Part):
     def start(self, node: TreeNode) -> LoadOp[TreeNode] | None:
         """Copy the host-only path ending at `node` into fresh device slots, owned by the
         returned op and then by the request that asked. None if the path is too short or
-        the device has no room."""
+        the device has no room. The caller holds a lock on the path's device end (the
+        request's prefix, `acquire`): the allocation may evict, never the path loaded under."""
         chain = self.tree.nodes_to_load(node)
         total = sum(len(n) for n in chain)
         if total == 0 or total < self.cfg.load_back_min_tokens:
             return None
         anchor = chain[0].parent
-        if anchor is not self.tree.root:
-            self.tree.lock(anchor)  # allocation may evict: keep the path we load under
+        assert anchor is self.tree.root or anchor.locks[Tier.DEVICE], f"loading under {anchor}, which nobody locked"
         self.tree.protect_host(node)
-        try:
-            device = self.slots.alloc_device(total)
-        finally:
-            if anchor is not self.tree.root:
-                self.tree.unlock(anchor)
+        device = self.slots.alloc_device(total)
         if device is None:
             self.tree.release_host(node)
             return None
