@@ -435,7 +435,8 @@ class TieredCache:
         self.completions.drain()
 
     def wait_progress(self, timeout: float = 0.005) -> None:
-        """For a scheduler with nothing to run: nap until a store op moves (or `timeout`)."""
+        """For a scheduler with nothing to run: nap until a prefetch moves (or `timeout`).
+        A backup's end wakes no nap: no request waits for it."""
         self.controller.wait_progress(timeout)
 
     def flush(self) -> None:

@@ -353,7 +353,7 @@ class CacheController:
             self.storage.drain(max(0.0, deadline - time.monotonic()))
 
     def wait_progress(self, timeout: float) -> None:
-        """An idle scheduler's nap: returns when a store op moved, or after `timeout`."""
+        """An idle scheduler's nap: returns when a prefetch moved, or after `timeout`."""
         if self.storage is None:
             return
         self.storage.progress.wait(timeout)

@@ -167,18 +167,19 @@ class StorageWorker:
         self._thread.start()
         self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
         self.futures: set[Future] = set()
-        self.progress = threading.Event()  # set whenever any op moves (an idle scheduler waits on it)
+        self.progress = threading.Event()  # set whenever a prefetch moves (an idle scheduler waits on it)
         self.moves = 0  # bumped after each change to a prefetch the scheduler reads (`_moved`)
         self.backups_moved = 0  # the same for a backup's end, which no request waits for
 
     def _moved(self, backup: bool = False) -> None:
         """An op changed (its fields are written first): the scheduler's next poll reads
-        them (`moves` or `backups_moved` tells it something moved), and an idle scheduler
-        wakes up."""
+        them (`moves` or `backups_moved` tells it something moved). A prefetch's move also
+        wakes an idle scheduler (`progress`); a backup's end does not: no request waits for
+        it, and a nap it ended would poll for nothing."""
         if backup:
             self.backups_moved += 1
-        else:
-            self.moves += 1
+            return
+        self.moves += 1
         self.progress.set()
 
     def _run(self, cpus: frozenset[int] | None) -> None:

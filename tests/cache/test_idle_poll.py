@@ -5,6 +5,7 @@ server runs and checks the poll that must not be skipped is not."""
 import asyncio
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -30,6 +31,28 @@ class GatedStore(MemoryStore):
             await asyncio.sleep(0.001)
         return await super()._exists(keys)
 
+
+
+class SetGatedStore(MemoryStore):
+    """`batch_set` stores only once the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStoreConfig())
+        self.gate = threading.Event()
+        self.asked = threading.Event()
+
+    async def _set(self, keys, frames):
+        self.asked.set()
+        while not self.gate.is_set():
+            await asyncio.sleep(0.001)
+        return await super()._set(keys, frames)
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.001)
 
 def _counters(cache):
     c = cache.stats_obj.counters
@@ -201,6 +224,38 @@ def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes(sho
     mine = cache.alloc(size - cache.page_size)  # every page but the padding one: evicted now
     assert mine is not None
     cache.free(mine)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_a_backups_end_wakes_no_napping_scheduler_and_a_prefetchs_move_does():
+    """No request waits for a backup: its end leaves `wait_progress` asleep, and a later
+    poll still applies it. A prefetch's move (the store answered) wakes the nap."""
+    store = SetGatedStore()
+    cache = make_cache(store_obj=store)
+    storage, c = cache.controller.storage, cache.stats_obj.counters
+    tokens = np.arange(100, 116)
+    kv = compute(cache, tokens, seed=1)
+    cache.controller.wait_writes()
+    for _ in range(LAZY_POLLS + 1):  # the landed write is applied: its backup goes to the store
+        cache.poll()
+    assert store.asked.wait(30)
+    moved = storage.backups_moved
+    storage.progress.clear()
+    store.gate.set()
+    _until(lambda: storage.backups_moved > moved, "the backup's end")
+    assert not storage.progress.is_set()  # a nap would sleep on
+    settle(cache)
+    assert c.l3_write_pages == 4  # applied: stored
+    cache.flush()
+    storage.progress.clear()
+    got = cache.acquire(tokens, "r")
+    assert not got.ready
+    _until(storage.progress.is_set, "the prefetch's wake-up")
+    got, back = read_back(cache, tokens, "r")
+    assert got.storage_hit == 16 and same_kv(back, kv)
+    settle(cache)
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
