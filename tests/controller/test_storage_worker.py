@@ -127,3 +127,36 @@ def test_a_store_failing_every_backup_logs_the_first_and_every_100th(tmp_path, m
     assert all(op.finished and op.ok == [False] for op in ops)
     lines = [r.getMessage() for r in caplog.records if "backup of" in r.getMessage()]
     assert len(lines) == 2 and "100 backup failures so far" in lines[1], lines
+
+
+def test_drain_waits_for_a_running_op_and_gives_up_at_its_timeout():
+    """`drain` returns once every submitted op ended, or at its timeout (a store call that
+    hangs is the breaker's to abandon, not drain's to wait for forever)."""
+    import asyncio
+    import threading
+
+    import torch
+
+    from kvtier.controller.storage import BackupOp, StorageWorker
+    from kvtier.hashing import key_maker
+    from kvtier.tiers.mirror import HostMirror, MirrorConfig
+    from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+
+    gate = threading.Event()
+
+    class Gated(MemoryStore):
+        async def _set(self, keys, frames):
+            while not gate.is_set():
+                await asyncio.sleep(0.001)
+            return await super()._set(keys, frames)
+
+    pool = DeviceKVPool(PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8))
+    worker = StorageWorker(Gated(MemoryStoreConfig()), HostMirror(pool, MirrorConfig(ratio=1.0)), 1 << 20)
+    op = BackupOp([key_maker("t", "0" * 32)(b"\x01" * 32)], torch.tensor([1]), tag=None)
+    worker.submit_backup(op)
+    worker.drain(0.05)
+    assert not op.finished  # still waiting at the gate: drain gave up
+    gate.set()
+    worker.drain(10)
+    assert op.finished and op.ok == [True]
+    worker.close()
