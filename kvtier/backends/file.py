@@ -152,11 +152,11 @@ class FileStore(Store):
         """Index pages another process wrote under the root after this one indexed it (TP
         ranks sharing MLA pages, replicas on one volume): stat the keys this index lacks
         (with `leading`, only up to the first one absent: callers want the leading run)."""
-        unknown = [k for k in keys if k not in self._sizes and k not in self._hung
-                   and self._inside(os.path.dirname(self._file(k)))]
+        unknown = [k for k in keys if k not in self._sizes and k not in self._hung]
         if not unknown:
             return
-        sizes = (await self._run_jobs([(partial(sizes_of, [self._file(k) for k in unknown], leading), unknown)]))[0]
+        paths = [self._file(k) for k in unknown]  # directories checked on the way, as far as it goes
+        sizes = (await self._run_jobs([(partial(sizes_of, paths, leading, inside=self._inside), unknown)]))[0]
         for key, size in zip(unknown, sizes):
             if size is not None and key not in self._sizes:
                 self._sizes[key] = size

@@ -61,16 +61,21 @@ def run_all(fn, items: list[tuple], stop=None) -> list:
     return out
 
 
-def sizes_of(paths: list[Path], leading: bool, stop=None) -> list[int | None]:
+def sizes_of(paths: list[Path], leading: bool, stop=None, inside=None) -> list[int | None]:
     """Each page file's size, None where there is none (with `leading`: None from the first
-    absent on)."""
+    absent on). `inside(dir)`: False where the directory leads out of the store (a symlink):
+    its page counts as absent. Asked only of the paths looked at: past the first absent page
+    of a leading run (a prompt's new pages) no directory is checked."""
     out: list[int | None] = []
     for path in paths:
-        try:
-            st = os.stat(path)
-            out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
-        except OSError:
+        if inside is not None and not inside(os.path.dirname(path)):
             out.append(None)
+        else:
+            try:
+                st = os.stat(path)
+                out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+            except OSError:
+                out.append(None)
         if out[-1] is None and leading:
             return out + [None] * (len(paths) - len(out))
     return out

@@ -118,6 +118,20 @@ async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_
     assert await store.batch_exists([_key(i, first=0xAA) for i in (6, 7, 9)]) == 3
     await store.close()
 
+
+async def test_an_exists_check_looks_at_no_directory_past_the_first_absent_page(tmp_path):
+    """A prompt's new pages are absent: the leading run ends at the first, and the pages
+    after it cost no directory check (a syscall each in a fresh store)."""
+    store = store_at(tmp_path)
+    present = [_key(i) for i in range(1, 4)]
+    assert await store.batch_set(present, [PAGE] * 3) == [True] * 3
+    looked = []
+    inside = store._inside
+    store._inside = lambda directory: (looked.append(directory), inside(directory))[1]
+    assert await store.batch_exists(present + [_key(i) for i in range(10, 60)]) == 3
+    assert looked == [os.path.dirname(store._file(_key(10)))]
+    await store.close()
+
 def test_a_root_that_is_a_file_is_one_clear_line(tmp_path):
     """main: 'File exists'."""
     root = tmp_path / "l3"
