@@ -203,8 +203,9 @@ class FileStore(Store):
     def _inside(self, directory: str) -> bool:
         """Does `directory` (a page's fan-out directory) stay under the root, no symlink on
         the way out? Checked once per directory. Under a parent found a real directory
-        inside the root (checked whole once), one `lstat` tells: a real directory, or none
-        yet (a write makes it; a file there fails that write). 65,536 of them each took a whole-path `realpath`."""
+        inside the root (checked whole once), one `lstat` tells: no symlink there (a real
+        directory, none yet that a write makes, or a file that fails the write). A fresh
+        store's 65,536 of them each took a whole-path `realpath`."""
         if directory in self._inside_dirs:
             return True
         parent = os.path.dirname(directory)
