@@ -71,6 +71,7 @@ class FileStore(Store):
         self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
         self._hung: set[str] = set()  # keys of calls abandoned stuck: never asked again
         self._inside_dirs: set[str] = set()  # directories checked to stay under the root
+        self._inside_parents: dict[str, tuple[int, int]] = {}  # their parents seen inside: (device, inode)
         try:
             _claim_root(self.root)
             with self._shared() as usage:
@@ -202,22 +203,28 @@ class FileStore(Store):
 
     def _inside(self, directory: str) -> bool:
         """Does `directory` (a page's fan-out directory) stay under the root, no symlink on
-        the way out? Checked once per directory. Under a parent found a real directory
-        inside the root (checked whole once), one `lstat` tells: no symlink there (a real
-        directory, none yet that a write makes, or a file that fails the write). A fresh
-        store's 65,536 of them each took a whole-path `realpath`."""
+        the way out? Checked once per directory: by a whole-path `realpath`, or, under a
+        parent seen as a real directory inside the root, by two calls: the parent is still
+        that directory (same device and inode: not swapped for a symlink, nor anything
+        above it) and `directory` is no symlink (a fresh store has 65,536 of them). A
+        directory that cannot be looked at (not a directory, no permission) is refused."""
         if directory in self._inside_dirs:
             return True
         parent = os.path.dirname(directory)
-        if parent in self._inside_dirs:
-            try:
+        seen = self._inside_parents.get(parent)
+        try:
+            if seen is not None and _identity(os.stat(parent)) == seen:
                 inside = not stat.S_ISLNK(os.lstat(directory).st_mode)
-            except FileNotFoundError:
-                inside = True
-        else:
-            inside = os.path.realpath(directory) == directory
-            if inside and os.path.isdir(parent):  # only a parent that exists: a symlink made later is seen
-                self._inside_dirs.add(parent)
+            else:
+                inside = os.path.realpath(directory) == directory
+                st = os.lstat(parent) if inside else None  # not followed: a symlink made meanwhile is no parent
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    self._inside_parents[parent] = _identity(st)
+        except FileNotFoundError:  # none yet: a write makes it, a real one (checked again next time)
+            return True
+        except OSError as exc:
+            self.complain("error", f"{directory}: {exc.strerror or exc}; its pages are refused")
+            return False
         if not inside:
             self.complain("error", f"{directory}: a symlink leads out of the store root; its pages are refused")
             return False
@@ -463,6 +470,10 @@ def _claim_root(root: Path) -> None:
                 raise OSError(f"not a kvtier store: it holds other files ({name}) and no {MARKER} marker; "
                               f"name an empty directory (or create {marker} if it is one)")
     write_small(marker, b'{"format": 1}\n')
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _page_key(root: Path, full: str) -> str | None:

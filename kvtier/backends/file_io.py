@@ -68,14 +68,14 @@ def sizes_of(paths: list[Path], leading: bool, stop=None, inside=None) -> list[i
     of a leading run (a prompt's new pages) no directory is checked."""
     out: list[int | None] = []
     for path in paths:
-        if inside is not None and not inside(os.path.dirname(path)):
-            out.append(None)
-        else:
-            try:
+        try:
+            if inside is not None and not inside(os.path.dirname(path)):
+                out.append(None)
+            else:
                 st = os.stat(path)
                 out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
-            except OSError:
-                out.append(None)
+        except OSError:
+            out.append(None)
         if out[-1] is None and leading:
             return out + [None] * (len(paths) - len(out))
     return out

@@ -4,6 +4,7 @@ directories, a root that is a file. Each failed on main as the test says."""
 
 import contextlib
 import os
+import shutil
 
 import pytest
 
@@ -118,6 +119,38 @@ async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_
     assert await store.batch_exists([_key(i, first=0xAA) for i in (6, 7, 9)]) == 3
     await store.close()
 
+
+
+async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_no_page(tmp_path):
+    """A parent seen inside the root is trusted as that directory only (device, inode):
+    renamed away and replaced by a symlink, its new page directories are checked whole."""
+    store = store_at(tmp_path)
+    outside = tmp_path / "outside"
+    (outside / "04").mkdir(parents=True)
+    (outside / "04" / store.path(_key(4, first=0xAA)).name).write_bytes(PAGE)  # a page waiting out there
+    assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
+    assert await store.batch_set([_key(2, first=0xAA)], [PAGE]) == [True]  # <ns>/aa seen: a checked parent
+    fanout = store.path(_key(1, first=0xAA)).parent.parent
+    fanout.rename(tmp_path / "moved")
+    os.symlink(outside, fanout)
+    assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [False, True]
+    assert await store.batch_exists([_key(4, first=0xAA)]) == 0
+    assert sorted(p.name for p in outside.iterdir()) == ["04"]
+    await store.close()
+
+
+async def test_a_page_directory_that_cannot_be_looked_at_is_a_miss_not_an_error(tmp_path):
+    """A file where a checked parent was: its pages are misses and refused writes; the call
+    itself does not fail (the breaker would count it)."""
+    store = store_at(tmp_path)
+    assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
+    assert await store.batch_set([_key(2, first=0xAA)], [PAGE]) == [True]
+    fanout = store.path(_key(1, first=0xAA)).parent.parent
+    shutil.rmtree(fanout)
+    fanout.write_bytes(b"not a directory")
+    assert await store.batch_exists([_key(3, first=0xAA)]) == 0
+    assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [False, True]
+    await store.close()
 
 async def test_an_exists_check_looks_at_no_directory_past_the_first_absent_page(tmp_path):
     """A prompt's new pages are absent: the leading run ends at the first, and the pages
