@@ -162,9 +162,10 @@ def key_maker(prefix: str, namespace_id: str):
     base = make_key(prefix, namespace_id, bytes(16))[:-32]
 
     def key(page_hash: bytes) -> str:
-        if len(page_hash) not in (16, 32):
-            raise StoreKeyError(f"page hash of {len(page_hash)} bytes: expected 16 or 32")
-        made = base + page_hash.hex()
+        hx = page_hash.hex()
+        if len(hx) not in (32, 64):
+            raise StoreKeyError(f"page hash of {len(hx) // 2} bytes: expected 16 or 32")
+        made = base + hx
         _remember(made, (prefix, namespace_id, bytes(page_hash)))  # well formed by construction
         return made
     return key

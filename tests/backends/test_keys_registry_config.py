@@ -119,6 +119,10 @@ def test_a_key_the_maker_made_is_split_without_parsing_it_again(monkeypatch):
         raise AssertionError(f"parsed {key!r} again")
     monkeypatch.setattr(hashing, "_parse_key", no_parse)
     assert split_key(made) == ("kvtier/a", NS, b"\x07" * 16)
+    from array import array
+    for bad in (memoryview(array("I", range(16))), b"\x07" * 20):  # 16 items but 64 bytes; 20 bytes
+        with pytest.raises(StoreKeyError, match="expected 16 or 32"):
+            key_of(bad)
 
 
 def test_remembered_keys_are_bounded(monkeypatch):
