@@ -150,7 +150,9 @@ class Completions:
         self._each("load", ctl.take(OpKind.LOAD, finished.loads), self.loads.apply, self.loads.release)
         self._each("backup", ctl.take(OpKind.BACKUP, finished.backups), self.writes.apply_backup,
                    self.writes.release_backup)
-        for p, (present, landed, ended), stop in zip(live, agreed.prefetch_reports(), agreed.stops):
+        reports = agreed.prefetch_reports()
+        self._each("grant room", [reports], lambda r: pf.make_grant_room(live, r), lambda r: None)
+        for p, (present, landed, ended), stop in zip(live, reports, agreed.stops):
             if pf.idle(p, present, landed, ended, stop):
                 continue  # most polls, most prefetches
             self._each("prefetch", [p], lambda p: pf.apply(p, present, landed, ended, bool(stop)), pf.release)

@@ -226,6 +226,14 @@ class Prefetcher(Part):
         if op.host_pages is not None and op.host_pages.size > op.inserted:
             self.ctl.free_unused_pages(op)
 
+    def make_grant_room(self, live: list[PrefetchState], reports: list[tuple[int | None, int, int]]) -> None:
+        """Host room for every grant this poll makes (agreed numbers: the same on every
+        rank), in one eviction pass: each `_grant` then finds its pages free."""
+        pages = sum(present for p, (present, _, _) in zip(live, reports)
+                    if present and not p.op.granted and not p.broken)
+        if pages:
+            self.slots.make_host_room(pages * self.page_size)
+
     def _grant(self, p: PrefetchState, present: int) -> None:
         """Make room on host for the pages the store holds (agreed on every rank), reserve them."""
         if present > 0:

@@ -259,3 +259,37 @@ def test_a_backups_end_wakes_no_napping_scheduler_and_a_prefetchs_move_does():
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
+
+
+def test_the_grants_of_one_poll_make_host_room_in_one_eviction():
+    """Two prefetches whose store answered before the same poll: that poll evicts host room
+    for both at once (one pass over the host leaves), then grants each; both are served."""
+    store = GatedStore()
+    store.gate.set()
+    cache = make_cache(store_obj=store)
+    xs = [np.arange(1000 * i, 1000 * i + 16) for i in (1, 2)]
+    kvs = [compute(cache, x, seed=i) for i, x in enumerate(xs)]
+    settle(cache)
+    cache.flush()  # in the store only
+    for i in range(8):  # the host fills with others
+        compute(cache, np.arange(50000 + 100 * i, 50000 + 100 * i + 16), seed=10 + i)
+    settle(cache)
+    assert cache.controller.host_available() < 32  # room for the two must be evicted
+    store.gate.clear()
+    for i, x in enumerate(xs):
+        assert not cache.acquire(x, f"x{i}").ready
+    ops = [cache.prefetcher.prefetches[f"x{i}"].op for i in range(2)]
+    store.gate.set()
+    _until(lambda: all(op.present is not None for op in ops), "both stores' answers")
+    passes = []
+    evict = cache.slots.evict_host
+    cache.slots.evict_host = lambda n: (passes.append(n), evict(n))[1]
+    cache.poll()
+    assert all(op.granted for op in ops) and len(passes) == 1
+    for i, (x, kv) in enumerate(zip(xs, kvs)):
+        got, back = read_back(cache, x, f"x{i}")
+        assert got.storage_hit == 16 and same_kv(back, kv)
+    settle(cache)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
