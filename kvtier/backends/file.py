@@ -21,7 +21,6 @@ import errno
 import fcntl
 import os
 import socket
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
+from kvtier.backends.file_dirs import InsideRoot
 from kvtier.backends.file_io import (
     TMP, mtime, read_file, read_pages_into, read_sealed_into, run_all, sizes_of, unlink_quietly,
     write_atomically, write_small,
@@ -70,8 +70,7 @@ class FileStore(Store):
         self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
         self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
         self._hung: set[str] = set()  # keys of calls abandoned stuck: never asked again
-        self._inside_dirs: set[str] = set()  # directories checked to stay under the root
-        self._inside_parents: dict[str, tuple[int, int]] = {}  # their parents seen inside: (device, inode)
+        self._inside = InsideRoot(self.complain)  # page directories checked to stay under the root
         try:
             _claim_root(self.root)
             with self._shared() as usage:
@@ -200,36 +199,6 @@ class FileStore(Store):
         if key is not None:
             self._forget(key)
             self._hung.add(key)
-
-    def _inside(self, directory: str) -> bool:
-        """Does `directory` (a page's fan-out directory) stay under the root, no symlink on
-        the way out? Checked once per directory: by a whole-path `realpath`, or, under a
-        parent seen as a real directory inside the root, by two calls: the parent is still
-        that directory (same device and inode: not swapped for a symlink, nor anything
-        above it) and `directory` is no symlink (a fresh store has 65,536 of them). A
-        directory that cannot be looked at (not a directory, no permission) is refused."""
-        if directory in self._inside_dirs:
-            return True
-        parent = os.path.dirname(directory)
-        seen = self._inside_parents.get(parent)
-        try:
-            if seen is not None and _identity(os.stat(parent)) == seen:
-                inside = not stat.S_ISLNK(os.lstat(directory).st_mode)
-            else:
-                inside = os.path.realpath(directory) == directory
-                st = os.lstat(parent) if inside else None  # not followed: a symlink made meanwhile is no parent
-                if st is not None and stat.S_ISDIR(st.st_mode):
-                    self._inside_parents[parent] = _identity(st)
-        except FileNotFoundError:  # none yet: a write makes it, a real one (checked again next time)
-            return True
-        except OSError as exc:
-            self.complain("error", f"{directory}: {exc.strerror or exc}; its pages are refused")
-            return False
-        if not inside:
-            self.complain("error", f"{directory}: a symlink leads out of the store root; its pages are refused")
-            return False
-        self._inside_dirs.add(directory)
-        return True
 
     async def _get(self, keys):
         await self._adopt(keys)
@@ -470,10 +439,6 @@ def _claim_root(root: Path) -> None:
                 raise OSError(f"not a kvtier store: it holds other files ({name}) and no {MARKER} marker; "
                               f"name an empty directory (or create {marker} if it is one)")
     write_small(marker, b'{"format": 1}\n')
-
-
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
 
 
 def _page_key(root: Path, full: str) -> str | None:
