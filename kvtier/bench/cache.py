@@ -3,8 +3,9 @@
 the infinite-cache bound measured in the same run, and the scheduler thread's CPU time
 inside kvtier per request against SGLang 0.5.23's own device prefix cache (RadixCache,
 ReqToTokenPool, its token allocator: `kvtier/bench/cache_arms.py`) on the same trace and
-pool size. kvtier runs twice: with all tiers (a 2x host mirror, the file store) and device
-only. The arms take turns, `--rounds` times; each figure is the median of its rounds. Where
+pool size. kvtier runs twice: with all tiers (a 2x host mirror, the file store; `--store
+memory` for an in-process one, which separates the file store's threads from the tiering's
+own price) and device only. The arms take turns, `--rounds` times; each figure is the median of its rounds. Where
 SGLang cannot be loaded the last line says so and measures against a bare RadixTree's
 match+insert of the same requests.
 
@@ -175,6 +176,9 @@ def _runqueue_seconds() -> float | None:
         return None
 
 
+STORES = ("file", "memory")
+
+
 def kvtier_cpus(choice: str) -> str | None:
     """`controller.cpus` for the run: "auto" = every CPU this process may use but the
     first (none kept on a single CPU), "all" = no confinement, else a CPU list."""
@@ -186,23 +190,26 @@ def kvtier_cpus(choice: str) -> str | None:
     return format_cpu_list(allowed[1:]) if len(allowed) >= 2 else None
 
 
-def _config(size: int, page: int, store_root: str | None, cpus: str):
-    """All tiers (a 2x host mirror, the file store at `store_root`) or, with no root, the
-    device pool alone."""
+def _config(size: int, page: int, store_root: str | None, cpus: str, store: str = "file"):
+    """All tiers (a 2x host mirror, then the file store at `store_root` or, with `store`
+    "memory", an in-process dict) or, with no root, the device pool alone."""
     tiers = store_root is not None
+    backend = {"backend": "file", "root": store_root, "capacity_bytes": 1 << 34} if store == "file" else \
+        {"backend": "memory", "capacity_bytes": 1 << 34}
     return load_config(None, {
         "pool": {"size": size, "num_layers": 2, "page_size": page, "num_kv_heads": 1, "head_dim": 16,
                  "dtype": "float16"},
         "mirror": {"ratio": 2.0, "layout": "page_first"} if tiers else None,
         "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
                        "cpus": kvtier_cpus(cpus)},
-        "store": {"backend": "file", "root": store_root, "capacity_bytes": 1 << 34} if tiers else {"backend": "none"},
+        "store": backend if tiers else {"backend": "none"},
     }, env={})
 
 
-def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool) -> tuple[Scheduler, object]:
+def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
+            store: str = "file") -> tuple[Scheduler, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _config(size, page, tmp if tiers else None, cpus)
+        cfg = _config(size, page, tmp if tiers else None, cpus, store)
         cache = TieredCache(cfg)
         sched = Scheduler(cache, trace, in_flight)
         try:
@@ -217,7 +224,7 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool)
 
 
 def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, device_fraction: float = 0.10,
-        in_flight: int = 8, cpus: str = "auto", sglang: bool = True) -> dict:
+        in_flight: int = 8, cpus: str = "auto", sglang: bool = True, store: str = "file") -> dict:
     trace = multiturn(sessions=sessions, turns=turns, system_prompts=6, system_len=512, msg_len=(32, 200), seed=3)
     bound, working_set = infinite_bound(trace, page)
     longest = max(len(t.prompt) + len(t.output) for t in trace)
@@ -225,7 +232,9 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     # retried forever (a small --sessions gives a pool of ~1k tokens, below one long turn)
     size = max(page * 64, -(-2 * longest // page) * page, int(working_set * device_fraction) // page * page)
     why_not = sglang_unavailable() if sglang else "not asked for (--baseline bare)"
-    arms = {"kvtier": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=True),
+    if store not in STORES:
+        raise ValueError(f"store={store!r}: allowed are {', '.join(STORES)}")
+    arms = {"kvtier": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=True, store=store),
             "device": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=False),
             "bare": lambda: bare_tree(trace, page)}
     if why_not is None:
@@ -245,7 +254,7 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     rates = [x / prompt_tokens for x in sched.hits]
     total = sum(rates)
     print(f"{n} requests ({in_flight} in flight), page {page}, {prompt_tokens} prompt tokens, working set "
-          f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, file store; "
+          f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, {store} store; "
           f"{rounds} alternating rounds, medians; kvtier's threads on CPUs {cfg.controller.cpus or 'any'}")
     print(f"hit rate: device {rates[0]:.3f} + host {rates[1]:.3f} + storage {rates[2]:.3f} = {total:.3f} "
           f"(infinite cache {bound:.3f})")
@@ -283,11 +292,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of every arm")
     p.add_argument("--baseline", choices=("sglang", "bare"), default="sglang",
                    help="sglang: SGLang's own RadixCache where it loads (else the bare tree); bare: the bare tree")
+    p.add_argument("--store", choices=STORES, default="file",
+                   help="the all-tiers arm's store: file (the default, one file per page) or memory (in-process: "
+                        "what the tiering costs without the file store's I/O thread)")
     p.add_argument("--kvtier-cpus", default="auto",
                    help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3")
     args = p.parse_args(argv)
     run(args.sessions, args.turns, page=args.page_size, rounds=args.rounds, in_flight=args.in_flight,
-        cpus=args.kvtier_cpus, sglang=args.baseline == "sglang")
+        cpus=args.kvtier_cpus, sglang=args.baseline == "sglang", store=args.store)
 
 
 if __name__ == "__main__":

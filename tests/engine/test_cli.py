@@ -186,6 +186,17 @@ def test_bench_cache_ends_with_the_line_the_issue_reads(capsys, cpus):
         assert lines[0].endswith("CPUs any")
 
 
+def test_bench_cache_store_memory_runs_the_all_tiers_arm_on_the_memory_store(capsys):
+    """`--store memory`: the header says so, and the store's loop ran but no file store thread."""
+    assert main(["bench", "cache", "--sessions", "8", "--turns", "3", "--rounds", "1", "--baseline", "bare",
+                 "--store", "memory"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert ", memory store; " in lines[0], lines[0]
+    threads = next(line for line in lines if line.startswith("kvtier's own threads"))
+    assert "kvtier-storage" in threads and "kvtier-file" not in threads, threads
+    assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]
+
+
 def test_replay_plot_writes_a_png(cache_home, tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="--plot needs the optional [plot] extra (matplotlib)")
     out = tmp_path / "hits.png"
