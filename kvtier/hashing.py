@@ -10,7 +10,6 @@ function of their inputs: never Python's `hash()`, never seeded per process.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import re
 import struct
 from dataclasses import dataclass, fields
@@ -214,16 +213,18 @@ def split_key(key: str) -> tuple[str, str, bytes]:
 
 
 # Recently parsed or made keys -> their parts, oldest first (~300 bytes each). Threads
-# share it: a dict's get and set are atomic under the GIL, and so is listing its oldest
-# keys (C code over str keys runs no Python in between); when full, the older half goes.
-# A prefetch's keys are made, then read again after its grant: they must still be here.
+# share it: a dict's get, set and pop are atomic under the GIL, and so is `list(_RECENT)`,
+# one C call over str keys. An iterator kept across bytecodes is not: another thread's
+# set in between ends it with "dictionary changed size during iteration". When full, the
+# older half goes. A prefetch's keys are made, then read again after its grant: they must
+# still be here.
 _RECENT: dict[str, tuple[str, str, bytes]] = {}
 _RECENT_MAX = 1 << 15
 
 
 def _remember(key: str, parts: tuple[str, str, bytes]) -> tuple[str, str, bytes]:
     if len(_RECENT) >= _RECENT_MAX:
-        for old in list(itertools.islice(_RECENT, _RECENT_MAX // 2)):
+        for old in list(_RECENT)[:_RECENT_MAX // 2]:
             _RECENT.pop(old, None)
     _RECENT[key] = parts
     return parts

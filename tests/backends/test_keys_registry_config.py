@@ -135,6 +135,41 @@ def test_remembered_keys_are_bounded(monkeypatch):
         assert len(hashing._RECENT) <= 4
     assert list(hashing._RECENT) == keys[-4:]  # the newest kept: each time it filled, the older half went
 
+def test_remembered_keys_survive_threads_that_make_and_split_keys_at_once(monkeypatch):
+    """Review: dropping the older half iterated the table across bytecodes; another
+    thread's key in between raised "dictionary changed size during iteration" out of
+    `key_maker` (the vLLM tier keys pages on vLLM's thread while the store's loop splits
+    them). Eight threads, a small table and a switch at every chance: failed 6 runs of 6."""
+    import sys
+    import threading
+
+    import kvtier.hashing as hashing
+    monkeypatch.setattr(hashing, "_RECENT", {})
+    monkeypatch.setattr(hashing, "_RECENT_MAX", 64)
+    key_of, errors = key_maker("p", NS), []
+
+    def make_and_split(seed: int) -> None:
+        try:
+            for i in range(25_000):
+                h = ((seed << 40) + i).to_bytes(16, "big")
+                assert split_key(key_of(h))[2] == h
+        except Exception as exc:
+            errors.append(repr(exc))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=make_and_split, args=(seed,)) for seed in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert len(hashing._RECENT) <= 64
+
+
 async def test_file_store_rebuilds_index_on_reopen_without_reading(tmp_path):
     cfg = FileStoreConfig(root=str(tmp_path))
     store = FileStore(cfg)
