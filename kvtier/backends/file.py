@@ -70,7 +70,7 @@ class FileStore(Store):
         self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
         self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
         self._hung: set[str] = set()  # keys of calls abandoned stuck: never asked again
-        self._inside = InsideRoot(self.complain)  # page directories checked to stay under the root
+        self._inside = InsideRoot(self._root_str, self.complain)  # page directories checked to stay under it
         try:
             _claim_root(self.root)
             with self._shared() as usage:

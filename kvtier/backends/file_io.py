@@ -323,7 +323,7 @@ def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
     bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`).
     `inside(dir)`: False where the directory leads out of the store (a symlink): refused."""
     if inside is not None and not inside(os.path.dirname(final)):
-        raise OSError(errno.EPERM, "a directory on the way is a symlink out of the store root; refused", final)
+        raise OSError(errno.EPERM, "a directory on the way is no real directory under the store root; refused", final)
     tmp = _temp_name(str(final))
     try:
         try:

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from kvtier.backends.file import USAGE, FileStore, FileStoreConfig
-from kvtier.errors import StoreUnavailable
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import make_key
 
 NS = "cd" * 16
@@ -103,8 +103,8 @@ async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root
 
 
 async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_path):
-    """The parent of a page's directory is checked whole once; its other directories by
-    one lstat each. A symlink there still takes no write and serves no page."""
+    """Its siblings were found whole and remembered; a new leaf directory that is a
+    symlink still takes no write and serves no page."""
     store = store_at(tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -122,8 +122,8 @@ async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_
 
 
 async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_no_page(tmp_path):
-    """A parent seen inside the root is trusted as that directory only (device, inode):
-    renamed away and replaced by a symlink, its new page directories are checked whole."""
+    """A parent walked before is walked again for each new directory under it: renamed
+    away and replaced by a symlink, it is refused."""
     store = store_at(tmp_path)
     outside = tmp_path / "outside"
     (outside / "04").mkdir(parents=True)
@@ -136,6 +136,57 @@ async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_
     assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [False, True]
     assert await store.batch_exists([_key(4, first=0xAA)]) == 0
     assert sorted(p.name for p in outside.iterdir()) == ["04"]
+    await store.close()
+
+
+async def test_an_ancestor_swapped_for_a_symlink_to_the_same_directory_takes_no_write(tmp_path):
+    """Review: the namespace directory renamed out of the root and a symlink to it put in
+    its place. A check of the page directory's parent identity (device, inode) passed, as
+    the parent is the same directory still: a write landed outside the root."""
+    store = store_at(tmp_path)
+    assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
+    assert await store.batch_set([_key(2, first=0xAA)], [PAGE]) == [True]
+    namespace = store.path(_key(1, first=0xAA)).parent.parent.parent
+    moved = tmp_path / "moved"
+    namespace.rename(moved)
+    os.symlink(moved, namespace)
+    with pytest.raises(StoreError, match="refused"):  # every page is under it: the batch fails whole
+        await store.batch_set([_key(3, first=0xAA)], [PAGE])
+    assert sorted(p.name for p in (moved / "aa").iterdir()) == ["01", "02"]
+    assert await store.batch_exists([_key(1, first=0xAA)]) == 1  # found whole before the swap (docs/stores.md)
+    await store.close()
+
+
+async def test_an_ancestor_swapped_for_a_symlink_to_an_empty_directory_takes_no_write(tmp_path):
+    """Review: with the namespace directory a symlink to an empty directory, the checked
+    parent was not found, the directory counted as not there yet, and the write made it
+    (and the page) through the symlink."""
+    store = store_at(tmp_path)
+    assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
+    assert await store.batch_set([_key(2, first=0xAA)], [PAGE]) == [True]
+    namespace = store.path(_key(1, first=0xAA)).parent.parent.parent
+    anywhere = tmp_path / "anywhere"
+    anywhere.mkdir()
+    shutil.rmtree(namespace)
+    os.symlink(anywhere, namespace)
+    with pytest.raises(StoreError, match="refused"):
+        await store.batch_set([_key(3, first=0xAA)], [PAGE])
+    assert not any(anywhere.rglob("*"))
+    assert await store.batch_exists([_key(3, first=0xAA)]) == 0
+    await store.close()
+
+
+async def test_a_page_directory_absent_at_an_exists_check_is_walked_again_when_written(tmp_path):
+    """Review: `realpath` of a directory not there yet is the path itself; remembered as
+    inside, it took a write once it had become a symlink out of the root."""
+    store = store_at(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
+    assert await store.batch_exists([_key(8, first=0xAA)]) == 0  # aa/08 is not there
+    os.symlink(outside, store.path(_key(8, first=0xAA)).parent)
+    assert await store.batch_set([_key(8, first=0xAA), _key(9)], [PAGE, PAGE]) == [False, True]
+    assert not any(outside.iterdir())
     await store.close()
 
 
