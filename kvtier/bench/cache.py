@@ -149,13 +149,15 @@ class Scheduler:
                 self.requests += 1
 
 
-def _threads_cpu() -> dict[str, float]:
+def _threads_cpu(before: set[threading.Thread]) -> dict[str, float]:
     """CPU seconds of the cache's own threads alive now (storage loop, store I/O, copy
-    workers), summed by name without its number. The process's shared helper for copies of
-    4 MiB and more (`kvtier-copy`, none in this trace) outlives a cache: not counted."""
+    workers), summed by name without its number; threads alive `before` the cache was
+    made belong to another (an earlier cache's I/O thread abandoned stuck, in a test). The
+    process's shared helper for copies of 4 MiB and more (`kvtier-copy`, none in this
+    trace) outlives a cache: not counted."""
     out: dict[str, float] = {}
     for t in threading.enumerate():
-        if not t.name.startswith("kvtier-") or t.name.startswith("kvtier-copy") or t.ident is None:
+        if not t.name.startswith("kvtier-") or t.name.startswith("kvtier-copy") or t.ident is None or t in before:
             continue
         try:
             cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
@@ -210,6 +212,7 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
             store: str = "file") -> tuple[Scheduler, object]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(size, page, tmp if tiers else None, cpus, store)
+        before = set(threading.enumerate())
         cache = TieredCache(cfg)
         sched = Scheduler(cache, trace, in_flight)
         try:
@@ -217,7 +220,7 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
             cache.check_accounting()
             c = cache.stats_obj.counters
             sched.polls, sched.polls_idle, sched.polls_deferred = c.polls, c.polls_idle, c.polls_deferred
-            sched.threads = _threads_cpu()
+            sched.threads = _threads_cpu(before)
         finally:
             cache.close()
     return sched, cfg

@@ -12,6 +12,7 @@ import pytest
 from kvtier.cli.main import default_config, main
 from kvtier.cli.serve import Limits, Listener, Server
 from kvtier.cli.serve_app import build_app
+from tests.backends.stores import new_key
 
 
 @pytest.fixture
@@ -186,10 +187,16 @@ def test_bench_cache_ends_with_the_line_the_issue_reads(capsys, cpus):
         assert lines[0].endswith("CPUs any")
 
 
-def test_bench_cache_store_memory_runs_the_all_tiers_arm_on_the_memory_store(capsys):
-    """`--store memory`: the header says so, and the store's loop ran but no file store thread."""
+async def test_bench_cache_store_memory_runs_the_all_tiers_arm_on_the_memory_store(capsys, tmp_path):
+    """`--store memory`: the header says so, and the store's loop ran but no file store
+    thread. One alive before, another store's, is not the arm's: in the suite, leftovers of
+    earlier tests were counted as its threads."""
+    from kvtier.backends.file import FileStore, FileStoreConfig
+    other = FileStore(FileStoreConfig(root=str(tmp_path / "other")))
+    assert await other.batch_exists([new_key()]) == 0  # its I/O thread runs from here on
     assert main(["bench", "cache", "--sessions", "8", "--turns", "3", "--rounds", "1", "--baseline", "bare",
                  "--store", "memory"]) == 0
+    await other.close()
     lines = capsys.readouterr().out.strip().splitlines()
     assert ", memory store; " in lines[0], lines[0]
     threads = next(line for line in lines if line.startswith("kvtier's own threads"))
