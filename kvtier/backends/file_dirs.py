@@ -11,31 +11,31 @@ from typing import Callable
 
 
 class InsideRoot:
-    """`inside(directory)`: True if `directory` stays under `root`: each of its components
-    below the root is a real directory, no symlink, looked at root-down with `lstat` (the
-    prefix, the namespace and the two fan-out levels: four calls, cheaper than a
-    `realpath`). The first component that is not there yet ends the walk: a write makes it
-    and those below it as real directories, and it is walked again next time. A
-    directory found whole is remembered; one swapped for a symlink later is not noticed
-    (docs/stores.md says so). A directory that cannot be looked at (a file in its place,
-    no permission) is refused; `complain(kind, message)` is told why."""
+    """`inside(directory)`: True if `directory` stays under `root`: each of its components,
+    from "/" through the root to the page directory, is a real directory, no symlink,
+    looked at with `lstat` in that order (what `realpath` would check, without its
+    Python-level string work). The first component that is not there yet ends the walk:
+    a write makes it and those below it as real directories, and it is walked again next
+    time. A directory found whole is remembered; one swapped for a symlink later is not
+    noticed (docs/stores.md says so). A directory that cannot be looked at (a file in its
+    place, no permission) is refused; `complain(kind, message)` is told why."""
 
     def __init__(self, root: str, complain: Callable[[str, str], None]) -> None:
-        self.root = root.rstrip(os.sep) or os.sep
+        self.root = root.rstrip("/")  # "" for "/": the store's paths are "<root>/..." strings
         self.complain = complain
         self.dirs: set[str] = set()  # directories found whole under the root
 
     def __call__(self, directory: str) -> bool:
         if directory in self.dirs:
             return True
-        under = self.root.rstrip(os.sep) + os.sep
-        if not directory.startswith(under):
-            self.complain("error", f"{directory}: not under the store root {self.root}; its pages are refused")
+        root = self.root
+        if not directory.startswith(root + "/"):
+            self.complain("error", f"{directory}: not under the store root {root or '/'}; its pages are refused")
             return False
-        path = self.root
-        try:
-            for part in directory[len(under):].split(os.sep):
-                path = os.path.join(path, part)
+        path = ""
+        try:  # from "/": a root (or a directory above it) swapped for a symlink since the open is caught
+            for part in directory[1:].split("/"):  # strings, not os.path: ~1 us a part
+                path = f"{path}/{part}"
                 mode = os.lstat(path).st_mode
                 if not stat.S_ISDIR(mode):
                     why = "a symlink leads out of the store root" if stat.S_ISLNK(mode) else "not a directory"

@@ -61,7 +61,7 @@ def run_all(fn, items: list[tuple], stop=None) -> list:
     return out
 
 
-def sizes_of(paths: list[Path], leading: bool, stop=None, inside=None) -> list[int | None]:
+def sizes_of(paths: list[str], leading: bool, stop=None, inside=None) -> list[int | None]:
     """Each page file's size, None where there is none (with `leading`: None from the first
     absent on). `inside(dir)`: False where the directory leads out of the store (a symlink):
     its page counts as absent. Asked only of the paths looked at: past the first absent page
@@ -69,7 +69,7 @@ def sizes_of(paths: list[Path], leading: bool, stop=None, inside=None) -> list[i
     out: list[int | None] = []
     for path in paths:
         try:
-            if inside is not None and not inside(os.path.dirname(path)):
+            if inside is not None and not inside(_parent(path)):
                 out.append(None)
             else:
                 st = os.stat(path)
@@ -133,11 +133,18 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     return out
 
 
+# A page file is opened as no symlink (ELOOP: a miss), as `read_file` and `tierctl store
+# verify` do. A FIFO put where a page was still blocks the open, as a hung mount does: the
+# call times out and the thread is abandoned (io_threads.py; tests/backends/test_hung_io.py
+# stands a FIFO in for a hung mount).
+_READ_PAGE = os.O_RDONLY | os.O_NOFOLLOW
+
+
 def _read_sealed_page(codec, path: str, ns: str, h: bytes, view: memoryview) -> None:
     """Header, body and a byte more in one readv: an authenticated page straight into the
     caller's buffer, an encrypted one into this thread's scratch buffer, decrypted from
     there (`SealedCodec.read_into`)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, _READ_PAGE)
     try:
         codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, view, _scratch)
     finally:
@@ -262,7 +269,7 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> i
     must have, or why it is not the page asked for (the buffer may then hold garbage,
     which the caller must not use: `batch_get_into`)."""
     header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, _READ_PAGE)
     try:
         n = _read_whole(fd, header, view, extra) if hasher is None else _read_chunks(fd, header, view, extra, hasher)
     finally:
@@ -313,8 +320,16 @@ def _read_chunks(fd: int, header: bytearray, view: memoryview, extra: bytearray,
     return frame.HEADER_SIZE + got
 
 
+def _parent(path: str) -> str:
+    """`os.path.dirname` of a path without its Python-level normalising (a few us a page
+    on the I/O thread): "/" for "/x", "" for "x"."""
+    head, sep, _ = path.rpartition("/")
+    return head or sep
+
+
 def _temp_name(final: str) -> str:
-    return os.path.join(os.path.dirname(final), f"{TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}")
+    parent, name = _parent(final), f"{TMP}{_OWNER}{_RUN}{next(_TEMP_IDS)}"
+    return f"{parent}/{name}" if parent not in ("", "/") else os.path.join(parent, name)
 
 
 def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
@@ -322,14 +337,15 @@ def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
     0600), then rename it over `final`: readers see the whole file or none. Returns the
     bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`).
     `inside(dir)`: False where the directory leads out of the store (a symlink): refused."""
-    if inside is not None and not inside(os.path.dirname(final)):
+    final = str(final)  # a Path for the store's own metadata files
+    if inside is not None and not inside(_parent(final)):
         raise OSError(errno.EPERM, "a directory on the way is no real directory under the store root; refused", final)
-    tmp = _temp_name(str(final))
+    tmp = _temp_name(final)
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except FileNotFoundError:  # the page's fan-out directories do not exist yet
-            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            os.makedirs(_parent(final), mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             if isinstance(data, frame.Frame):

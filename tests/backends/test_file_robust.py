@@ -190,6 +190,36 @@ async def test_a_page_directory_absent_at_an_exists_check_is_walked_again_when_w
     await store.close()
 
 
+async def test_a_root_swapped_for_a_symlink_after_the_open_takes_no_write(tmp_path):
+    """Review: the walk began below the root; a root renamed away and replaced by a
+    symlink since the store opened took writes wherever the symlink led."""
+    store = store_at(tmp_path)
+    assert await store.batch_set([_key(1)], [PAGE]) == [True]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "l3").rename(tmp_path / "moved")
+    os.symlink(elsewhere, tmp_path / "l3")
+    with pytest.raises(StoreError, match="refused"):
+        await store.batch_set([_key(2)], [PAGE])
+    assert not any(elsewhere.rglob("*"))
+    await store.close()
+
+
+async def test_a_page_file_that_is_a_symlink_is_not_read(tmp_path):
+    """Its target is the right page, copied out of the root: a symlink is no page file
+    (as `tierctl store verify` says), so it is a miss, never followed."""
+    store = store_at(tmp_path)
+    assert await store.batch_set([_key(1)], [PAGE]) == [True]
+    path = store.path(_key(1))
+    copy = tmp_path / "copy"
+    copy.write_bytes(path.read_bytes())
+    path.unlink()
+    os.symlink(copy, path)
+    buf = bytearray(len(PAGE))
+    assert await store.batch_get_into([_key(1)], [buf]) == [False]
+    await store.close()
+
+
 async def test_a_page_directory_that_cannot_be_looked_at_is_a_miss_not_an_error(tmp_path):
     """A file where a checked parent was: its pages are misses and refused writes; the call
     itself does not fail (the breaker would count it)."""
