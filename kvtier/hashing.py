@@ -216,8 +216,8 @@ def split_key(key: str) -> tuple[str, str, bytes]:
 # share it: a dict's get, set and pop are atomic under the GIL, and so is `list(_RECENT)`,
 # one C call over str keys. An iterator kept across bytecodes is not: another thread's
 # set in between ends it with "dictionary changed size during iteration". When full, the
-# older half goes. A prefetch's keys are made, then read again after its grant: they must
-# still be here.
+# older half goes. A prefetch's keys are made, then read again after its grant: kept this
+# long, they are not parsed again.
 _RECENT: dict[str, tuple[str, str, bytes]] = {}
 _RECENT_MAX = 1 << 15
 

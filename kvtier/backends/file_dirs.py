@@ -38,7 +38,7 @@ class InsideRoot:
                 path = f"{path}/{part}"
                 mode = os.lstat(path).st_mode
                 if not stat.S_ISDIR(mode):
-                    why = "a symlink leads out of the store root" if stat.S_ISLNK(mode) else "not a directory"
+                    why = "a symlink (a store's directories are real ones)" if stat.S_ISLNK(mode) else "not a directory"
                     self.complain("error", f"{path}: {why}; the pages under it are refused")
                     return False
         except FileNotFoundError:  # not there yet: a write makes it (walked again next time)

@@ -4,10 +4,10 @@ the infinite-cache bound measured in the same run, and the scheduler thread's CP
 inside kvtier per request against SGLang 0.5.23's own device prefix cache (RadixCache,
 ReqToTokenPool, its token allocator: `kvtier/bench/cache_arms.py`) on the same trace and
 pool size. kvtier runs twice: with all tiers (a 2x host mirror, the file store; `--store
-memory` for an in-process one, which separates the file store's threads from the tiering's
-own price) and device only. The arms take turns, `--rounds` times; each figure is the median of its rounds. Where
-SGLang cannot be loaded the last line says so and measures against a bare RadixTree's
-match+insert of the same requests.
+memory` for an in-process one, which separates the file store's threads from the
+tiering's own price) and device only. The arms take turns, `--rounds` times; each figure
+is the median of its rounds. Where SGLang cannot be loaded the last line says so and
+measures against a bare RadixTree's match+insert of the same requests.
 
 Device pool ~10% of the working set. Wall time inside kvtier (printed for the last round)
 is its CPU time plus time runnable but waiting for a core (Linux schedstat, printed): on a
