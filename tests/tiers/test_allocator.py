@@ -212,7 +212,8 @@ def test_pages_touched_equals_the_distinct_pages_of_the_slots(values, page_size,
     if mixed.size:  # one slot is of a page no run starts with
         mixed[swap % mixed.size] = 1000 * page_size + swap % page_size
     distinct = (np.unique(units)[:, None] * page_size + np.arange(page_size)).ravel()
-    for slots in (whole, mixed, distinct, distinct[cut:], np.random.default_rng(swap).permutation(distinct)):
+    tails = (whole[cut:cut + page_size - 1], whole[:max(page_size - 1 - cut, 1)])  # under a page: one or two
+    for slots in (whole, mixed, distinct, distinct[cut:], np.random.default_rng(swap).permutation(distinct), *tails):
         got = _pages_touched(pages_of(slots, page_size), page_size)
         want = set((slots // page_size).tolist())
         assert sorted(got.tolist()) == sorted(want) and got.size == len(want)
@@ -256,6 +257,22 @@ def test_a_double_free_is_refused_outside_debug_mode_too(debug):
     with pytest.raises(ValueError, match="are not allocated"):
         t.free(got)
     assert t.available_size() == 8
+
+
+def test_a_tail_of_a_page_frees_that_page_once_and_a_second_free_is_refused():
+    """A finished request's tail (fewer slots than a page) takes its own short path: it
+    frees the page it is on, and freeing it again is still a double free, changing nothing."""
+    a = PagedAllocator(64, 16)
+    x = a.alloc_slots(32)
+    a.free_slots(x[16:23])  # 7 slots of the second page
+    assert a.available_size() == 48
+    with pytest.raises(ValueError, match=r"pages \[2\] are not allocated \(double free\?\)"):
+        a.free_slots(x[20:25])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free_slots(x[14:18])  # under a page, across two: page 2 is free already, so neither goes
+    assert a.available_size() == 48
+    a.free_slots(x[3:9])
+    assert a.available_size() == 64
 
 
 def test_sizes_may_be_numpy_integers_and_bad_ones_are_named():
