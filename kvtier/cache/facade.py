@@ -371,12 +371,11 @@ class TieredCache:
 
     def _give_back(self, kv: np.ndarray, tree_len: int, prefix_len: int, aligned: int, end: int) -> None:
         """Request slots [tree_len, end) leave the request: the tree took [prefix_len,
-        aligned); duplicates [tree_len, prefix_len) and the tail [aligned, end) are freed."""
-        with self.slots.free_group():
-            if prefix_len > tree_len:
-                self.slots.free_device(kv[tree_len:prefix_len])
-            if end > aligned:
-                self.slots.free_device(kv[aligned:end])
+        aligned); duplicates [tree_len, prefix_len) and the tail [aligned, end) are freed,
+        in one call (most finishes free a tail only: no free group to open)."""
+        parts = [kv[a:b] for a, b in ((tree_len, prefix_len), (aligned, end)) if b > a]
+        if parts:
+            self.slots.free_device(parts[0] if len(parts) == 1 else concat(parts))
         self.requests.take_back(-(-end // self.page_size) - tree_len // self.page_size)
 
     # -- steps --------------------------------------------------------------------------------
