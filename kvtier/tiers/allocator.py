@@ -352,9 +352,15 @@ class PagedAllocator:
         self.free_slots(as_numpy(check_indices("indices", indices)))
 
     def free_slots(self, slots: np.ndarray) -> None:
-        """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
-        pages = slots if self.page_size == 1 else _pages_touched(pages_of(slots, self.page_size), self.page_size)
-        self._free.give(pages, "pages")  # (a slot is a page at page size 1: `give` drops repeats)
+        """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call. The
+        free list keeps its own copy: `slots` may be a view of an engine's row, which it
+        fills again for its next request (at page size 1 a slot is a page, and the slots
+        themselves would be kept: rewritten, they would hand one slot out twice)."""
+        if self.page_size == 1:
+            pages = concat([slots])  # `give` drops repeats
+        else:
+            pages = _pages_touched(pages_of(slots, self.page_size), self.page_size)  # a fresh array
+        self._free.give(pages, "pages")
 
     def free_group(self):
         return self._free.grouped()

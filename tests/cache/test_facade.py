@@ -772,3 +772,37 @@ def test_the_second_acquire_reads_the_tokens_it_is_given_not_the_first_ones():
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
+
+
+@pytest.mark.parametrize("ending", ["finish", "abort"])
+def test_a_row_the_engine_fills_again_after_a_finish_or_abort_frees_the_slots_it_held(ending):
+    """Review: at page size 1 the free list kept the slots it was given, a view of the
+    engine's row (an int64 CPU tensor, as kvtier hands out); the engine filling that row
+    for its next request rewrote them. A finish whose slots were all duplicates (two
+    requests computed one prompt at once), or an abort, then handed one slot out several
+    times (two requests writing one slot's KV) and lost the freed ones."""
+    cache = make_cache(pool_size=64, page_size=1)
+    prompt = np.arange(100, 108)
+    assert acquire(cache, prompt, "a").indices.numel() == 0
+    row_a = cache.alloc(len(prompt))
+    if ending == "finish":
+        assert acquire(cache, prompt, "b").indices.numel() == 0  # computed again, side by side
+    else:
+        acquire(cache, np.arange(200, 208), "b")
+    row_b = cache.alloc(len(prompt)).clone()  # the engine's own row for b
+    forward(cache, "a", "b")
+    cache.cache_finished("a", prompt, row_a)
+    own = row_b.tolist()
+    if ending == "finish":  # the tree holds the prompt already: b's slots are all duplicates
+        cache.cache_finished("b", prompt, row_b)
+    else:
+        cache.abort("b", row_b)
+    row_b.fill_(int(row_a[0]))  # the engine's next request reuses the row: a slot the tree holds
+    taken = []
+    while (more := cache.alloc(1)) is not None:
+        taken += more.tolist()
+    assert len(taken) == len(set(taken)), "a slot handed out twice"
+    assert set(own) <= set(taken), "slots the request gave back were lost"
+    assert int(row_a[0]) not in taken, "a slot the tree holds was handed out"
+    cache.free(torch.tensor(taken))
+    check(cache)
