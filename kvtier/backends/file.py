@@ -36,7 +36,7 @@ from kvtier.backends.file_io import (
     write_atomically, write_small,
 )
 from kvtier.backends.io_threads import IoThreads, settle_jobs
-from kvtier.errors import StoreAbandoned, StoreError, StoreUnavailable
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 from kvtier.validate import check_positive, io_threads
 
