@@ -81,10 +81,13 @@ class StoreConfig:
     key_prefix: str = "kvtier"
     timeout_s: float = 5.0
     required: bool = False  # True: a store that cannot be reached at start is an error, not a warning
+    page_tokens: int | None = None  # tokens in one store page: a multiple of pool.page_size (None: one device page)
     options: Any = None
 
     def __post_init__(self) -> None:
         check_positive(self, "timeout_s")
+        if self.page_tokens is not None:
+            check_positive(self, "page_tokens", integer=True)
         if not PREFIX_RE.fullmatch(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
             raise ValueError(f"key_prefix={self.key_prefix!r}: path segments of [A-Za-z0-9_.-] separated by '/'")
 
@@ -100,13 +103,26 @@ class KvtierConfig:
     events: EventsConfig | None = None  # KV events for routers (docs/events.md); none without the section
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        self.store_pages  # refuses a store page that is not whole device pages
+
+    @property
+    def store_pages(self) -> int:
+        """Device pages in one store page (`store.page_tokens`; docs/stores.md)."""
+        tokens, ps = self.store.page_tokens, self.pool.page_size
+        if tokens is None:
+            return 1
+        if tokens % ps:
+            raise KvtierConfigError(f"store.page_tokens={tokens!r}: must be a multiple of pool.page_size={ps}")
+        return tokens // ps
+
 
 _SECTIONS: dict[str, type] = {
     "namespace": NamespaceConfig, "pool": PoolConfig, "mirror": MirrorConfig,
     "tree": TreeConfig, "controller": ControllerConfig, "store": StoreConfig,
     "events": EventsConfig,
 }
-_STORE_COMMON = ("backend", "key_prefix", "timeout_s", "required")
+_STORE_COMMON = ("backend", "key_prefix", "timeout_s", "required", "page_tokens")
 # variables of this prefix that other parts read (not config keys)
 _OTHER_ENV = {"KVTIER_DEBUG_POOL", "KVTIER_CONSENSUS_CHECK", "KVTIER_SERVE_TOKEN"}
 
@@ -147,6 +163,14 @@ def load_config(
                 sources[f"{section}.{key}"] = origin if origin != "env" else f"env {ENV_PREFIX}{section.upper()}_{key.upper()}"
     built = {name: _build_section(name, merged.get(name, {}), sources) for name in _SECTIONS if name in merged}
     return KvtierConfig(**built, sources=sources)
+
+
+def refuse_store_pages(config: KvtierConfig, where: str) -> None:
+    """Where the engine names the store's pages (SGLang's linker and storage backend, vLLM's
+    tier), a store page is one engine page: `store.page_tokens` is refused, not ignored."""
+    if config.store.page_tokens is not None:
+        raise KvtierConfigError(f"store.page_tokens={config.store.page_tokens!r}: {where} stores one engine page "
+                                "per store page; remove the key (it is for TieredCache, docs/stores.md)")
 
 
 def explain(config: KvtierConfig) -> str:

@@ -61,10 +61,13 @@ class Namespace:
     key_format_version: int = KEY_FORMAT_VERSION
     revision: str | None = None  # the weights' revision or fingerprint (same model id, other bytes)
     tenant_key_id: str | None = None  # hex id of the tenant key (never the key): its pages are sealed
+    store_pages: int = 1  # device pages in one store page (`store.page_tokens`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise KvtierConfigError(f"namespace.page_size={self.page_size!r}: must be an integer >= 1")
+        if not isinstance(self.store_pages, int) or self.store_pages < 1:
+            raise KvtierConfigError(f"namespace.store_pages={self.store_pages!r}: must be an integer >= 1")
         if not 0 <= self.tp_rank < self.tp_size:
             raise KvtierConfigError(f"namespace.tp_rank={self.tp_rank!r}: must be in [0, tp_size={self.tp_size})")
 
@@ -77,6 +80,8 @@ class Namespace:
                "key_format_version": self.key_format_version, "page_bytes": page_bytes}
         if self.tenant_key_id is not None:
             out["tenant_key_id"] = self.tenant_key_id
+        if self.store_pages > 1:
+            out["store_pages"] = self.store_pages
         return out
 
     @property
@@ -85,7 +90,7 @@ class Namespace:
         h = hashlib.sha256(b"kvtier/namespace")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("revision", "tenant_key_id") and value is None:
+            if (f.name in ("revision", "tenant_key_id") and value is None) or (f.name == "store_pages" and value == 1):
                 continue  # ids from before these fields existed stay the same
             h.update(_field(f.name.encode(), b"\x00" if value is None else b"\x01" + str(value).encode()))
         return h.hexdigest()[:NAMESPACE_ID_HEX]

@@ -49,3 +49,16 @@ def test_fault_sim_with_sealed_pages_finds_no_violation():
               Setup(1, "page_first", "direct", "write_through_selective", "wait_complete", sealing="aes-gcm")]
     out = io.StringIO()
     assert run(750, seed=11, episode=250, out=out, setups=setups) == 0, out.getvalue()
+
+
+def test_fault_sim_with_store_pages_of_several_pages_finds_no_violation():
+    """Store pages of 2 and 4 device pages (store.page_tokens, docs/stores.md): reads
+    that fail, stall and come back damaged, backups that store a page's first pages from
+    its ancestors' host copies; every byte a forward reads right."""
+    setups = [Setup(1, "page_first", "direct", "write_through", "wait_complete", store_pages=4),
+              Setup(4, "layer_first", "direct", "write_back", "best_effort", store_pages=2),
+              Setup(1, "layer_first", "direct", "write_through_selective", "timeout", store_pages=4,
+                    sealing="mac"),
+              Setup(16, "page_first", "direct", "write_through", "timeout", store_pages=2)]
+    out = io.StringIO()
+    assert run(1200, seed=13, episode=300, out=out, setups=setups) == 0, out.getvalue()

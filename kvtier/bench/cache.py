@@ -42,6 +42,7 @@ from kvtier.bench.trace import multiturn
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.controller.cpus import allowed_cpus, format_cpu_list
+from kvtier.errors import KvtierConfigError
 from kvtier.tree import RadixKey, RadixTree
 
 
@@ -192,12 +193,27 @@ def kvtier_cpus(choice: str) -> str | None:
     return format_cpu_list(allowed[1:]) if len(allowed) >= 2 else None
 
 
-def _config(size: int, page: int, store_root: str | None, cpus: str, store: str = "file"):
+STORE_PAGE_TOKENS = 16  # the store page the bench gives a smaller device page (`store.page_tokens`)
+
+
+def store_page_tokens(page: int, tokens: int | None) -> int:
+    """`store.page_tokens` for a run: `tokens`, or STORE_PAGE_TOKENS rounded up to whole pages."""
+    if tokens is None:
+        return -(-STORE_PAGE_TOKENS // page) * page
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or tokens % page:
+        raise KvtierConfigError(f"--store-page-tokens {tokens!r}: must be a multiple of --page-size {page}")
+    return tokens
+
+
+def _config(size: int, page: int, store_root: str | None, cpus: str, store: str = "file",
+            page_tokens: int | None = None):
     """All tiers (a 2x host mirror, then the file store at `store_root` or, with `store`
-    "memory", an in-process dict) or, with no root, the device pool alone."""
+    "memory", an in-process dict; store pages of `page_tokens`) or, with no root, the
+    device pool alone."""
     tiers = store_root is not None
     backend = {"backend": "file", "root": store_root, "capacity_bytes": 1 << 34} if store == "file" else \
         {"backend": "memory", "capacity_bytes": 1 << 34}
+    backend["page_tokens"] = page_tokens
     return load_config(None, {
         "pool": {"size": size, "num_layers": 2, "page_size": page, "num_kv_heads": 1, "head_dim": 16,
                  "dtype": "float16"},
@@ -209,9 +225,9 @@ def _config(size: int, page: int, store_root: str | None, cpus: str, store: str 
 
 
 def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
-            store: str = "file") -> tuple[Scheduler, object]:
+            store: str = "file", page_tokens: int | None = None) -> tuple[Scheduler, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _config(size, page, tmp if tiers else None, cpus, store)
+        cfg = _config(size, page, tmp if tiers else None, cpus, store, page_tokens)
         before = set(threading.enumerate())
         cache = TieredCache(cfg)
         sched = Scheduler(cache, trace, in_flight)
@@ -227,7 +243,9 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
 
 
 def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, device_fraction: float = 0.10,
-        in_flight: int = 8, cpus: str = "auto", sglang: bool = True, store: str = "file") -> dict:
+        in_flight: int = 8, cpus: str = "auto", sglang: bool = True, store: str = "file",
+        page_tokens: int | None = None) -> dict:
+    page_tokens = store_page_tokens(page, page_tokens)
     trace = multiturn(sessions=sessions, turns=turns, system_prompts=6, system_len=512, msg_len=(32, 200), seed=3)
     bound, working_set = infinite_bound(trace, page)
     longest = max(len(t.prompt) + len(t.output) for t in trace)
@@ -237,7 +255,8 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     why_not = sglang_unavailable() if sglang else "not asked for (--baseline bare)"
     if store not in STORES:
         raise ValueError(f"store={store!r}: allowed are {', '.join(STORES)}")
-    arms = {"kvtier": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=True, store=store),
+    arms = {"kvtier": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=True, store=store,
+                                      page_tokens=page_tokens),
             "device": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=False),
             "bare": lambda: bare_tree(trace, page)}
     if why_not is None:
@@ -257,7 +276,8 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     rates = [x / prompt_tokens for x in sched.hits]
     total = sum(rates)
     print(f"{n} requests ({in_flight} in flight), page {page}, {prompt_tokens} prompt tokens, working set "
-          f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, {store} store; "
+          f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, {store} store "
+          f"(store pages of {page_tokens} tokens); "
           f"{rounds} alternating rounds, medians; kvtier's threads on CPUs {cfg.controller.cpus or 'any'}")
     print(f"hit rate: device {rates[0]:.3f} + host {rates[1]:.3f} + storage {rates[2]:.3f} = {total:.3f} "
           f"(infinite cache {bound:.3f})")
@@ -298,11 +318,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p.add_argument("--store", choices=STORES, default="file",
                    help="the all-tiers arm's store: file (the default, one file per page) or memory (in-process: "
                         "what the tiering costs without the file store's I/O thread)")
+    p.add_argument("--store-page-tokens", type=int, default=None,
+                   help=f"store.page_tokens of the all-tiers arm: a multiple of the page size (default "
+                        f"{STORE_PAGE_TOKENS} tokens, or one page where a page is larger)")
     p.add_argument("--kvtier-cpus", default="auto",
                    help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3")
     args = p.parse_args(argv)
     run(args.sessions, args.turns, page=args.page_size, rounds=args.rounds, in_flight=args.in_flight,
-        cpus=args.kvtier_cpus, sglang=args.baseline == "sglang", store=args.store)
+        cpus=args.kvtier_cpus, sglang=args.baseline == "sglang", store=args.store,
+        page_tokens=args.store_page_tokens)
 
 
 if __name__ == "__main__":

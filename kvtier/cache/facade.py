@@ -108,7 +108,8 @@ class TieredCache:
         keys = ns.tenant_keys()  # docs/security.md: keyed page hashes and sealed frames
         self.namespace = Namespace(ns.model_id, config.pool.dtype, config.pool.page_layout, config.pool.page_size,
                                    rank, size, ns.tenant_salt, revision=ns.revision,
-                                   tenant_key_id=None if keys is None else keys.current.key_id.hex())
+                                   tenant_key_id=None if keys is None else keys.current.key_id.hex(),
+                                   store_pages=config.store_pages)
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
         if store is not None and keys is not None:
@@ -117,9 +118,9 @@ class TieredCache:
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, hash_algo)
         manifest = None if self.mirror is None else (config.store.key_prefix, self.namespace.id,
-                                                     self.namespace.manifest(self.mirror.page_bytes))
+                                                     self.namespace.manifest(self.mirror.page_bytes * config.store_pages))
         self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock,
-                                          manifest)
+                                          manifest, config.store_pages)
         if self.controller.storage is not None:
             if config.store.required:  # reach the store once at start, or refuse to start
                 self.controller.probe_store(config.store.key_prefix, self.namespace.id, config.store.timeout_s + 5)

@@ -87,7 +87,7 @@ class Prefetcher(Part):
             return False
         suffix = key[start:start + pages * ps]
         hashing = self.tree.hashing_below(anchor, suffix)  # run by the storage thread (PageKeys)
-        op = PrefetchOp(request_id, PageKeys(hashing, self.key_of, pages), tokens=pages * ps)
+        op = PrefetchOp(request_id, PageKeys(hashing, self.key_of, pages, start // ps), tokens=pages * ps)
         deadline = None
         if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:
             deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)

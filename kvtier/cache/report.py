@@ -22,7 +22,11 @@ def describe(cache) -> str:
             f"pool {c.pool.attention} {c.pool.num_layers} layers {c.pool.size} slots {c.pool.dtype} {c.pool.device} | "
             f"mirror {shown} | write={c.controller.write_policy.value} prefetch={c.controller.prefetch_policy.value} "
             f"threads on CPUs {c.controller.cpus or 'any'} | "
-            f"store {store.name if store else 'none'} | namespace {cache.namespace.id}")
+            f"store {store.name if store else 'none'}{_store_pages(c) if store else ''} | namespace {cache.namespace.id}")
+
+
+def _store_pages(c) -> str:
+    return "" if c.store_pages == 1 else f" (store pages of {c.store.page_tokens} tokens)"
 
 
 def stats(cache) -> dict:

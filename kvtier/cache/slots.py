@@ -13,6 +13,7 @@ import numpy as np
 from kvtier.controller.config import ControllerConfig, WritePolicy
 from kvtier.controller.controller import CacheController
 from kvtier.controller.stats import CacheStats, Counters
+from kvtier.controller import store_pages
 from kvtier.controller.storage import PageKeys
 from kvtier.tree import RadixTree, Tier, TreeNode
 from kvtier.tree.check import tier_slots
@@ -143,6 +144,10 @@ class Slots:
         if storage is None or not storage.keeps_page_order:
             return  # no hashes gathered on the scheduler thread for a store that ignores them
         chains = [node.hashes for node in nodes if node.hashes]  # removed nodes: nobody changes them
+        if storage.group > 1:  # a store page is keyed by its last page (store_pages.py)
+            g = storage.group
+            firsts = [store_pages.tokens_above(node) // self.page_size for node in nodes if node.hashes]
+            chains = [chain[(g - 1 - first) % g::g] for chain, first in zip(chains, firsts)]
         count = sum(map(len, chains))
         if count:  # flattened by the storage thread, with the keys
             storage.touch(PageKeys(lambda: [h for chain in chains for h in chain], self.key_of, count))

@@ -15,6 +15,7 @@ from kvtier.cache.slots import Part, Slots
 from kvtier.controller.config import ControllerConfig, WritePolicy
 from kvtier.controller.controller import WriteOp
 from kvtier.controller.stats import CacheStats
+from kvtier.controller import store_pages
 from kvtier.controller.storage import BackupOp, PageKeys
 from kvtier.tree import Tier, TreeNode
 
@@ -148,12 +149,15 @@ class Writes(Part):
     def _backup_to_store(self, node: TreeNode) -> None:
         if self.ctl.storage is None or not self.cfg.storage_backup:
             return
-        pages = node.values[Tier.HOST][:: self.page_size] // self.page_size
-        keys = PageKeys(self.tree.hashing_of(node), self.key_of, len(pages))  # hashed by the storage thread
-        self.tree.protect_host(node)
+        ps, group = self.page_size, self.ctl.storage.group
+        pages = node.values[Tier.HOST][::ps] // ps
+        first = store_pages.tokens_above(node) // ps if group > 1 else 0
+        lead = store_pages.lead_in(node, first % group, ps, Tier.HOST) if group > 1 else None
+        keys = PageKeys(self.tree.hashing_of(node), self.key_of, len(pages), first)  # hashed by the storage thread
+        self.tree.protect_host(node)  # and so the host copies above it, `lead` among them
         if self.events is not None:
             self.events.backup_started(node)
-        self.ctl.backup(keys, pages, node)
+        self.ctl.backup(keys, pages, node, lead)
 
     def apply_backup(self, op: BackupOp[TreeNode]) -> None:
         self.tree.release_host(op.tag)
@@ -161,7 +165,7 @@ class Writes(Part):
             self.tree.adopt_hashes(op.tag, op.keys.hashes)
         good = sum(op.ok or [])
         self.counters.l3_write_pages += good
-        self.counters.l3_write_failures += len(op.keys) - good
+        self.counters.l3_write_failures += len(op.keys) - good - (op.deferred if op.ok is not None else 0)
         self.counters.l3_write_bytes += good * self.ctl.mirror.page_bytes
         self.latency["backup"].observe(time.perf_counter() - op.started)
         if self.events is not None:  # last: a release after a raise above forgets it once

@@ -94,10 +94,11 @@ class LoadOp(Generic[Tag]):
 class CacheController:
     def __init__(self, pool: DeviceKVPool, mirror: HostMirror | None, store: Store | None,
                  config: ControllerConfig, stream_factory=make_stream, clock=time.monotonic,
-                 manifest: tuple[str, str, dict] | None = None) -> None:
+                 manifest: tuple[str, str, dict] | None = None, store_pages: int = 1) -> None:
         """`stream_factory(name, device)` makes the write and load streams (a test passes
         one whose every copy it schedules itself); `clock` times the store breaker's probes;
-        `manifest` (key prefix, namespace id, manifest) is written to the store once."""
+        `manifest` (key prefix, namespace id, manifest) is written to the store once;
+        `store_pages`: device pages in one store page (store_pages.py)."""
         cpus = check_cpus(config.cpus)  # before any thread starts: a bad value leaves nothing behind
         self.pool = pool
         self.mirror = mirror
@@ -113,7 +114,7 @@ class CacheController:
             breaker = BreakerConfig(config.store_down_after_failures, config.store_probe_backoff_s,
                                     config.store_probe_max_backoff_s)
             self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock, cpus,
-                                         manifest)
+                                         manifest, store_pages)
         self._queued_writes: list[WriteOp] = []
         self._queues: dict[OpKind, deque] = {kind: deque() for kind in OpKind}
         self._prefetches: dict[str, PrefetchOp] = {}  # in submission order
@@ -249,10 +250,11 @@ class CacheController:
 
     # -- host <-> store -----------------------------------------------------------------------
 
-    def backup(self, keys: list[str], host_pages: np.ndarray, tag: Tag) -> BackupOp | None:
+    def backup(self, keys: list[str], host_pages: np.ndarray, tag: Tag,
+               lead_in: np.ndarray | None = None) -> BackupOp | None:
         if self.storage is None:
             return None
-        op = BackupOp(keys, host_pages, tag)
+        op = BackupOp(keys, host_pages, tag, lead_in=lead_in)
         self._queues[OpKind.BACKUP].append(op)
         self.storage.submit_backup(op)
         return op

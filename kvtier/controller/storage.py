@@ -29,6 +29,7 @@ from typing import Callable, Generic, Iterator, Sequence, TypeVar
 import numpy as np
 
 from kvtier.backends.base import Store
+from kvtier.controller import store_pages
 from kvtier.controller.breaker import Breaker, BreakerConfig
 from kvtier.controller.cpus import keep_to
 from kvtier.controller.speed import LoadSpeed
@@ -45,23 +46,34 @@ class PageKeys(Sequence):
     """The store keys of `count` pages, made on first use by the storage thread from their
     hashes — given, or computed then by `hashing()` (a prefetch's chain over the prompt):
     keying and hashing stay off the scheduler thread. `hashes` stays None until computed;
-    the scheduler only reads it (one attribute store, under the GIL)."""
+    the scheduler only reads it (one attribute store, under the GIL). `first`: the page's
+    index in its sequence of the first key (where store pages of several pages start:
+    `store_pages.py`)."""
 
-    __slots__ = ("hashes", "count", "key_of", "_hashing", "_keys")
+    __slots__ = ("hashes", "count", "key_of", "first", "_hashing", "_keys")
 
     def __init__(self, hashes: list[bytes] | Callable[[], list[bytes]], key_of: Callable[[bytes], str],
-                 count: int | None = None) -> None:
+                 count: int | None = None, first: int = 0) -> None:
         lazy = callable(hashes)
         self.hashes = None if lazy else hashes
         self._hashing = hashes if lazy else None
         self.count = len(hashes) if count is None else count
-        self.key_of, self._keys = key_of, None
+        self.key_of, self.first, self._keys = key_of, first, None
+
+    def chain(self) -> list[bytes]:
+        """The pages' hashes (computed now if they were not)."""
+        if self.hashes is None:
+            self.hashes = self._hashing()
+        return self.hashes
+
+    def at(self, indices: Sequence[int]) -> list[str]:
+        """The keys of the pages at `indices` only."""
+        chain, key_of = self.chain(), self.key_of
+        return [key_of(chain[i]) for i in indices]
 
     def _made(self) -> list[str]:
         if self._keys is None:
-            if self.hashes is None:
-                self.hashes = self._hashing()
-            self._keys = [self.key_of(h) for h in self.hashes]
+            self._keys = [self.key_of(h) for h in self.chain()]
         return self._keys
 
     def __len__(self) -> int:
@@ -120,7 +132,9 @@ class BackupOp(Generic[Tag]):
     host_pages: np.ndarray  # page numbers
     tag: Tag
     started: float = field(default_factory=time.perf_counter)
-    ok: list[bool] | None = None
+    lead_in: np.ndarray | None = None  # host pages before its first: they complete its first store page
+    ok: list[bool] | None = None  # per page: is it stored
+    deferred: int = 0  # pages past its last whole store page, left to a longer sequence (store_pages.py)
     finished: bool = False
     error: str | None = None
 
@@ -130,10 +144,11 @@ class StorageWorker:
 
     def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int,
                  breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic,
-                 cpus: frozenset[int] | None = None, manifest: tuple[str, str, dict] | None = None) -> None:
+                 cpus: frozenset[int] | None = None, manifest: tuple[str, str, dict] | None = None,
+                 group: int = 1) -> None:
         """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py);
         `manifest`: (key prefix, namespace id, manifest) to write before the first page and
-        keep written (`_write_manifest`)."""
+        keep written (`_write_manifest`); `group`: device pages in a store page (store_pages.py)."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
         self._complain = Complaints(log)  # a full disk fails every backup: not a line each
@@ -143,9 +158,10 @@ class StorageWorker:
         self.manifest = manifest  # (key prefix, namespace id, manifest) kept written
         self._manifest_due = 0  # backups until the manifest is checked again (0: the next one)
         self.mirror = mirror
-        pages_in_flight = max(1, max_inflight_bytes // mirror.page_bytes)
+        self.group = group
+        pages_in_flight = max(1, max_inflight_bytes // (mirror.page_bytes * group))  # store pages
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
-        self.chunk = max(1, min(CHUNK_BYTES // mirror.page_bytes, pages_in_flight))
+        self.chunk = max(1, min(CHUNK_BYTES // (mirror.page_bytes * group), pages_in_flight))
         self._slots_count = max(1, pages_in_flight // self.chunk)
         self.loop = asyncio.new_event_loop()
         # ops submitted since the loop last woke up: one wake-up starts them all
@@ -265,9 +281,12 @@ class StorageWorker:
                 op.present, op.outcome = 0, Outcome.STORE_DOWN
                 return None
             asked = self.clock()
-            present = await self._guarded(self.store.batch_exists(list(op.keys)))
+            if self.group == 1:
+                present = found = await self._guarded(self.store.batch_exists(list(op.keys)))
+            else:
+                present, found = await store_pages.exists(self, op)
             self.speed.observe_call(self.clock() - asked)
-            if present and not self.speed.worth_loading(present, -(-present // self.chunk),
+            if present and not self.speed.worth_loading(present, -(-found // self.chunk),
                                                         present * op.tokens // len(op.keys)):
                 op.present, op.outcome = 0, Outcome.SLOW_STORE
                 self._moved()
@@ -285,6 +304,9 @@ class StorageWorker:
                 op.outcome = Outcome.NO_SPACE
                 return
             op.outcome = Outcome.DONE if len(pages) == op.present else Outcome.PARTIAL
+            if self.group > 1:
+                await store_pages.read(self, op, pages)
+                return None
             for start in range(0, len(pages), self.chunk):
                 if op.stop:
                     op.outcome = Outcome.STOPPED
@@ -367,8 +389,12 @@ class StorageWorker:
                 return
             if self.manifest is not None:
                 await self._write_manifest()
-            payloads = self._payloads(op.host_pages)
-            op.ok = await self._guarded(self.store.batch_set(list(op.keys), payloads))
+            if self.group == 1:
+                op.ok = await self._guarded(self.store.batch_set(list(op.keys), self._payloads(op.host_pages)))
+            else:
+                keys, payloads, last = store_pages.backup_batch(self, op)
+                ok = await self._guarded(self.store.batch_set(keys, payloads)) if keys else []
+                op.ok = store_pages.pages_stored(len(op.keys), self.group, last, ok)
         except KvtierError as exc:
             op.error = str(exc)
             op.ok = [False] * len(op.keys)

@@ -37,7 +37,7 @@ import torch
 
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
@@ -88,6 +88,7 @@ class KvtierStorageBase:
             raise KvtierConfigError(f"extra_config.kv_cache_dtype={kv_cache_dtype!r}: expected SGLang's "
                                     "--kv-cache-dtype value, e.g. 'fp8_e4m3'")
         config: KvtierConfig = load_config(path)
+        refuse_store_pages(config, "SGLang's storage backend")
         if config.store.backend == "none":
             raise KvtierConfigError(f"store.backend='none' in {path}: SGLang's L3 needs a store "
                                     "(file, redis, s3 or a plugin)")

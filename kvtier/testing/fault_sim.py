@@ -75,6 +75,7 @@ class Setup:
     evict_headroom: float = 0.0  # the sim's pools are a few pages: 3% would round to none
     hash_algo: str = "sha256"  # xxh3_128: 16-byte page hashes, zero padded in the frame
     sealing: str = "plain"  # mac, aes-gcm: pages sealed under a tenant key (docs/security.md)
+    store_pages: int = 1  # device pages in one store page (store.page_tokens, docs/stores.md)
 
     @classmethod
     def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
@@ -84,7 +85,8 @@ class Setup:
                    rng.choice(["best_effort", "wait_complete", "timeout"]),
                    rng.choice([0.0, 0.25]),  # drawn after the others: they stay what each seed drew
                    rng.choice(["sha256", "xxh3_128"]),
-                   rng.choice(["plain", "mac", "aes-gcm"]))
+                   rng.choice(["plain", "mac", "aes-gcm"]),
+                   rng.choice([1, 1, 2, 4]))
 
 
 @dataclass(eq=False)
@@ -114,7 +116,7 @@ class FaultSim:
             "controller": {"write_policy": setup.write_policy, "prefetch_policy": setup.prefetch_policy,
                            "write_threshold": 2, "prefetch_timeout_base_s": 1.0, "evict_headroom": setup.evict_headroom,
                            "prefetch_timeout_per_1k_tokens_s": 0.0},
-            "store": {"backend": "none"},
+            "store": {"backend": "none", "page_tokens": ps * setup.store_pages},
             "tree": {"hash_algo": setup.hash_algo},
         }
         if setup.sealing != "plain":
@@ -363,12 +365,14 @@ class FaultSim:
 
     def _check_owned(self, call) -> None:
         """A read may write only into host pages still reserved by a prefetch that has not
-        settled (page_first reads go straight into mirror pages)."""
+        settled (page_first reads of single pages go straight into mirror pages; store pages
+        of several pages land in buffers of their own, outside the mirror)."""
         mirror = self.cache.mirror
         if mirror.config.layout != "page_first":
             return
-        base = mirror.data.data_ptr()
-        pages = {(np.frombuffer(v, dtype=np.uint8).ctypes.data - base) // mirror.page_bytes for v in call.args[1]}
+        base, end = mirror.data.data_ptr(), mirror.data.data_ptr() + mirror.data.numel() * mirror.data.element_size()
+        addresses = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in call.args[1]]
+        pages = {(a - base) // mirror.page_bytes for a in addresses if base <= a < end}
         ctl = self.cache.controller
         owned = set()
         for op in ctl.prefetch_ops():

@@ -440,6 +440,19 @@ class HostMirror:
                 dst.copy_(src[offset:offset + nbytes].view(self.dtype).view(dst.shape))
                 offset += nbytes
 
+    def write_pages(self, host_pages: np.ndarray, data: np.ndarray) -> None:
+        """Overwrite `host_pages` with the rows of `data` (uint8, one row of `page_bytes` per page)."""
+        if data.shape != (len(host_pages), self.page_bytes):
+            raise ValueError(f"write_pages: got rows of shape {data.shape}, want ({len(host_pages)}, {self.page_bytes})")
+        if self.config.layout != "page_first":
+            for p, row in zip(host_pages.tolist(), data):
+                self.write_page(p, row.tobytes())
+            return
+        pages = np.asarray(host_pages, np.int64)
+        if pages.size and (pages.min() < 1 or pages.max() > self.size // self.page_size):
+            raise ValueError(f"write_pages: pages must be in [1, {self.size // self.page_size}] (0 is padding)")
+        self._page_bytes_np[pages] = data
+
     def _check_page(self, host_page: int) -> None:
         if not 1 <= host_page <= self.size // self.page_size:
             raise ValueError(f"host_page={host_page}: must be in [1, {self.size // self.page_size}] (0 is padding)")

@@ -15,8 +15,8 @@ from kvtier.config import load_config
 def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_size: int = 4, ratio: float = 2.0,
                layout: str = "page_first", write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
                store_obj=None, tp_group=None, stream_factory=None, agreement=None, clock=None,
-               **controller) -> TieredCache:
-    store_section = {"backend": store}
+               page_tokens: int | None = None, **controller) -> TieredCache:
+    store_section = {"backend": store, "page_tokens": page_tokens}
     if store == "file":
         store_section["root"] = str(tmp_path / "l3")
     overrides = {

@@ -198,7 +198,7 @@ async def test_bench_cache_store_memory_runs_the_all_tiers_arm_on_the_memory_sto
                  "--store", "memory"]) == 0
     await other.close()
     lines = capsys.readouterr().out.strip().splitlines()
-    assert ", memory store; " in lines[0], lines[0]
+    assert ", memory store (store pages of 16 tokens); " in lines[0], lines[0]
     threads = next(line for line in lines if line.startswith("kvtier's own threads"))
     assert "kvtier-storage" in threads and "kvtier-file" not in threads, threads
     assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]

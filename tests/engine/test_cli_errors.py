@@ -38,6 +38,8 @@ def one_line(argv, capsys) -> str:
     (["stats", "--config", "redis"], {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
      "redis store: ConnectionError"),  # main: a traceback
     (["replay", "--plot", "/nonexistent/dir/hits.png"], {}, "--plot '/nonexistent/dir/hits.png': cannot write there"),
+    (["bench", "cache", "--page-size", "2", "--store-page-tokens", "3"], {},
+     "--store-page-tokens 3: must be a multiple of --page-size 2"),
 ])
 def test_one_line_errors(argv, env, message, capsys, cache_home, monkeypatch):
     if "--plot" in argv:

@@ -336,6 +336,9 @@ def test_bad_extra_config_names_the_field(sg, tmp_path):
     none_path = write_yaml(tmp_path, {"backend": "none"})
     with pytest.raises(KvtierConfigError, match="store.backend='none'"):
         attach(sg, pool, none_path)
+    paged = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 64})
+    with pytest.raises(KvtierConfigError, match="store.page_tokens=64: SGLang's storage backend stores one engine"):
+        attach(sg, pool, paged)
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
     with pytest.raises(KvtierConfigError, match="kv_cache_dtype"):
         attach(sg, pool, path, kv_cache_dtype=8)

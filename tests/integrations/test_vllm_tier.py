@@ -193,6 +193,8 @@ def test_bad_tier_config_names_the_key(tmp_path):
         rt.Rig(None)
     with pytest.raises(KvtierConfigError, match=r"store.backend='none'"):
         rt.Rig({"namespace": {"model_id": "m"}})
+    with pytest.raises(KvtierConfigError, match=r"store.page_tokens=64: secondary tier .* stores one engine page"):
+        rt.Rig({"store": {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 64}})
 
 
 def test_namespace_separates_tenants_and_models(tmp_path, rigs):

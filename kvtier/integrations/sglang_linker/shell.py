@@ -17,7 +17,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
 from kvtier.backends.registry import build_store
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError
@@ -104,6 +104,7 @@ class KvtierLinker(UnifiedCacheLinker):
         if others:
             raise ValueError(f"kvtier linker: tree components {others} are not supported (Full attention only)")
         config = load_config(extra["kvtier_config"])
+        refuse_store_pages(config, "the SGLang linker")
         if config.mirror is None:
             raise KvtierConfigError(f"mirror: null in {extra['kvtier_config']}: the linker's host tier needs a "
                                     "mirror section (ratio or size_bytes)")

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import KeyedHash, Namespace
 
@@ -42,6 +42,7 @@ def tier_settings(tier_type: str, given: Mapping[str, Any]) -> TierSettings:
     else:
         raise KvtierConfigError(f"{where}: kvtier_config={source!r}: give the path of a kvtier YAML, or its "
                                 "sections as a mapping, with a store: section (docs/vllm.md)")
+    refuse_store_pages(config, where)
     if config.store.backend == "none":
         raise KvtierConfigError(f"{where}: store.backend='none': the tier needs a store (file, redis, s3 or a plugin)")
     tenant = given.get("tenant")

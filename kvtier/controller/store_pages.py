@@ -1,0 +1,116 @@
+"""Store pages of several device pages (`store.page_tokens`; docs/stores.md).
+
+At page size 1 a device page is one token: one store page per device page made each
+request move hundreds of keys, files and frames of a few hundred bytes. With `group` G > 1
+a store page holds G consecutive device pages of a sequence, aligned in it (its pages
+kG..kG+G-1), keyed by the hash of its last page, whose chain covers every token before it:
+a key names one content. A sequence's pages past its last whole store page are not stored
+until a longer sequence covers them: the backup of the node that holds a store page's last
+page stores it, reading the pages before its first one from its ancestors' host copies
+(`lead_in`, protected with it: host copies form a prefix from the root). The scheduler
+counts device pages as before: present, granted and landed are device pages.
+
+A read lands in a buffer of its own and is copied into the granted host pages only once
+it verified: a read abandoned stuck writes into that buffer, never into a host page."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
+    from kvtier.tree import TreeNode
+
+
+def ends(first: int, count: int, group: int) -> range:
+    """Indices among `count` pages, the first being page `first` of its sequence, of the
+    pages that end a store page."""
+    return range((group - 1 - first) % group, count, group)
+
+
+def tokens_above(node: "TreeNode") -> int:
+    """Tokens on the path above `node` (a node an eviction just removed keeps its parent)."""
+    n, depth = node.parent, 0
+    while n is not None and n.parent is not None:
+        depth += len(n)
+        n = n.parent
+    return depth
+
+
+def lead_in(node: "TreeNode", pages: int, page_size: int, host: int) -> np.ndarray:
+    """Host pages of the last `pages` pages above `node`, oldest first (fewer where an
+    ancestor has no host copy: then its first store page is not stored)."""
+    want, parts, n = pages * page_size, [], node.parent
+    while want > 0 and n is not None and n.parent is not None:
+        slots = n.values[host]
+        if slots is None:
+            break
+        take = min(want, len(slots))
+        parts.append(slots[len(slots) - take::page_size] // page_size)
+        want -= take
+        n = n.parent
+    return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int64)
+
+
+async def exists(worker: "StorageWorker", op: "PrefetchOp") -> tuple[int, int]:
+    """(Device pages the store holds, store pages they are in): the leading run of whole
+    store pages within the op's pages."""
+    last = ends(op.keys.first, len(op.keys), worker.group)
+    found = await worker._guarded(worker.store.batch_exists(op.keys.at(last)))
+    return (last[found - 1] + 1 if found else 0), found
+
+
+async def read(worker: "StorageWorker", op: "PrefetchOp", pages: np.ndarray) -> bool:
+    """Read the store pages holding the granted `pages` (op.landed grows as they verify);
+    False if it stopped at a miss, a page that did not verify, or a stop."""
+    from kvtier.controller.storage import Outcome
+
+    g, pb = worker.group, worker.mirror.page_bytes
+    granted = len(pages)
+    wanted = [e for e in ends(op.keys.first, len(op.keys), g) if e - g + 1 < granted]
+    for start in range(0, len(wanted), worker.chunk):
+        if op.stop:
+            op.outcome = Outcome.STOPPED
+            return False
+        batch = wanted[start:start + worker.chunk]
+        buffers = [bytearray(g * pb) for _ in batch]
+        async with worker._slots:
+            asked = worker.clock()
+            ok = await worker._guarded(worker.store.batch_get_into(op.keys.at(batch), buffers))
+            worker.speed.observe_read(len(batch) * g, worker.clock() - asked)
+        for last, buf, good in zip(batch, buffers, ok):
+            if not good:
+                op.outcome = Outcome.PARTIAL
+                worker._moved()
+                return False
+            lo, hi = max(0, last - g + 1), min(last + 1, granted)
+            skip = lo - (last - g + 1)  # pages of the store page the tree already holds
+            worker.mirror.write_pages(pages[lo:hi], np.frombuffer(buf, np.uint8).reshape(g, pb)[skip:skip + hi - lo])
+            op.landed = hi  # after its bytes are in place
+        worker._moved()
+    return True
+
+
+def backup_batch(worker: "StorageWorker", op: "BackupOp") -> tuple[list[str], list[bytes], list[int]]:
+    """(Keys, payloads, last page of each) of the store pages whose last page is the op's;
+    sets `op.deferred` to its pages past the last one (a longer sequence stores them)."""
+    g, keys = worker.group, op.keys
+    lead = op.lead_in if op.lead_in is not None else np.empty(0, np.int64)
+    all_ends = ends(keys.first, len(keys), g)
+    op.deferred = len(keys) - (all_ends[-1] + 1 if len(all_ends) else 0)
+    whole = [e for e in all_ends if e - g + 1 >= -len(lead)]
+    views = worker._payloads(np.concatenate([lead, op.host_pages]))
+    at = len(lead) - g + 1
+    payloads = [b"".join(views[e + at:e + at + g]) for e in whole]
+    return keys.at(whole), payloads, whole
+
+
+def pages_stored(count: int, group: int, whole: list[int], ok: list[bool]) -> list[bool]:
+    """Per device page of a backup: is it in a store page now stored?"""
+    out = [False] * count
+    for last, good in zip(whole, ok):
+        if good:
+            out[max(0, last - group + 1):last + 1] = [True] * (last + 1 - max(0, last - group + 1))
+    return out

@@ -1,0 +1,188 @@
+"""Store pages of several device pages (`store.page_tokens`, docs/stores.md): whole store
+pages only, the first pages of one read from its ancestors' host copies, a prefetch that
+starts inside one, damaged and stalled store pages, and the config that refuses the rest."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+from kvtier.config import load_config
+from kvtier.errors import KvtierConfigError
+from tests.controller.helpers import (
+    CorruptingStore, FailingStore, StallingStore, acquire, compute, make_cache, read_back, same_kv, settle,
+)
+
+PS, TOKENS = 2, 8  # device pages of 2 tokens, store pages of 4 device pages
+
+
+def check(cache):
+    cache.tree.sanity_check()
+    cache.check_accounting()
+
+
+def part(kv, start, stop):
+    return [(k[start:stop], v[start:stop]) for k, v in kv]
+
+
+class KeptStore(MemoryStore):
+    """A memory store that remembers the keys it was given to touch and to store."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStoreConfig())
+        self.touched: list[str] = []
+        self.stored: list[str] = []
+
+    async def _set(self, keys, frames):
+        self.stored += list(keys)
+        return await super()._set(keys, frames)
+
+    def touch(self, keys) -> None:
+        self.touched += list(keys)
+        super().touch(keys)
+
+
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_whole_store_pages_are_stored_and_read_back_bitwise(store, tmp_path):
+    """20 tokens = 10 pages: store pages 0-3 and 4-7 are stored, pages 8-9 wait for a
+    longer sequence (not a failure); read back, 16 tokens come from the store."""
+    cache = make_cache(tmp_path, store=store, page_size=PS, page_tokens=TOKENS)
+    seq = np.arange(100, 120)
+    kv = compute(cache, seq, seed=1)
+    settle(cache)
+    c = cache.stats()["counters"]
+    assert (c["l3_write_pages"], c["l3_write_failures"]) == (8, 0)
+    cache.flush()
+    got, got_kv = read_back(cache, seq, "r")
+    assert (got.device_hit, got.host_hit, got.storage_hit) == (0, 0, 16)
+    assert same_kv(got_kv, part(kv, 0, 16))
+    assert cache.stats()["counters"]["l3_read_pages"] == 8
+    settle(cache)
+    check(cache)
+    cache.close()
+
+
+def test_a_longer_sequence_stores_the_pages_its_prefix_left_and_reads_them_from_its_ancestor():
+    """The second request extends the first (20 -> 32 tokens): its node starts at page 10,
+    so the store page of pages 8-11 takes pages 8-9 from the first node's host copy."""
+    store = KeptStore()
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=TOKENS)
+    first = np.arange(100, 120)
+    kv1 = compute(cache, first, seed=1)
+    settle(cache)
+    assert len(store.stored) == 2
+    longer = np.concatenate([first, np.arange(500, 512)])
+    kv2 = compute(cache, longer, seed=2)  # 20 tokens cached: computes 12
+    settle(cache)
+    assert len(store.stored) == 4 and cache.stats()["counters"]["l3_write_failures"] == 0
+    cache.flush()
+    got, got_kv = read_back(cache, longer, "r")
+    assert got.storage_hit == 32
+    want = [(torch.cat([k1, k2]), torch.cat([v1, v2])) for (k1, v1), (k2, v2) in zip(kv1, kv2)]
+    assert same_kv(got_kv, want)
+    settle(cache)
+    check(cache)
+    cache.close()
+
+
+def test_a_prefetch_that_starts_inside_a_store_page_takes_only_the_pages_past_the_match():
+    """The tree holds pages 0-2 (computed again, with other bytes); the prefetch of pages
+    3-7 reads store pages 0-3 and 4-7 and takes page 3 of the first: the store's page 3,
+    not its page 0."""
+    cache = make_cache(page_size=PS, page_tokens=TOKENS)
+    seq = np.arange(100, 116)
+    kv = compute(cache, seq, seed=1)
+    settle(cache)
+    cache.flush()
+    kv_head = compute(cache, seq[:6], seed=99)  # no whole store page: recomputed
+    settle(cache)
+    got, got_kv = read_back(cache, seq, "r")
+    assert (got.device_hit, got.storage_hit) == (6, 10)
+    assert same_kv(got_kv, [(torch.cat([kh, k[6:]]), torch.cat([vh, v[6:]])) for (kh, vh), (k, v) in zip(kv_head, kv)])
+    settle(cache)
+    check(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("store_cls", ["failing", "corrupt"])
+def test_a_store_page_that_fails_or_does_not_verify_is_a_miss_and_slots_return(store_cls):
+    store = FailingStore() if store_cls == "failing" else CorruptingStore(bad_key_index=1)
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=TOKENS)
+    seq = np.arange(100, 124)  # 3 store pages
+    kv = compute(cache, seq, seed=3)
+    settle(cache)
+    cache.flush()
+    got, got_kv = read_back(cache, seq, "f")
+    expected = 0 if store_cls == "failing" else 8  # the store page before the damaged one
+    assert got.storage_hit == expected and same_kv(got_kv, part(kv, 0, expected))
+    settle(cache)
+    cache.flush()
+    assert cache.controller.host_available() == cache.mirror.size
+    assert cache.controller.quarantined_pages() == 0
+    check(cache)
+    cache.close()
+
+
+def test_a_stalled_store_page_read_times_out_and_quarantines_no_host_page():
+    """A read abandoned stuck writes into a buffer of its own, never into host pages: they
+    all come back."""
+    store = StallingStore(fast_reads=0, stall_s=30.0)
+    store.timeout_s = 0.5
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=TOKENS)
+    seq = np.arange(100, 116)
+    compute(cache, seq, seed=4)
+    settle(cache)
+    cache.flush()
+    got = acquire(cache, seq, "s")
+    assert got.storage_hit == 0
+    cache.abort("s")
+    settle(cache)
+    assert cache.controller.quarantined_pages() == 0 and cache.stats()["store"]["timeouts"] == 1
+    cache.flush()
+    assert cache.controller.host_available() == cache.mirror.size
+    check(cache)
+    cache.close()
+
+
+def test_pages_that_leave_host_touch_the_store_pages_that_hold_them():
+    """Only keys of store pages are touched: the last page of each, never a page's own key."""
+    store = KeptStore()
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=TOKENS, pool_size=32, ratio=1.0)
+    compute(cache, np.arange(100, 116), seed=1)
+    settle(cache)
+    compute(cache, np.arange(200, 216), seed=2)
+    settle(cache)
+    compute(cache, np.arange(300, 316), seed=3)  # host room: the first sequence leaves host
+    settle(cache)
+    settle(cache)
+    assert store.touched and set(store.touched) <= set(store.stored)
+    check(cache)
+    cache.close()
+
+
+def test_the_start_line_names_the_store_page():
+    cache = make_cache(page_size=PS, page_tokens=TOKENS)
+    assert "store memory (store pages of 8 tokens) |" in cache.describe()
+    cache.close()
+
+
+def test_store_pages_have_their_own_namespace():
+    pool = {"size": 64, "num_layers": 2, "page_size": PS}
+    def ns(tokens):
+        from kvtier.cache import TieredCache
+        cache = TieredCache(load_config(None, {"pool": pool, "store": {"backend": "memory", "page_tokens": tokens}},
+                                        env={}))
+        try:
+            return cache.namespace.id
+        finally:
+            cache.close()
+    assert ns(None) == ns(PS) != ns(TOKENS)  # one device page a store page: the ids of before
+
+
+@pytest.mark.parametrize("tokens,why", [(6, "store.page_tokens=6: must be a multiple of pool.page_size=4"),
+                                        (0, "page_tokens=0: must be an integer > 0"),
+                                        (-8, "page_tokens=-8: must be an integer > 0")])
+def test_a_store_page_that_is_not_whole_device_pages_is_refused_naming_it(tokens, why):
+    with pytest.raises(KvtierConfigError, match=why.replace("(", r"\(")):
+        load_config(None, {"pool": {"size": 64, "num_layers": 2, "page_size": 4},
+                           "store": {"backend": "memory", "page_tokens": tokens}}, env={})
