@@ -113,7 +113,8 @@ class KvtierConfig:
         if tokens is None:
             return 1
         if tokens % ps:
-            raise KvtierConfigError(f"store.page_tokens={tokens!r}: must be a multiple of pool.page_size={ps}")
+            origin = self.sources.get("store.page_tokens", "default")
+            raise KvtierConfigError(f"store.page_tokens={tokens!r}: must be a multiple of pool.page_size={ps} ({origin})")
         return tokens // ps
 
 

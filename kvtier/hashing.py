@@ -66,8 +66,8 @@ class Namespace:
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise KvtierConfigError(f"namespace.page_size={self.page_size!r}: must be an integer >= 1")
-        if not isinstance(self.store_pages, int) or self.store_pages < 1:
-            raise KvtierConfigError(f"namespace.store_pages={self.store_pages!r}: must be an integer >= 1")
+        if isinstance(self.store_pages, bool) or not isinstance(self.store_pages, int) or self.store_pages < 1:
+            raise KvtierConfigError(f"store_pages={self.store_pages!r}: device pages in a store page, an integer >= 1")
         if not 0 <= self.tp_rank < self.tp_size:
             raise KvtierConfigError(f"namespace.tp_rank={self.tp_rank!r}: must be in [0, tp_size={self.tp_size})")
 

@@ -201,7 +201,7 @@ def store_page_tokens(page: int, tokens: int | None) -> int:
     if tokens is None:
         return -(-STORE_PAGE_TOKENS // page) * page
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or tokens % page:
-        raise KvtierConfigError(f"--store-page-tokens {tokens!r}: must be a multiple of --page-size {page}")
+        raise KvtierConfigError(f"--store-page-tokens {tokens!r}: must be a positive multiple of --page-size {page}")
     return tokens
 
 

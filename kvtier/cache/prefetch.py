@@ -14,6 +14,7 @@ import numpy as np
 from kvtier.cache.slots import Part, Slots
 from kvtier.controller.config import ControllerConfig, PrefetchPolicy
 from kvtier.controller.stats import CacheStats
+from kvtier.controller import store_pages
 from kvtier.controller.storage import Outcome, PageKeys, PrefetchOp
 from kvtier.tree import KnownHashes, MatchResult, RadixKey, TreeNode
 from kvtier.tree.key import same_prefix
@@ -85,6 +86,9 @@ class Prefetcher(Part):
         pages = (len(key) - start) // ps
         if pages <= 0 or pages * ps < self.cfg.prefetch_min_tokens:
             return False
+        group = self.ctl.storage.group
+        if group > 1 and not store_pages.ends(start // ps, pages, group):
+            return False  # no whole store page among them (store_pages.py)
         suffix = key[start:start + pages * ps]
         hashing = self.tree.hashing_below(anchor, suffix)  # run by the storage thread (PageKeys)
         op = PrefetchOp(request_id, PageKeys(hashing, self.key_of, pages, start // ps), tokens=pages * ps)

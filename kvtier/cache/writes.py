@@ -151,13 +151,18 @@ class Writes(Part):
             return
         ps, group = self.page_size, self.ctl.storage.group
         pages = node.values[Tier.HOST][::ps] // ps
-        first = store_pages.tokens_above(node) // ps if group > 1 else 0
-        lead = store_pages.lead_in(node, first % group, ps, Tier.HOST) if group > 1 else None
+        first, lead, deferred = 0, None, 0
+        if group > 1:  # store pages of several pages: those whose last page is the node's (store_pages.py)
+            first = store_pages.tokens_above(node) // ps
+            last = store_pages.ends(first, len(pages), group)
+            if not last:
+                return  # none: a longer sequence's backup stores its pages
+            lead, deferred = store_pages.lead_in(node, first % group, ps, Tier.HOST), len(pages) - last[-1] - 1
         keys = PageKeys(self.tree.hashing_of(node), self.key_of, len(pages), first)  # hashed by the storage thread
         self.tree.protect_host(node)  # and so the host copies above it, `lead` among them
         if self.events is not None:
             self.events.backup_started(node)
-        self.ctl.backup(keys, pages, node, lead)
+        self.ctl.backup(keys, pages, node, lead, deferred)
 
     def apply_backup(self, op: BackupOp[TreeNode]) -> None:
         self.tree.release_host(op.tag)
@@ -165,7 +170,7 @@ class Writes(Part):
             self.tree.adopt_hashes(op.tag, op.keys.hashes)
         good = sum(op.ok or [])
         self.counters.l3_write_pages += good
-        self.counters.l3_write_failures += len(op.keys) - good - (op.deferred if op.ok is not None else 0)
+        self.counters.l3_write_failures += len(op.keys) - good - op.deferred
         self.counters.l3_write_bytes += good * self.ctl.mirror.page_bytes
         self.latency["backup"].observe(time.perf_counter() - op.started)
         if self.events is not None:  # last: a release after a raise above forgets it once

@@ -251,10 +251,10 @@ class CacheController:
     # -- host <-> store -----------------------------------------------------------------------
 
     def backup(self, keys: list[str], host_pages: np.ndarray, tag: Tag,
-               lead_in: np.ndarray | None = None) -> BackupOp | None:
+               lead_in: np.ndarray | None = None, deferred: int = 0) -> BackupOp | None:
         if self.storage is None:
             return None
-        op = BackupOp(keys, host_pages, tag, lead_in=lead_in)
+        op = BackupOp(keys, host_pages, tag, lead_in=lead_in, deferred=deferred)
         self._queues[OpKind.BACKUP].append(op)
         self.storage.submit_backup(op)
         return op

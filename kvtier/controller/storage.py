@@ -134,7 +134,7 @@ class BackupOp(Generic[Tag]):
     started: float = field(default_factory=time.perf_counter)
     lead_in: np.ndarray | None = None  # host pages before its first: they complete its first store page
     ok: list[bool] | None = None  # per page: is it stored
-    deferred: int = 0  # pages past its last whole store page, left to a longer sequence (store_pages.py)
+    deferred: int = 0  # pages past its last whole store page, left to a longer sequence (set by its maker)
     finished: bool = False
     error: str | None = None
 
@@ -277,6 +277,9 @@ class StorageWorker:
         if op.granted or op.stop:
             op.wake.set()
         try:
+            if self.group > 1 and not store_pages.ends(op.keys.first, len(op.keys), self.group):
+                op.present, op.outcome = 0, Outcome.DONE  # no whole store page: no call (nor a probe)
+                return None
             if not self.breaker.admit():
                 op.present, op.outcome = 0, Outcome.STORE_DOWN
                 return None
@@ -286,7 +289,7 @@ class StorageWorker:
             else:
                 present, found = await store_pages.exists(self, op)
             self.speed.observe_call(self.clock() - asked)
-            if present and not self.speed.worth_loading(present, -(-found // self.chunk),
+            if present and not self.speed.worth_loading(found * self.group, -(-found // self.chunk),
                                                         present * op.tokens // len(op.keys)):
                 op.present, op.outcome = 0, Outcome.SLOW_STORE
                 self._moved()
@@ -384,6 +387,9 @@ class StorageWorker:
         """Finished only once the store stopped reading the host pages (they stay protected)."""
         settled = None
         try:
+            if self.group > 1 and not store_pages.ends(op.keys.first, len(op.keys), self.group):
+                op.ok = [False] * len(op.keys)  # no whole store page: no call (nor a probe)
+                return
             if not self.breaker.admit():
                 op.ok, op.error = [False] * len(op.keys), "store down"
                 return
@@ -392,9 +398,7 @@ class StorageWorker:
             if self.group == 1:
                 op.ok = await self._guarded(self.store.batch_set(list(op.keys), self._payloads(op.host_pages)))
             else:
-                keys, payloads, last = store_pages.backup_batch(self, op)
-                ok = await self._guarded(self.store.batch_set(keys, payloads)) if keys else []
-                op.ok = store_pages.pages_stored(len(op.keys), self.group, last, ok)
+                op.ok = await store_pages.backup(self, op)
         except KvtierError as exc:
             op.error = str(exc)
             op.ok = [False] * len(op.keys)

@@ -75,8 +75,8 @@ async def read(worker: "StorageWorker", op: "PrefetchOp", pages: np.ndarray) -> 
             op.outcome = Outcome.STOPPED
             return False
         batch = wanted[start:start + worker.chunk]
-        buffers = [bytearray(g * pb) for _ in batch]
-        async with worker._slots:
+        async with worker._slots:  # bounds the buffers in flight (max_inflight_prefetch_bytes)
+            buffers = [bytearray(g * pb) for _ in batch]
             asked = worker.clock()
             ok = await worker._guarded(worker.store.batch_get_into(op.keys.at(batch), buffers))
             worker.speed.observe_read(len(batch) * g, worker.clock() - asked)
@@ -93,24 +93,23 @@ async def read(worker: "StorageWorker", op: "PrefetchOp", pages: np.ndarray) -> 
     return True
 
 
-def backup_batch(worker: "StorageWorker", op: "BackupOp") -> tuple[list[str], list[bytes], list[int]]:
-    """(Keys, payloads, last page of each) of the store pages whose last page is the op's;
-    sets `op.deferred` to its pages past the last one (a longer sequence stores them)."""
+async def backup(worker: "StorageWorker", op: "BackupOp") -> list[bool]:
+    """Store the store pages whose last page is one of the op's, ~8 MiB a call (each a copy
+    of its pages: at most that much more memory); per device page of the op, is it stored."""
     g, keys = worker.group, op.keys
     lead = op.lead_in if op.lead_in is not None else np.empty(0, np.int64)
-    all_ends = ends(keys.first, len(keys), g)
-    op.deferred = len(keys) - (all_ends[-1] + 1 if len(all_ends) else 0)
-    whole = [e for e in all_ends if e - g + 1 >= -len(lead)]
-    views = worker._payloads(np.concatenate([lead, op.host_pages]))
-    at = len(lead) - g + 1
-    payloads = [b"".join(views[e + at:e + at + g]) for e in whole]
-    return keys.at(whole), payloads, whole
-
-
-def pages_stored(count: int, group: int, whole: list[int], ok: list[bool]) -> list[bool]:
-    """Per device page of a backup: is it in a store page now stored?"""
-    out = [False] * count
-    for last, good in zip(whole, ok):
-        if good:
-            out[max(0, last - group + 1):last + 1] = [True] * (last + 1 - max(0, last - group + 1))
-    return out
+    pages = np.concatenate([lead, op.host_pages])
+    at = len(lead) - g + 1  # index in `pages` of the first page of the store page ending at op page 0
+    whole = [e for e in ends(keys.first, len(keys), g) if e + at >= 0]
+    stored = [False] * len(keys)
+    for start in range(0, len(whole), worker.chunk):
+        batch = whole[start:start + worker.chunk]
+        views = worker._payloads(pages[batch[0] + at:batch[-1] + at + g])
+        base = batch[0] + at
+        payloads = [b"".join(views[e + at - base:e + at - base + g]) for e in batch]
+        ok = await worker._guarded(worker.store.batch_set(keys.at(batch), payloads))
+        for last, good in zip(batch, ok):
+            if good:
+                lo = max(0, last - g + 1)
+                stored[lo:last + 1] = [True] * (last + 1 - lo)
+    return stored

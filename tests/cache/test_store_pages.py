@@ -10,7 +10,8 @@ from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError
 from tests.controller.helpers import (
-    CorruptingStore, FailingStore, StallingStore, acquire, compute, make_cache, read_back, same_kv, settle,
+    CorruptingStore, FailingStore, StallingStore, acquire, compute, fill, forward, make_cache, read_back, same_kv,
+    settle,
 )
 
 PS, TOKENS = 2, 8  # device pages of 2 tokens, store pages of 4 device pages
@@ -186,3 +187,72 @@ def test_a_store_page_that_is_not_whole_device_pages_is_refused_naming_it(tokens
     with pytest.raises(KvtierConfigError, match=why.replace("(", r"\(")):
         load_config(None, {"pool": {"size": 64, "num_layers": 2, "page_size": 4},
                            "store": {"backend": "memory", "page_tokens": tokens}}, env={})
+
+
+class SwitchStore(MemoryStore):
+    """A memory store that fails every call, the way a dead server does, while `broken`."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStoreConfig())
+        self.broken = False
+
+    def _check_up(self):
+        if self.broken:
+            raise ConnectionResetError("connection reset by peer")
+
+    async def _set(self, keys, frames):
+        self._check_up()
+        return await super()._set(keys, frames)
+
+    async def _exists(self, keys):
+        self._check_up()
+        return await super()._exists(keys)
+
+
+def _down_store():
+    """A cache whose store went down (its breaker tripped by three failed backups), and the
+    clock that lets it probe again."""
+    now = [0.0]
+    store = SwitchStore()
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=TOKENS, clock=lambda: now[0])
+    store.broken = True
+    for i in range(3):
+        compute(cache, np.arange(1000 * i, 1000 * i + 16), seed=i)
+        settle(cache)
+    assert cache.stats()["store"]["store_down"]
+    now[0] += 3600.0  # a probe is due
+    return cache, store, now
+
+
+def test_a_backup_with_no_whole_store_page_is_no_probe_of_a_store_that_is_down():
+    """Review: a node of fewer pages than a store page, none of them a store page's last,
+    was a backup that made no store call; while the store was down it took the probe and
+    never ended it, so the store was skipped for good, even once it answered again."""
+    cache, store, _ = _down_store()
+    prompt = np.arange(0, 16)  # on device: no prefetch (which would probe the store itself)
+    got = acquire(cache, prompt, "decode")
+    assert got.device_hit == 16
+    out = cache.alloc(2)
+    forward(cache, "decode")
+    fill(cache, out, seed=5)
+    cache.cache_finished("decode", np.concatenate([prompt, [7, 7]]), torch.cat([got.indices, out]))  # one page more
+    settle(cache)
+    store.broken = False
+    compute(cache, np.arange(5000, 5016), seed=6)
+    settle(cache)
+    assert not cache.stats()["store"]["store_down"]
+    assert cache.stats()["counters"]["l3_write_pages"] == 8
+    check(cache)
+    cache.close()
+
+
+def test_a_prefetch_with_no_whole_store_page_does_not_say_a_store_that_is_down_answers():
+    """Review: a prefetch of fewer pages than a store page asked the store nothing, and the
+    breaker took that for an answer: a dead store counted as up again."""
+    cache, store, _ = _down_store()
+    got = acquire(cache, np.arange(7000, 7006), "short")  # 3 pages: no store page ends in them
+    cache.abort("short")
+    settle(cache)
+    assert got.storage_hit == 0 and cache.stats()["store"]["store_down"]
+    check(cache)
+    cache.close()

@@ -39,7 +39,9 @@ def one_line(argv, capsys) -> str:
      "redis store: ConnectionError"),  # main: a traceback
     (["replay", "--plot", "/nonexistent/dir/hits.png"], {}, "--plot '/nonexistent/dir/hits.png': cannot write there"),
     (["bench", "cache", "--page-size", "2", "--store-page-tokens", "3"], {},
-     "--store-page-tokens 3: must be a multiple of --page-size 2"),
+     "--store-page-tokens 3: must be a positive multiple of --page-size 2"),
+    (["bench", "cache", "--page-size", "2", "--store-page-tokens", "0"], {},
+     "--store-page-tokens 0: must be a positive multiple of --page-size 2"),
 ])
 def test_one_line_errors(argv, env, message, capsys, cache_home, monkeypatch):
     if "--plot" in argv:
