@@ -2,16 +2,20 @@
 pages only, the first pages of one read from its ancestors' host copies, a prefetch that
 starts inside one, damaged and stalled store pages, and the config that refuses the rest."""
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError
 from tests.controller.helpers import (
-    CorruptingStore, FailingStore, StallingStore, acquire, compute, fill, forward, make_cache, read_back, same_kv,
-    settle,
+    CorruptingStore, FailingStore, StallingStore, acquire, compute, fill, forward, make_cache, read, read_back,
+    same_kv, settle,
 )
 
 PS, TOKENS = 2, 8  # device pages of 2 tokens, store pages of 4 device pages
@@ -254,5 +258,52 @@ def test_a_prefetch_with_no_whole_store_page_does_not_say_a_store_that_is_down_a
     cache.abort("short")
     settle(cache)
     assert got.storage_hit == 0 and cache.stats()["store"]["store_down"]
+    check(cache)
+    cache.close()
+
+
+def prefix_kv(tokens, lo, hi):
+    """KV of positions lo..hi-1 as a function of the tokens up to each: whatever tier or
+    store page serves a position, its bytes are these or it is a miss."""
+    rows = []
+    for i in range(lo, hi):
+        seed = int.from_bytes(hashlib.sha256(np.asarray(tokens[:i + 1], np.int64).tobytes()).digest()[:4], "little")
+        rows.append(torch.randn(2, 2, 2, 4, generator=torch.Generator().manual_seed(seed)))  # layer, K/V, head, dim
+    t = torch.stack(rows) if rows else torch.empty(0, 2, 2, 2, 4)
+    return [(t[:, layer, 0], t[:, layer, 1]) for layer in range(2)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ps=st.sampled_from([1, 2, 4]), group=st.integers(2, 4), layout=st.sampled_from(["page_first", "layer_first"]),
+       write_policy=st.sampled_from(["write_through", "write_back"]), data=st.data())
+def test_store_pages_serve_exactly_the_kv_of_each_prefix(ps, group, layout, write_policy, data):
+    """Requests over prompts that share prefixes of every length, with flushes between
+    them: each prefix handed back, from device, host or store pages of several pages,
+    holds the KV of exactly its tokens."""
+    cache = make_cache(page_size=ps, page_tokens=ps * group, pool_size=64 // ps * ps, ratio=1.0, layout=layout,
+                       write_policy=write_policy)
+    prompts = [data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=28), label="first")]
+    for i in range(data.draw(st.integers(6, 14), label="requests")):
+        base = data.draw(st.sampled_from(prompts), label="base")
+        how = data.draw(st.sampled_from(["again", "prefix", "extend", "fork"]), label="how")
+        cut = len(base) if how in ("again", "extend") else data.draw(st.integers(1, len(base)), label="cut")
+        more = [] if how in ("again", "prefix") else data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=12))
+        prompt = (base[:cut] + more)[:28]
+        prompts.append(prompt)
+        tokens = np.array(prompt, np.int64)
+        got = acquire(cache, tokens, f"r{i}")
+        forward(cache, f"r{i}")
+        cached = got.indices.numel()
+        assert same_kv(read(cache, got.indices), prefix_kv(tokens, 0, cached)), (i, got)
+        new = cache.alloc(len(tokens) - cached)
+        assert new is not None
+        for layer, (k, v) in enumerate(prefix_kv(tokens, cached, len(tokens))):
+            cache.pool.set_kv(layer, new[:len(tokens) - cached], k, v)
+        cache.cache_finished(f"r{i}", tokens, torch.cat([got.indices, new]))
+        if data.draw(st.integers(0, 2), label="flush") == 0:
+            settle(cache)
+            cache.flush()
+        cache.tree.sanity_check()
+    settle(cache)
     check(cache)
     cache.close()
