@@ -127,6 +127,7 @@ async def _ls(store, prefix, args) -> int:
         m = await store.get_manifest(prefix, ns) or {}
         rows.append({"namespace": ns, "model_id": m.get("model_id"), "revision": m.get("revision"),
                      "dtype": m.get("dtype"), "layout": m.get("layout"), "page_size": m.get("page_size"),
+                     "store_pages": m.get("store_pages", 1) if m else None,
                      "tenant": m.get("tenant"), "pages": s["pages"], "bytes": s["bytes"],
                      "oldest": s["oldest"], "newest": s["newest"], "manifest": bool(m)})
     if args.json:
@@ -134,12 +135,18 @@ async def _ls(store, prefix, args) -> int:
         return 0
     print(f"store {store.name}: {len(rows)} namespaces, {sum(r['pages'] for r in rows)} pages, "
           f"{_size(sum(r['bytes'] for r in rows))}")
-    print(f"{'namespace':32}  {'model':24} {'dtype':8} {'page':>4} {'tenant':16} {'pages':>7} {'size':>10}  newest")
+    print(f"{'namespace':32}  {'model':24} {'dtype':8} {'page':>5} {'tenant':16} {'pages':>7} {'size':>10}  newest")
     for r in rows:
         print(f"{r['namespace']:32}  {_shown(r['model_id'] or '(no manifest)')[:24]:24} {_shown(r['dtype'] or '-'):8} "
-              f"{_shown(r['page_size'] or '-'):>4} {_shown(r['tenant'] or '-'):16} {r['pages']:>7} "
+              f"{_page(r):>5} {_shown(r['tenant'] or '-'):16} {r['pages']:>7} "
               f"{_size(r['bytes']):>10}  {_when(r['newest'])}")
     return 0
+
+
+def _page(row: dict) -> str:
+    """A namespace's page size, and the device pages in a store page where several (`16x4`)."""
+    size, group = _shown(row["page_size"] or "-"), row["store_pages"]
+    return f"{size}x{group}" if isinstance(group, int) and group > 1 else size
 
 
 async def _du(store, prefix, args) -> int:

@@ -240,6 +240,23 @@ def test_replay_with_page_size_1_hits_the_store_on_a_second_run(cache_home, caps
     assert second["hit_tokens"]["storage"] > 0 and second["verified_requests"] == 10
 
 
+def test_replay_with_store_pages_of_16_tokens_at_page_size_1_verifies_and_ls_shows_them(cache_home, capsys,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("KVTIER_POOL_PAGE_SIZE", "1")
+    monkeypatch.setenv("KVTIER_STORE_PAGE_TOKENS", "16")
+    assert main(["replay", "--requests", "10", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--requests", "10", "--verify", "--json"]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["hit_tokens"]["storage"] > 0 and second["verified_requests"] == 10
+    assert main(["store", "ls", "--json"]) == 0
+    [ns] = json.loads(capsys.readouterr().out)["namespaces"]
+    assert (ns["page_size"], ns["store_pages"]) == (1, 16)
+    assert main(["store", "ls"]) == 0
+    assert "  1x16 " in capsys.readouterr().out
+    assert main(["store", "verify"]) == 0
+
+
 def test_replay_against_an_unwritable_store_root_shows_the_failed_writes(cache_home, capsys):
     cache_home.mkdir(parents=True)
     (cache_home / ".kvtier-store").write_text('{"format": 1}')  # a kvtier store, but
