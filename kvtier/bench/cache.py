@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         "what the tiering costs without the file store's I/O thread)")
     p.add_argument("--store-page-tokens", type=int, default=None,
                    help=f"store.page_tokens of the all-tiers arm: a multiple of the page size (default "
-                        f"{STORE_PAGE_TOKENS} tokens, or one page where a page is larger)")
+                        f"{STORE_PAGE_TOKENS} tokens rounded up to whole pages)")
     p.add_argument("--kvtier-cpus", default="auto",
                    help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3")
     args = p.parse_args(argv)

@@ -161,7 +161,7 @@ class Writes(Part):
         keys = PageKeys(self.tree.hashing_of(node), self.key_of, len(pages), first)  # hashed by the storage thread
         self.tree.protect_host(node)  # and so the host copies above it, `lead` among them
         if self.events is not None:
-            self.events.backup_started(node)
+            self.events.backup_started(node, 0 if lead is None else len(lead))
         self.ctl.backup(keys, pages, node, lead, deferred)
 
     def apply_backup(self, op: BackupOp[TreeNode]) -> None:

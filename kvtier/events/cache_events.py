@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvtier.events.config import EventsConfig
 from kvtier.events.publisher import ZmqPublisher
 from kvtier.events.wire import all_blocks_cleared, block_removed, block_stored
@@ -53,21 +55,42 @@ class CacheEvents:
         self._backups.clear()  # node ids start again
         self.pending.append(all_blocks_cleared())
 
-    def backup_started(self, node: "TreeNode") -> None:
+    def backup_started(self, node: "TreeNode", lead_in: int = 0) -> None:
         """`node`'s pages are on their way to the store: what they are, taken now (a split
-        while the write is out would change the node)."""
+        while the write is out would change the node). `lead_in`: pages above it that go
+        with its first page, in one store page (store_pages.py)."""
         hashes, parent = self._chain(node)
-        self._backups.setdefault(node.id, deque()).append((hashes, parent, node.key.tokens))
+        lead = self._lead(node, lead_in) if lead_in else None
+        self._backups.setdefault(node.id, deque()).append((hashes, parent, node.key.tokens, lead))
+
+    def _lead(self, node: "TreeNode", pages: int) -> tuple[list[bytes], bytes | None, np.ndarray]:
+        """(Hashes, the hash before them, tokens) of the last `pages` pages above `node`."""
+        ps, root = self.page_size, self.tree.root
+        hashes, tokens, before, n = [], [], None, node.parent
+        while pages > 0 and n is not None and n is not root:
+            chain = self.tree.page_hashes(n)
+            take = min(pages, len(chain))
+            hashes[:0] = chain[len(chain) - take:]
+            tokens.insert(0, n.key.tokens[(len(chain) - take) * ps:])
+            pages -= take
+            before = chain[len(chain) - take - 1] if take < len(chain) else None
+            n = n.parent
+            if before is None and n is not None and n is not root:
+                before = self.tree.page_hashes(n)[-1]
+        return hashes, before, np.concatenate(tokens) if tokens else np.empty(0, np.int64)
 
     def backup_done(self, node: "TreeNode", ok: list[bool] | None) -> None:
-        """The store holds the pages where `ok` is True: one BlockStored per run of them."""
+        """The store holds the pages where `ok` is True: one BlockStored per run of them;
+        and the pages above it stored with its first page, if that was."""
         started = self._backups.get(node.id)
         if not started:
             return
-        hashes, parent, tokens = started.popleft()
+        hashes, parent, tokens, lead = started.popleft()
         if not started:
             del self._backups[node.id]
         ok = ok or [False] * len(hashes)
+        if lead is not None and lead[0] and ok and ok[0]:
+            self.pending.append(block_stored(lead[0], lead[1], lead[2], self.page_size, "STORAGE"))
         i, ps = 0, self.page_size
         while i < len(hashes):
             if not ok[i]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
@@ -22,9 +23,10 @@ from tests.events.test_publisher import ipc, wait_for  # noqa: F401  (the fixtur
 GEOMETRY = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32", "page_size": 16}
 
 
-def make_cache(root, pool: int, events: tuple[str, str] | None = None) -> TieredCache:
+def make_cache(root, pool: int, events: tuple[str, str] | None = None, page_tokens: int | None = None) -> TieredCache:
     doc = {"pool": {"size": pool, **GEOMETRY}, "mirror": {"ratio": 1.5},
-           "controller": {"prefetch_policy": "wait_complete"}, "store": {"backend": "file", "root": str(root)}}
+           "controller": {"prefetch_policy": "wait_complete"},
+           "store": {"backend": "file", "root": str(root), "page_tokens": page_tokens}}
     if events is not None:
         doc["events"] = {"endpoint": events[0], "replay_endpoint": events[1], "topic": "kv@test"}
     return TieredCache(load_config(None, doc, env={}))
@@ -100,9 +102,15 @@ def acquire_ready(cache: TieredCache, tokens: list[int], rid: str):
     raise AssertionError(f"{rid}: never ready")
 
 
-def test_events_of_one_server_predict_the_store_hits_of_the_next(tmp_path, ipc):  # noqa: F811
+@pytest.mark.parametrize("page_tokens", [None, 48])
+def test_events_of_one_server_predict_the_store_hits_of_the_next(tmp_path, ipc, page_tokens):  # noqa: F811
+    """With store pages of 3 pages (48 tokens) too: a store page's first pages, stored by
+    a longer sequence's backup from its ancestor's host copy, are announced with it (they
+    were not: the router's prefix stopped at every store page across two nodes); a prompt
+    is served at least up to its last whole store page the events announced, at most all
+    they announced."""
     turns = generate("docqa", 12, 512, seed=4)
-    first = make_cache(tmp_path / "l3", pool=4096, events=ipc)
+    first = make_cache(tmp_path / "l3", pool=4096, events=ipc, page_tokens=page_tokens)
     sub = Subscriber(*ipc, topic="kv@test")
     try:
         prompts = [r.prompt[:-1] for r in run(first, turns)]  # what the engine asked the cache for
@@ -110,7 +118,7 @@ def test_events_of_one_server_predict_the_store_hits_of_the_next(tmp_path, ipc):
     finally:
         first.close()
         sub.close()
-    second = make_cache(tmp_path / "l3", pool=16384)  # a new server on the same store: its tree starts empty
+    second = make_cache(tmp_path / "l3", pool=16384, page_tokens=page_tokens)  # a new server, the same store
     try:
         ps, predicted, served = second.page_size, [], []
         for i, prompt in enumerate(dict.fromkeys(tuple(p) for p in prompts)):
@@ -120,7 +128,8 @@ def test_events_of_one_server_predict_the_store_hits_of_the_next(tmp_path, ipc):
             served.append(len(got.indices))
             assert got.device_hit == 0  # everything it has came from the store (some via its host tier)
             second.abort(f"r{i}", got.indices)
-        assert served == predicted
+        whole = page_tokens or ps  # the store serves whole store pages (what the host tier already holds, any page)
+        assert all(p // whole * whole <= s <= p for s, p in zip(served, predicted)), (served, predicted)
         assert sum(served) > 0 and second.stats_obj.counters.storage_hit_tokens > 0
         second.tree.sanity_check()
         second.check_accounting()
