@@ -307,3 +307,36 @@ def test_store_pages_serve_exactly_the_kv_of_each_prefix(ps, group, layout, writ
     settle(cache)
     check(cache)
     cache.close()
+
+
+def _serve(cache, tokens, rid):
+    """The server's sequence with the KV of `prefix_kv`: acquire, check what is handed
+    back, compute the rest, finish. Returns what acquire said."""
+    got = acquire(cache, tokens, rid)
+    forward(cache, rid)
+    cached = got.indices.numel()
+    assert same_kv(read(cache, got.indices), prefix_kv(tokens, 0, cached)), (rid, got)
+    new = cache.alloc(len(tokens) - cached)
+    for layer, (k, v) in enumerate(prefix_kv(tokens, cached, len(tokens))):
+        cache.pool.set_kv(layer, new, k, v)
+    cache.cache_finished(rid, tokens, torch.cat([got.indices, new]))
+    return got
+
+
+def test_a_store_page_takes_its_first_pages_from_three_ancestors_in_order():
+    """Nodes of 1, 1, 1 and 3 pages (a conversation growing a page at a time), store pages
+    of 4: the fourth node's backup stores pages 0-3, three of them from three ancestors'
+    host copies, oldest first."""
+    store = KeptStore()
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=TOKENS)
+    seq = np.arange(300, 312)  # 6 pages
+    for i, end in enumerate([2, 4, 6, 12]):
+        _serve(cache, seq[:end], f"grow{i}")
+        settle(cache)
+    assert len(store.stored) == 1  # pages 0-3; pages 4-5 wait for a longer sequence
+    cache.flush()
+    got = _serve(cache, seq, "back")
+    assert got.storage_hit == 8
+    settle(cache)
+    check(cache)
+    cache.close()
