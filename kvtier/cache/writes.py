@@ -109,11 +109,13 @@ class Writes(Part):
             return
         op.applied = True  # from here on the tree owns the host slots
         self.ctl.free_host(unused)  # a prefetch from the store may have given part of it a host copy
-        self._write_waiting_children(node, op.host_slots.size)
+        halves = self._landed(node, op.host_slots.size)
+        self._write_waiting_children(halves)
         self.counters.writes += 1
         self.counters.d2h_bytes += op.host_slots.size * self.ctl.pool.bytes_per_token
         self.latency["write"].observe(time.perf_counter() - op.started)
-        self._backup_to_store(node)
+        for half in reversed(halves):  # root-down: each half split off during the write is stored too
+            self._backup_to_store(half)
 
     def _failed(self, op: WriteOp, why: str) -> None:
         self.counters.write_failures += 1
@@ -130,17 +132,21 @@ class Writes(Part):
         if not op.applied:
             self.ctl.free_host(op.host_slots)
 
-    def _write_waiting_children(self, node: TreeNode, written: int) -> None:
-        """Write the children refused while their parent had no host copy coming: those of
-        `node` and of the halves split off it during its write (`written` tokens cover
-        them all). Each does the same for its own children when it lands."""
-        if self.cfg.write_policy != WritePolicy.WRITE_THROUGH:
-            return
+    def _landed(self, node: TreeNode, written: int) -> list[TreeNode]:
+        """`node` and the halves split off above it during its write, bottom-up (`written`
+        tokens cover them all)."""
         landed, covered, n = [node], len(node), node
         while covered < written and n.parent is not self.tree.root:
             n = n.parent
             covered += len(n)
             landed.append(n)
+        return landed
+
+    def _write_waiting_children(self, landed: list[TreeNode]) -> None:
+        """Write the children refused while their parent had no host copy coming: those of
+        the nodes a write just landed. Each does the same for its own children when it lands."""
+        if self.cfg.write_policy != WritePolicy.WRITE_THROUGH:
+            return
         for n in landed:
             for child in list(n.children.values()):
                 if child.on_device and not child.backed_up and child.id not in self.writing:

@@ -340,3 +340,28 @@ def test_a_store_page_takes_its_first_pages_from_three_ancestors_in_order():
     settle(cache)
     check(cache)
     cache.close()
+
+
+@pytest.mark.parametrize("tokens", [None, 2])
+def test_a_node_split_while_its_write_is_out_is_stored_whole(tokens):
+    """Review: a request split a prefix whose device->host write was still out; the write
+    gave both halves host copies, but only the lower half went on to the store, so once host
+    and device let go, the store held none of the prefix's first pages (a leading run: 0
+    tokens served). Both halves are backed up now (one device page a store page too)."""
+    cache = make_cache(page_size=1, page_tokens=tokens, pool_size=64)
+    seq = np.arange(100, 110)
+    got = acquire(cache, seq, "a")
+    new = cache.alloc(10)
+    forward(cache, "a")
+    fill(cache, new, seed=1)
+    cache.cache_finished("a", seq, new)  # its write is queued, not yet applied
+    other = acquire(cache, np.concatenate([seq[:6], [7, 7]]), "b")  # splits it at 6
+    cache.abort("b", other.indices)
+    settle(cache)
+    cache.flush()
+    got = acquire(cache, seq, "c")
+    assert got.storage_hit == 10
+    cache.abort("c", got.indices)
+    settle(cache)
+    check(cache)
+    cache.close()
