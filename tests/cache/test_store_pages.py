@@ -277,9 +277,9 @@ def prefix_kv(tokens, lo, hi):
 @given(ps=st.sampled_from([1, 2, 4]), group=st.integers(2, 4), layout=st.sampled_from(["page_first", "layer_first"]),
        write_policy=st.sampled_from(["write_through", "write_back"]), data=st.data())
 def test_store_pages_serve_exactly_the_kv_of_each_prefix(ps, group, layout, write_policy, data):
-    """Requests over prompts that share prefixes of every length, with flushes between
-    them: each prefix handed back, from device, host or store pages of several pages,
-    holds the KV of exactly its tokens."""
+    """Requests over prompts that share prefixes of every length, with flushes and device
+    evictions between them: each prefix handed back, from device, host or store pages of
+    several pages, holds the KV of exactly its tokens."""
     cache = make_cache(page_size=ps, page_tokens=ps * group, pool_size=64 // ps * ps, ratio=1.0, layout=layout,
                        write_policy=write_policy)
     prompts = [data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=28), label="first")]
@@ -300,9 +300,13 @@ def test_store_pages_serve_exactly_the_kv_of_each_prefix(ps, group, layout, writ
         for layer, (k, v) in enumerate(prefix_kv(tokens, cached, len(tokens))):
             cache.pool.set_kv(layer, new[:len(tokens) - cached], k, v)
         cache.cache_finished(f"r{i}", tokens, torch.cat([got.indices, new]))
-        if data.draw(st.integers(0, 2), label="flush") == 0:
+        then = data.draw(st.sampled_from(["flush", "evict", "go on"]), label="then")
+        if then == "flush":
             settle(cache)
             cache.flush()
+        elif then == "evict":  # device pages go (under write-back, backed up first)
+            settle(cache)
+            cache.evict(data.draw(st.integers(1, 32), label="tokens"))
         cache.tree.sanity_check()
     settle(cache)
     check(cache)
