@@ -143,11 +143,11 @@ class Slots:
         storage = self.ctl.storage
         if storage is None or not storage.keeps_page_order:
             return  # no hashes gathered on the scheduler thread for a store that ignores them
-        chains = [node.hashes for node in nodes if node.hashes]  # removed nodes: nobody changes them
+        nodes = [node for node in nodes if node.hashes]  # removed nodes: nobody changes them
+        chains = [node.hashes for node in nodes]
         if storage.group > 1:  # a store page is keyed by its last page (store_pages.py)
-            g = storage.group
-            firsts = [store_pages.tokens_above(node) // self.page_size for node in nodes if node.hashes]
-            chains = [chain[(g - 1 - first) % g::g] for chain, first in zip(chains, firsts)]
+            g, ps = storage.group, self.page_size
+            chains = [n.hashes[(g - 1 - store_pages.tokens_above(n) // ps) % g::g] for n in nodes]
         count = sum(map(len, chains))
         if count:  # flattened by the storage thread, with the keys
             storage.touch(PageKeys(lambda: [h for chain in chains for h in chain], self.key_of, count))

@@ -148,7 +148,8 @@ class StorageWorker:
                  group: int = 1) -> None:
         """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py);
         `manifest`: (key prefix, namespace id, manifest) to write before the first page and
-        keep written (`_write_manifest`); `group`: device pages in a store page (store_pages.py)."""
+        keep written (`_write_manifest`); `group`: device pages in a store page (store_pages.py;
+        the scheduler submits no op in which no store page ends)."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
         self._complain = Complaints(log)  # a full disk fails every backup: not a line each
@@ -277,9 +278,6 @@ class StorageWorker:
         if op.granted or op.stop:
             op.wake.set()
         try:
-            if self.group > 1 and not store_pages.ends(op.keys.first, len(op.keys), self.group):
-                op.present, op.outcome = 0, Outcome.DONE  # no whole store page: no call (nor a probe)
-                return None
             if not self.breaker.admit():
                 op.present, op.outcome = 0, Outcome.STORE_DOWN
                 return None
@@ -308,7 +306,9 @@ class StorageWorker:
                 return
             op.outcome = Outcome.DONE if len(pages) == op.present else Outcome.PARTIAL
             if self.group > 1:
-                await store_pages.read(self, op, pages)
+                why = await store_pages.read(self, op, pages)
+                if why is not None:
+                    op.outcome = Outcome(why)
                 return None
             for start in range(0, len(pages), self.chunk):
                 if op.stop:
@@ -387,9 +387,6 @@ class StorageWorker:
         """Finished only once the store stopped reading the host pages (they stay protected)."""
         settled = None
         try:
-            if self.group > 1 and not store_pages.ends(op.keys.first, len(op.keys), self.group):
-                op.ok = [False] * len(op.keys)  # no whole store page: no call (nor a probe)
-                return
             if not self.breaker.admit():
                 op.ok, op.error = [False] * len(op.keys), "store down"
                 return

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
     from kvtier.tree import TreeNode
+
+# `worker` below is the StorageWorker (storage.py, which imports this module), `op` its
+# PrefetchOp or BackupOp: named in the docstrings, not imported.
 
 
 def ends(first: int, count: int, group: int) -> range:
@@ -54,7 +56,7 @@ def lead_in(node: "TreeNode", pages: int, page_size: int, host: int) -> np.ndarr
     return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int64)
 
 
-async def exists(worker: "StorageWorker", op: "PrefetchOp") -> tuple[int, int]:
+async def exists(worker, op) -> tuple[int, int]:
     """(Device pages the store holds, store pages they are in): the leading run of whole
     store pages within the op's pages."""
     last = ends(op.keys.first, len(op.keys), worker.group)
@@ -62,18 +64,15 @@ async def exists(worker: "StorageWorker", op: "PrefetchOp") -> tuple[int, int]:
     return (last[found - 1] + 1 if found else 0), found
 
 
-async def read(worker: "StorageWorker", op: "PrefetchOp", pages: np.ndarray) -> bool:
+async def read(worker, op, pages: np.ndarray) -> str | None:
     """Read the store pages holding the granted `pages` (op.landed grows as they verify);
-    False if it stopped at a miss, a page that did not verify, or a stop."""
-    from kvtier.controller.storage import Outcome
-
+    why it stopped early ("stopped", or "partial": a miss or a page that did not verify), or None."""
     g, pb = worker.group, worker.mirror.page_bytes
     granted = len(pages)
     wanted = [e for e in ends(op.keys.first, len(op.keys), g) if e - g + 1 < granted]
     for start in range(0, len(wanted), worker.chunk):
         if op.stop:
-            op.outcome = Outcome.STOPPED
-            return False
+            return "stopped"
         batch = wanted[start:start + worker.chunk]
         async with worker._slots:  # bounds the buffers in flight (max_inflight_prefetch_bytes)
             buffers = [bytearray(g * pb) for _ in batch]
@@ -82,18 +81,17 @@ async def read(worker: "StorageWorker", op: "PrefetchOp", pages: np.ndarray) -> 
             worker.speed.observe_read(len(batch) * g, worker.clock() - asked)
         for last, buf, good in zip(batch, buffers, ok):
             if not good:
-                op.outcome = Outcome.PARTIAL
                 worker._moved()
-                return False
+                return "partial"
             lo, hi = max(0, last - g + 1), min(last + 1, granted)
             skip = lo - (last - g + 1)  # pages of the store page the tree already holds
             worker.mirror.write_pages(pages[lo:hi], np.frombuffer(buf, np.uint8).reshape(g, pb)[skip:skip + hi - lo])
             op.landed = hi  # after its bytes are in place
         worker._moved()
-    return True
+    return None
 
 
-async def backup(worker: "StorageWorker", op: "BackupOp") -> list[bool]:
+async def backup(worker, op) -> list[bool]:
     """Store the store pages whose last page is one of the op's, ~8 MiB a call (each a copy
     of its pages: at most that much more memory); per device page of the op, is it stored."""
     g, keys = worker.group, op.keys

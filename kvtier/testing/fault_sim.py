@@ -34,7 +34,7 @@ from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.errors import TransferError
 from kvtier.testing.misuse import Violation, misuse
-from kvtier.testing.parts import SimStore, SimStreams
+from kvtier.testing.parts import SimStore, SimStreams, watch_copies
 
 LAYERS = 2
 SIM_TENANT_KEY = "5a" * 32  # the sealed runs' tenant key (a test key, never a real one)
@@ -137,9 +137,9 @@ class FaultSim:
         self.running: dict[str, Req] = {}
         self.next_id = 0
         self.log: list[str] = []
-        self.stray: list[str] = []  # store-page copies into host pages no prefetch owned (`_watch_copies`)
+        self.stray: list[str] = []  # store-page copies into host pages no prefetch owned (parts.py)
         if setup.store_pages > 1:
-            self._watch_copies()
+            watch_copies(self.cache, self.stray)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -154,24 +154,6 @@ class FaultSim:
             raise Violation(self.stray[0])
         self.cache.tree.sanity_check()
         self.cache.check_accounting()
-
-    def _watch_copies(self) -> None:
-        """Store pages of several pages are read into their own buffer, then copied into
-        host pages (store_pages.py, on the storage thread while the sim waits in `settle`):
-        each copy may write only pages a prefetch owns and has not inserted."""
-        mirror, ctl = self.cache.mirror, self.cache.controller
-        write = mirror.write_pages
-
-        def watched(pages, data):
-            owned = set()
-            for op in ctl.prefetch_ops():
-                if op.host_pages is not None:
-                    owned |= set(op.host_pages[op.inserted:].tolist())
-            if not set(pages.tolist()) <= owned:
-                self.stray.append(f"a store page's copy is about to write host pages "
-                                  f"{sorted(set(pages.tolist()) - owned)} that no prefetch owns any more")
-            write(pages, data)
-        mirror.write_pages = watched
 
     # -- actions ------------------------------------------------------------------------------
 

@@ -242,3 +242,23 @@ class SimStore(MemoryStore):
     def resolve_all(self, rng: random.Random) -> None:
         for call in list(self.pending):
             self.resolve(call, rng.choice(["ok", "ok", "error", "corrupt"]), rng)
+
+
+def watch_copies(cache, stray: list[str]) -> None:
+    """Store pages of several pages are read into their own buffer, then copied into host
+    pages (store_pages.py, on the storage thread while the simulator waits in `settle`):
+    each copy may write only pages a prefetch owns and has not inserted; a stray one is
+    noted in `stray` (the simulator raises it at its next check)."""
+    mirror, ctl = cache.mirror, cache.controller
+    write = mirror.write_pages
+
+    def watched(pages, data):
+        owned = set()
+        for op in ctl.prefetch_ops():
+            if op.host_pages is not None:
+                owned |= set(op.host_pages[op.inserted:].tolist())
+        if not set(pages.tolist()) <= owned:
+            stray.append(f"a store page's copy is about to write host pages "
+                         f"{sorted(set(pages.tolist()) - owned)} that no prefetch owns any more")
+        write(pages, data)
+    mirror.write_pages = watched
