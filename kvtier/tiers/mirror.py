@@ -21,6 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvtier.numpy_gil import GIL_CHUNK
 from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tiers.indices import as_numpy, check_slots, page_slots, runs
 from kvtier.tiers.pool import DeviceKVPool
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 Layout = Literal["layer_first", "page_first"]
 _memmove = ctypes.memmove  # releases the GIL while it copies
 _SMALL_BYTES = 64 << 10  # blocks below this are copied keeping the GIL (see _move)
-_LOOP_PAGES = 128  # small pages copied one by one under the GIL up to this many (_copy_small_pages)
+_PIECE_BYTES = 256 << 10  # a small-page copy moves at most this much per numpy call (_copy_small_pages)
 
 
 def _gil_memmove():
@@ -67,15 +68,6 @@ def _move(blocks) -> None:
         (_memmove_small if n < _SMALL_BYTES else _memmove)(d, s, n)
 
 
-def _flat_bytes(a: np.ndarray) -> tuple[memoryview, int]:
-    """(A flat byte memoryview over the memory the rows of `a` span, bytes from one row to the
-    next), for `a` of shape [rows, bytes] whose rows are contiguous. It does not own the memory:
-    its holder keeps `a` (and so the tensor) alive."""
-    assert a.ndim == 2 and a.strides[1] == 1 and a.itemsize == 1, "rows of contiguous bytes"
-    span = (a.shape[0] - 1) * a.strides[0] + a.shape[1] if a.shape[0] else 0
-    return memoryview((ctypes.c_ubyte * span).from_address(a.ctypes.data)).cast("B"), a.strides[0]
-
-
 IoPath = Literal["direct", "kernel"]
 
 
@@ -100,6 +92,16 @@ def _whole_pages(indices: np.ndarray, ps: int) -> np.ndarray | None:
     pages = first // ps
     # compared as bytes: numpy would give up the GIL on this scheduler-thread path (indices.py)
     return pages if page_slots(pages, ps).tobytes() == indices.tobytes() else None
+
+
+def _continuing(dev: np.ndarray, host: np.ndarray) -> int:
+    """Pages that continue the page before them on both sides, counted in pieces of at
+    most GIL_CHUNK pages (one numpy pass over more would give the GIL up)."""
+    total = 0
+    for i in range(0, dev.shape[0] - 1, GIL_CHUNK - 1):  # pieces overlap by a page
+        d, h = dev[i:i + GIL_CHUNK], host[i:i + GIL_CHUNK]
+        total += int(np.count_nonzero((d[1:] - d[:-1] == 1) & (h[1:] - h[:-1] == 1)))
+    return total
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,7 +161,7 @@ class HostMirror:
             log.info("host mirror in plain memory: CUDA is not available, so it is not pinned")
         self._views = self._allocate(pages + 1)
         self._arrays_of: DeviceKVPool | None = None  # the pool `_arrays` views (CPU copies)
-        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray], list]] = {}  # _page_arrays
+        self._arrays: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # _page_arrays
         self.io = config.io
         # GPU pool: copies are asynchronous DMA from/to pinned memory on the transfer
         # stream; whoever needs the bytes waits on that stream's events (controller/streams.py)
@@ -184,6 +186,8 @@ class HostMirror:
         per_layer = ps * sum(widths)
         self.data = empty(pages, layers * per_layer)
         self._page_bytes_np = self.data.view(torch.uint8).numpy()  # [pages, page_bytes], shares memory
+        self._page_item = np.dtype((np.void, self._page_bytes_np.shape[1]))
+        self._pages_np = self._page_bytes_np.view(self._page_item)[:, 0]  # [pages], one item a page
         by_layer = self.data.view(pages, layers, per_layer)
         self._all_layers, offset = [], 0
         for w in widths:
@@ -232,7 +236,7 @@ class HostMirror:
         """How to copy this pairing, computed once for all the layers of a load.
 
         Whole pages are copied by page number (integer indexing is the cheapest view torch
-        makes; a CPU pool copies small ones page by page, `_copy_small_pages`) when merging
+        makes; a CPU pool copies small ones by page number too, `_copy_small_pages`) when merging
         gains nothing: in `page_first` a page's slots of one layer are never next to the next
         page's, and in `layer_first` when pages rarely continue each other. Anything else
         as merged runs."""
@@ -244,7 +248,7 @@ class HostMirror:
             d, h = pages
             if self.config.layout == "page_first":
                 return CopyPlan(d, h, None)
-            if 4 * int(((np.diff(d) == 1) & (np.diff(h) == 1)).sum()) < d.shape[0]:
+            if 4 * _continuing(d, h) < d.shape[0]:
                 return CopyPlan(d, h, None)
         split = ps if self.config.layout == "page_first" else 0
         return CopyPlan(None, None, runs(dev, host, split))
@@ -357,47 +361,41 @@ class HostMirror:
 
     def _copy_small_pages(self, pool: DeviceKVPool, layer: int, dev: np.ndarray, host: np.ndarray,
                           to_host: bool) -> None:
-        """Small whole pages (CPU pool). Up to `_LOOP_PAGES` pages, a memmove per page and part
-        through memoryview slices: a copy under the GIL. numpy's fancy indexing lets the GIL
-        go, and on a busy machine winning it back costs more than the copy (docs/design.md
-        §2); for more pages it is used."""
+        """Small whole pages (CPU pool): per part, a gather-scatter of whole pages, each page one
+        numpy element (a void item of the page's bytes), in pieces of fewer than GIL_CHUNK
+        pages and at most `_PIECE_BYTES`. numpy keeps the GIL for such a piece, so the copy
+        never hands the GIL to another thread and waits to win it back (docs/design.md §2):
+        over uint8 rows it let the GIL go at any size, and a page-1 load of 600 tokens took
+        2 ms behind the storage thread's Python. Every page number is checked first, as
+        torch indexing would (numpy would wrap a negative one)."""
         if dev.size == 0:
             return
-        arrays = self._page_arrays(pool, layer)
-        dev_views, host_views = arrays[0], arrays[1]
+        dev_views, host_views = self._page_arrays(pool, layer)
         dev_pages, host_pages = dev_views[0].shape[0], host_views[0].shape[0]
-        if dev.min() < 0 or host.min() < 0 or dev.max() >= dev_pages or host.max() >= host_pages:
-            raise IndexError(f"copy plan pages out of range (pool {dev_pages}, mirror {host_pages} pages)")
-        if dev.size > _LOOP_PAGES:
-            for d, h in zip(dev_views, host_views):
+        step = max(1, min(GIL_CHUNK - 1, _PIECE_BYTES // max(v.itemsize for v in dev_views)))
+        pieces = [(dev[i:i + step], host[i:i + step]) for i in range(0, dev.shape[0], step)]
+        for d, h in pieces:
+            if d.min() < 0 or h.min() < 0 or d.max() >= dev_pages or h.max() >= host_pages:
+                raise IndexError(f"copy plan pages out of range (pool {dev_pages}, mirror {host_pages} pages)")
+        for dv, hv in zip(dev_views, host_views):
+            for d, h in pieces:
                 if to_host:
-                    h[host] = d[dev]
+                    hv[h] = dv[d]
                 else:
-                    d[dev] = h[host]
-            return
-        pairs = list(zip(dev.tolist(), host.tolist()))
-        for (d_mem, d_step), (h_mem, h_step), n in arrays[2]:
-            for d, h in pairs:
-                a, b = d * d_step, h * h_step
-                if to_host:
-                    h_mem[b:b + n] = d_mem[a:a + n]
-                else:
-                    d_mem[a:a + n] = h_mem[b:b + n]
+                    dv[d] = hv[h]
 
-    def _page_arrays(self, pool: DeviceKVPool, layer: int) -> tuple[list[np.ndarray], list[np.ndarray], list]:
-        """`[pages, page bytes]` uint8 numpy views of each part of `layer`, pool side and
-        mirror side, and per part ((pool bytes, page step), (mirror bytes, page step), page
-        bytes) as flat memoryviews over the same memory; made once per pool and layer."""
+    def _page_arrays(self, pool: DeviceKVPool, layer: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per part of `layer`, pool side and mirror side, a 1-D numpy view with one void item
+        of a page's bytes per page; made once per pool and layer."""
         if self._arrays_of is not pool:
             self._arrays_of, self._arrays = pool, {}
         got = self._arrays.get(layer)
         if got is None:
-            def pages_of(t: torch.Tensor) -> np.ndarray:  # [slots or pages, ..., width] -> [pages, bytes]
+            def pages_of(t: torch.Tensor) -> np.ndarray:  # [slots or pages, ..., width] -> [pages] of page bytes
                 a = t.view(torch.uint8).numpy()
-                return a.reshape(-1, self.page_size * a.shape[-1], copy=False)  # raises rather than copy
-            devs, hosts = [pages_of(r) for r in pool.rows(layer)], [pages_of(v) for v in self._views[layer]]
-            flat = [(_flat_bytes(d), _flat_bytes(h), d.shape[1]) for d, h in zip(devs, hosts)]
-            got = (devs, hosts, flat)
+                rows = a.reshape(-1, self.page_size * a.shape[-1], copy=False)  # raises rather than copy
+                return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+            got = ([pages_of(r) for r in pool.rows(layer)], [pages_of(v) for v in self._views[layer]])
             self._arrays[layer] = got
         return got
 
@@ -451,7 +449,10 @@ class HostMirror:
         pages = np.asarray(host_pages, np.int64)
         if pages.size and (pages.min() < 1 or pages.max() > self.size // self.page_size):
             raise ValueError(f"write_pages: pages must be in [1, {self.size // self.page_size}] (0 is padding)")
-        self._page_bytes_np[pages] = data
+        rows = np.ascontiguousarray(data).view(self._page_item)[:, 0]
+        step = max(1, min(GIL_CHUNK - 1, _PIECE_BYTES // self.page_bytes))  # keeps the GIL (_copy_small_pages)
+        for i in range(0, pages.shape[0], step):
+            self._pages_np[pages[i:i + step]] = rows[i:i + step]
 
     def _check_page(self, host_page: int) -> None:
         if not 1 <= host_page <= self.size // self.page_size:

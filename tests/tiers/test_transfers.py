@@ -53,10 +53,10 @@ def test_round_trip_is_bitwise(attention, layout, io, page_size):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("n", [9, 140])  # one by one under the GIL / numpy's gather-scatter (_LOOP_PAGES)
+@pytest.mark.parametrize("n", [9, 140])
 def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout, n):
-    """Small whole pages in no order are copied as bytes (a memmove per page and part, or
-    one gather-scatter per part for many pages, on a CPU pool): bitwise in every dtype,
+    """Small whole pages in no order are copied as bytes (a gather-scatter of whole pages
+    per part, on a CPU pool): bitwise in every dtype,
     bfloat16 included (numpy has none), NaN payloads kept."""
     ps = 4
     cfg = PoolConfig(size=160 * ps, num_layers=3, page_size=ps, num_kv_heads=2, head_dim=8, v_head_dim=4, dtype=dtype)
@@ -237,3 +237,62 @@ def test_set_kv_and_req_to_token():
     assert rows.read(1, 4).tolist() == [0, 0, 3, 5]
     with pytest.raises(ValueError, match="max_context_len"):
         rows.write(1, 15, loc)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_small_page_copies_keep_the_gil(layout):
+    """A page-1 backup and load of 1,500 tokens, and a store read's copy into host pages,
+    run without letting the GIL go: a thread spinning beside them makes no progress
+    during the copy. Over uint8 rows numpy let it go at any size, and winning it back
+    behind the storage thread's Python held a page-1 load 2 ms (docs/design.md §2). The
+    copy runs in several pieces (fewer than GIL_CHUNK pages each) and stays bitwise."""
+    import sys
+    import threading
+
+    import numpy as np
+
+    n = 1500
+    cfg = PoolConfig(size=2 * n + 16, num_layers=2, page_size=1, num_kv_heads=2, head_dim=8, dtype="float16")
+    pool = DeviceKVPool(cfg)
+    for part in pool.parts:
+        bytes_ = part.view(torch.uint8)
+        bytes_.copy_(torch.randint(0, 256, bytes_.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8))
+    mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout))
+    rng = np.random.default_rng(0)
+    dev = rng.permutation(np.arange(1, n + 1)).astype(np.int64)
+    dst = rng.permutation(np.arange(n + 1, 2 * n + 1)).astype(np.int64)  # slots no backup reads
+    host = mirror.allocator.alloc(n).numpy()[::-1].copy()
+    mirror.load(pool, host[:1], dst[:1])  # the pool's page views are made on a first copy: torch calls
+    spins, stop = [0], [False]
+
+    def spin():
+        while not stop[0]:
+            spins[0] += 1
+
+    def progress_during(copy):
+        before = spins[0]
+        copy()
+        return spins[0] - before
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    interval = sys.getswitchinterval()
+    spinner.start()
+    try:
+        while spins[0] == 0:
+            pass  # the spinner runs: from here on it wants the GIL whenever this thread lets it go
+        sys.setswitchinterval(1.0)  # and takes it only then, not by a forced switch mid-copy
+        moved = [progress_during(lambda: mirror.backup(pool, dev, host)),
+                 progress_during(lambda: mirror.load(pool, host, dst))]
+        if layout == "page_first":
+            rows = mirror._page_bytes_np[host[:600]].copy()
+            moved.append(progress_during(lambda: mirror.write_pages(host[600:1200], rows)))
+    finally:
+        sys.setswitchinterval(interval)
+        stop[0] = True
+        spinner.join()
+    assert moved == [0] * len(moved)
+    for layer in range(cfg.num_layers):
+        for rows_ in pool.rows(layer):
+            assert torch.equal(rows_[torch.from_numpy(dev)].view(torch.int16), rows_[torch.from_numpy(dst)].view(torch.int16))
+    if layout == "page_first":
+        assert np.array_equal(mirror._page_bytes_np[host[600:1200]], mirror._page_bytes_np[host[:600]])
