@@ -258,7 +258,7 @@ class Prefetcher(Part):
         p.result = landed
         c = self.counters
         c.l3_read_pages += landed
-        c.l3_read_bytes += landed * self.ctl.mirror.page_bytes
+        c.l3_read_bytes += op.store_bytes  # whole store pages: pages the tree held too
         c.prefetch_stopped_early += op.outcome == Outcome.STOPPED
         c.prefetch_timed_out += bool(p.deadline is not None and op.stop)
         c.prefetch_errors += op.outcome == Outcome.ERROR

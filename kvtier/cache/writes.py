@@ -177,7 +177,7 @@ class Writes(Part):
         good = sum(op.ok or [])
         self.counters.l3_write_pages += good
         self.counters.l3_write_failures += len(op.keys) - good - op.deferred
-        self.counters.l3_write_bytes += good * self.ctl.mirror.page_bytes
+        self.counters.l3_write_bytes += op.store_bytes  # whole store pages: lead-in pages too
         self.latency["backup"].observe(time.perf_counter() - op.started)
         if self.events is not None:  # last: a release after a raise above forgets it once
             self.events.backup_done(op.tag, op.ok)

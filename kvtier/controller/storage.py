@@ -119,6 +119,7 @@ class PrefetchOp:
     finished: bool = False
     settled: bool = False
     reading: np.ndarray | None = None  # host pages a store read is filling now
+    store_bytes: int = 0  # bytes read from the store that verified (whole store pages)
     quarantined: np.ndarray | None = None  # pages of a read abandoned stuck: never reused
     outcome: Outcome = Outcome.RUNNING
     error: str | None = None
@@ -134,6 +135,7 @@ class BackupOp(Generic[Tag]):
     started: float = field(default_factory=time.perf_counter)
     lead_in: np.ndarray | None = None  # host pages before its first: they complete its first store page
     ok: list[bool] | None = None  # per page: is it stored
+    store_bytes: int = 0  # bytes the store took (whole store pages, `lead_in` pages among them)
     deferred: int = 0  # pages past its last whole store page, left to a longer sequence (set by its maker)
     finished: bool = False
     error: str | None = None
@@ -322,6 +324,7 @@ class StorageWorker:
                     op.reading = None
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
+                op.store_bytes += run * self.mirror.page_bytes
                 op.landed += run
                 self._moved()
                 if run < len(ok):
@@ -394,6 +397,7 @@ class StorageWorker:
                 await self._write_manifest()
             if self.group == 1:
                 op.ok = await self._guarded(self.store.batch_set(list(op.keys), self._payloads(op.host_pages)))
+                op.store_bytes = sum(op.ok) * self.mirror.page_bytes
             else:
                 op.ok = await store_pages.backup(self, op)
         except KvtierError as exc:

@@ -86,6 +86,7 @@ async def read(worker, op, pages: np.ndarray) -> str | None:
             lo, hi = max(0, last - g + 1), min(last + 1, granted)
             skip = lo - (last - g + 1)  # pages of the store page the tree already holds
             worker.mirror.write_pages(pages[lo:hi], np.frombuffer(buf, np.uint8).reshape(g, pb)[skip:skip + hi - lo])
+            op.store_bytes += g * pb  # the whole store page crossed, the pages skipped too
             op.landed = hi  # after its bytes are in place
         worker._moved()
     return None
@@ -108,6 +109,7 @@ async def backup(worker, op) -> list[bool]:
         ok = await worker._guarded(worker.store.batch_set(keys.at(batch), payloads))
         for last, good in zip(batch, ok):
             if good:
+                op.store_bytes += g * worker.mirror.page_bytes  # its lead-in pages too
                 lo = max(0, last - g + 1)
                 stored[lo:last + 1] = [True] * (last + 1 - lo)
     return stored

@@ -76,10 +76,14 @@ def test_a_longer_sequence_stores_the_pages_its_prefix_left_and_reads_them_from_
     kv1 = compute(cache, first, seed=1)
     settle(cache)
     assert len(store.stored) == 2
+    store_page = TOKENS // PS * cache.controller.mirror.page_bytes
+    assert cache.stats()["counters"]["l3_write_bytes"] == 2 * store_page
     longer = np.concatenate([first, np.arange(500, 512)])
     kv2 = compute(cache, longer, seed=2)  # 20 tokens cached: computes 12
     settle(cache)
-    assert len(store.stored) == 4 and cache.stats()["counters"]["l3_write_failures"] == 0
+    c = cache.stats()["counters"]
+    assert len(store.stored) == 4 and c["l3_write_failures"] == 0
+    assert c["l3_write_bytes"] == 4 * store_page  # what crossed: pages 8-9 from the ancestor's copy too
     cache.flush()
     got, got_kv = read_back(cache, longer, "r")
     assert got.storage_hit == 32
@@ -103,6 +107,9 @@ def test_a_prefetch_that_starts_inside_a_store_page_takes_only_the_pages_past_th
     settle(cache)
     got, got_kv = read_back(cache, seq, "r")
     assert (got.device_hit, got.storage_hit) == (6, 10)
+    c = cache.stats()["counters"]
+    assert c["l3_read_pages"] == 5  # pages 3-7: what the tree took
+    assert c["l3_read_bytes"] == 2 * TOKENS // PS * cache.controller.mirror.page_bytes  # two whole store pages crossed
     assert same_kv(got_kv, [(torch.cat([kh, k[6:]]), torch.cat([vh, v[6:]])) for (kh, vh), (k, v) in zip(kv_head, kv)])
     settle(cache)
     check(cache)
