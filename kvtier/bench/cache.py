@@ -6,8 +6,10 @@ ReqToTokenPool, its token allocator: `kvtier/bench/cache_arms.py`) on the same t
 pool size. kvtier runs twice: with all tiers (a 2x host mirror, the file store; `--store
 memory` for an in-process one, which separates the file store's threads from the
 tiering's own price) and device only. The arms take turns, `--rounds` times; each figure
-is the median of its rounds. Where SGLang cannot be loaded the last line says so and
-measures against a bare RadixTree's match+insert of the same requests.
+is the median of its rounds. The ratio is also printed round by round, each round's kvtier
+against that round's baseline: on a noisy machine the spread says how far to trust the
+median. Where SGLang cannot be loaded the last line says so and measures against a bare
+RadixTree's match+insert of the same requests.
 
 Device pool ~10% of the working set. Wall time inside kvtier (printed for the last round)
 is its CPU time plus time runnable but waiting for a core (Linux schedstat, printed): on a
@@ -299,6 +301,9 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     print(f"scheduler CPU per request: kvtier all tiers {per['kvtier'] * 1e3:.3f} ms, kvtier device only "
           f"{per['device'] * 1e3:.3f} ms, {sg}, bare RadixTree match+insert {per['bare'] * 1e3:.3f} ms")
     base, label = (per["sglang"], "SGLang device-only") if "sglang" in per else (per["bare"], "bare tree")
+    rounds_ratio = [k / b for k, b in zip(cpu["kvtier"], cpu["sglang" if "sglang" in per else "bare"])]
+    print("scheduler ratio round by round (each against the baseline of its own round): "
+          + " / ".join(f"{r:.2f}x" for r in rounds_ratio))
     print(f"device only: kvtier {per['device'] / base:.2f}x {label}")
     print(f"cache: hit rate {total / bound:.3f}x bound, scheduler {per['kvtier'] / base:.2f}x {label}")
     return {"rates": rates, "bound": bound, "cpu_ms_per_request": {k: v * 1e3 for k, v in per.items()},

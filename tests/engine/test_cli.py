@@ -169,7 +169,7 @@ def test_bench_cache_says_when_sglang_is_missing(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # find_spec: not installed
     assert main(["bench", "cache", "--sessions", "8", "--turns", "2", "--rounds", "1", "--page-size", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "SGLang: sglang is not installed (pip install --no-deps sglang==0.5.23)" in lines[-3], lines[-3]
+    assert "SGLang: sglang is not installed (pip install --no-deps sglang==0.5.23)" in lines[-4], lines[-4]
     assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]
 
 
@@ -181,7 +181,9 @@ def test_bench_cache_ends_with_the_line_the_issue_reads(capsys, cpus):
                  "--kvtier-cpus", cpus]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x bare tree", lines[-1]), lines[-1]
-    assert "SGLang: not asked for (--baseline bare)" in lines[-3], lines[-3]
+    assert "SGLang: not asked for (--baseline bare)" in lines[-4], lines[-4]
+    assert re.fullmatch(r"scheduler ratio round by round \(each against the baseline of its own round\): "
+                        r"\d+\.\d{2}x", lines[-3]), lines[-3]
     assert re.search(r"kvtier's threads on CPUs \S+$", lines[0]), lines[0]
     if cpus == "all":
         assert lines[0].endswith("CPUs any")

@@ -71,6 +71,8 @@ def test_bench_cache_measures_against_sglang(page):
     lines = r.stdout.strip().splitlines()
     if "SGLang: " in r.stdout:
         _skip_or_fail(next(x for x in lines if "SGLang: " in x))
+    assert re.fullmatch(r"scheduler ratio round by round \(each against the baseline of its own round\): "
+                        r"\d+\.\d{2}x", lines[-3]), lines[-3]  # one round
     assert re.fullmatch(r"device only: kvtier \d+\.\d{2}x SGLang device-only", lines[-2]), lines[-2]
     assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x SGLang device-only",
                         lines[-1]), lines[-1]
