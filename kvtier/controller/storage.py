@@ -402,12 +402,12 @@ class StorageWorker:
                 op.ok = await store_pages.backup(self, op)
         except KvtierError as exc:
             op.error = str(exc)
-            op.ok = [False] * len(op.keys)
+            op.ok = op.ok or [False] * len(op.keys)  # store pages of several pages: the calls before it stored theirs
             settled = getattr(exc, "settled", None)
             self._complain("backup", f"backup of {len(op.keys)} pages failed: {exc}")
         except Exception as exc:
             op.error = f"{type(exc).__name__}: {exc}"
-            op.ok = [False] * len(op.keys)
+            op.ok = op.ok or [False] * len(op.keys)
             log.exception("backup failed")
         finally:
             if settled is None:

@@ -100,7 +100,7 @@ async def backup(worker, op) -> list[bool]:
     pages = np.concatenate([lead, op.host_pages])
     at = len(lead) - g + 1  # index in `pages` of the first page of the store page ending at op page 0
     whole = [e for e in ends(keys.first, len(keys), g) if e + at >= 0]
-    stored = [False] * len(keys)
+    stored = op.ok = [False] * len(keys)  # filled call by call: a later call that raises keeps these
     for start in range(0, len(whole), worker.chunk):
         batch = whole[start:start + worker.chunk]
         views = worker._payloads(pages[batch[0] + at:batch[-1] + at + g])

@@ -46,15 +46,16 @@ def as_numpy(indices: torch.Tensor) -> np.ndarray:
 
 def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     """Every slot of `pages` (page p holds slots [p*page_size, (p+1)*page_size)), in order:
-    each page's first slot repeated (`np.repeat` keeps the GIL), plus the offsets within a
-    page added in flat pieces of at most GIL_CHUNK slots, so the GIL is kept."""
+    each page repeated (`np.repeat` keeps the GIL), then times the page size plus the
+    offsets within a page, in flat pieces of at most GIL_CHUNK slots, so the GIL is kept."""
     if page_size == 1:
         return concat([pages])
-    out = np.repeat(pages * np.int64(page_size), page_size)  # int64 whatever the pages came as
+    out = np.repeat(pages if pages.dtype == np.int64 else pages.astype(np.int64), page_size)
     offsets = _offsets(page_size)
     step, n = offsets.shape[0], out.shape[0]
-    for i in range(0, n, step):
+    for i in range(0, n, step):  # a piece starts at a page's first slot: `step` is whole pages
         j = min(n, i + step)
+        np.multiply(out[i:j], page_size, out=out[i:j])
         np.add(out[i:j], offsets[:j - i], out=out[i:j])
     return out
 

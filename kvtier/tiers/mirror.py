@@ -23,7 +23,7 @@ import torch
 
 from kvtier.numpy_gil import GIL_CHUNK
 from kvtier.tiers.allocator import PagedAllocator
-from kvtier.tiers.indices import as_numpy, check_slots, page_slots, runs
+from kvtier.tiers.indices import as_numpy, check_slots, page_slots, pages_of, runs
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
@@ -86,11 +86,9 @@ def _whole_pages(indices: np.ndarray, ps: int) -> np.ndarray | None:
         return None
     if ps == 1:  # every slot is a page
         return indices
-    first = indices[::ps]
-    if (first % ps).any():
-        return None
-    pages = first // ps
-    # compared as bytes: numpy would give up the GIL on this scheduler-thread path (indices.py)
+    pages = pages_of(indices[::ps], ps)
+    # every slot of those pages, in order, is `indices` (so each first slot is aligned): in
+    # pieces and compared as bytes, as numpy over more than 500 would give up the GIL (indices.py)
     return pages if page_slots(pages, ps).tobytes() == indices.tobytes() else None
 
 
@@ -439,20 +437,31 @@ class HostMirror:
                 offset += nbytes
 
     def write_pages(self, host_pages: np.ndarray, data: np.ndarray) -> None:
-        """Overwrite `host_pages` with the rows of `data` (uint8, one row of `page_bytes` per page)."""
-        if data.shape != (len(host_pages), self.page_bytes):
-            raise ValueError(f"write_pages: got rows of shape {data.shape}, want ({len(host_pages)}, {self.page_bytes})")
+        """Overwrite `host_pages` with the rows of `data` (uint8, one row of `page_bytes` per
+        page). Pages of at most `_PIECE_BYTES` are copied keeping the GIL, as
+        `_copy_small_pages` does; bigger ones by one numpy copy that lets it go."""
+        if data.dtype != np.uint8 or data.shape != (len(host_pages), self.page_bytes):
+            raise ValueError(f"write_pages: got rows of {data.dtype} and shape {data.shape}, want uint8 "
+                             f"({len(host_pages)}, {self.page_bytes})")
         if self.config.layout != "page_first":
             for p, row in zip(host_pages.tolist(), data):
                 self.write_page(p, row.tobytes())
             return
         pages = np.asarray(host_pages, np.int64)
-        if pages.size and (pages.min() < 1 or pages.max() > self.size // self.page_size):
-            raise ValueError(f"write_pages: pages must be in [1, {self.size // self.page_size}] (0 is padding)")
+        if pages.size == 0:
+            return
+        big = self.page_bytes > _PIECE_BYTES  # one copy, which lets the GIL go: it is long anyway
+        step = pages.shape[0] if big else min(GIL_CHUNK - 1, _PIECE_BYTES // self.page_bytes)
+        pieces = [pages[i:i + step] for i in range(0, pages.shape[0], step)]
+        last = self.size // self.page_size
+        if any(p.min() < 1 or p.max() > last for p in pieces):
+            raise ValueError(f"write_pages: pages must be in [1, {last}] (0 is padding)")
+        if big:
+            self._page_bytes_np[pages] = data
+            return
         rows = np.ascontiguousarray(data).view(self._page_item)[:, 0]
-        step = max(1, min(GIL_CHUNK - 1, _PIECE_BYTES // self.page_bytes))  # keeps the GIL (_copy_small_pages)
-        for i in range(0, pages.shape[0], step):
-            self._pages_np[pages[i:i + step]] = rows[i:i + step]
+        for i, piece in zip(range(0, pages.shape[0], step), pieces):
+            self._pages_np[piece] = rows[i:i + step]
 
     def _check_page(self, host_page: int) -> None:
         if not 1 <= host_page <= self.size // self.page_size:

@@ -116,6 +116,43 @@ def test_a_prefetch_that_starts_inside_a_store_page_takes_only_the_pages_past_th
     cache.close()
 
 
+class SecondSetFails(MemoryStore):
+    """A memory store whose second `batch_set` fails the way a dead server does."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStoreConfig())
+        self.sets = 0
+
+    async def _set(self, keys, frames):
+        self.sets += 1
+        if self.sets == 2:
+            raise ConnectionResetError("connection reset by peer")
+        return await super()._set(keys, frames)
+
+
+def test_a_backup_whose_second_call_fails_counts_the_store_page_its_first_call_stored(monkeypatch):
+    """One store page a call (a chunk of one): the node's second call fails. Its first store
+    page is in the store and counted so, in pages and bytes; the second's pages are
+    failures. Read back, the first store page comes from the store."""
+    from kvtier.controller import storage
+
+    monkeypatch.setattr(storage, "CHUNK_BYTES", 1)
+    cache = make_cache(store_obj=SecondSetFails(), page_size=PS, page_tokens=TOKENS)
+    seq = np.arange(100, 116)  # 8 pages: two store pages, one node
+    kv = compute(cache, seq, seed=1)
+    settle(cache)
+    c = cache.stats()["counters"]
+    store_page = TOKENS // PS * cache.controller.mirror.page_bytes
+    assert (c["l3_write_pages"], c["l3_write_failures"], c["l3_write_bytes"]) == (4, 4, store_page)
+    cache.flush()
+    got, got_kv = read_back(cache, seq, "r")
+    assert (got.device_hit, got.host_hit, got.storage_hit) == (0, 0, 8)
+    assert same_kv(got_kv, part(kv, 0, 8))
+    settle(cache)
+    check(cache)
+    cache.close()
+
+
 @pytest.mark.parametrize("store_cls", ["failing", "corrupt"])
 def test_a_store_page_that_fails_or_does_not_verify_is_a_miss_and_slots_return(store_cls):
     store = FailingStore() if store_cls == "failing" else CorruptingStore(bad_key_index=1)

@@ -1,8 +1,14 @@
+import gc
 import logging
+import sys
+import threading
+from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
+from kvtier.tiers.indices import page_slots
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig
 from kvtier.tiers.req_to_token import ReqToTokenPool
@@ -239,60 +245,91 @@ def test_set_kv_and_req_to_token():
         rows.write(1, 15, loc)
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_small_page_copies_keep_the_gil(layout):
-    """A page-1 backup and load of 1,500 tokens, and a store read's copy into host pages,
-    run without letting the GIL go: a thread spinning beside them makes no progress
-    during the copy. Over uint8 rows numpy let it go at any size, and winning it back
-    behind the storage thread's Python held a page-1 load 2 ms (docs/design.md §2). The
-    copy runs in several pieces (fewer than GIL_CHUNK pages each) and stays bitwise."""
-    import sys
-    import threading
-
-    import numpy as np
-
-    n = 1500
-    cfg = PoolConfig(size=2 * n + 16, num_layers=2, page_size=1, num_kv_heads=2, head_dim=8, dtype="float16")
-    pool = DeviceKVPool(cfg)
-    for part in pool.parts:
-        bytes_ = part.view(torch.uint8)
-        bytes_.copy_(torch.randint(0, 256, bytes_.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8))
-    mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout=layout))
-    rng = np.random.default_rng(0)
-    dev = rng.permutation(np.arange(1, n + 1)).astype(np.int64)
-    dst = rng.permutation(np.arange(n + 1, 2 * n + 1)).astype(np.int64)  # slots no backup reads
-    host = mirror.allocator.alloc(n).numpy()[::-1].copy()
-    mirror.load(pool, host[:1], dst[:1])  # the pool's page views are made on a first copy: torch calls
+@contextmanager
+def gil_watch():
+    """`progress(fn)`: how far a thread spinning beside this one got while `fn` ran three
+    times. It wants the GIL all along, so it gets anywhere only if `fn` lets the GIL go
+    (no forced switch comes within the half-second interval set before it first waited;
+    no collection runs: one freeing tensors lets the GIL go in torch, not in `fn`)."""
     spins, stop = [0], [False]
 
     def spin():
         while not stop[0]:
             spins[0] += 1
 
-    def progress_during(copy):
+    def progress(fn):
         before = spins[0]
-        copy()
+        for _ in range(3):
+            fn()
         return spins[0] - before
 
     spinner = threading.Thread(target=spin, daemon=True)
     interval = sys.getswitchinterval()
+    gc.collect()
+    gc.disable()
+    sys.setswitchinterval(0.5)  # before the spinner waits: a wait begun at 5 ms would force a switch mid-call
     spinner.start()
     try:
         while spins[0] == 0:
-            pass  # the spinner runs: from here on it wants the GIL whenever this thread lets it go
-        sys.setswitchinterval(1.0)  # and takes it only then, not by a forced switch mid-copy
-        moved = [progress_during(lambda: mirror.backup(pool, dev, host)),
-                 progress_during(lambda: mirror.load(pool, host, dst))]
-        if layout == "page_first":
-            rows = mirror._page_bytes_np[host[:600]].copy()
-            moved.append(progress_during(lambda: mirror.write_pages(host[600:1200], rows)))
+            pass  # it ran: now it wants the GIL back, and takes it only if this thread lets it go
+        yield progress
     finally:
         sys.setswitchinterval(interval)
         stop[0] = True
         spinner.join()
+        gc.enable()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("ps", [1, 4])
+def test_small_page_copies_keep_the_gil(layout, ps):
+    """A backup and a load of 1,500 small pages, and a store read's copy of 600 into host
+    pages, run without letting the GIL go (`gil_watch`; each numpy call moves up to 256 KiB,
+    tens of microseconds: a release would let the spinner in). Over uint8 rows numpy let
+    the GIL go at any size, and winning it back behind the storage thread's Python held a
+    page-1 load 2 ms (docs/design.md §2). The copies run in pieces (fewer than GIL_CHUNK
+    pages each) and stay bitwise."""
+    n = 1500  # pages of 4 KiB a part and layer
+    cfg = PoolConfig(size=(2 * n + 4) * ps, num_layers=2, page_size=ps, num_kv_heads=8 // ps, head_dim=256,
+                     dtype="float16")
+    pool = DeviceKVPool(cfg)
+    for part in pool.parts:
+        bytes_ = part.view(torch.uint8)
+        bytes_.copy_(torch.randint(0, 256, bytes_.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8))
+    mirror = HostMirror(pool, MirrorConfig(ratio=0.5, layout=layout))
+    rng = np.random.default_rng(0)
+    offsets = np.arange(ps, dtype=np.int64)
+
+    def slots(pages):
+        return (pages[:, None] * ps + offsets).reshape(-1)
+
+    dev = slots(rng.permutation(np.arange(1, n + 1)))
+    dst = slots(rng.permutation(np.arange(n + 1, 2 * n + 1)))  # slots no backup reads
+    host = slots(mirror.allocator.alloc(n * ps).numpy()[::ps][::-1] // ps)
+    mirror.load(pool, host[:ps], dst[:ps])  # the pool's page views are made on a first copy: torch calls
+    host_pages = host[::ps] // ps
+    rows = mirror._page_bytes_np[host_pages[:600]].copy() if layout == "page_first" else None
+    with gil_watch() as progress:
+        moved = [progress(lambda: mirror.backup(pool, dev, host)), progress(lambda: mirror.load(pool, host, dst))]
+        if layout == "page_first":
+            moved.append(progress(lambda: mirror.write_pages(host_pages[600:1200], rows)))
     assert moved == [0] * len(moved)
     for layer in range(cfg.num_layers):
         for rows_ in pool.rows(layer):
             assert torch.equal(rows_[torch.from_numpy(dev)].view(torch.int16), rows_[torch.from_numpy(dst)].view(torch.int16))
     if layout == "page_first":
-        assert np.array_equal(mirror._page_bytes_np[host[600:1200]], mirror._page_bytes_np[host[:600]])
+        assert np.array_equal(mirror._page_bytes_np[host_pages[600:1200]], rows)
+
+
+def test_a_copy_plan_over_many_pages_keeps_the_gil():
+    """A plan finds whole pages of 400,000 pages (a long prompt's load at page size 4) and
+    counts their continuations in pieces, without letting the GIL go: one numpy pass over
+    them did (`first % ps`, `first // ps`, the pages times the page size)."""
+    from kvtier.tiers.mirror import _continuing, _whole_pages
+
+    pages = np.arange(1, 400_001, dtype=np.int64)
+    slots = page_slots(pages, 4)
+    with gil_watch() as progress:
+        moved = [progress(lambda: _whole_pages(slots, 4)), progress(lambda: _continuing(pages, pages[::-1]))]
+    assert moved == [0, 0]
+    assert np.array_equal(_whole_pages(slots, 4), pages) and _whole_pages(slots[1:-3], 4) is None
