@@ -249,8 +249,9 @@ def test_set_kv_and_req_to_token():
 def gil_watch():
     """`progress(fn)`: how far a thread spinning beside this one got while `fn` ran three
     times. It wants the GIL all along, so it gets anywhere only if `fn` lets the GIL go
-    (no forced switch comes within the half-second interval set before it first waited;
-    no collection runs: one freeing tensors lets the GIL go in torch, not in `fn`)."""
+    (no forced switch comes within the half-second interval set before it first waited:
+    the block must end within it; no collection runs: one freeing tensors lets the GIL go
+    in torch, not in `fn`)."""
     spins, stop = [0], [False]
 
     def spin():
@@ -266,17 +267,18 @@ def gil_watch():
     spinner = threading.Thread(target=spin, daemon=True)
     interval = sys.getswitchinterval()
     gc.collect()
-    gc.disable()
-    sys.setswitchinterval(0.5)  # before the spinner waits: a wait begun at 5 ms would force a switch mid-call
-    spinner.start()
     try:
+        gc.disable()
+        sys.setswitchinterval(0.5)  # before the spinner waits: a wait begun at 5 ms would force a switch mid-call
+        spinner.start()
         while spins[0] == 0:
             pass  # it ran: now it wants the GIL back, and takes it only if this thread lets it go
         yield progress
     finally:
         sys.setswitchinterval(interval)
         stop[0] = True
-        spinner.join()
+        if spinner.is_alive():
+            spinner.join()
         gc.enable()
 
 
@@ -322,12 +324,13 @@ def test_small_page_copies_keep_the_gil(layout, ps):
 
 
 def test_a_copy_plan_over_many_pages_keeps_the_gil():
-    """A plan finds whole pages of 400,000 pages (a long prompt's load at page size 4) and
+    """A plan finds whole pages of 60,000 pages (a long prompt's load at page size 4) and
     counts their continuations in pieces, without letting the GIL go: one numpy pass over
-    them did (`first % ps`, `first // ps`, the pages times the page size)."""
+    them did (`first % ps`, `first // ps`, the pages times the page size). Small enough to
+    run well within `gil_watch`'s interval on a loaded machine."""
     from kvtier.tiers.mirror import _continuing, _whole_pages
 
-    pages = np.arange(1, 400_001, dtype=np.int64)
+    pages = np.arange(1, 60_001, dtype=np.int64)
     slots = page_slots(pages, 4)
     with gil_watch() as progress:
         moved = [progress(lambda: _whole_pages(slots, 4)), progress(lambda: _continuing(pages, pages[::-1]))]
