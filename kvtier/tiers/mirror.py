@@ -68,6 +68,20 @@ def _move(blocks) -> None:
         (_memmove_small if n < _SMALL_BYTES else _memmove)(d, s, n)
 
 
+def _items(rows: np.ndarray) -> np.ndarray:
+    """`[pages, bytes]` uint8 rows (each contiguous) as a 1-D view of one void item a page:
+    numpy indexes fewer than GIL_CHUNK such items keeping the GIL, uint8 rows at no size."""
+    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+
+
+def _pieces(pages: np.ndarray, step: int, first: int, last: int) -> list[np.ndarray] | None:
+    """`pages` in pieces of `step` pages, or None if one is outside [first, last] (numpy
+    would wrap a negative one): checked before anything is copied, `min` and `max` per
+    piece (over more than 500 they would give the GIL up)."""
+    pieces = [pages[i:i + step] for i in range(0, pages.shape[0], step)]
+    return None if any(p.min() < first or p.max() > last for p in pieces) else pieces
+
+
 IoPath = Literal["direct", "kernel"]
 
 
@@ -184,8 +198,7 @@ class HostMirror:
         per_layer = ps * sum(widths)
         self.data = empty(pages, layers * per_layer)
         self._page_bytes_np = self.data.view(torch.uint8).numpy()  # [pages, page_bytes], shares memory
-        self._page_item = np.dtype((np.void, self._page_bytes_np.shape[1]))
-        self._pages_np = self._page_bytes_np.view(self._page_item)[:, 0]  # [pages], one item a page
+        self._pages_np = _items(self._page_bytes_np)  # [pages], one item a page
         by_layer = self.data.view(pages, layers, per_layer)
         self._all_layers, offset = [], 0
         for w in widths:
@@ -371,10 +384,10 @@ class HostMirror:
         dev_views, host_views = self._page_arrays(pool, layer)
         dev_pages, host_pages = dev_views[0].shape[0], host_views[0].shape[0]
         step = max(1, min(GIL_CHUNK - 1, _PIECE_BYTES // max(v.itemsize for v in dev_views)))
-        pieces = [(dev[i:i + step], host[i:i + step]) for i in range(0, dev.shape[0], step)]
-        for d, h in pieces:
-            if d.min() < 0 or h.min() < 0 or d.max() >= dev_pages or h.max() >= host_pages:
-                raise IndexError(f"copy plan pages out of range (pool {dev_pages}, mirror {host_pages} pages)")
+        d_pieces, h_pieces = _pieces(dev, step, 0, dev_pages - 1), _pieces(host, step, 0, host_pages - 1)
+        if d_pieces is None or h_pieces is None:
+            raise IndexError(f"copy plan pages out of range (pool {dev_pages}, mirror {host_pages} pages)")
+        pieces = list(zip(d_pieces, h_pieces))
         for dv, hv in zip(dev_views, host_views):
             for d, h in pieces:
                 if to_host:
@@ -391,8 +404,7 @@ class HostMirror:
         if got is None:
             def pages_of(t: torch.Tensor) -> np.ndarray:  # [slots or pages, ..., width] -> [pages] of page bytes
                 a = t.view(torch.uint8).numpy()
-                rows = a.reshape(-1, self.page_size * a.shape[-1], copy=False)  # raises rather than copy
-                return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+                return _items(a.reshape(-1, self.page_size * a.shape[-1], copy=False))  # raises rather than copy
             got = ([pages_of(r) for r in pool.rows(layer)], [pages_of(v) for v in self._views[layer]])
             self._arrays[layer] = got
         return got
@@ -452,14 +464,14 @@ class HostMirror:
             return
         big = self.page_bytes > _PIECE_BYTES  # one copy, which lets the GIL go: it is long anyway
         step = pages.shape[0] if big else min(GIL_CHUNK - 1, _PIECE_BYTES // self.page_bytes)
-        pieces = [pages[i:i + step] for i in range(0, pages.shape[0], step)]
         last = self.size // self.page_size
-        if any(p.min() < 1 or p.max() > last for p in pieces):
+        pieces = _pieces(pages, step, 1, last)
+        if pieces is None:
             raise ValueError(f"write_pages: pages must be in [1, {last}] (0 is padding)")
         if big:
             self._page_bytes_np[pages] = data
             return
-        rows = np.ascontiguousarray(data).view(self._page_item)[:, 0]
+        rows = _items(np.ascontiguousarray(data))
         for i, piece in zip(range(0, pages.shape[0], step), pieces):
             self._pages_np[piece] = rows[i:i + step]
 
