@@ -118,15 +118,25 @@ def runs(src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_e
 
     With `split_every` > 0, a run never crosses a multiple of it in `dst` (page boundaries
     of a page-first mirror, where consecutive slots of two pages are not adjacent in memory).
-    Computed in numpy over the tensors' memory (a few microseconds, not a torch op each).
+    Computed in numpy over the tensors' memory (a few microseconds, not a torch op each), in
+    pieces of GIL_CHUNK pairs: one pass over a long load's slots gave the GIL up on the copy
+    thread, which then waited behind other threads' Python to win it back (docs/design.md §2).
     """
     s, d = slots_of(src), slots_of(dst)
     n = s.shape[0]
     if n == 0:
         return []
-    breaks = (np.diff(s) != 1) | (np.diff(d) != 1)
-    if split_every > 0:
-        breaks |= d[1:] % split_every == 0
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    lengths = np.diff(starts, append=n)
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist()))
+    starts = [0]
+    for i in range(1, n, GIL_CHUNK):  # a break before pair k: k starts a run
+        j = min(n, i + GIL_CHUNK)
+        breaks = (s[i:j] - s[i - 1:j - 1] != 1) | (d[i:j] - d[i - 1:j - 1] != 1)
+        if split_every > 0:
+            breaks |= d[i:j] % split_every == 0
+        starts += (np.flatnonzero(breaks) + i).tolist()
+    firsts_s, firsts_d = [], []
+    for k in range(0, len(starts), GIL_CHUNK):
+        at = starts[k:k + GIL_CHUNK]
+        firsts_s += s[at].tolist()
+        firsts_d += d[at].tolist()
+    ends = starts[1:] + [n]
+    return [(a, b, end - start) for a, b, start, end in zip(firsts_s, firsts_d, starts, ends)]

@@ -426,7 +426,7 @@ class HostMirror:
         if self.config.layout != "page_first":
             raise ValueError("page_views: layout='page_first' only (a layer_first page is not contiguous)")
         pages = as_numpy(host_pages) if isinstance(host_pages, torch.Tensor) else np.asarray(host_pages, np.int64)
-        if pages.size and (pages.min() < 1 or pages.max() > self.size // self.page_size):
+        if _pieces(pages, GIL_CHUNK - 1, 1, self.size // self.page_size) is None:  # min and max per piece
             raise ValueError(f"page_views: pages must be in [1, {self.size // self.page_size}] (0 is padding)")
         whole = self._page_bytes_np
         return [whole[p] for p in pages.tolist()]

@@ -6,6 +6,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvtier.tiers.indices import page_slots
@@ -336,3 +338,50 @@ def test_a_copy_plan_over_many_pages_keeps_the_gil():
         moved = [progress(lambda: _whole_pages(slots, 4)), progress(lambda: _continuing(pages, pages[::-1]))]
     assert moved == [0, 0]
     assert np.array_equal(_whole_pages(slots, 4), pages) and _whole_pages(slots[1:-3], 4) is None
+
+
+def _runs_reference(s, d, split):
+    """What `runs` computed in one numpy pass (the old code): the oracle of its pieces."""
+    if s.shape[0] == 0:
+        return []
+    breaks = (np.diff(s) != 1) | (np.diff(d) != 1)
+    if split > 0:
+        breaks |= d[1:] % split == 0
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), np.diff(starts, append=s.shape[0]).tolist()))
+
+
+@given(st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)), max_size=1300),
+       st.sampled_from([0, 1, 4, 16]))
+@settings(max_examples=200, deadline=None)
+def test_merged_runs_match_one_pass(steps, split):
+    """Runs merged in pieces of GIL_CHUNK pairs are the runs one pass finds, whatever the
+    breaks and wherever a piece ends (a run across a piece's edge stays one run)."""
+    s = np.cumsum([5] + [1 + a for a, _ in steps]).astype(np.int64)
+    d = np.cumsum([9] + [1 + b for _, b in steps]).astype(np.int64)
+    from kvtier.tiers.indices import runs
+
+    assert runs(s, d, split) == _runs_reference(s, d, split)
+    assert sum(n for _, _, n in runs(s, d, split)) == s.shape[0]
+
+
+def test_merging_runs_and_the_stores_page_views_keep_the_gil():
+    """A layer_first load's runs over 60,000 slots (20,000 runs) and the storage thread's
+    views of 200,000 host pages are worked out without letting the GIL go (`gil_watch`): one
+    numpy pass over them did (`np.diff`, `min`, `max`), and the copy thread then waited
+    behind the storage thread's Python to win it back (docs/design.md §2). (A release of
+    a microsecond or two, `min` over 1,500 pages, ends before the spinner wakes: 200,000
+    pages make it long enough to catch.)"""
+    from kvtier.tiers.indices import runs
+
+    s = np.arange(1, 60_001, dtype=np.int64)
+    d = (s.reshape(-1, 3)[::-1] + 100).reshape(-1)  # runs of 3, in reverse order
+    pool = DeviceKVPool(PoolConfig(size=200_004, num_layers=1, page_size=1, num_kv_heads=1, head_dim=4,
+                                   dtype="float16"))
+    mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout="page_first"))
+    pages = np.arange(1, 200_001, dtype=np.int64)
+    with gil_watch() as progress:
+        moved = [progress(lambda: runs(s, d)), progress(lambda: mirror.page_views(pages))]
+    assert moved == [0, 0]
+    assert runs(s, d) == _runs_reference(s, d, 0) and len(runs(s, d)) == 20_000
+    assert len(mirror.page_views(pages)) == 200_000
