@@ -142,18 +142,23 @@ def page_hashes(
     Each page hashes `field("pv", prev) ‖ field("ns", …) ‖ field("ek", …) ‖ field("tk", page)`
     (docs/formats.md); everything but `prev` and the page's tokens is the same for every
     page, so it is encoded once and each page is one hash call over one joined buffer."""
+    return page_hashes_of_bytes(token_bytes(tokens), page_size, namespace_id, extra_key, prev, algo)
+
+
+def page_hashes_of_bytes(data: bytes, page_size: int, namespace_id: str, extra_key: str | None = None,
+                         prev: bytes | None = None, algo: str | KeyedHash = "sha256") -> list[bytes]:
+    """`page_hashes` of tokens already encoded (`token_bytes`)."""
     new = _hasher(algo)
     step = 4 * page_size
     middle = (_field(b"ns", namespace_id.encode())
               + _field(b"ek", b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
               + b"tk" + struct.pack("<I", step))
-    data = token_bytes(tokens)
     h_prev = SEED if prev is None else prev
     pv = b"pv" + struct.pack("<I", len(h_prev))
     pv_digest = b"pv" + struct.pack("<I", new().digest_size)
     out: list[bytes] = []
     join = b"".join
-    for start in range(0, (len(tokens) // page_size) * step, step):
+    for start in range(0, len(data) // step * step, step):
         h_prev = new(join((pv, h_prev, middle, data[start:start + step]))).digest()
         pv = pv_digest
         out.append(h_prev)

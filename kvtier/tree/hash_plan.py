@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
-from kvtier.hashing import page_hashes
+from kvtier.tree.chain_memo import ChainMemo
 
 if TYPE_CHECKING:
     from kvtier.tree.node import TreeNode
@@ -14,29 +14,30 @@ if TYPE_CHECKING:
 
 class HashPlan:
     """The chains of `nodes` (root-down), from their token arrays and known first hashes
-    taken when it was made, continuing from `prev`: safe to run on another thread."""
+    taken when it was made, continuing from `prev`: safe to run on another thread. Hashed
+    through the tree's `ChainMemo`: what it made lately is not hashed again."""
 
-    __slots__ = ("nodes", "parts", "prev", "page_size", "namespace_id", "algo")
+    __slots__ = ("nodes", "parts", "prev", "page_size", "namespace_id", "algo", "memo")
 
     def __init__(self, nodes: list[TreeNode], parts: list[tuple], prev: bytes | None, page_size: int,
-                 namespace_id: str, algo: str) -> None:
+                 namespace_id: str, algo: str, memo: ChainMemo) -> None:
         self.nodes, self.parts, self.prev = nodes, parts, prev
-        self.page_size, self.namespace_id, self.algo = page_size, namespace_id, algo
+        self.page_size, self.namespace_id, self.algo, self.memo = page_size, namespace_id, algo, memo
 
     def __call__(self) -> list[list[bytes]]:
-        out, prev, ps = [], self.prev, self.page_size
+        out, prev, ps, hashes = [], self.prev, self.page_size, self.memo.page_hashes
         for tokens, extra_key, known in self.parts:
             if known:
-                chain = known + page_hashes(tokens[len(known) * ps:], ps, self.namespace_id, extra_key, known[-1],
-                                            self.algo)
+                chain = known + hashes(tokens[len(known) * ps:], ps, self.namespace_id, extra_key, known[-1], self.algo)
             else:
-                chain = page_hashes(tokens, ps, self.namespace_id, extra_key, prev, self.algo)
+                chain = hashes(tokens, ps, self.namespace_id, extra_key, prev, self.algo)
             out.append(chain)
             prev = chain[-1]
         return out
 
 
-def plan_chains(node: TreeNode, root: TreeNode, page_size: int, namespace_id: str, algo: str) -> HashPlan | None:
+def plan_chains(node: TreeNode, root: TreeNode, page_size: int, namespace_id: str, algo: str,
+                memo: ChainMemo) -> HashPlan | None:
     """What computes the chains of `node` and its ancestors not hashed yet, root-down;
     None when `node`'s is known."""
     pending, n = [], node
@@ -48,19 +49,19 @@ def plan_chains(node: TreeNode, root: TreeNode, page_size: int, namespace_id: st
     pending.reverse()
     prev = n.hashes[-1] if n is not root else None
     return HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
-                    page_size, namespace_id, algo)
+                    page_size, namespace_id, algo, memo)
 
 
 def chain_below(anchor: TreeNode, tokens, extra_key: str | None, root: TreeNode, page_size: int,
-                namespace_id: str, algo: str) -> Callable[[], list[bytes]]:
+                namespace_id: str, algo: str, memo: ChainMemo) -> Callable[[], list[bytes]]:
     """A function that computes the chain of `tokens`' pages as they would hang below
     `anchor`, to run on another thread (with the anchor's own chain, where not known yet)."""
     if anchor is root:
-        return partial(page_hashes, tokens, page_size, namespace_id, extra_key, None, algo)
+        return partial(memo.page_hashes, tokens, page_size, namespace_id, extra_key, None, algo)
     if anchor.hashes is not None:
-        return partial(page_hashes, tokens, page_size, namespace_id, extra_key, anchor.hashes[-1], algo)
-    plan = plan_chains(anchor, root, page_size, namespace_id, algo)
-    return lambda: page_hashes(tokens, page_size, namespace_id, extra_key, plan()[-1][-1], algo)
+        return partial(memo.page_hashes, tokens, page_size, namespace_id, extra_key, anchor.hashes[-1], algo)
+    plan = plan_chains(anchor, root, page_size, namespace_id, algo, memo)
+    return lambda: memo.page_hashes(tokens, page_size, namespace_id, extra_key, plan()[-1][-1], algo)
 
 
 def take_known(node: TreeNode, known: list[bytes], page_size: int) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
-from kvtier.tree.hash_plan import HashPlan, adopt, chain_below, plan_chains, split_hashes, take_known
+from kvtier.tree.hash_plan import ChainMemo, HashPlan, adopt, chain_below, plan_chains, split_hashes, take_known
 from kvtier.tree.key import RadixKey, common_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
@@ -63,6 +63,7 @@ class RadixTree:
         self._key = policy_key(self.policy, slru_threshold)
         self.namespace_id = namespace_id
         self.hash_algo = hash_algo
+        self.chains = ChainMemo()  # chains made lately, not hashed again (tree/chain_memo.py)
         # told each time a node's pages appear on or leave a tier, and of resets (KV events:
         # kvtier/events/cache_events.py); None: nobody listens
         self.observer = None
@@ -391,10 +392,10 @@ class RadixTree:
         `anchor` (what a prefetch asks the store for; another thread may run it, as for
         `hashing_of`: the anchor's chain too, where it is not known yet)."""
         return chain_below(anchor, key.tokens, key.extra_key, self.root, self.page_size, self.namespace_id,
-                           self.hash_algo)
+                           self.hash_algo, self.chains)
 
     def _hash_plan(self, node: TreeNode) -> HashPlan | None:
-        return plan_chains(node, self.root, self.page_size, self.namespace_id, self.hash_algo)
+        return plan_chains(node, self.root, self.page_size, self.namespace_id, self.hash_algo, self.chains)
 
     # -- structure ----------------------------------------------------------------------------
 

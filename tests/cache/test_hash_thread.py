@@ -7,19 +7,19 @@ import threading
 import numpy as np
 import torch
 
-from kvtier.tree import hash_plan
+from kvtier.tree import chain_memo
 from tests.controller.helpers import acquire, fill, forward, make_cache, read_back, same_kv, settle
 
 
 def test_no_page_is_hashed_on_the_scheduler_thread(monkeypatch):
     where = []
-    real = hash_plan.page_hashes
+    real = chain_memo.page_hashes_of_bytes  # every chain the tree makes is hashed there
 
     def recording(*args, **kwargs):
         where.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hash_plan, "page_hashes", recording)
+    monkeypatch.setattr(chain_memo, "page_hashes_of_bytes", recording)
     cache = make_cache()
     prompt, output = np.arange(100, 108), np.arange(500, 508)
     got = acquire(cache, prompt, "r1")
