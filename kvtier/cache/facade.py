@@ -24,11 +24,10 @@ tail of the last page may follow).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -97,7 +96,7 @@ class TieredCache:
         in one process."""
         check_cpus(config.controller.cpus)  # on this machine, before the store connects or a thread starts
         if pool is not None:
-            config = dataclasses.replace(config, pool=pool.config)
+            config = replace(config, pool=pool.config)
         self.config = config
         self.pool = DeviceKVPool(config.pool) if pool is None else pool
         self.mirror = HostMirror(self.pool, config.mirror) if config.mirror is not None else None
@@ -287,6 +286,7 @@ class TieredCache:
         `failed()` named must have been aborted; one that failed after every layer had
         landed (after `failed()` was asked) is refused here: nothing is kept, everything
         the request held is released, and TransferError is raised (docs/design.md §8)."""
+        self._check_open("cache_finished")  # its write would queue on a stream that is gone
         held = self.requests.require(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
         kv = self._row("cache_finished", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
@@ -305,6 +305,7 @@ class TieredCache:
                          extra_key: str | None = None) -> torch.Tensor:
         """Chunked prefill: keep the page-aligned KV so far; returns the canonical slots of
         tokens [0, aligned) — repoint the request's row to them."""
+        self._check_open("cache_unfinished")
         held = self.requests.require(request_id, "cache_unfinished")
         key = self.key(tokens, extra_key)
         kv = self._row("cache_unfinished", kv_indices, len(key))
@@ -361,12 +362,12 @@ class TieredCache:
             return
         if not load.handle.is_done():
             load.handle.wait(self.config.store.timeout_s + 30.0)  # its forward waited already
-        ok = load.ok
+        ok = load.ok and not load.handle.missed  # a forward that gave up on it read KV not landed
         if self.agreement.world_size > 1:  # every rank inserts, or none: one collective, on every rank
             (ok,), _ = self.agreement.agree([int(ok)], [])
         if ok:
             return
-        error = load.handle.error or "did not finish"
+        error = load.handle.error or ("a forward gave up waiting for it" if load.handle.missed else "did not finish")
         self.abort(request_id, kv)
         raise TransferError(f"request {request_id!r}: its host->device load failed ({error}); nothing was cached")
 

@@ -39,6 +39,7 @@ class LayerWaiter:
                 h.wait_layer(layer, self.timeout_s)
             except TransferError as exc:
                 self.bad[rid] = str(exc)
+                h.missed = True  # landing later does not mend this forward: the finish is refused
 
     def _layer(self, layer) -> int:
         """`layer` as an int if it is an integer in [0, num_layers) (a numpy one too), else

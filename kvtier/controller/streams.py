@@ -43,7 +43,7 @@ class Handle:
     """Completion of one job: `landed` layers (in order, for loads) and `done` overall.
     The job's runner signals (`layer_done`, `finish`, `fail`); anyone may wait."""
 
-    __slots__ = ("num_layers", "landed", "done", "error", "cuda_events", "run_here", "on_done")
+    __slots__ = ("num_layers", "landed", "done", "error", "cuda_events", "run_here", "on_done", "missed")
 
     def __init__(self, num_layers: int = 0, on_done: Callable[[], None] | None = None) -> None:
         self.num_layers = num_layers
@@ -53,6 +53,7 @@ class Handle:
         self.cuda_events: list | None = None  # CUDA stream: one per layer, made by its worker
         self.run_here: Callable[[], None] | None = None  # CPU stream: run the job on the waiter's thread if not started
         self.on_done = on_done  # called by the runner once `done` is set (the controller counts moves)
+        self.missed = False  # a forward's wait for a layer gave up: that forward read KV not landed (LayerWaiter)
 
     def layer_done(self, layer: int) -> None:
         if self.cuda_events is not None:

@@ -10,6 +10,7 @@ from tests.controller.helpers import (
     CorruptingStore, FailingStore, StallingStore, acquire, compute, fill, forward, make_cache, read, read_back,
     same_kv, settle,
 )
+from kvtier.tree import Tier
 
 A = np.arange(100, 116)  # 16 tokens = 4 pages of 4
 
@@ -805,4 +806,69 @@ def test_a_row_the_engine_fills_again_after_a_finish_or_abort_frees_the_slots_it
     assert set(own) <= set(taken), "slots the request gave back were lost"
     assert int(row_a[0]) not in taken, "a slot the tree holds was handed out"
     cache.free(torch.tensor(taken))
+    check(cache)
+
+
+def test_a_load_a_forward_gave_up_on_is_refused_at_finish_even_if_it_lands_later():
+    """A forward's wait for a layer times out: `failed()` names the request, whose outputs
+    are garbage. If the engine finishes it instead of aborting it after the copy landed, the
+    finish is refused (TransferError) and nothing is kept: it was accepted, the tree kept
+    KV computed from unloaded inputs, and the next request was served it."""
+    import random
+
+    from kvtier.errors import TransferError
+    from kvtier.testing.parts import SimStreams
+
+    streams = SimStreams(random.Random(0))
+    cache = make_cache(stream_factory=streams.factory, store="none")
+    first = np.arange(1, 9)
+    got = cache.acquire(first, "r1")
+    row = cache.alloc(8)
+    kv = fill(cache, row, seed=5)
+    cache.cache_finished("r1", first, torch.cat([got.indices, row]))
+    cache.poll()
+    while streams.pending:  # its write to host lands
+        streams.resolve(streams.pending[0], "ok", None)
+    cache.drain()
+    assert cache.evict(8) == 8  # on host only now
+    longer = np.arange(1, 13)
+    got = cache.acquire(longer, "r2")
+    assert got.host_hit == 8
+    own = cache.alloc(4)
+    waiter = cache.begin_forward(["r2"])
+    waiter.timeout_s = 0.0  # the copy has not run: every layer's wait gives up
+    for layer in range(cache.pool.num_layers):
+        waiter.wait_layer(layer)
+    fill(cache, own, seed=6)  # outputs computed from KV that was not there
+    assert waiter.failed() == ["r2"]
+    while streams.pending:
+        streams.resolve(streams.pending[0], "ok", None)  # the copy lands after the forward
+    with pytest.raises(TransferError, match="'r2': its host->device load failed \\(a forward gave up waiting"):
+        cache.cache_finished("r2", longer, torch.cat([got.indices, own]))
+    again = cache.acquire(longer, "r3")
+    assert again.ready and again.indices.numel() == 8  # the first 8 only: nothing of r2 was kept
+    while streams.pending:  # its load from host
+        streams.resolve(streams.pending[0], "ok", None)
+    forward(cache, "r3")
+    assert same_kv(read(cache, again.indices), kv)
+    cache.abort("r3", again.indices)
+    check(cache)
+    cache.close()
+
+
+def test_a_closed_cache_refuses_finishes_and_the_request_is_let_go_by_abort():
+    """A finish after close queued a write on a stream that was gone: the node stayed locked,
+    its host slots reserved and the cache busy for good. It is refused; abort still lets the
+    request go (how an engine releases what it held at shutdown)."""
+    cache = make_cache()
+    compute(cache, A[:8], seed=1)
+    got = acquire(cache, A, "b")
+    row = torch.cat([got.indices, cache.alloc(16 - got.indices.numel())])
+    cache.close()
+    for call in (lambda: cache.cache_finished("b", A, row), lambda: cache.cache_unfinished("b", A, row)):
+        with pytest.raises(RuntimeError, match="this TieredCache is closed"):
+            call()
+    assert not cache.busy() and cache.controller.queue_sizes()["writes"] == 0
+    cache.abort("b", row)
+    assert len(cache.requests) == 0 and cache.tree.protected_size(Tier.DEVICE) == 0
     check(cache)
