@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import io
 import random
+import time
 
 import numpy as np
 import pytest
@@ -191,3 +192,73 @@ def test_an_ended_prefetchs_host_pages_go_back_on_every_rank_in_the_same_poll():
     assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
     assert [c.controller.host_available() for c in caches] == [held[0] + 16, held[1] + 16]  # freed on both
     _close(caches, stores)
+
+
+def test_a_read_abandoned_stuck_on_one_rank_holds_back_the_same_host_pages_on_every_rank():
+    """Rank 0's store read hangs and its I/O thread is given up on (StoreAbandoned): the
+    host pages it was reading into may still be written, so they are held back for good.
+    Before: only on rank 0, so its host had fewer free pages than rank 1's, and the next
+    request's device->host write got host room on rank 1 and none on rank 0: the ranks sent
+    different vectors to the next poll's collective (with gloo, a hang). Now the ranks agree
+    that a read was abandoned and hold back the same pages."""
+    from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+    from kvtier.errors import StoreAbandoned
+    from tests.controller.helpers import compute
+
+    class Stuck(MemoryStore):
+        stuck = False
+
+        async def _get_into(self, keys, parsed, views):
+            if self.stuck:
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    raise StoreAbandoned("1 I/O thread stuck") from None
+            return await super()._get_into(keys, parsed, views)
+
+    rendezvous = tp_sim.Rendezvous(2, timeout_s=60)
+    stores = [Stuck(MemoryStoreConfig(), timeout_s=0.3) for _ in range(2)]
+    caches = [make_cache(page_size=4, pool_size=64, ratio=1.0, store_obj=stores[r],
+                         agreement=tp_sim.ThreadAgreement(rendezvous, r)) for r in range(2)]
+    first, second = np.arange(100, 132), np.arange(500, 548)  # 32 and 48 tokens; the host holds 64
+
+    def store_first(r):
+        compute(caches[r], first, seed=1, rid="a")
+        settle(caches[r])
+        caches[r].flush()  # in the store only
+
+    on_ranks(store_first, 2)
+    stores[0].stuck = True
+
+    def read_it_back(r):
+        got = caches[r].acquire(first, "x")  # rank 0's read hangs, then is abandoned
+        while not got.ready:  # the server's loop: poll (a collective) until it is named ready
+            got = caches[r].acquire(first, "x") if "x" in caches[r].poll() else got
+        caches[r].abort("x", got.indices)
+        for _ in range(500):  # until its store call has settled on both ranks (polls are collectives)
+            settle(caches[r])
+            if not on_ranks_done(r):
+                break
+            time.sleep(0.01)
+        return caches[r].controller.quarantined_pages(), caches[r].controller.host_available()
+
+    def on_ranks_done(r):  # one collective: is a prefetch op still held on some rank?
+        _, (held,) = caches[r].agreement.agree([], [int(bool(caches[r].controller.prefetch_ops()))])
+        return held
+
+    held = on_ranks(read_it_back, 2)
+    assert held[0] == held[1] and held[0][0] > 0
+    stores[0].stuck = False
+
+    def next_request(r):
+        compute(caches[r], second, seed=2, rid="b")
+        caches[r].poll()
+        return tp_sim.replicated_cache(caches[r]), caches[r].stats()["counters"]["writes_skipped_no_host_space"]
+
+    after = on_ranks(next_request, 2)
+    assert after[0] == after[1]
+    for c in caches:
+        settle(c)
+        c.tree.sanity_check()
+        c.check_accounting()
+    on_ranks(lambda r: caches[r].close(), 2)

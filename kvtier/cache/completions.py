@@ -32,36 +32,42 @@ UNKNOWN = -1  # a prefetch's `present` before its store answered (below every re
 
 class PollReport:
     """What one rank has finished, or (after `agree`) what every rank has: counts by MIN,
-    stop wishes by MAX. The shape follows replicated state only. The one place that knows
-    where each number sits in the agreed vector:
+    flags by MAX. The shape follows replicated state only. The one place that knows where
+    each number sits in the agreed vectors:
 
         [writes, loads, backups]                       finished ops of each kind (`Finished`)
         [present, landed, ended] per live prefetch     present UNKNOWN until the store answered
         [settled] per ended, unsettled prefetch        1 once its store call settled
         [landed] per write in flight (tensor parallel) 1 if it landed on this rank
-    and apart, by MAX: [stop] per live prefetch.
+    and apart, by MAX: [stop] per live prefetch, then [abandoned] per live prefetch and per
+    ended, unsettled one: 1 if a read of it was given up on stuck on this rank (its unused
+    host pages are held back on every rank, so the ranks' host allocators stay the same).
     """
 
-    __slots__ = ("mins", "stops", "prefetches", "unsettled")
+    __slots__ = ("mins", "maxs", "prefetches", "unsettled")
 
-    def __init__(self, mins: list[int], stops: list[int], prefetches: int, unsettled: int) -> None:
-        self.mins, self.stops, self.prefetches, self.unsettled = mins, stops, prefetches, unsettled
+    def __init__(self, mins: list[int], maxs: list[int], prefetches: int, unsettled: int) -> None:
+        self.mins, self.maxs, self.prefetches, self.unsettled = mins, maxs, prefetches, unsettled
 
     @classmethod
-    def of(cls, finished: Finished, live: list[PrefetchState], unsettled: list[int],
+    def of(cls, finished: Finished, live: list[PrefetchState], unsettled: list[tuple[int, int]],
            writes_landed: list[int]) -> "PollReport":
-        """This rank's numbers. `ended` is read first: what is read after it is final once ended."""
-        mins = list(finished)
+        """This rank's numbers. `ended` is read first: what is read after it is final once
+        ended (a read's abandonment is set before `settled`). `unsettled`: (settled,
+        abandoned) per ended, unsettled prefetch."""
+        mins, stuck = list(finished), []
         for p in live:
             op = p.op
             ended = Ended.SETTLED if op.settled else Ended.FINISHED if op.finished else Ended.RUNNING
             present = op.present
             mins += (UNKNOWN if present is None else present, op.landed, ended)
-        return cls(mins + unsettled + writes_landed, [int(p.want_stop) for p in live], len(live), len(unsettled))
+            stuck.append(int(op.quarantined is not None))
+        maxs = [int(p.want_stop) for p in live] + stuck + [abandoned for _, abandoned in unsettled]
+        return cls(mins + [settled for settled, _ in unsettled] + writes_landed, maxs, len(live), len(unsettled))
 
     def agree(self, agreement: Agreement) -> "PollReport":
-        mins, stops = agreement.agree(self.mins, self.stops)
-        return PollReport(mins, stops, self.prefetches, self.unsettled)
+        mins, maxs = agreement.agree(self.mins, self.maxs)
+        return PollReport(mins, maxs, self.prefetches, self.unsettled)
 
     @property
     def finished(self) -> Finished:
@@ -81,6 +87,19 @@ class PollReport:
     @property
     def writes_landed(self) -> list[int]:
         return self.mins[_K + 3 * self.prefetches + self.unsettled:]
+
+    @property
+    def stops(self) -> list[int]:
+        return self.maxs[:self.prefetches]
+
+    @property
+    def abandoned_live(self) -> list[int]:
+        return self.maxs[self.prefetches:2 * self.prefetches]
+
+    @property
+    def abandoned(self) -> list[int]:
+        """Per ended, unsettled prefetch."""
+        return self.maxs[2 * self.prefetches:]
 
 
 _K = len(Finished._fields)
@@ -151,18 +170,19 @@ class Completions:
         self._each("backup", ctl.take(OpKind.BACKUP, finished.backups), self.writes.apply_backup,
                    self.writes.release_backup)
         reports = agreed.prefetch_reports()
-        self._each("grant room", [reports], lambda r: pf.make_grant_room(live, r), lambda r: None)
-        for p, (present, landed, ended), stop in zip(live, reports, agreed.stops):
+        self._each("grant room", [reports], lambda r: pf.make_grant_room(live, r, agreed.stops), lambda r: None)
+        for p, (present, landed, ended), stop, stuck in zip(live, reports, agreed.stops, agreed.abandoned_live):
+            p.op.abandoned_anywhere = p.op.abandoned_anywhere or bool(stuck)  # before its pages are freed
             if pf.idle(p, present, landed, ended, stop):
                 continue  # most polls, most prefetches
             self._each("prefetch", [p], lambda p: pf.apply(p, present, landed, ended, bool(stop)), pf.release)
         settled = agreed.settled
         if settled:
-            for op in ctl.take_settled(settled):
+            for op in ctl.take_settled(settled, agreed.abandoned):
                 pf.free_unused(op)
         pf.mark_ready()
         if self.agreement.consensus_check:
-            self.agreement.check(agreed.mins + agreed.stops)
+            self.agreement.check(agreed.mins + agreed.maxs)
 
     def back_up(self, leaves: list[TreeNode]) -> None:
         """Write-back eviction: write the paths to `leaves` to host, wait, apply the writes."""

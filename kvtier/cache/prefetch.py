@@ -196,8 +196,8 @@ class Prefetcher(Part):
         p.stopped = p.stopped or stop
         if p.broken:
             landed, stop = p.op.inserted, True
-        if present is not None and not p.op.granted and not p.broken:
-            self._grant(p, present)
+        if present is not None and not p.op.granted and not (p.broken or p.stopped or ended):
+            self._grant(p, present)  # (a stopped or ended one reads nothing: no host KV is evicted for it)
         op = p.op
         if stop and not op.stop:
             self.ctl.stop_prefetch(op)
@@ -230,11 +230,13 @@ class Prefetcher(Part):
         if op.host_pages is not None and op.host_pages.size > op.inserted:
             self.ctl.free_unused_pages(op)
 
-    def make_grant_room(self, live: list[PrefetchState], reports: list[tuple[int | None, int, int]]) -> None:
+    def make_grant_room(self, live: list[PrefetchState], reports: list[tuple[int | None, int, int]],
+                        stops: list[int]) -> None:
         """Host room for every grant this poll makes (agreed numbers: the same on every
-        rank), in one eviction pass: each `_grant` then finds its pages free."""
-        pages = sum(present for p, (present, _, _) in zip(live, reports)
-                    if present and not p.op.granted and not p.broken)
+        rank), in one eviction pass: each `_grant` then finds its pages free. None for a
+        prefetch stopped or ended by now: `apply` grants it nothing."""
+        pages = sum(present for p, (present, _, ended), stop in zip(live, reports, stops)
+                    if present and not p.op.granted and not (p.broken or p.stopped or stop or ended))
         if pages:
             self.slots.make_host_room(pages * self.page_size)
 

@@ -149,15 +149,16 @@ class CacheController:
                 self.mirror.allocator.free_slots(slots)
 
     def free_unused_pages(self, op: PrefetchOp) -> None:
-        """A settled op's host pages past those inserted go back, but those of a read that
-        was abandoned stuck (`op.quarantined`): kept out of use for good, counted."""
+        """A settled op's host pages past those inserted go back, unless a read of it was
+        abandoned stuck on some rank (agreed in a poll: `abandoned_anywhere`; this rank's
+        own, `quarantined`, is always in it): then they are all kept out of use for good,
+        counted, on every rank (its allocator stays the others')."""
         pages = op.host_pages[op.inserted:]
-        if op.quarantined is not None:
-            stuck = np.isin(pages, op.quarantined)
-            if stuck.any():
+        if op.abandoned_anywhere or op.quarantined is not None:  # agreed: the same pages on every rank
+            if pages.size:
                 with self.host_lock:  # one consistent accounting snapshot
-                    self._quarantined.append(pages[stuck])
-            pages = pages[~stuck]
+                    self._quarantined.append(pages)
+            return
         self.free_host_pages(pages)
 
     def quarantined_pages(self) -> int:
@@ -276,15 +277,20 @@ class CacheController:
         """The prefetches that may hold host pages: in flight, or ended and not settled."""
         return [*self._prefetches.values(), *self._unsettled]
 
-    def unsettled(self) -> list[int]:
-        """Per ended prefetch whose store call had not settled, in order: 1 if it has now."""
-        return [int(op.settled) for op in self._unsettled]
+    def unsettled(self) -> list[tuple[int, int]]:
+        """Per ended prefetch whose store call had not settled, in order: (1 if it has now,
+        1 if a read of it was abandoned stuck here). Read settled first: `quarantined` is
+        set before `settled`."""
+        return [(int(op.settled), int(op.quarantined is not None)) for op in self._unsettled]
 
-    def take_settled(self, settled: list[int]) -> list[PrefetchOp]:
+    def take_settled(self, settled: list[int], abandoned: list[int]) -> list[PrefetchOp]:
         """The first `len(settled)` unsettled prefetches whose flag is set (agreed): they
-        leave the controller; the rest stay, in order."""
+        leave the controller; the rest stay, in order. One abandoned on any rank (agreed)
+        holds back all its unused host pages on every rank (`free_unused_pages`)."""
         head = self._unsettled[: len(settled)]
         self._unsettled = [op for op, done in zip(head, settled) if not done] + self._unsettled[len(settled):]
+        for op, stuck in zip(head, abandoned):
+            op.abandoned_anywhere = op.abandoned_anywhere or bool(stuck)
         return [op for op, done in zip(head, settled) if done]
 
     # -- completion ---------------------------------------------------------------------------

@@ -120,11 +120,12 @@ class PrefetchOp:
     settled: bool = False
     reading: np.ndarray | None = None  # host pages a store read is filling now
     store_bytes: int = 0  # bytes read from the store that verified (whole store pages)
-    quarantined: np.ndarray | None = None  # pages of a read abandoned stuck: never reused
+    quarantined: np.ndarray | None = None  # pages of a read abandoned stuck here (set before `settled`)
     outcome: Outcome = Outcome.RUNNING
     error: str | None = None
     # the scheduler's side
     inserted: int = 0
+    abandoned_anywhere: bool = False  # a read of it was abandoned on some rank (agreed): its unused pages are held back
 
 
 @dataclass(eq=False)
@@ -324,7 +325,7 @@ class StorageWorker:
                     op.reading = None
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
-                op.store_bytes += run * self.mirror.page_bytes
+                op.store_bytes += sum(ok) * self.mirror.page_bytes  # pages past a bad one verified too (unused)
                 op.landed += run
                 self._moved()
                 if run < len(ok):

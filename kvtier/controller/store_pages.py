@@ -79,16 +79,17 @@ async def read(worker, op, pages: np.ndarray) -> str | None:
             asked = worker.clock()
             ok = await worker._guarded(worker.store.batch_get_into(op.keys.at(batch), buffers))
             worker.speed.observe_read(len(batch) * g, worker.clock() - asked)
-        for last, buf, good in zip(batch, buffers, ok):
-            if not good:
-                worker._moved()
-                return "partial"
+        bad = next((i for i, good in enumerate(ok) if not good), len(ok))
+        op.store_bytes += sum(ok[bad + 1:]) * g * pb  # store pages past a bad one verified too (unused)
+        for last, buf in zip(batch[:bad], buffers):
             lo, hi = max(0, last - g + 1), min(last + 1, granted)
             skip = lo - (last - g + 1)  # pages of the store page the tree already holds
             worker.mirror.write_pages(pages[lo:hi], np.frombuffer(buf, np.uint8).reshape(g, pb)[skip:skip + hi - lo])
             op.store_bytes += g * pb  # the whole store page crossed, the pages skipped too
             op.landed = hi  # after its bytes are in place
         worker._moved()
+        if bad < len(ok):
+            return "partial"
     return None
 
 

@@ -872,3 +872,33 @@ def test_a_closed_cache_refuses_finishes_and_the_request_is_let_go_by_abort():
     cache.abort("b", row)
     assert len(cache.requests) == 0 and cache.tree.protected_size(Tier.DEVICE) == 0
     check(cache)
+
+
+def test_a_prefetch_stopped_before_its_grant_evicts_no_host_kv_for_it():
+    """The store answered (the pages are there) and the request is aborted before the poll
+    that grants host room: nothing will be read. Before: that poll still evicted cached host
+    KV to make room for the pages, then stopped the prefetch and freed the room again."""
+    import time
+
+    cache = make_cache(page_size=4, pool_size=64, ratio=0.5)  # host: 32 tokens
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.flush()  # A is in the store only
+    for i, base in enumerate((200, 300)):  # two prompts cached on host (and device)
+        compute(cache, np.arange(base, base + 12), seed=2 + i)
+        settle(cache)
+    cache.evict(64)  # their device copies go: their KV is on host only, 24 tokens of 32
+    before = cache.stats()["counters"]["host_evicted_tokens"]
+    got = cache.acquire(A, "x")
+    assert not got.ready
+    op = cache.prefetcher.prefetches["x"].op
+    deadline = time.monotonic() + 30
+    while op.present is None and time.monotonic() < deadline:
+        time.sleep(0.001)  # the store answered; the op waits for the next poll's grant
+    assert op.present == 4
+    cache.abort("x")
+    settle(cache)
+    assert cache.stats()["counters"]["host_evicted_tokens"] == before
+    assert cache.tree.total_size(Tier.HOST) == 24 and not op.granted
+    check(cache)
+    cache.close()

@@ -413,3 +413,23 @@ def test_a_node_split_while_its_write_is_out_is_stored_whole(tokens):
     settle(cache)
     check(cache)
     cache.close()
+
+
+@pytest.mark.parametrize("tokens", [PS, TOKENS])  # one device page a store page, and four
+def test_l3_read_bytes_count_the_verified_store_pages_past_a_damaged_one(tokens):
+    """A read batch [good, damaged, good, ...]: the pages past the damaged one crossed and
+    verified (the store counts them), though only the leading run lands. l3_read_bytes
+    counted the leading run only."""
+    store = CorruptingStore(bad_key_index=1)
+    cache = make_cache(store_obj=store, page_size=PS, page_tokens=tokens)
+    seq = np.arange(100, 124)  # 12 device pages
+    compute(cache, seq, seed=1)
+    settle(cache)
+    cache.flush()
+    verified = store.counters.get_bytes
+    got, _ = read_back(cache, seq, "b")
+    settle(cache)
+    assert got.storage_hit == tokens and store.counters.frame_failures == 1
+    assert cache.stats()["counters"]["l3_read_bytes"] == store.counters.get_bytes - verified > tokens // PS * cache.mirror.page_bytes
+    check(cache)
+    cache.close()
