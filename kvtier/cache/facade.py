@@ -269,8 +269,8 @@ class TieredCache:
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
-        n = check_size("evict: num_tokens", num_tokens, minimum=0)
-        evicted = self.slots.evict_device(n)
+        self._check_open("evict")  # under write_back it would queue writes on a stream that is gone
+        evicted = self.slots.evict_device(n := check_size("evict: num_tokens", num_tokens, minimum=0))
         if evicted < n:  # an engine's own allocator is short: writes in flight lock pages
             self.completions.short_of_room()
         return evicted

@@ -124,6 +124,8 @@ def runs(src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_e
     """
     s, d = slots_of(src), slots_of(dst)
     n = s.shape[0]
+    if d.shape[0] != n:
+        raise ValueError(f"runs: {n} source slots but {d.shape[0]} destination slots")
     if n == 0:
         return []
     starts = [0]

@@ -15,8 +15,8 @@ A page's hash is a function of the hash before it and its tokens, nothing else
 (docs/formats.md): a chain kept for the token bytes it was made from and the hash it
 started from is the chain `page_hashes` makes for them, page for page, so a taken chain is
 the one hashing would give. The memo belongs to one tree (one namespace, page size and hash
-function; a change of those empties it) and holds up to `MEMO_PAGES` hashes, oldest chain
-out first. Any thread may use it: one lock around its dicts, never around hashing.
+function; a change of those empties it) and holds up to `MEMO_BYTES` of hashes and token
+bytes, oldest chain out first. Any thread may use it: one lock around its dicts, never around hashing.
 """
 
 from __future__ import annotations
@@ -28,20 +28,21 @@ import numpy as np
 
 from kvtier.hashing import KeyedHash, page_hashes_of_bytes, token_bytes
 
-MEMO_PAGES = 1 << 18  # hashes kept, about 20 MB at most (a 32-byte hash is ~70 bytes in a list)
+MEMO_BYTES = 24 << 20  # what the kept chains may take: their hashes and their tokens' bytes
+HASH_BYTES = 80  # one kept hash: a 32-byte bytes object (~65) and its slot in a tuple
 PER_START = 4  # kept chains with the same start and first pages: the newest ones
 HEAD_TOKENS = 16  # tokens of a chain's first pages that key it (whole pages, one at least)
 
 
 class ChainMemo:
-    def __init__(self, max_pages: int = MEMO_PAGES) -> None:
-        self.max_pages = max_pages
+    def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._setting: tuple | None = None  # (page size, namespace id, hash function) it holds chains of
         self._chains: dict[tuple, list[tuple[int, bytes, tuple[bytes, ...]]]] = {}  # start -> kept, newest last
         self._order: OrderedDict[int, tuple] = OrderedDict()  # kept entry -> its start, oldest first
         self._next = 0
-        self._pages = 0
+        self._bytes = 0
         self.taken = self.hashed = 0  # pages taken from the memo, pages hashed
 
     def page_hashes(self, tokens: np.ndarray, page_size: int, namespace_id: str, extra_key: str | None,
@@ -90,10 +91,11 @@ class ChainMemo:
             if n <= len(best):
                 continue
             if not data.startswith(tokens[:n * step], at):
+                mine, theirs = memoryview(data)[at:], memoryview(tokens)
                 lo, hi = 0, n - 1  # pages [0, lo) match; some page before n does not
-                while lo < hi:
+                while lo < hi:  # (memoryview compares: no copies)
                     mid = (lo + hi + 1) // 2
-                    if data.startswith(tokens[:mid * step], at):
+                    if mine[:mid * step] == theirs[:mid * step]:
                         lo = mid
                     else:
                         hi = mid - 1
@@ -116,17 +118,17 @@ class ChainMemo:
         self._next += 1
         kept.append((entry, data, chain))
         self._order[entry] = start
-        self._pages += len(chain)
-        while self._pages > self.max_pages:
+        self._bytes += _cost(data, chain)
+        while self._bytes > self.max_bytes:
             oldest, where = next(iter(self._order.items()))
             entries = self._chains[where]
             self._drop(where, next(i for i, e in enumerate(entries) if e[0] == oldest))
 
     def _drop(self, start: tuple, i: int) -> None:
         kept = self._chains[start]
-        entry, _, chain = kept.pop(i)
+        entry, data, chain = kept.pop(i)
         del self._order[entry]
-        self._pages -= len(chain)
+        self._bytes -= _cost(data, chain)
         if not kept:
             del self._chains[start]
 
@@ -134,4 +136,8 @@ class ChainMemo:
         self._setting = setting
         self._chains.clear()
         self._order.clear()
-        self._pages = 0
+        self._bytes = 0
+
+
+def _cost(data: bytes, chain: tuple[bytes, ...]) -> int:
+    return len(data) + HASH_BYTES * len(chain)

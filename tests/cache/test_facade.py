@@ -496,7 +496,7 @@ def test_a_closed_cache_refuses_requests_and_closes_once(tmp_path):
     compute(cache, A, seed=1)
     cache.close()
     cache.close()
-    for call in (lambda: cache.acquire(A, "late"), cache.poll, lambda: cache.alloc(4)):
+    for call in (lambda: cache.acquire(A, "late"), cache.poll, lambda: cache.alloc(4), lambda: cache.evict(4)):
         with pytest.raises(RuntimeError, match="this TieredCache is closed"):
             call()
     assert len(cache.requests) == 0

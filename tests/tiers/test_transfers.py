@@ -363,6 +363,8 @@ def test_merged_runs_match_one_pass(steps, split):
 
     assert runs(s, d, split) == _runs_reference(s, d, split)
     assert sum(n for _, _, n in runs(s, d, split)) == s.shape[0]
+    with pytest.raises(ValueError, match="runs: .* source slots but .* destination slots"):
+        runs(s, d[1:], split)  # one pass raised on the lengths too
 
 
 def test_merging_runs_and_the_stores_page_views_keep_the_gil():

@@ -21,13 +21,13 @@ asks = st.lists(st.tuples(st.integers(0, 3),  # which conversation
                           st.sampled_from([None, b"\x07" * 32])), min_size=1, max_size=40)
 
 
-@given(asks, st.sampled_from([1, 2, 16]), st.integers(8, 400))
+@given(asks, st.sampled_from([1, 2, 16]), st.integers(500, 40_000))
 @settings(max_examples=150, deadline=None)
 def test_the_memo_gives_the_chain_hashing_gives(steps, ps, capacity):
     """Conversations that grow, diverge, start below a prefix or from another hash, with
     and without an extra key, through a memo small enough to drop chains: every chain is
     `page_hashes`'s."""
-    memo, convs = ChainMemo(max_pages=capacity), {}
+    memo, convs = ChainMemo(max_bytes=capacity), {}
     for conv, grow, cut, diverge, extra_key, prev in steps:
         tokens = convs.get(conv, [conv * 7919 + i for i in range(5)]) + [(conv * 31 + grow * 17 + i) % 1000 for i in range(grow)]
         if diverge and tokens:
@@ -41,7 +41,7 @@ def test_the_memo_gives_the_chain_hashing_gives(steps, ps, capacity):
             start = page_hashes(arr[:cut], ps, NS, extra_key, prev)[-1]
         assert memo.page_hashes(arr[cut:], ps, NS, extra_key, start, "sha256") == \
             page_hashes(arr[cut:], ps, NS, extra_key, start)
-        assert memo._pages <= capacity
+        assert memo._bytes <= capacity
 
 
 def test_a_kept_chain_is_taken_only_where_everything_is_the_same():
@@ -94,3 +94,15 @@ def test_a_returning_conversation_hashes_only_its_new_pages():
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
+
+
+def test_the_memo_holds_what_its_bytes_allow_whatever_the_page_size():
+    """The bound counts a chain's token bytes too: a page of 256 tokens is 1 KiB of them
+    besides its hash (a bound by hashes alone let the memo grow to ~275 MiB at page 256)."""
+    for ps in (1, 64, 256):
+        memo, budget, one = ChainMemo(max_bytes=256 << 10), 256 << 10, 16 * (4 * ps + 80)
+        for i in range(200):  # chains of 16 pages, more of them than fit
+            memo.page_hashes(np.arange(i * 10_000, i * 10_000 + 16 * ps), ps, NS, None, None, "sha256")
+            assert memo._bytes <= budget
+        kept = sum(len(tokens) + 80 * len(chain) for entries in memo._chains.values() for _, tokens, chain in entries)
+        assert kept == memo._bytes and kept > budget - one, ps
