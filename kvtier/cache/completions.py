@@ -61,7 +61,7 @@ class PollReport:
             ended = Ended.SETTLED if op.settled else Ended.FINISHED if op.finished else Ended.RUNNING
             present = op.present
             mins += (UNKNOWN if present is None else present, op.landed, ended)
-            stuck.append(int(op.quarantined is not None))
+            stuck.append(int(op.abandoned))
         maxs = [int(p.want_stop) for p in live] + stuck + [abandoned for _, abandoned in unsettled]
         return cls(mins + [settled for settled, _ in unsettled] + writes_landed, maxs, len(live), len(unsettled))
 

@@ -196,8 +196,8 @@ class Prefetcher(Part):
         p.stopped = p.stopped or stop
         if p.broken:
             landed, stop = p.op.inserted, True
-        if present is not None and not p.op.granted and not (p.broken or p.stopped or ended):
-            self._grant(p, present)  # (a stopped or ended one reads nothing: no host KV is evicted for it)
+        if present is not None and _grants(p, ended, stop):
+            self._grant(p, present)
         op = p.op
         if stop and not op.stop:
             self.ctl.stop_prefetch(op)
@@ -236,7 +236,7 @@ class Prefetcher(Part):
         rank), in one eviction pass: each `_grant` then finds its pages free. None for a
         prefetch stopped or ended by now: `apply` grants it nothing."""
         pages = sum(present for p, (present, _, ended), stop in zip(live, reports, stops)
-                    if present and not p.op.granted and not (p.broken or p.stopped or stop or ended))
+                    if present and _grants(p, ended, stop))
         if pages:
             self.slots.make_host_room(pages * self.page_size)
 
@@ -285,3 +285,9 @@ class Prefetcher(Part):
             self.tree.release_host(p.anchor)
         p.anchor = r.last_node
         op.inserted = landed
+
+
+def _grants(p: PrefetchState, ended: int, stop: int) -> bool:
+    """Does this poll grant `p` host pages (its store has answered)? Not twice, nor one
+    broken, stopped or ended by now: it reads nothing, and no host KV is evicted for it."""
+    return not (p.op.granted or p.broken or p.stopped or stop or ended)

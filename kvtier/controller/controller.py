@@ -151,10 +151,10 @@ class CacheController:
     def free_unused_pages(self, op: PrefetchOp) -> None:
         """A settled op's host pages past those inserted go back, unless a read of it was
         abandoned stuck on some rank (agreed in a poll: `abandoned_anywhere`; this rank's
-        own, `quarantined`, is always in it): then they are all kept out of use for good,
+        own, `abandoned`, is always in it): then they are all kept out of use for good,
         counted, on every rank (its allocator stays the others')."""
         pages = op.host_pages[op.inserted:]
-        if op.abandoned_anywhere or op.quarantined is not None:  # agreed: the same pages on every rank
+        if op.abandoned_anywhere or op.abandoned:  # agreed: the same pages on every rank
             if pages.size:
                 with self.host_lock:  # one consistent accounting snapshot
                     self._quarantined.append(pages)
@@ -279,9 +279,9 @@ class CacheController:
 
     def unsettled(self) -> list[tuple[int, int]]:
         """Per ended prefetch whose store call had not settled, in order: (1 if it has now,
-        1 if a read of it was abandoned stuck here). Read settled first: `quarantined` is
+        1 if a read of it was abandoned stuck here). Read settled first: `abandoned` is
         set before `settled`."""
-        return [(int(op.settled), int(op.quarantined is not None)) for op in self._unsettled]
+        return [(int(op.settled), int(op.abandoned)) for op in self._unsettled]
 
     def take_settled(self, settled: list[int], abandoned: list[int]) -> list[PrefetchOp]:
         """The first `len(settled)` unsettled prefetches whose flag is set (agreed): they

@@ -120,7 +120,7 @@ class PrefetchOp:
     settled: bool = False
     reading: np.ndarray | None = None  # host pages a store read is filling now
     store_bytes: int = 0  # bytes read from the store that verified (whole store pages)
-    quarantined: np.ndarray | None = None  # pages of a read abandoned stuck here (set before `settled`)
+    abandoned: bool = False  # a read of it into host pages was abandoned stuck here (set before `settled`)
     outcome: Outcome = Outcome.RUNNING
     error: str | None = None
     # the scheduler's side
@@ -271,7 +271,7 @@ class StorageWorker:
             op.finished = True
             self._moved()
         if settled is not None and self.breaker.abandoned(await settled):
-            op.quarantined = op.reading  # a stuck thread may still write them
+            op.abandoned = op.reading is not None  # a stuck thread may still write those host pages
         op.settled = True
         self._moved()
 
