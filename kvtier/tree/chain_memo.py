@@ -27,6 +27,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvtier.hashing import KeyedHash, page_hashes_of_bytes, token_bytes
+from kvtier.numpy_gil import shared_bytes
 
 MEMO_BYTES = 24 << 20  # what the kept chains may take: their hashes and their tokens' bytes
 HASH_BYTES = 80  # one kept hash: a 32-byte bytes object (~65) and its slot in a tuple
@@ -90,16 +91,7 @@ class ChainMemo:
             n = min(len(tokens), rest) // step  # pages both have
             if n <= len(best):
                 continue
-            if not data.startswith(tokens[:n * step], at):
-                mine, theirs = memoryview(data)[at:], memoryview(tokens)
-                lo, hi = 0, n - 1  # pages [0, lo) match; some page before n does not
-                while lo < hi:  # (memoryview compares: no copies)
-                    mid = (lo + hi + 1) // 2
-                    if mine[:mid * step] == theirs[:mid * step]:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                n = lo
+            n = shared_bytes(tokens, 0, data, at, n * step) // step  # the pages before the first that differs
             if n > len(best):
                 best, used = chain[:n], entry
         if best:

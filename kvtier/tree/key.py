@@ -7,7 +7,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from kvtier.numpy_gil import GIL_CHUNK, HIGH
+from kvtier.numpy_gil import GIL_CHUNK, HIGH, shared_bytes
 from kvtier.tiers.indices import concat
 
 
@@ -120,7 +120,12 @@ def child_key_at(tokens: np.ndarray, offset: int, page_size: int, extra_key: str
 def common_prefix(edge: np.ndarray, tokens: np.ndarray, offset: int, end: int, page_size: int) -> int:
     """Tokens `edge` shares with `tokens[offset:end]`, floored to whole pages."""
     n = min(edge.shape[0], end - offset)
-    differ = edge[:n] != tokens[offset:offset + n]
-    first = int(differ.argmax())  # the first difference, or 0 when there is none
-    common = first if differ[first] else n
+    return edge_prefix(edge[:n].tobytes(), tokens[offset:offset + n].tobytes(), 0, n, page_size)
+
+
+def edge_prefix(edge: bytes, data: bytes, offset: int, end: int, page_size: int) -> int:
+    """`common_prefix` of int64 tokens given as bytes (`data` holds tokens [0, end) at
+    least), keeping the GIL (`shared_bytes`; numpy's compare gave it up mid-walk)."""
+    n = min(len(edge) >> 3, end - offset)
+    common = shared_bytes(edge, 0, data, offset << 3, n << 3) >> 3
     return common - common % page_size

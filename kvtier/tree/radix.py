@@ -24,7 +24,7 @@ import torch
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
 from kvtier.tree.hash_plan import ChainMemo, HashPlan, adopt, chain_below, plan_chains, split_hashes, take_known
-from kvtier.tree.key import RadixKey, common_prefix
+from kvtier.tree.key import RadixKey, edge_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
@@ -139,7 +139,7 @@ class RadixTree:
             child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 break
-            k = _edge_match(child, data, tokens, offset, usable, ps)
+            k = _edge_match(child, data, offset, usable, ps)
             diverged = k < len(child)
             if diverged:
                 child = self._split(child, k)
@@ -199,7 +199,7 @@ class RadixTree:
                 added.append(child)
                 offset = end
             else:
-                k = _edge_match(child, data, tokens, offset, end, ps)
+                k = _edge_match(child, data, offset, end, ps)
                 if k < len(child):
                     child = self._split(child, k)
                 if child.values[tier] is not None:
@@ -481,17 +481,17 @@ class RadixTree:
         return render(self.root)
 
 
-def _edge_match(child: TreeNode, data: bytes, tokens: np.ndarray, offset: int, end: int, ps: int) -> int:
-    """Tokens of `child`'s edge that `tokens[offset:end]` (whose bytes are `data`) repeats,
+def _edge_match(child: TreeNode, data: bytes, offset: int, end: int, ps: int) -> int:
+    """Tokens of `child`'s edge that tokens [offset, end) (their bytes are `data`) repeat,
     floored to pages. The whole edge is one memcmp (bytes.startswith at an offset, the
-    edge's bytes cached on the node); only a divergence is located token by token."""
+    edge's bytes cached on the node); a divergence is found by halving (`edge_prefix`)."""
     edge = child.edge
     if edge is None:
         edge = child.edge = child.key.tokens.tobytes()
     n = len(edge) >> 3
     if offset + n <= end and data.startswith(edge, offset << 3):
         return n
-    return common_prefix(child.key.tokens, tokens, offset, end, ps)
+    return edge_prefix(edge, data, offset, end, ps)
 
 
 def _check_hashes(what: str, hashes: object) -> None:

@@ -1,8 +1,4 @@
-import gc
 import logging
-import sys
-import threading
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,6 +10,8 @@ from kvtier.tiers.indices import page_slots
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig
 from kvtier.tiers.req_to_token import ReqToTokenPool
+
+from tests.gil import gil_watch
 
 
 def filled_pool(attention, page_size, seed=0):
@@ -245,43 +243,6 @@ def test_set_kv_and_req_to_token():
     assert rows.read(1, 4).tolist() == [0, 0, 3, 5]
     with pytest.raises(ValueError, match="max_context_len"):
         rows.write(1, 15, loc)
-
-
-@contextmanager
-def gil_watch():
-    """`progress(fn)`: how far a thread spinning beside this one got while `fn` ran three
-    times. It wants the GIL all along, so it gets anywhere only if `fn` lets the GIL go
-    (no forced switch comes within the half-second interval set before it first waited:
-    the block must end within it; no collection runs: one freeing tensors lets the GIL go
-    in torch, not in `fn`)."""
-    spins, stop = [0], [False]
-
-    def spin():
-        while not stop[0]:
-            spins[0] += 1
-
-    def progress(fn):
-        before = spins[0]
-        for _ in range(3):
-            fn()
-        return spins[0] - before
-
-    spinner = threading.Thread(target=spin, daemon=True)
-    interval = sys.getswitchinterval()
-    gc.collect()
-    try:
-        gc.disable()
-        sys.setswitchinterval(0.5)  # before the spinner waits: a wait begun at 5 ms would force a switch mid-call
-        spinner.start()
-        while spins[0] == 0:
-            pass  # it ran: now it wants the GIL back, and takes it only if this thread lets it go
-        yield progress
-    finally:
-        sys.setswitchinterval(interval)
-        stop[0] = True
-        if spinner.is_alive():
-            spinner.join()
-        gc.enable()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

@@ -1,8 +1,13 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.tree import RadixKey, RadixTree, Tier
+from kvtier.tree.key import common_prefix
+
+from tests.gil import gil_watch
 
 D, H = Tier.DEVICE, Tier.HOST
 
@@ -307,4 +312,37 @@ def test_an_observer_that_hashes_a_new_node_leaves_no_stale_known_prefix():
     assert node.hashes == chain and node.hash_prefix is None
     tree.match_prefix(key([40, 41, 42, 43, 1, 2]))  # splits the node after 2 pages
     assert node.hashes == chain[2:] and node.hash_prefix is None
+    tree.sanity_check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(edge=st.lists(st.integers(0, 2), max_size=40), tokens=st.lists(st.integers(0, 2), max_size=50),
+       offset=st.integers(0, 10), page_size=st.sampled_from([1, 2, 4]))
+def test_common_prefix_is_the_tokens_before_the_first_difference_floored_to_pages(edge, tokens, offset, page_size):
+    """The bytes-halving search (kept the GIL) agrees with a token-by-token count at every
+    offset and page size."""
+    edge, tokens = np.array(edge, dtype=np.int64), np.array(tokens, dtype=np.int64)
+    offset = min(offset, tokens.shape[0])
+    n = min(edge.shape[0], tokens.shape[0] - offset)
+    same = next((i for i in range(n) if edge[i] != tokens[offset + i]), n)
+    assert common_prefix(edge, tokens, offset, tokens.shape[0], page_size) == same - same % page_size
+
+
+def test_a_walk_that_diverges_deep_in_a_long_edge_keeps_the_gil():
+    """Matching and inserting a prompt that leaves a 200,000-token edge near its end, on the
+    scheduler thread, never let the GIL go (`gil_watch`): the divergence was located with a
+    numpy compare and `argmax`, which give it up, and winning it back waited behind the
+    storage thread's Python (docs/design.md §2)."""
+    tree = RadixTree(page_size=4)
+    edge = np.arange(200_000, dtype=np.int64)
+    tree.insert(key(edge), torch.arange(4, 200_004))  # slots 0-3: the padding page
+    other = edge.copy()
+    other[199_990] = -1 + 2 ** 32  # in range, and not the edge's token
+    probe = key(other)
+    with gil_watch() as progress:
+        moved = progress(lambda: tree.match_prefix(probe))
+    assert moved == 0
+    assert tree.match_prefix(probe).device_indices.numel() == 199_988  # floored to whole pages
+    r = tree.insert(probe, torch.arange(200_004, 400_004))
+    assert r.prefix_len == 199_988 and len(tree.root.children) == 1
     tree.sanity_check()
