@@ -53,13 +53,19 @@ class Held:
           KV, kept under other tokens, would be served for them;
         - past the tree's part, the slots are the request's own: the ones its prefix was
           loaded into, as handed, then allocated ones. A slot not allocated (freed, or made
-          up) kept in the tree would go to the next request, whose KV would overwrite it.
+          up) kept in the tree would go to the next request, whose KV would overwrite it;
+        - each of those slots is listed once: one slot kept for two tokens serves one of
+          them the other's KV.
         """
         n = self.handed
         if not same_prefix(key, self.key, n):
             raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
                              f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})")
         self.check_row(what, request_id, kv, slots)
+        twice = slots.repeated(kv[self.tree_len:])
+        if twice.size:
+            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices lists slots {twice[:8].tolist()} more "
+                             f"than once: two tokens' KV cannot share a slot (one would be served the other's)")
 
     def check_row(self, what: str, request_id: str, kv: np.ndarray, slots: Slots) -> None:
         """`kv` is the request's row: it covers the prefix it was handed, past the tree's

@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from kvtier.numpy_gil import GIL_CHUNK, HIGH
-from kvtier.tiers.indices import as_numpy, check_indices, check_size, concat, page_slots, pages_of, tensor
+from kvtier.tiers.indices import (
+    Repeats, as_numpy, check_indices, check_size, concat, page_slots, pages_of, tensor,
+)
 
 
 def _debug_default() -> bool:
@@ -112,8 +114,7 @@ class _FreeList:
         self.released_count = 0
         self.group: list[np.ndarray] | None = None
         self.held = np.zeros(n + 1, dtype=bool)  # handed out and not given back
-        self._seen = np.zeros(n + 1, dtype=np.int64)  # scratch of `_repeats`
-        self._order = np.arange(n + 1, dtype=np.int64)
+        self.repeats = Repeats(n + 1)
 
     def available(self) -> int:
         return self.free.size + self.released_count
@@ -155,7 +156,7 @@ class _FreeList:
         if not units.flags.c_contiguous:
             units = concat([units])
         self._check(units, what)
-        if units.size > 1 and self._repeats(units):  # one unit (a tail's page) repeats nothing
+        if units.size > 1 and self.repeats.any(units):  # one unit (a tail's page) repeats nothing
             units = _distinct(units)
         _put(self.held, units, False)
         if self.group is not None:
@@ -174,19 +175,6 @@ class _FreeList:
             raise ValueError(f"free: {what} {bad[:8].tolist()} are not allocated (double free?)")
         if self.debug and np.unique(units).size != units.size:
             raise ValueError(f"free: {what} listed twice in one call (double free)")
-
-    def _repeats(self, units: np.ndarray) -> bool:
-        """Is a unit of `units` (all in range) listed twice? Each unit's position is
-        scattered into a scratch row and read back: a repeated unit reads its last
-        position at its first. No sort, and in pieces of GIL_CHUNK."""
-        k, seen = units.shape[0], self._seen
-        order = self._order[:k] if k <= self.n + 1 else np.arange(k, dtype=np.int64)
-        for i in range(0, k, GIL_CHUNK):
-            seen[units[i:i + GIL_CHUNK]] = order[i:i + GIL_CHUNK]
-        for i in range(0, k, GIL_CHUNK):
-            if seen[units[i:i + GIL_CHUNK]].tobytes() != order[i:i + GIL_CHUNK].tobytes():
-                return True
-        return False
 
     def all_held(self, units: np.ndarray) -> bool:
         """Is every unit of `units` in range and handed out? In pieces of GIL_CHUNK, with

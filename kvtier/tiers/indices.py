@@ -88,6 +88,38 @@ def concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.frombuffer(joined, dtype=np.int64)
 
 
+class Repeats:
+    """Finds units listed twice among units in [0, n), without a sort (a numpy sort always
+    gives the GIL up): each unit's position is scattered into a scratch row and read back,
+    and a repeated unit reads its last position at its first. In pieces of GIL_CHUNK
+    (docs/design.md §2): a few microseconds for a request's slots. Positions are int32 (4
+    bytes of scratch a unit), so a call takes fewer than 2**31 units."""
+
+    def __init__(self, n: int) -> None:
+        self._seen = np.zeros(n, dtype=np.int32)
+        self._order = np.arange(0, dtype=np.int32)
+
+    def any(self, units: np.ndarray) -> bool:
+        """Is a unit of `units` (each in [0, n)) listed twice?"""
+        k, seen = units.shape[0], self._seen
+        if k > self._order.shape[0]:
+            self._order = np.arange(k, dtype=np.int32)
+        order = self._order
+        for i in range(0, k, GIL_CHUNK):
+            seen[units[i:i + GIL_CHUNK]] = order[i:min(k, i + GIL_CHUNK)]
+        for i in range(0, k, GIL_CHUNK):
+            if seen[units[i:i + GIL_CHUNK]].tobytes() != order[i:min(k, i + GIL_CHUNK)].tobytes():
+                return True
+        return False
+
+    @staticmethod
+    def which(units: np.ndarray) -> np.ndarray:
+        """The units listed twice or more, each once, in ascending order (an error's message:
+        this one sorts)."""
+        values, counts = np.unique(units, return_counts=True)
+        return values[counts > 1]
+
+
 def tensor(slots: np.ndarray) -> torch.Tensor:
     """A tensor over `slots` (no copy), for a caller outside kvtier: the one torch call an
     API that hands slots back makes (every torch call gives up the GIL)."""

@@ -619,6 +619,36 @@ def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
 
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_finish_whose_row_lists_a_slot_twice_changes_nothing(page_size):
+    """Two tokens' KV in one slot: the tree kept the row as given, so one of those tokens
+    was served the other's KV from then on (a wrong byte, never a miss). Each slot the
+    request owns (its loaded prefix, then its own) must appear once; a row that repeats
+    one, among its own or onto a loaded slot, is refused before anything changes, naming
+    the slot. The right row then finishes as usual."""
+    cache = make_cache(pool_size=128, page_size=page_size)
+    kvs = compute(cache, A, seed=1)
+    settle(cache)
+    cache.evict(128)  # A is on host only now: the next request loads it into slots it owns
+    tokens = np.concatenate([A, A + 1])
+    got = acquire(cache, tokens, "b")
+    assert got.host_hit == 16
+    mine = cache.alloc(16)
+    forward(cache, "b")
+    fill(cache, mine, seed=2)
+    loaded = got.indices[-1:]
+    for row, slot in [(torch.cat([got.indices, mine[:15], mine[3:4]]), mine[3]),
+                      (torch.cat([got.indices, loaded, mine[1:]]), loaded[0])]:
+        with pytest.raises(ValueError, match=rf"kv_indices lists slots \[{int(slot)}\] more than once"):
+            cache.cache_finished("b", tokens, row)
+        assert "b" in cache.requests
+        check(cache)
+    cache.cache_finished("b", tokens, torch.cat([got.indices, mine]))
+    assert same_kv(read_back(cache, A, "again")[1], kvs)
+    check(cache)
+    cache.close()
+
+
 def test_an_abort_with_a_row_the_request_does_not_own_changes_nothing():
     """abort(rid, row) released the lock and forgot the request, then raised on a stale slot
     in the row: the request's other slots were never freed (a leak the accounting showed).
