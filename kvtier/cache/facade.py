@@ -147,7 +147,7 @@ class TieredCache:
         self.slots = Slots(tree, ctl, device_allocator, cfg, self.stats_obj.counters, key_of, has_mirror,
                            back_up=self._back_up)
         self.writes = Writes(self.slots, cfg, self.stats_obj, key_of, complain, self.events)
-        self.loads = Loads(self.slots, cfg, self.stats_obj, complain)
+        self.loads = Loads(self.slots, cfg, self.stats_obj, complain, lambda: self.completions.short_of_room())
         self.prefetcher = Prefetcher(self.slots, cfg, self.stats_obj, key_of, clock)
         self.completions = Completions(ctl, self.writes, self.loads, self.prefetcher, self.agreement,
                                        self.stats_obj.counters)

@@ -21,9 +21,12 @@ from kvtier.tree import Tier, TreeNode
 
 class Loads(Part):
     def __init__(self, slots: Slots, config: ControllerConfig, stats: CacheStats,
-                 complain: Callable[[str, str], None]) -> None:
+                 complain: Callable[[str, str], None], short_of_room: Callable[[], None]) -> None:
+        """`short_of_room`: called when a load finds no device room (writes in flight lock
+        device pages, and the next poll must apply those that landed: the completions')."""
         super().__init__(slots, config, stats)
         self.complain = complain
+        self.short_of_room = short_of_room
         self.orphaned_pages = 0  # device pages of orphaned loads, freed when applied
 
     def start(self, node: TreeNode) -> LoadOp[TreeNode] | None:
@@ -41,6 +44,7 @@ class Loads(Part):
         device = self.slots.alloc_device(total)
         if device is None:
             self.tree.release_host(node)
+            self.short_of_room()
             return None
         # allocation may have applied completions that split nodes of the path: walk it again
         host = concat([n.values[Tier.HOST] for n in self.tree.nodes_to_load(node)])

@@ -229,6 +229,41 @@ def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes(sho
     cache.close()
 
 
+def test_a_load_short_of_device_room_makes_the_next_poll_apply_landed_writes():
+    """A request's host prefix is loaded into slots allocated for it; when writes in flight
+    lock every device page, the load finds no room and the request recomputes that prefix.
+    The poll after it applies the writes that landed (it used to leave them for up to
+    `LAZY_POLLS` polls, and every request meanwhile missed its host prefix the same way)."""
+    streams = SimStreams(random.Random(0))
+    cache = make_cache(store="none", stream_factory=streams.factory)
+    c = cache.stats_obj.counters
+    a = np.arange(100, 116)
+    _landed_write(cache, streams, a)
+    for _ in range(LAZY_POLLS + 1):
+        cache.poll()
+    assert c.writes == 1  # A is on device and host
+    cache.evict(16)  # now on host only
+    for i in range(cache.config.pool.size // 16):  # the device fills with writes that land, unapplied
+        _landed_write(cache, streams, np.arange(1000 * (i + 2), 1000 * (i + 2) + 16))
+    writes = c.writes
+    assert cache.slots.device_free() == 0 and cache.room() == 0  # every device page is a write's
+    got = cache.acquire(np.concatenate([a, [7, 7, 7, 7]]), "r")
+    assert got.ready and got.host_hit == 0  # no room to load A: recomputed, a miss
+    cache.abort("r")
+    cache.poll()
+    assert c.writes > writes and cache.room() > 0  # applied: their pages may be evicted again
+    got = cache.acquire(a, "again")
+    assert got.ready and got.host_hit == 16  # room now: its load starts
+    for job in list(streams.pending):
+        streams.resolve(job, "ok", random.Random(0))
+    forward(cache, "again")
+    cache.cache_finished("again", a, got.indices)
+    cache.drain()
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
 def test_a_backups_end_wakes_no_napping_scheduler_and_a_prefetchs_move_does():
     """No request waits for a backup: its end leaves `wait_progress` asleep, and a later
     poll still applies it. A prefetch's move (the store answered) wakes the nap."""
