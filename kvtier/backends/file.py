@@ -33,7 +33,7 @@ from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
 from kvtier.backends.file_io import (
     TMP, mtime, read_file, read_pages_into, read_sealed_into, run_all, sizes_of, unlink_quietly,
-    write_atomically, write_small,
+    write_atomically, write_pages, write_small,
 )
 from kvtier.backends.io_threads import IoThreads, settle_jobs
 from kvtier.errors import StoreError, StoreUnavailable
@@ -234,7 +234,7 @@ class FileStore(Store):
         fits = [f.size <= self.config.capacity_bytes for f in frames]
         items = [(self._file(k), f, self.config.fsync, self._inside) for k, f, ok in zip(keys, frames, fits) if ok]
         written = [k for k, ok in zip(keys, fits) if ok]
-        outcomes = await self._batch(write_atomically, items)
+        outcomes = await self._jobs(write_pages, items)
         await self._retry_if_disk_full(written, items, outcomes)
         results = dict(zip(written, outcomes))
         failed = {k: e for k, e in results.items() if isinstance(e, OSError)}
@@ -277,7 +277,7 @@ class FileStore(Store):
         self.disk_full_evictions += len(victims)
         self.complain("disk_full", f"disk full under {self._root_str}: evicted {len(victims)} pages "
                                    f"({sum(n for _, n in victims)} bytes) to write {len(full)}")
-        for i, r in zip(full, await self._batch(write_atomically, [items[i] for i in full])):
+        for i, r in zip(full, await self._jobs(write_pages, [items[i] for i in full])):
             outcomes[i] = r
 
     async def _enforce_capacity(self, added: int = 0) -> None:
@@ -369,7 +369,7 @@ class FileStore(Store):
         return self.root.joinpath(*name.split("/"))
 
     async def _put_meta(self, name, data):
-        [err] = await self._batch(write_atomically, [(self._meta_path(name), bytes(data), self.config.fsync)])
+        [err] = await self._jobs(write_pages, [(self._meta_path(name), bytes(data), self.config.fsync)])
         if isinstance(err, OSError):
             raise StoreError(f"file: writing {name}: {err}") from err
 

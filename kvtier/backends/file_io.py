@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+from functools import partial
 import queue
 import socket
 import stat
@@ -332,11 +333,21 @@ def _temp_name(final: str) -> str:
     return f"{parent}/{name}" if parent not in ("", "/") else os.path.join(parent, name)
 
 
-def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
+def write_pages(items: list[tuple], stop=None) -> list:
+    """`write_atomically` over `items` as one thread job (`run_all`), each write told the
+    job's `stop`."""
+    return run_all(partial(write_atomically, stop=stop), items, stop)
+
+
+def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> int:
     """Write `data` (a page's Frame, or plain bytes) to an owner-named temp file (mode
     0600), then rename it over `final`: readers see the whole file or none. Returns the
     bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`).
-    `inside(dir)`: False where the directory leads out of the store (a symlink): refused."""
+    `inside(dir)`: False where the directory leads out of the store (a symlink): refused.
+    `stop` set (the job was abandoned, stuck, and its caller owns `data` again): nothing is
+    read from `data` or renamed from then on. A write stuck in `open` on a hung mount would
+    otherwise frame what the reused buffer holds when the mount returns, with a valid
+    checksum, and publish it under this key."""
     final = str(final)  # a Path for the store's own metadata files
     if inside is not None and not inside(_parent(final)):
         raise OSError(errno.EPERM, "a directory on the way is no real directory under the store root; refused", final)
@@ -348,6 +359,7 @@ def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
             os.makedirs(_parent(final), mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            _check_not_abandoned(stop, final)
             if isinstance(data, frame.Frame):
                 _write_page(fd, data)
             else:
@@ -356,6 +368,7 @@ def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
                 os.fsync(fd)
         finally:
             os.close(fd)
+        _check_not_abandoned(stop, final)  # its buffer may have changed while it wrote
         try:
             replaced = os.stat(final).st_size
         except FileNotFoundError:
@@ -365,6 +378,11 @@ def write_atomically(final: str, data, fsync: bool, inside=None) -> int:
     except OSError:
         unlink_quietly(tmp)
         raise
+
+
+def _check_not_abandoned(stop, final: str) -> None:
+    if stop is not None and stop.is_set():
+        raise OSError(errno.ECANCELED, "the write was abandoned (stuck past its call's timeout): not published", final)
 
 
 def _write_page(fd: int, page: frame.Frame) -> None:

@@ -71,6 +71,49 @@ async def test_a_stuck_read_is_abandoned_and_close_returns(tmp_path):
         _release([str(stuck)])
 
 
+async def test_a_write_abandoned_stuck_never_publishes_the_page_it_resumes(tmp_path):
+    """A page write stuck opening its temp file (a hung mount: a FIFO there) is abandoned;
+    its caller then reuses the buffer. When the mount comes back the thread went on: it
+    framed the buffer as it was now, with a valid checksum, and renamed it over the key, so
+    every later reader (another rank, a restart) was served other KV under that key. An
+    abandoned write now stops before it reads the buffer or renames anything."""
+    import copy
+
+    from kvtier.backends import file_io
+
+    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1), timeout_s=0.3)
+    assert await store.batch_set([_key(9)], [bytes(64)]) == [True]  # the fan-out directories exist
+    final = str(store.path(_key(1)))
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    nxt = next(copy.copy(file_io._TEMP_IDS))  # the name the next write's temp file takes
+    temp = f"{os.path.dirname(final)}/{file_io.TMP}{file_io._OWNER}{file_io._RUN}{nxt}"
+    os.mkfifo(temp)
+    page = bytearray(b"\x11" * 1024)
+    try:
+        with pytest.raises(StoreTimeout) as err:
+            await store.batch_set([_key(1)], [page])
+        await asyncio.wait_for(err.value.settled, 10)  # abandoned: the buffer is the caller's again
+        page[:] = b"\x77" * 1024  # reused for other KV
+        fd = os.open(temp, os.O_RDONLY)  # the mount comes back: the stuck open returns
+        captured = bytearray()
+        while chunk := os.read(fd, 1 << 16):
+            captured += chunk
+        os.close(fd)
+        for _ in range(200):  # the thread ends: it unlinks its temp file
+            if not os.path.lexists(temp):
+                break
+            time.sleep(0.01)
+        assert captured == b"" and not os.path.lexists(final)
+    finally:
+        _release([temp])
+        await store.close()
+    reader = FileStore(FileStoreConfig(root=str(tmp_path / "l3")), timeout_s=5)
+    try:
+        assert await reader.batch_get([_key(1)]) == [None]  # a miss, never the reused buffer's bytes
+    finally:
+        await reader.close()
+
+
 def test_replay_verify_on_a_hung_store_completes_reports_it_down_and_closes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("KVTIER_STORE_TIMEOUT_S", "1")
