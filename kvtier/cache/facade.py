@@ -112,7 +112,7 @@ class TieredCache:
         if store is None and config.store.backend != "none" and self.mirror is not None:
             store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
         if store is not None and keys is not None:
-            store.seal_with(SealedCodec(keys, ns.encrypt))
+            store.seal_with(SealedCodec(keys.current_only(), ns.encrypt))
         hash_algo = config.tree.hash_algo if keys is None else keys.current.page_hash(config.tree.hash_algo)
         self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
                               self.namespace.id, hash_algo)

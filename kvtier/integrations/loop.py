@@ -77,7 +77,8 @@ def tenant_of(ns: NamespaceConfig) -> StoreTenant:
     keys = ns.tenant_keys()
     if keys is None:
         return StoreTenant()
-    return StoreTenant(keys.current.key_id.hex(), keys.current.page_hash("sha256"), SealedCodec(keys, ns.encrypt))
+    return StoreTenant(keys.current.key_id.hex(), keys.current.page_hash("sha256"),
+                       SealedCodec(keys.current_only(), ns.encrypt))
 
 
 def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:

@@ -118,6 +118,30 @@ def test_another_tenants_key_reads_nothing_and_no_key_reads_nothing(cache_home, 
         assert s["hit_tokens"]["storage"] == 0 and s["store"]["hits"] == 0 and s["store"]["errors"] == 0
 
 
+def test_after_a_rotation_the_retired_key_forges_nothing(cache_home, capsys, monkeypatch):
+    """docs/security.md, "Rotating a key": the old key stays listed after the new one so that
+    `store verify` and `purge` recognise its pages. The cache read with the whole ring, so
+    whoever still held the retired key (a leaked one, the reason to rotate) sealed another
+    page's payload under each page of the new namespace and was served. The cache reads
+    with the current key only: every such page is a miss."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", f"{KEY_B},{KEY_A}")  # B is current, A retired
+    assert replay(capsys, "--requests", "12")[0] == 0
+    files = page_files(cache_home)
+    assert files
+    retired = seal.SealedCodec(parse_keys(KEY_A, "a"))
+    blobs = [f.read_bytes() for f in files]
+    current = seal.SealedCodec(parse_keys(KEY_B, "b"))
+    for i, f in enumerate(files):  # what the holder of A does: another page's payload, sealed with A
+        ns, h = f.parents[2].name, bytes.fromhex(f.name)
+        nxt = files[(i + 1) % len(files)]
+        payload = bytes(current.decode(blobs[(i + 1) % len(files)], nxt.parents[2].name, bytes.fromhex(nxt.name)))
+        header, body = retired.seal(ns, h, payload)
+        f.write_bytes(header + bytes(body))
+    code, s = replay(capsys, "--requests", "12", "--verify")
+    assert code == 0 and s["verify_failures"] == [] and s["failed_requests"] == 0
+    assert s["hit_tokens"]["storage"] == 0 and s["store"]["hits"] == 0
+
+
 async def test_store_level_other_key_and_no_key_miss_every_page(tmp_path):
     """The same at the store: A's keys read with B's codec, and with none, are misses
     counted as frame failures, never errors."""
