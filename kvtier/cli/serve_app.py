@@ -23,7 +23,10 @@ from starlette.routing import Route
 log = logging.getLogger(__name__)
 MAX_BODY = 1 << 20  # a /generate body is a list of token ids: 1 MiB is ~100k tokens
 MAX_DEPTH = 8  # JSON nesting: a /generate body needs 2
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+# a JSON string, or an unclosed one to the end of the body: possessive (no backtracking), and
+# every match attempt succeeds, so one pass is linear whatever the body (the pattern without
+# both took quadratic time over an unclosed string of escaped quotes, on the event loop)
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)', re.S)
 
 
 class RequestRejected(ValueError):

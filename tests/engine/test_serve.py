@@ -186,6 +186,27 @@ def test_hostile_bodies_and_headers_get_a_4xx(serving):
     assert json_depth(b'{"a": "[[[[", "b": [[1]]}') == 3  # brackets in strings do not count
 
 
+def test_a_body_of_escaped_quotes_is_measured_in_linear_time():
+    """json_depth skips strings with a regex, on the server's event loop. Its pattern
+    backtracked quadratically over an unclosed string of escaped quotes: one 80 kB body
+    froze the server ~13 s for every client, and a 1 MiB one (under the default cap) ~40
+    minutes. The 400 kB bodies here take milliseconds; the bound only stops a hang."""
+    import subprocess
+    import sys
+
+    code = r"""
+from kvtier.cli.serve_app import json_depth
+quote, backslash = b'"', b'\\'
+unclosed = quote + (backslash + quote) * 200_000
+for body in (unclosed, unclosed + backslash, b'{"s": ' + unclosed + quote + b'}'):
+    print(json_depth(body))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "0", "1"]  # an unclosed string runs to the end of the body
+    assert json_depth(b'{"a": "x\\"]]", "b": [[1, "\\\\"]]}') == 3
+
+
 def test_an_idle_server_applies_finished_writes(serving):
     """On main /stats showed writes and backups in flight until the next request came."""
     listener, server = serving()
