@@ -16,6 +16,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import numpy as np
+
 from kvtier.backends.base import Store
 from kvtier.backends.seal import SealedCodec
 from kvtier.config import NamespaceConfig
@@ -85,6 +87,23 @@ def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:
     """The breaker of the YAML's `controller:` settings, as the cache's storage thread uses."""
     return Breaker(store_name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
                                              c.store_probe_max_backoff_s))
+
+
+async def read_staged(breaker: Breaker, store: Store, keys: list[str], views: list[memoryview]) -> list[bool]:
+    """`store.batch_get_into(keys, views)` behind the breaker, read into buffers of kvtier's
+    own and copied into the engine's `views` only for pages that verified, once the call
+    returned. A call given up on stuck (a hung mount) is a miss while its thread may still
+    write: into these buffers, never into an engine's page that it freed and reused."""
+    staging = np.empty(sum(len(v) for v in views), dtype=np.uint8)
+    staged, at = [], 0
+    for v in views:
+        staged.append(memoryview(staging[at:at + len(v)]))
+        at += len(v)
+    ok = await guarded(breaker, lambda: store.batch_get_into(keys, staged), [False] * len(keys))
+    for view, page, good in zip(views, staged, ok):
+        if good:
+            view[:] = page
+    return ok
 
 
 async def guarded(breaker: Breaker, call: Callable[[], Awaitable], fallback: Any) -> Any:

@@ -41,7 +41,7 @@ from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
-from kvtier.integrations.loop import LoopThread, breaker_for, guarded, tenant_of
+from kvtier.integrations.loop import LoopThread, breaker_for, guarded, read_staged, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class KvtierStorageBase:
         if not full:
             return []
         start = time.perf_counter()
-        ok = self._loop.run(self._guarded(lambda: self.store.batch_get_into(full, views), [False] * len(full)))
+        ok = self._loop.run(read_staged(self.breaker, self.store, full, views))
         self._record("get", self._prefetch_pgs, self._prefetch_bw, len(full), sum(ok), start)
         return list(ok)
 
@@ -229,8 +229,10 @@ class KvtierStorageBase:
     # -- v1: host indices (SGLang's zero-copy interface) -----------------------------------
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
-        """Read pages straight into SGLang's host pool. A page that misses or fails
-        verification is False and its host slots must not be used (SGLang frees them)."""
+        """Read pages into SGLang's host pool, each copied in once it verified (`_read`
+        reads into buffers of its own: a read given up on stuck writes none of SGLang's
+        pages). A page that misses or fails verification is False and its host slots are
+        untouched (SGLang frees them)."""
         pool = self.mem_pool_host
         starts = self._page_starts(keys, host_indices)
         targets: list[torch.Tensor | None] = []

@@ -109,6 +109,45 @@ def test_drain_jobs_on_reset_ends_every_job_first(tmp_path, rigs):
     assert rig.tier.counters["store_ok"] == 6
 
 
+def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, rigs):
+    """A hung mount (a FIFO at the page's path: its open never returns). The promotion's
+    read is given up on and reported failed; vLLM frees its primary row and stores other
+    KV there. When the mount came back, the abandoned thread went on reading into that row:
+    vLLM then served the other key's block with these bytes. Reads land in kvtier's own
+    buffers and are copied into a row only once they verified."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3}), chunks=2)
+    tier = rig.tier
+    [key] = new_keys(1)
+    rig.store([key])
+    path = str(tier.store.path(tier.store_keys([key])[0]))
+    os.unlink(path)
+    os.mkfifo(path)
+    try:
+        rig.mgr.reset_cache()
+        rig.mgr.on_reset_flushed()  # the primary tier is empty: the block lives in the store only
+        ctx = ReqContext(req_id="reader")
+        rig.mgr.on_new_request(ctx)
+        assert rig.mgr.lookup(key, ctx) is LookupResult.HIT_PENDING  # a promotion into a primary row
+        rig.step()
+        tier.drain_jobs()  # the read times out and is abandoned: the job failed
+        rig.step()
+        assert rig.mgr.lookup(key, ctx) is not LookupResult.HIT
+        rig.mgr.on_request_finished(ctx)
+        rig.settle()
+        others = new_keys(2)
+        written = rig.store(others, "writer2")  # every primary row holds other KV now
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # the mount comes back: the stuck read goes on
+        os.write(fd, b"\xab" * (tier.block_size_bytes + 256))
+        os.close(fd)
+        tier.store._pool.shutdown(wait=True, timeout=10)  # the stuck thread has ended
+        _, got = rig.load(others, "reader2")
+        assert got == written
+    finally:
+        os.unlink(path)
+
+
 def corrupt(kind: str, request, tier, key_full: str, section: dict) -> None:
     """Flip one payload byte of the stored frame, with the store's own raw client."""
     if kind == "file":

@@ -34,7 +34,7 @@ from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig
 from kvtier.controller.cpus import check_cpus
 from kvtier.hashing import key_maker
-from kvtier.integrations.loop import LoopThread, breaker_for, guarded, tenant_of
+from kvtier.integrations.loop import LoopThread, breaker_for, guarded, read_staged, tenant_of
 from kvtier.integrations.vllm.index import Answer, LookupIndex, Probe
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
 
@@ -154,13 +154,14 @@ class KvtierTier(SecondaryTierManager):
         return await self.store.batch_set(full, rows)
 
     async def _load(self, job: TransferJob) -> None:
-        """Verified rows straight into the pinned primary rows. A row that misses or fails
-        verification is False; vLLM frees its primary row unread."""
+        """Verified rows into the pinned primary rows, each copied in once it verified
+        (`read_staged`: a read given up on stuck writes into no row vLLM frees and reuses).
+        A row that misses or fails verification is False; vLLM frees its primary row unread."""
         start = time.perf_counter()
         keys = list(job.keys)
         full = self.store_keys(keys)
         rows = self._rows(job.chunk_ids)
-        ok = await guarded(self.breaker, lambda: self.store.batch_get_into(full, rows), [False] * len(keys))
+        ok = await read_staged(self.breaker, self.store, full, rows)
         self._outcomes.put(("job", _Done(job, list(ok), time.perf_counter() - start,
                                          sum(ok) * self.block_size_bytes)))
 
