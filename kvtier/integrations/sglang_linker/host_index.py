@@ -60,14 +60,16 @@ class HostIndex:
         self.reserved.update(pages.tolist())
         return pages
 
-    def publish(self, key: str, page: int) -> None:
-        """A reserved page whose bytes landed and verified becomes `key`'s (a key already
-        published keeps its page; this one goes back)."""
+    def publish(self, key: str, page: int) -> bool:
+        """A reserved page whose bytes landed and verified becomes `key`'s: True. A key
+        already published keeps its page, and this one goes back: False (the caller must
+        not use it any more)."""
         self.reserved.remove(page)
         if key in self.pages:
             self.allocator.free_pages(np.array([page], dtype=np.int64))
-            return
+            return False
         self.pages[key] = page
+        return True
 
     def release(self, pages: np.ndarray) -> None:
         """Reserved pages whose op ended without publishing them."""
