@@ -116,7 +116,7 @@ class Store(ABC):
         self.counters.exists_calls += 1
         if not keys:
             return 0
-        present = await self._call("batch_exists", self._exists(list(keys)))
+        present = self._one_each("batch_exists", await self._call("batch_exists", self._exists(list(keys))), len(keys))
         run = 0
         for p in present:
             if not p:
@@ -129,7 +129,7 @@ class Store(ABC):
         parsed = self._check(keys)
         if not keys:
             return []
-        blobs = await self._call("batch_get", self._get(list(keys)))
+        blobs = self._one_each("batch_get", await self._call("batch_get", self._get(list(keys))), len(keys))
         out: list[bytes | None] = []
         for key, (_, ns, h), blob in zip(keys, parsed, blobs):
             if blob is None:
@@ -157,6 +157,7 @@ class Store(ABC):
             return []
         views = [memoryview(b).cast("B") for b in buffers]
         results = await self._call("batch_get_into", self._get_into(list(keys), parsed, views))
+        results = self._one_each("batch_get_into", results, len(keys))
         return [self._count_read(k, r, len(v)) is not None for k, r, v in zip(keys, results, views)]
 
     async def batch_set(self, keys: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
@@ -170,6 +171,7 @@ class Store(ABC):
         frames = [frame.Frame(ns, h, v, self.codec) for (_, ns, h), v in zip(parsed, views)]  # headers made by the store
         try:
             ok = await self._call("batch_set", self._set(list(keys), frames))
+            ok = self._one_each("batch_set", ok, len(keys))
         except StoreError:
             self.counters.sets += len(keys)
             self.counters.set_failures += len(keys)
@@ -299,6 +301,17 @@ class Store(ABC):
         """Default: read whole frames, verify, copy. Stores that can read in place override."""
         blobs = await self._get(keys)
         return [verify_into(blob, ns, h, view, self.codec) for (_, ns, h), blob, view in zip(parsed, blobs, views)]
+
+    def _one_each(self, op: str, answers, n: int) -> list:
+        """A raw call's answers, one per key in order, or StoreError: a list of another
+        length (a plugin that answered only for the keys it holds) would shift answers onto
+        other keys' pages."""
+        answers = list(answers)
+        if len(answers) != n:
+            self.counters.errors += 1
+            raise StoreError(f"{self.name}.{op}: {len(answers)} answers for {n} keys (a store answers each key, "
+                             f"in order)")
+        return answers
 
     def _map_error(self, op: str, exc: BaseException) -> StoreError:
         """Client error -> kvtier error. Subclasses extend for their client's exceptions."""

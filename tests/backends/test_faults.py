@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.backends import frame
 from kvtier.backends.file import FileStore, FileStoreConfig, _bytes_under
+from kvtier.backends.memory import MemoryStore
 from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
 from kvtier.backends.s3 import S3Store, S3StoreConfig
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
@@ -167,3 +168,33 @@ async def test_a_page_rewritten_by_the_batch_that_fills_the_disk_is_not_its_vict
         assert await store.batch_get(batch) == data
     finally:
         await store.close()
+
+
+class _AnswersOnlyHeld(MemoryStore):
+    """A plugin whose raw calls answer only for the keys they found or wrote (as a client's
+    MGET-like call over its hits may): shorter lists than the keys."""
+
+    async def _get_into(self, keys, parsed, views):
+        return [r for r in await super()._get_into(keys, parsed, views) if r is not None]
+
+    async def _get(self, keys):
+        return [b for b in await super()._get(keys) if b is not None]
+
+    async def _set(self, keys, frames):
+        return await super()._set(keys[:1], frames[:1])
+
+
+async def test_a_store_that_answers_fewer_keys_than_asked_is_a_store_error():
+    """Answers were zipped onto the keys: a plugin that answered only for the pages it held
+    shifted them, so a later key was reported read into a buffer holding another's bytes (or
+    its stale ones), and pages never written were reported stored. Such a call fails."""
+    store = _AnswersOnlyHeld()
+    keys = [new_key() for _ in range(3)]
+    with pytest.raises(StoreError, match=r"batch_set: 1 answers for 3 keys"):
+        await store.batch_set(keys, [bytes([i]) * 64 for i in range(3)])
+    assert store.stats()["set_failures"] == 3
+    assert await MemoryStore.batch_set(store, keys[1:2], [bytes(64)]) == [True]  # one held, not the first
+    with pytest.raises(StoreError, match=r"batch_get_into: 2 answers for 3 keys"):
+        await store.batch_get_into(keys, [bytearray(64) for _ in keys])
+    with pytest.raises(StoreError, match=r"batch_get: 2 answers for 3 keys"):
+        await store.batch_get(keys)
