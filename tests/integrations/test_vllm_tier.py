@@ -109,6 +109,34 @@ def test_drain_jobs_on_reset_ends_every_job_first(tmp_path, rigs):
     assert rig.tier.counters["store_ok"] == 6
 
 
+def test_a_block_the_store_evicted_is_stored_again_when_vllm_cascades_it(rigs):
+    """The tier skipped writing a row it once stored (its `present` index), counted it
+    stored and announced it; the store had evicted it meanwhile, which the index never
+    hears, and vLLM cascades a block only when it newly enters its primary tier: the block
+    was gone from the store for good. Every cascaded row is written."""
+    from vllm.v1.kv_offload.base import Medium
+
+    rig = rigs({"store": {"backend": "memory", "capacity_bytes": 2 * (80 + 4096)}}, chunks=8)
+    tier = rig.tier
+    k1, k2, k3 = new_keys(3)
+    for i, key in enumerate((k1, k2, k3)):
+        rig.store([key], f"w{i}")  # the store holds two rows: k1 goes
+
+    def held(key) -> bool:
+        return tier._loop.run(tier.store.batch_exists(tier.store_keys([key]))) == 1
+
+    assert not held(k1)
+    rig.mgr.reset_cache()
+    rig.mgr.on_reset_flushed()
+    written = rig.store([k1], "recompute")  # vLLM computed k1 again: primary, then the cascade
+    assert held(k1)
+    assert k1 in [k for e in rig.events if e.medium is Medium.STORAGE and not e.removed for k in e.keys]
+    rig.mgr.reset_cache()
+    rig.mgr.on_reset_flushed()
+    seen, got = rig.load([k1], "reader")
+    assert got == written
+
+
 def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, rigs):
     """A hung mount (a FIFO at the page's path: its open never returns). The promotion's
     read is given up on and reported failed; vLLM frees its primary row and stores other

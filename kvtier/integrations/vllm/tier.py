@@ -83,7 +83,7 @@ class KvtierTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] | None = [] if wants_events else None
         self._manifest_written = False
         self._closed = False
-        self.counters = {"store_jobs": 0, "store_keys": 0, "store_ok": 0, "store_skipped_present": 0,
+        self.counters = {"store_jobs": 0, "store_keys": 0, "store_ok": 0,
                          "load_jobs": 0, "load_keys": 0, "load_ok": 0}
         log.info("kvtier: vLLM secondary tier on the %s store, namespace %s (%s, %d B/row)",
                  self.store.name, self.namespace.id, self.namespace.model_id, self.block_size_bytes)
@@ -116,14 +116,14 @@ class KvtierTier(SecondaryTierManager):
     # -- jobs --------------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        """Rows already known stored are not written again (they count as stored)."""
+        """Every row is written, also one this tier once stored: the store may have evicted
+        it since (its capacity, a TTL, another writer's purge), which `index.present` never
+        hears of, and vLLM cascades a block only when it newly enters its primary tier."""
         job = job_metadata
         self._jobs += 1
         self.counters["store_jobs"] += 1
         self.counters["store_keys"] += len(job.keys)
-        todo = [i for i, k in enumerate(job.keys) if k not in self.index.present]
-        self.counters["store_skipped_present"] += len(job.keys) - len(todo)
-        self._start(self._store(job, todo), job)
+        self._start(self._store(job), job)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs += 1
@@ -135,16 +135,13 @@ class KvtierTier(SecondaryTierManager):
         bs = self.block_size_bytes
         return [self._flat[int(c) * bs:(int(c) + 1) * bs] for c in chunk_ids]
 
-    async def _store(self, job: TransferJob, todo: list[int]) -> None:
+    async def _store(self, job: TransferJob) -> None:
         start = time.perf_counter()
-        keys, ok = list(job.keys), [True] * len(job.keys)
-        if todo:
-            full = self.store_keys(keys[i] for i in todo)
-            rows = self._rows([job.chunk_ids[i] for i in todo])
-            written = await guarded(self.breaker, lambda: self._set(full, rows), [False] * len(todo))
-            for i, good in zip(todo, written):
-                ok[i] = bool(good)
-        self._outcomes.put(("job", _Done(job, ok, time.perf_counter() - start, len(todo) * self.block_size_bytes)))
+        keys = list(job.keys)
+        full, rows = self.store_keys(keys), self._rows(job.chunk_ids)
+        written = await guarded(self.breaker, lambda: self._set(full, rows), [False] * len(keys))
+        self._outcomes.put(("job", _Done(job, [bool(g) for g in written], time.perf_counter() - start,
+                                         len(keys) * self.block_size_bytes)))
 
     async def _set(self, full: list[str], rows: list[memoryview]) -> list[bool]:
         if not self._manifest_written:  # docs/formats.md: a namespace's manifest precedes its first page
