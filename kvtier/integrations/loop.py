@@ -89,18 +89,21 @@ def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:
                                              c.store_probe_max_backoff_s))
 
 
-async def read_staged(breaker: Breaker, store: Store, keys: list[str], views: list[memoryview]) -> list[bool]:
+async def read_staged(breaker: Breaker, store: Store, keys: list[str],
+                      views: list[memoryview]) -> list[bool] | None:
     """`store.batch_get_into(keys, views)` behind the breaker, read into buffers of kvtier's
     own and copied into the engine's `views` only for pages that verified, once the call
     returned. A call given up on stuck (a hung mount) is a miss while its thread may still
-    write: into these buffers, never into an engine's page that it freed and reused."""
+    write: into these buffers, never into an engine's page that it freed and reused.
+    None: the call failed as a whole (the breaker skipped the store, a timeout, an error),
+    which says nothing of whether the store holds the pages."""
     staging = np.empty(sum(len(v) for v in views), dtype=np.uint8)
     staged, at = [], 0
     for v in views:
         staged.append(memoryview(staging[at:at + len(v)]))
         at += len(v)
-    ok = await guarded(breaker, lambda: store.batch_get_into(keys, staged), [False] * len(keys))
-    for view, page, good in zip(views, staged, ok):
+    ok = await guarded(breaker, lambda: store.batch_get_into(keys, staged), None)
+    for view, page, good in zip(views, staged, ok or []):
         if good:
             view[:] = page
     return ok

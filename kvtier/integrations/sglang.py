@@ -185,7 +185,7 @@ class KvtierStorageBase:
         if not full:
             return []
         start = time.perf_counter()
-        ok = self._loop.run(read_staged(self.breaker, self.store, full, views))
+        ok = self._loop.run(read_staged(self.breaker, self.store, full, views)) or [False] * len(full)
         self._record("get", self._prefetch_pgs, self._prefetch_bw, len(full), sum(ok), start)
         return list(ok)
 

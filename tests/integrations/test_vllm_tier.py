@@ -137,6 +137,38 @@ def test_a_block_the_store_evicted_is_stored_again_when_vllm_cascades_it(rigs):
     assert got == written
 
 
+def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path, rigs):
+    """Once a hung read opened the breaker, promotions of rows the store holds intact were
+    skipped, and the tier took the skip for rows gone: it sent `BlockRemoved` (STORAGE) to
+    routers. A call that failed as a whole (breaker, timeout, error) fails the job (vLLM
+    recomputes those blocks) but announces nothing of its keys."""
+    from vllm.v1.kv_offload.base import Medium
+
+    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3},
+                    store_probe_backoff_s=60.0), chunks=4)
+    tier = rig.tier
+    hung, k2, k3 = new_keys(3)
+    rig.store([hung, k2, k3])
+    path = str(tier.store.path(tier.store_keys([hung])[0]))
+    os.unlink(path)
+    os.mkfifo(path)  # one page on a hung mount
+    try:
+        rig.mgr.reset_cache()
+        rig.mgr.on_reset_flushed()
+        rig.load([hung], "r1")  # times out, its thread is abandoned: the store is down
+        assert tier.breaker.down
+        rig.events.clear()
+        seen, _ = rig.load([k2, k3], "r2")
+        assert [s[-1].name for s in seen.values()] == ["MISS", "MISS"]  # not promoted: recomputed
+        assert not [e for e in rig.events if e.medium is Medium.STORAGE and e.removed]
+    finally:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        os.unlink(path)
+
+
 def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, rigs):
     """A hung mount (a FIFO at the page's path: its open never returns). The promotion's
     read is given up on and reported failed; vLLM frees its primary row and stores other

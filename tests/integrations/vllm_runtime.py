@@ -70,6 +70,7 @@ class Rig:
         self.mgr = self.spec.get_manager()
         self.tier = self.mgr.secondary_tiers[0]
         self.rows = np.asarray(self.mgr.primary_tier.get_kv_memoryview())  # (chunks, row bytes), zero-copy
+        self.events: list = []  # taken by the last `store`, and by the `load`s since
 
     def step(self) -> list:
         from vllm.v1.kv_offload.base import ScheduleEndContext
@@ -107,7 +108,8 @@ class Rig:
 
     def load(self, keys, req_id: str = "reader"):
         """Look `keys` up as vLLM's scheduler does, stepping until every answer settles;
-        returns (the answers seen in order per key, the primary rows' bytes of the HITs)."""
+        returns (the answers seen in order per key, the primary rows' bytes of the HITs).
+        The events taken meanwhile are added to `events`."""
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
         ctx = ReqContext(req_id=req_id)
@@ -120,7 +122,7 @@ class Rig:
                     seen[k].append(a)
             if all(a in (LookupResult.HIT, LookupResult.MISS) for a in answers):
                 break
-            self.step()
+            self.events += self.step()
             self.tier.drain_jobs()
         hits = [k for k in keys if seen[k][-1] is LookupResult.HIT]
         got = {}
@@ -129,7 +131,7 @@ class Rig:
             got = {k: self.rows[c].tobytes() for k, c in zip(hits, spec.chunk_ids)}
             self.mgr.complete_load(hits, ctx)
         self.mgr.on_request_finished(ctx)
-        self.settle()
+        self.events += self.settle()
         return seen, got
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ class _Done:
     ok: list[bool]
     seconds: float
     nbytes: int
+    answered: bool = True  # False: the call failed as a whole (breaker, timeout): nothing learnt of its keys
 
 
 class KvtierTier(SecondaryTierManager):
@@ -159,8 +160,9 @@ class KvtierTier(SecondaryTierManager):
         full = self.store_keys(keys)
         rows = self._rows(job.chunk_ids)
         ok = await read_staged(self.breaker, self.store, full, rows)
+        answered, ok = ok is not None, ok or [False] * len(keys)
         self._outcomes.put(("job", _Done(job, list(ok), time.perf_counter() - start,
-                                         sum(ok) * self.block_size_bytes)))
+                                         sum(ok) * self.block_size_bytes, answered)))
 
     def _start(self, coro, what: TransferJob | Probe) -> None:
         if self._closed:
@@ -197,8 +199,10 @@ class KvtierTier(SecondaryTierManager):
             for k, g in zip(keys, ok):
                 if g:
                     self.index.remember(k)
-                else:
+                elif done.answered:
                     self._lost(k)
+                else:  # the call failed as a whole: recomputed, not promoted again, not announced gone
+                    self.index.forget(k)
             partial = None if all(ok) else good
         else:
             self.counters["store_ok"] += len(good)
