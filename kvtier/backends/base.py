@@ -247,13 +247,19 @@ class Store(ABC):
                                                         json.dumps(manifest, sort_keys=True).encode()))
 
     async def get_manifest(self, prefix: str, namespace_id: str) -> dict | None:
+        """The namespace's manifest (docs/formats.md), or None where there is none or it is
+        no JSON object. Anyone who can write the store can write it: a field that is not a
+        string, number, bool or null is dropped, and JSON nested too deep to parse is none."""
         raw = await self._call("get_manifest", self._get_meta(manifest_key(prefix, namespace_id)))
         if raw is None:
             return None
         try:
-            return json.loads(raw)
-        except ValueError:
+            manifest = json.loads(raw)
+        except (ValueError, RecursionError):
             return None
+        if not isinstance(manifest, dict):
+            return None
+        return {k: v for k, v in manifest.items() if v is None or isinstance(v, (str, int, float))}
 
     def stats(self) -> dict:
         return {"store": self.name, **asdict(self.counters), **self._extra_stats()}

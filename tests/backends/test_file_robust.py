@@ -300,3 +300,35 @@ async def test_verify_of_a_sealed_store_reads_a_pages_declared_size(tmp_path, en
     got = await store.check(keys)
     assert got[0] is not None and got[1] is None and got[2] is None
     await store.close()
+
+
+@pytest.mark.parametrize("content", ["[" * 100_000, "[1]", '{"tenant_key_id": [1], "tenant": {}, "model_id": "m"}'])
+def test_a_hostile_manifest_reads_as_none_and_the_store_tools_go_on(tmp_path, content, capsys):
+    """Anyone who can write the store can write a namespace's manifest.json. A deeply
+    nested one raised RecursionError out of get_manifest, which the storage worker reads
+    before backups: every backup of that namespace failed for good, and `store.required`
+    refused to start. One that is no object, or has list fields, made `tierctl store ls`,
+    `verify` and `purge` fail for the whole store. It reads as none (fields that are no
+    scalar are dropped), so the worker writes it again as it does a missing one."""
+    import asyncio
+
+    from kvtier.backends.base import manifest_key
+    from kvtier.cli.main import main
+
+    async def read_back():
+        store = await filled(tmp_path, n=2)
+        path = store.root.joinpath(*manifest_key("kvtier", NS).split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+        try:
+            return await store.get_manifest("kvtier", NS)
+        finally:
+            await store.close()
+
+    manifest = asyncio.run(read_back())
+    assert manifest is None or manifest == {"model_id": "m"}
+    config = tmp_path / "c.yaml"
+    config.write_text(f"store:\n  backend: file\n  root: {tmp_path / 'l3'}\n")
+    for argv in (["ls"], ["verify"], ["purge", "--tenant", "salt"]):
+        assert main(["store", *argv, "--config", str(config)]) == 0, argv
+    capsys.readouterr()
