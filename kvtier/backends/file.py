@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from kvtier.backends import seal
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
@@ -203,7 +204,8 @@ class FileStore(Store):
     async def _get(self, keys):
         await self._adopt(keys)
         known = [k for k in keys if k in self._sizes]
-        blobs = dict(zip(known, await self._batch(read_file, [(self._file(k), True) for k in known])))
+        limit = self.config.max_page_bytes + seal.HEADER_SIZE  # a sealed frame's longest part past the plain header
+        blobs = dict(zip(known, await self._batch(read_file, [(self._file(k), True, limit) for k in known])))
         return [self._after_read(k, blobs.get(k)) for k in keys]
 
     async def _get_into(self, keys, parsed, views):

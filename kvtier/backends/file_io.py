@@ -89,8 +89,10 @@ def mtime(path: str | Path) -> float:
 def read_file(path: Path, page: bool = False, limit: int = 1 << 20) -> bytes:
     """A small file (a manifest: at most `limit` bytes), or with `page` a page file: its
     header, then at most the body its header declares (plain or sealed) and a byte more (an
-    oversized or sparse file, or a device, is never read whole). Not a regular file, or a
-    symlink: an OSError."""
+    oversized or sparse file, or a device, is never read whole), and only the header where
+    it declares more than `limit` bytes after it (anyone who can write the store writes
+    headers: the read is bounded by the store's own page limit, and the frame fails to
+    decode). Not a regular file, or a symlink: an OSError."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -99,7 +101,7 @@ def read_file(path: Path, page: bool = False, limit: int = 1 << 20) -> bytes:
             return _read_upto(fd, limit + 1)
         header = _read_upto(fd, frame.HEADER_SIZE)
         rest = seal.frame_bound(header)
-        if rest is None:
+        if rest is None or rest > limit:
             return header  # decoding it fails with the reason
         return header + _read_upto(fd, rest + 1)
     finally:

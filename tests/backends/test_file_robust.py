@@ -61,6 +61,37 @@ async def test_verify_reads_at_most_a_pages_declared_size(tmp_path):
     await store.close()
 
 
+def test_verify_reads_no_more_than_the_stores_page_limit_whatever_a_header_declares(tmp_path):
+    """A header is anyone's to write: one declaring a 1 GiB payload (a sparse file, no disk)
+    made `check` (tierctl store verify, batch_get) read and join all of it, >2 GiB of memory
+    whatever `max_page_bytes` said; tens of GiB would kill the process. A header declaring
+    more than the store's page limit is read alone, and its frame fails to decode."""
+    import struct
+    import subprocess
+    import sys
+
+    from kvtier.backends.frame import MAGIC
+
+    root = tmp_path / "l3"
+    h = bytes([7]) * 32
+    page = root / "kvtier" / NS / h.hex()[:2] / h.hex()[2:4] / h.hex()
+    page.parent.mkdir(parents=True)
+    header = struct.pack("<4sHH16sB32sQQ7x", MAGIC, 1, 0, bytes.fromhex(NS), 32, h, 1 << 30, 0)
+    with open(page, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + (1 << 30))
+    code = ("import asyncio, resource, sys\n"
+            "from kvtier.backends.file import FileStore, FileStoreConfig\n"
+            "store = FileStore(FileStoreConfig(root=sys.argv[1], max_page_bytes=1 << 20))\n"
+            "[why] = asyncio.run(store.check([sys.argv[2]]))\n"
+            "print(type(why).__name__, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(root), make_key("kvtier", NS, h)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    verdict, peak_mib = out.stdout.split()
+    assert verdict == "FrameError" and int(peak_mib) < 512
+
+
 async def test_a_sparse_huge_page_file_is_evicted_first_not_the_good_pages(tmp_path):
     """main: one sparse 8 GiB page file made the next replay evict 505 of 588 pages."""
     store = await filled(tmp_path, capacity_bytes=64 << 10, max_page_bytes=8 << 10)
