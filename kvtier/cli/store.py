@@ -213,7 +213,7 @@ async def _verify(store, prefix, args) -> int:
                 if why is None:
                     good += 1
                     orphaned += manifest is None
-                elif isinstance(why, seal.ForeignKey):
+                elif isinstance(why, seal.ForeignKey) and manifest is None:  # strict where a manifest names our key
                     foreign += 1
                 elif why != "missing":  # deleted meanwhile: nothing to say
                     bad += 1

@@ -142,6 +142,39 @@ def test_after_a_rotation_the_retired_key_forges_nothing(cache_home, capsys, mon
     assert s["hit_tokens"]["storage"] == 0 and s["store"]["hits"] == 0
 
 
+def test_verify_counts_a_page_of_another_key_in_a_namespace_of_ours_bad(tmp_path, capsys, monkeypatch):
+    """A namespace whose manifest names our key is checked strictly: every page must
+    authenticate. A co-writer's frame that merely named another key id was counted
+    `foreign` (not checked, never pruned); it is bad, and `--prune` deletes it."""
+    import asyncio
+
+    from kvtier.backends.file import FileStore, FileStoreConfig
+
+    root, ns = tmp_path / "l3", "2" * 32
+    ours, theirs = f"kvtier/{ns}/" + "aa" * 32, f"kvtier/{ns}/" + "bb" * 32
+
+    async def write():
+        me = FileStore(FileStoreConfig(root=str(root)))
+        me.seal_with(seal.SealedCodec(parse_keys(KEY_A, "a")))
+        await me.put_manifest("kvtier", ns, {"format": 1, "namespace": ns,
+                                             "tenant_key_id": parse_keys(KEY_A, "a").current.key_id.hex()})
+        await me.batch_set([ours], [b"\1" * 256])
+        other = FileStore(FileStoreConfig(root=str(root)))
+        other.seal_with(seal.SealedCodec(parse_keys(KEY_B, "b")))
+        await other.batch_set([theirs], [b"\2" * 256])
+        for s in (me, other):
+            await s.close()
+
+    asyncio.run(write())
+    config = tmp_path / "c.yaml"
+    config.write_text(f"store:\n  backend: file\n  root: {root}\n")
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert main(["store", "verify", "--json", "--prune", "--config", str(config)]) == 0  # pruned
+    v = json.loads(capsys.readouterr().out)
+    assert (v["good"], v["bad"], v["foreign"], v["pruned"]) == (1, 1, 0, 1)
+    assert [p["key"] for p in v["bad_pages"]] == [theirs]
+
+
 async def test_store_level_other_key_and_no_key_miss_every_page(tmp_path):
     """The same at the store: A's keys read with B's codec, and with none, are misses
     counted as frame failures, never errors."""
