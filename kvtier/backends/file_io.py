@@ -136,18 +136,26 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     return out
 
 
-# A page file is opened as no symlink (ELOOP: a miss), as `read_file` and `tierctl store
-# verify` do. A FIFO put where a page was still blocks the open, as a hung mount does: the
-# call times out and the thread is abandoned (io_threads.py; tests/backends/test_hung_io.py
-# stands a FIFO in for a hung mount).
-_READ_PAGE = os.O_RDONLY | os.O_NOFOLLOW
+# A page file is opened as no symlink (ELOOP: a miss), and without blocking on a FIFO or a
+# device put where a page was: anything but a regular file is a miss (`_open_page`), as for
+# `read_file` and `tierctl store verify`. A FIFO's open blocked until the call was given up
+# on, and each one abandoned an I/O thread: a handful killed the store's pool for good.
+_READ_PAGE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def _open_page(path: str) -> int:
+    fd = os.open(path, _READ_PAGE)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file: not a page", path)
+    return fd
 
 
 def _read_sealed_page(codec, path: str, ns: str, h: bytes, view: memoryview) -> None:
     """Header, body and a byte more in one readv: an authenticated page straight into the
     caller's buffer, an encrypted one into this thread's scratch buffer, decrypted from
     there (`SealedCodec.read_into`)."""
-    fd = os.open(path, _READ_PAGE)
+    fd = _open_page(path)
     try:
         codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, view, _scratch)
     finally:
@@ -272,7 +280,7 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> i
     must have, or why it is not the page asked for (the buffer may then hold garbage,
     which the caller must not use: `batch_get_into`)."""
     header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
-    fd = os.open(path, _READ_PAGE)
+    fd = _open_page(path)
     try:
         n = _read_whole(fd, header, view, extra) if hasher is None else _read_chunks(fd, header, view, extra, hasher)
     finally:

@@ -1,12 +1,10 @@
-"""The SGLang linker over a file store on a hung mount (a FIFO at each page path: its open
-never returns). The load's store read is abandoned after its timeout and a grace as long;
+"""The SGLang linker over a file store on a hung mount (tests/hung.py: an open of each page
+path never returns). The load's store read is abandoned after its timeout and a grace as long;
 the host pages it was reading into stay out of use for good (a stuck thread may still write
 them), counted, and the accounting balances. Without the quarantine they went back to the
 host tier's free pages once the read settled. Engine-free: LinkerCore needs no SGLang."""
 
 import asyncio
-import errno
-import os
 
 import torch
 
@@ -16,11 +14,12 @@ from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
 from kvtier.testing.linker_sim import page_keys
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+from tests.hung import HungMount
 
 PS, LAYERS, PAGES = 4, 2, 3
 
 
-def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path):
+def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path, monkeypatch):
     pool = DeviceKVPool(PoolConfig(size=PS * 8, num_layers=LAYERS, page_size=PS, num_kv_heads=1, head_dim=2,
                                    dtype="float32"))
     page_bytes = PS * 4 * LAYERS * 4
@@ -39,11 +38,9 @@ def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path):
         await writer.close()
 
     asyncio.run(fill())
-    fifos = [str(writer.path(k)) for k in store_keys]
-    for p in fifos:
-        os.unlink(p)
-        os.mkfifo(p)
-    core = LinkerCore(pool, settings, FileStore(cfg, timeout_s=0.3))  # the FIFOs are indexed: they stat
+    mount = HungMount(monkeypatch)
+    mount.hang(*[writer.path(k) for k in store_keys])
+    core = LinkerCore(pool, settings, FileStore(cfg, timeout_s=0.3))
     try:
         assert core.load("r1", keys, torch.arange(PS, PS + PAGES * PS))
         assert core.cancel_queued_load("r1")  # SGLang's release_request while the read hangs
@@ -54,9 +51,5 @@ def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path):
         assert core.check_accounting() == []
         assert core.stats()["store"]["store_down"]
     finally:
-        for p in fifos:  # let the stuck thread go: nothing outlives the test
-            try:
-                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError as exc:
-                assert exc.errno in (errno.ENXIO, errno.ENOENT)
+        mount.release()  # the stuck thread goes on: nothing outlives the test
         core.close()

@@ -296,13 +296,13 @@ def test_unreachable_store_is_a_miss_then_skipped_by_the_breaker(sg, tmp_path):
     backend.close()
 
 
-def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path):
-    """A hung mount (a FIFO at the page's path: its open never returns). `batch_get_v1`
-    gives up on the read and answers False; SGLang frees that page's host slots and puts
-    other KV there. When the mount came back the abandoned thread went on reading, into
-    SGLang's page (MLA `page_first` pages were read in place): that KV was overwritten.
-    Reads land in kvtier's own buffers and are copied in only once they verified."""
-    import errno
+def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path, monkeypatch):
+    """A hung mount (tests/hung.py). `batch_get_v1` gives up on the read and answers False;
+    SGLang frees that page's host slots and puts other KV there. When the mount came back
+    the abandoned thread went on reading, into SGLang's page (MLA `page_first` pages were
+    read in place): that KV was overwritten. Reads land in kvtier's own buffers and are
+    copied in only once they verified."""
+    from tests.hung import HungMount
 
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3,
                                  "max_concurrency": 1})
@@ -311,10 +311,8 @@ def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path
     key = page_keys(1)
     written = fill(pool, 1, seed=1)
     assert backend.batch_set_v1(key, written) == [True]
-    page_file = str(backend.store.path(backend._keys(key)[0]))
-    frame_bytes = open(page_file, "rb").read()
-    os.unlink(page_file)
-    os.mkfifo(page_file)
+    mount = HungMount(monkeypatch)
+    mount.hang(backend.store.path(backend._keys(key)[0]))
     target = pool.alloc(pool.page_size)
     try:
         assert backend.batch_get_v1(key, target) == [False]  # given up on: the store is down
@@ -325,16 +323,10 @@ def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path
         page.view(torch.uint8).fill_(0x77)  # other KV, written there by a backup of another node
         pool.set_from_flat_data_page(int(again[0]), page)
         expected = page_bytes(pool, again)
-        fd = os.open(page_file, os.O_WRONLY)  # the mount comes back: the stuck read goes on
-        os.write(fd, frame_bytes)
-        os.close(fd)
-        backend.store._pool.shutdown(wait=True, timeout=10)  # the stuck thread has ended
+        mount.come_back()  # the stuck read goes on, and its thread ends
         assert page_bytes(pool, again) == expected
     finally:
-        try:
-            os.close(os.open(page_file, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError as exc:
-            assert exc.errno in (errno.ENXIO, errno.ENOENT)
+        mount.release()
         backend.close()
 
 

@@ -137,21 +137,22 @@ def test_a_block_the_store_evicted_is_stored_again_when_vllm_cascades_it(rigs):
     assert got == written
 
 
-def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path, rigs):
+def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path, rigs, monkeypatch):
     """Once a hung read opened the breaker, promotions of rows the store holds intact were
     skipped, and the tier took the skip for rows gone: it sent `BlockRemoved` (STORAGE) to
     routers. A call that failed as a whole (breaker, timeout, error) fails the job (vLLM
     recomputes those blocks) but announces nothing of its keys."""
     from vllm.v1.kv_offload.base import Medium
 
+    from tests.hung import HungMount
+
     rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3},
                     store_probe_backoff_s=60.0), chunks=4)
     tier = rig.tier
     hung, k2, k3 = new_keys(3)
     rig.store([hung, k2, k3])
-    path = str(tier.store.path(tier.store_keys([hung])[0]))
-    os.unlink(path)
-    os.mkfifo(path)  # one page on a hung mount
+    mount = HungMount(monkeypatch)
+    mount.hang(tier.store.path(tier.store_keys([hung])[0]))  # one page on a hung mount
     try:
         rig.mgr.reset_cache()
         rig.mgr.on_reset_flushed()
@@ -162,28 +163,26 @@ def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path,
         assert [s[-1].name for s in seen.values()] == ["MISS", "MISS"]  # not promoted: recomputed
         assert not [e for e in rig.events if e.medium is Medium.STORAGE and e.removed]
     finally:
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        os.unlink(path)
+        mount.release()
 
 
-def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, rigs):
-    """A hung mount (a FIFO at the page's path: its open never returns). The promotion's
-    read is given up on and reported failed; vLLM frees its primary row and stores other
-    KV there. When the mount came back, the abandoned thread went on reading into that row:
-    vLLM then served the other key's block with these bytes. Reads land in kvtier's own
-    buffers and are copied into a row only once they verified."""
+def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, rigs, monkeypatch):
+    """A hung mount (tests/hung.py). The promotion's read is given up on and reported
+    failed; vLLM frees its primary row and stores other KV there. When the mount came back,
+    the abandoned thread went on reading into that row: vLLM then served the other key's
+    block with these bytes. Reads land in kvtier's own buffers and are copied into a row
+    only once they verified."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from tests.hung import HungMount
 
     rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3}), chunks=2)
     tier = rig.tier
     [key] = new_keys(1)
     rig.store([key])
     path = str(tier.store.path(tier.store_keys([key])[0]))
-    os.unlink(path)
-    os.mkfifo(path)
+    mount = HungMount(monkeypatch)
+    mount.hang(path)
     try:
         rig.mgr.reset_cache()
         rig.mgr.on_reset_flushed()  # the primary tier is empty: the block lives in the store only
@@ -198,14 +197,14 @@ def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, 
         rig.settle()
         others = new_keys(2)
         written = rig.store(others, "writer2")  # every primary row holds other KV now
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # the mount comes back: the stuck read goes on
-        os.write(fd, b"\xab" * (tier.block_size_bytes + 256))
-        os.close(fd)
-        tier.store._pool.shutdown(wait=True, timeout=10)  # the stuck thread has ended
+        with open(path, "r+b") as f:  # the page's bytes when the mount comes back: anything
+            f.seek(200)
+            f.write(b"\xab" * 256)
+        mount.come_back()  # the stuck read goes on, and its thread ends
         _, got = rig.load(others, "reader2")
         assert got == written
     finally:
-        os.unlink(path)
+        mount.release()
 
 
 def corrupt(kind: str, request, tier, key_full: str, section: dict) -> None:
