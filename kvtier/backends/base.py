@@ -49,6 +49,14 @@ class StoredPage:
     mtime: float | None  # when it was written (seconds since the epoch), if the store knows
 
 
+async def _next_batch(it: AsyncIterator):
+    """The next batch of `it`, or None at its end (StopAsyncIteration is no store error)."""
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
 def manifest_key(prefix: str, namespace_id: str) -> str:
     return f"{prefix}/{namespace_id}/manifest.json"
 
@@ -205,9 +213,17 @@ class Store(ABC):
 
     async def scan(self, batch: int = 1000) -> AsyncIterator[list[StoredPage]]:
         """Every kvtier page the store holds, in batches (keys that are not kvtier's are
-        skipped). Each batch is one bounded call: a huge store streams, it never loads."""
-        async for pages in self._scan(batch):
-            yield [p for p in pages if _is_page_key(p.key)]
+        skipped). Each batch is one bounded call, under the store's timeout and with its
+        errors mapped as any call's: a huge store streams, it never loads."""
+        it = self._scan(batch).__aiter__()
+        try:
+            while (pages := await self._call("scan", _next_batch(it))) is not None:
+                yield [p for p in pages if _is_page_key(p.key)]
+        finally:
+            try:
+                await it.aclose()
+            except (RuntimeError, KvtierError):  # a batch given up on mid-way: the generator is done for
+                pass
 
     async def inventory(self) -> dict:
         """What the store holds: {'pages', 'bytes', 'namespaces': {id: pages}}."""

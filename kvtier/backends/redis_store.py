@@ -248,11 +248,13 @@ class RedisStore(Store):
             yield await self._sized(keys)
 
     async def _sized(self, keys: list[str]) -> list[StoredPage]:
+        """The string keys among `keys`, with their sizes: another application's list or
+        hash in the same database answers STRLEN with an error, and is skipped."""
         async with self.client.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.strlen(k)
-            sizes = await pipe.execute()
-        return [StoredPage(k, n, None) for k, n in zip(keys, sizes) if n]
+            sizes = await pipe.execute(raise_on_error=False)
+        return [StoredPage(k, n, None) for k, n in zip(keys, sizes) if isinstance(n, int) and n]
 
     async def _put_meta(self, name, data):
         await self.client.set(name, bytes(data), ex=self.config.ttl_s)

@@ -198,3 +198,16 @@ async def test_a_store_that_answers_fewer_keys_than_asked_is_a_store_error():
         await store.batch_get_into(keys, [bytearray(64) for _ in keys])
     with pytest.raises(StoreError, match=r"batch_get: 2 answers for 3 keys"):
         await store.batch_get(keys)
+
+
+async def test_a_scan_maps_its_errors_like_any_store_call(s3_server):
+    """scan() iterated the store's own generator outside the store's call wrapper: an
+    error escaped unmapped (botocore's NoSuchBucket here, where every other call raises a
+    StoreError) and no timeout applied to it. It is one store call per batch."""
+    store = S3Store(S3StoreConfig(bucket="no-such-bucket", endpoint_url=s3_server.url), timeout_s=5)
+    try:
+        with pytest.raises(StoreError):
+            async for _ in store.scan():
+                pass
+    finally:
+        await store.close()

@@ -165,3 +165,23 @@ async def test_a_touch_the_server_never_answers_is_counted_not_raised_and_close_
         assert store._toucher.cancelled()
     finally:
         hole.stop()
+
+
+async def test_a_scan_skips_another_applications_keys_of_other_types(redis_server):
+    """docs/stores.md: keys that are not kvtier's are skipped. A list or hash of another
+    application in the same database answered the scan's STRLEN with WRONGTYPE, which
+    escaped unmapped and failed every scan: tierctl store ls, du, purge and SGLang's
+    clear(). It is skipped; the pages are listed."""
+    other = redis.Redis.from_url(redis_server.url)
+    other.rpush("someone-elses-list", b"x")
+    other.hset("someone-elses-hash", "f", b"y")
+    store = RedisStore(RedisStoreConfig(url=redis_server.url))
+    key = new_key()
+    try:
+        assert await store.batch_set([key], [b"p" * 64]) == [True]
+        listed = [p.key async for batch in store.scan() for p in batch]
+        assert key in listed
+    finally:
+        await store.close()
+        other.delete("someone-elses-list", "someone-elses-hash")
+        other.close()
