@@ -2,7 +2,7 @@
 
     events:
       endpoint: tcp://*:5557          # ZMQ PUB; `*`, `::`, ipc:// and inproc:// bind, other tcp connects
-      replay_endpoint: tcp://*:5558   # ROUTER for replays from a sequence number (optional)
+      replay_endpoint: tcp://*:5657   # ROUTER for replays from a sequence number (optional)
       topic: kv@pod-1@my-model        # first frame of every message
       buffer_steps: 10000             # batches kept for replay
       format: map                     # map (vLLM >= 0.11, llm-d >= 0.9) or array (older consumers)
