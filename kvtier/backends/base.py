@@ -244,7 +244,7 @@ class Store(ABC):
         parsed = self._check(keys)
         if not keys:
             return []
-        blobs = await self._call("check", self._get(list(keys)))
+        blobs = self._one_each("check", await self._call("check", self._get(list(keys))), len(keys))
         out: list[str | None] = []
         for (_, ns, h), blob in zip(parsed, blobs):
             if blob is None:

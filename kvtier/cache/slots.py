@@ -115,7 +115,10 @@ class Slots:
         self.device.free_slots(self.tree.evict_device(self.tree.total_size(Tier.DEVICE)).device_slots)
 
     def _free_evicted(self, ev: DeviceEviction) -> None:
-        self.free_device(ev.device_slots, distinct=True)
+        # scanned for repeats (not `distinct`): an engine that put a slot the tree holds into
+        # a finish's own part (nothing knows whose a slot is) made the tree hold it twice,
+        # and a free taking it as listed would queue it twice: one slot, two owners
+        self.free_device(ev.device_slots)
         self.counters.device_evicted_tokens += ev.evicted_tokens
 
     def accounting_problems(self, request_pages: int, orphaned_pages: int) -> list[str]:

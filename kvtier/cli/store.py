@@ -178,15 +178,15 @@ class _AnyFrame:
 
 
 def _codec_for(manifest: dict | None, keys) -> object | None:
-    """How `verify` checks a namespace's pages: as its manifest says (plain, or sealed with
-    the config's keys: then every page must authenticate), per frame without a manifest,
-    or None for a namespace sealed with a key the config does not give (not checked)."""
+    """How `verify` checks a namespace's pages: sealed with the config's keys where its
+    manifest names one of them (then every page must authenticate: strict), per frame where
+    it names no key or has no manifest (a manifest is anyone's to write: a sealed page that
+    authenticates is never pruned for what it says), or None for a namespace sealed with a
+    key the config does not give (not checked)."""
     sealed = None if keys is None else seal.SealedCodec(keys)
-    if manifest is None:
-        return _AnyFrame(sealed)
-    key_id = manifest.get("tenant_key_id")
+    key_id = None if manifest is None else manifest.get("tenant_key_id")
     if key_id is None:
-        return frame.PLAIN
+        return _AnyFrame(sealed)
     return sealed if keys is not None and key_id in keys.ids else None
 
 
@@ -213,7 +213,7 @@ async def _verify(store, prefix, args) -> int:
                 if why is None:
                     good += 1
                     orphaned += manifest is None
-                elif isinstance(why, seal.ForeignKey) and manifest is None:  # strict where a manifest names our key
+                elif isinstance(why, seal.ForeignKey) and isinstance(codec, _AnyFrame):  # else strict: our key's
                     foreign += 1
                 elif why != "missing":  # deleted meanwhile: nothing to say
                     bad += 1

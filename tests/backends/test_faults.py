@@ -198,6 +198,15 @@ async def test_a_store_that_answers_fewer_keys_than_asked_is_a_store_error():
         await store.batch_get_into(keys, [bytearray(64) for _ in keys])
     with pytest.raises(StoreError, match=r"batch_get: 2 answers for 3 keys"):
         await store.batch_get(keys)
+    with pytest.raises(StoreError, match=r"check: 2 answers for 3 keys"):  # verify would prune an intact page
+        await store.check(keys)
+
+    class _HeldOnly(MemoryStore):
+        async def _exists(self, keys):
+            return [True] * (len(keys) + 2)  # more answers than keys: a longer run than there are keys
+
+    with pytest.raises(StoreError, match=r"batch_exists: 5 answers for 3 keys"):
+        await _HeldOnly().batch_exists(keys)
 
 
 async def test_a_scan_maps_its_errors_like_any_store_call(s3_server):

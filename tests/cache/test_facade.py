@@ -623,9 +623,9 @@ def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
 def test_a_finish_whose_row_lists_a_slot_twice_changes_nothing(page_size):
     """Two tokens' KV in one slot: the tree kept the row as given, so one of those tokens
     was served the other's KV from then on (a wrong byte, never a miss). Each slot the
-    request owns (its loaded prefix, then its own) must appear once; a row that repeats
-    one, among its own or onto a loaded slot, is refused before anything changes, naming
-    the slot. The right row then finishes as usual."""
+    the request owns (its loaded prefix, then its own) must appear once; a row that
+    repeats one, among its own or onto a loaded slot, is refused before anything changes,
+    naming the slot. The right row then finishes as usual."""
     cache = make_cache(pool_size=128, page_size=page_size)
     kvs = compute(cache, A, seed=1)
     settle(cache)
@@ -646,6 +646,28 @@ def test_a_finish_whose_row_lists_a_slot_twice_changes_nothing(page_size):
     cache.cache_finished("b", tokens, torch.cat([got.indices, mine]))
     assert same_kv(read_back(cache, A, "again")[1], kvs)
     check(cache)
+    cache.close()
+
+
+def test_a_tree_slot_in_a_finishs_own_part_is_never_handed_out_twice():
+    """Nothing knows whose a slot is, so a finish whose own part names a slot of the
+    prefix the tree holds is kept (the engine's forward overwrote that KV already). The
+    tree then holds the slot twice; eviction frees what it holds scanning for repeats, so
+    the slot is queued once (freed as listed, it was handed to two owners)."""
+    cache = make_cache(pool_size=64, page_size=1)
+    compute(cache, A, seed=1)
+    cache.drain()
+    tokens = np.concatenate([A, A + 1000])
+    got = acquire(cache, tokens, "b")
+    assert got.device_hit == 16
+    mine = cache.alloc(16)
+    forward(cache, "b")
+    cache.cache_finished("b", tokens, torch.cat([got.indices, mine[:15], got.indices[:1]]))
+    cache.free(mine[15:16])
+    cache.drain()
+    cache.evict(64)
+    slots = cache.alloc(cache.slots.device_free()).tolist()
+    assert len(slots) == len(set(slots)) == 64  # every slot once
     cache.close()
 
 

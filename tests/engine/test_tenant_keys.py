@@ -175,6 +175,40 @@ def test_verify_counts_a_page_of_another_key_in_a_namespace_of_ours_bad(tmp_path
     assert [p["key"] for p in v["bad_pages"]] == [theirs]
 
 
+@pytest.mark.parametrize("tenant_key_id", [None, "list"])
+def test_verify_prunes_no_sealed_page_for_what_a_manifest_says(tmp_path, capsys, monkeypatch, tenant_key_id):
+    """A manifest is anyone's to write. One naming no key (or its key id as a list, which
+    reads as none) made verify check the namespace as plain: every intact sealed page was
+    bad, and --prune deleted them all. Such a namespace is checked page by page."""
+    import asyncio
+
+    from kvtier.backends.base import manifest_key
+    from kvtier.backends.file import FileStore, FileStoreConfig
+
+    root, ns = tmp_path / "l3", "2" * 32
+    keys = [f"kvtier/{ns}/" + f"{i:02x}" * 32 for i in range(3)]
+    ring = parse_keys(KEY_A, "a")
+
+    async def write():
+        s = FileStore(FileStoreConfig(root=str(root)))
+        s.seal_with(seal.SealedCodec(ring))
+        await s.put_manifest("kvtier", ns, {"format": 1, "namespace": ns, "tenant_key_id": ring.current.key_id.hex()})
+        assert await s.batch_set(keys, [bytes([i]) * 256 for i in range(3)]) == [True] * 3
+        await s.close()
+
+    asyncio.run(write())
+    manifest = {"format": 1, "namespace": ns}
+    if tenant_key_id == "list":
+        manifest["tenant_key_id"] = [ring.current.key_id.hex()]
+    root.joinpath(*manifest_key("kvtier", ns).split("/")).write_text(json.dumps(manifest))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"store:\n  backend: file\n  root: {root}\n")
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert main(["store", "verify", "--json", "--prune", "--config", str(config)]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert (v["good"], v["bad"], v["pruned"]) == (3, 0, 0)
+
+
 async def test_store_level_other_key_and_no_key_miss_every_page(tmp_path):
     """The same at the store: A's keys read with B's codec, and with none, are misses
     counted as frame failures, never errors."""
