@@ -34,9 +34,9 @@ def one_line(argv, capsys) -> str:
     (["store", "purge", "--namespace", "nothex"], {}, "'nothex': a namespace id is 32 lowercase hex digits"),
     (["replay", "--requests", "1"], {"KVTIER_POOL_DEVICE": "gpu"}, "device='gpu': allowed: cpu, cuda or cuda:N"),
     (["store", "ls", "--config", "redis"], {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
-     "redis store: ConnectionError"),  # main: a traceback
+     "redis.scan: ConnectionError"),  # main: a traceback
     (["stats", "--config", "redis"], {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
-     "redis store: ConnectionError"),  # main: a traceback
+     "redis.scan: ConnectionError"),  # main: a traceback
     (["replay", "--plot", "/nonexistent/dir/hits.png"], {}, "--plot '/nonexistent/dir/hits.png': cannot write there"),
     (["bench", "cache", "--page-size", "2", "--store-page-tokens", "3"], {},
      "--store-page-tokens 3: must be a positive multiple of --page-size 2"),
