@@ -100,12 +100,12 @@ async def read_staged(breaker: Breaker, store: Store, keys: list[str],
     staging = np.empty(sum(len(v) for v in views), dtype=np.uint8)
     staged, at = [], 0
     for v in views:
-        staged.append(memoryview(staging[at:at + len(v)]))
+        staged.append(staging[at:at + len(v)])
         at += len(v)
-    ok = await guarded(breaker, lambda: store.batch_get_into(keys, staged), None)
+    ok = await guarded(breaker, lambda: store.batch_get_into(keys, [memoryview(s) for s in staged]), None)
     for view, page, good in zip(views, staged, ok or []):
-        if good:
-            view[:] = page
+        if good:  # numpy's copy lets the GIL go for a big page: the engine's threads run meanwhile
+            np.copyto(np.frombuffer(view, dtype=np.uint8), page)
     return ok
 
 
