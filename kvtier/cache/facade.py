@@ -377,7 +377,7 @@ class TieredCache:
         in one call (most finishes free a tail only: no free group to open)."""
         parts = [kv[a:b] for a, b in ((tree_len, prefix_len), (aligned, end)) if b > a]
         if parts:
-            self.slots.free_device(parts[0] if len(parts) == 1 else concat(parts), distinct=True)  # checked
+            self.slots.free_device(parts[0] if len(parts) == 1 else concat(parts))
         self.requests.take_back(-(-end // self.page_size) - tree_len // self.page_size)
 
     # -- steps --------------------------------------------------------------------------------

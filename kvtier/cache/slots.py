@@ -15,7 +15,6 @@ from kvtier.controller.controller import CacheController
 from kvtier.controller.stats import CacheStats, Counters
 from kvtier.controller import store_pages
 from kvtier.controller.storage import PageKeys
-from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tiers.indices import Repeats
 from kvtier.tree import RadixTree, Tier, TreeNode
 from kvtier.tree.check import tier_slots
@@ -57,7 +56,6 @@ class Slots:
         self.host_headroom = whole_pages(controller.mirror.size) if has_mirror else 0
         self.back_up = back_up  # write-back eviction backs paths up first (the cache's completions)
         self._repeats = Repeats(device.size + device.page_size)  # the pool's slots, padding page included
-        self._own_allocator = isinstance(device, PagedAllocator)  # takes `distinct` (an engine's may not)
 
     # -- device -------------------------------------------------------------------------------
 
@@ -71,14 +69,10 @@ class Slots:
             self.evict_device(n - self.device.available_size(), self.device_headroom)
         return self.device.alloc_slots(n)
 
-    def free_device(self, slots: np.ndarray, distinct: bool = False) -> None:
-        """Free the pages `slots` touch (a double free raises, changing nothing).
-        `distinct`: each slot is listed once (the tree's values; a finish's checked row)."""
+    def free_device(self, slots: np.ndarray) -> None:
+        """Free the pages `slots` touch (a double free raises, changing nothing)."""
         if slots.size:
-            if distinct and self._own_allocator:
-                self.device.free_slots(slots, distinct=True)
-            else:
-                self.device.free_slots(slots)
+            self.device.free_slots(slots)
 
     def free_group(self) -> AbstractContextManager:
         """`with slots.free_group(): ...` batches the device frees inside."""
@@ -115,9 +109,9 @@ class Slots:
         self.device.free_slots(self.tree.evict_device(self.tree.total_size(Tier.DEVICE)).device_slots)
 
     def _free_evicted(self, ev: DeviceEviction) -> None:
-        # scanned for repeats (not `distinct`): an engine that put a slot the tree holds into
-        # a finish's own part (nothing knows whose a slot is) made the tree hold it twice,
-        # and a free taking it as listed would queue it twice: one slot, two owners
+        # scanned for repeats like any free: an engine that put a slot the tree holds into a
+        # finish's own part (nothing knows whose a slot is) made the tree hold it twice, and
+        # taken as listed it would be queued twice (one slot, two owners)
         self.free_device(ev.device_slots)
         self.counters.device_evicted_tokens += ev.evicted_tokens
 

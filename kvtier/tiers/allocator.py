@@ -148,16 +148,15 @@ class _FreeList:
                 need = 0
         return concat(parts)
 
-    def give(self, units: np.ndarray, what: str, distinct: bool = False) -> None:
+    def give(self, units: np.ndarray, what: str) -> None:
         """Take `units` back, each once however often it is listed (the slots of a page-1
-        pool touch a page once each, and a repeat is rare: found without a set), or, with
-        `distinct`, as listed: the caller knows each is listed once."""
+        pool touch a page once each, and a repeat is rare: found without a set)."""
         if units.size == 0:
             return
         if not units.flags.c_contiguous:
             units = concat([units])
         self._check(units, what)
-        if not distinct and units.size > 1 and self.repeats.any(units):  # one unit (a tail's page) repeats nothing
+        if units.size > 1 and self.repeats.any(units):  # one unit (a tail's page) repeats nothing
             units = _distinct(units)
         _put(self.held, units, False)
         if self.group is not None:
@@ -340,18 +339,16 @@ class PagedAllocator:
         """Free the pages that `indices` touch (a partial tail page frees its whole page)."""
         self.free_slots(as_numpy(check_indices("indices", indices)))
 
-    def free_slots(self, slots: np.ndarray, distinct: bool = False) -> None:
+    def free_slots(self, slots: np.ndarray) -> None:
         """`free` for kvtier's own scheduler-thread code: numpy slots, no torch call. The
         free list keeps its own copy: `slots` may be a view of an engine's row, which it
         fills again for its next request (at page size 1 a slot is a page, and the slots
-        themselves would be kept: rewritten, they would hand one slot out twice).
-        `distinct`: the caller knows each slot is listed once (the tree's own values, which
-        `sanity_check` proves so; a finish's row, checked): not scanned for repeats."""
+        themselves would be kept: rewritten, they would hand one slot out twice)."""
         if self.page_size == 1:
             pages = concat([slots])  # `give` drops repeats
         else:
             pages = _pages_touched(pages_of(slots, self.page_size), self.page_size)  # a fresh array
-        self._free.give(pages, "pages", distinct)
+        self._free.give(pages, "pages")
 
     def free_group(self):
         return self._free.grouped()

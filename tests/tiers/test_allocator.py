@@ -309,18 +309,3 @@ def test_a_page_1_free_listing_a_slot_twice_frees_it_once():
     a.free(torch.tensor([got[0], got[0]]))
     with pytest.raises(ValueError, match="not allocated"):
         a.free(torch.tensor([got[0]]))  # freed once above, however often it was listed
-
-
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_a_free_of_slots_known_distinct_still_refuses_a_double_free(page_size):
-    """`distinct` (the tree's own values, a finish's checked row) skips only the scan for
-    repeats within the call: every slot is still checked allocated, so a second free of
-    the same slots is refused and nothing is queued twice."""
-    a = PagedAllocator(64, page_size)
-    x = a.alloc_slots(16)
-    a.free_slots(x, distinct=True)
-    assert a.available_size() == 64
-    with pytest.raises(ValueError, match="not allocated"):
-        a.free_slots(x, distinct=True)
-    assert a.available_size() == 64
-    assert len(set((a.alloc(64) // page_size).tolist())) == 64 // page_size  # every page once

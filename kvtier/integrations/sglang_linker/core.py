@@ -220,12 +220,12 @@ class LinkerCore:
             self.counters.offload_failures += 1
             self.index.release(op.host_pages)
             return False
+        # a key a store read published meanwhile keeps that page; the offload's went back free
         kept = [(k, p) for k, p in zip(op.keys, op.host_pages.tolist()) if self.index.publish(k, p)]
         self.counters.offload_pages += len(op.keys)
         self.counters.d2h_bytes += len(op.keys) * self.mirror.page_bytes
-        for k in [] if self.settings.writes_store else op.keys:  # the writing rank: once stored (_reap)
+        for k in () if self.settings.writes_store else op.keys:  # the writing rank forgets once stored (_reap)
             self.unreadable.pop(k, None)
-        # a key a store read published meanwhile keeps that page; the offload's went back free
         self._write_store([k for k, _ in kept], np.array([p for _, p in kept], dtype=np.int64))
         if not op.success:
             self.counters.offload_failures += 1
