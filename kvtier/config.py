@@ -54,7 +54,9 @@ class NamespaceConfig:
     def __post_init__(self) -> None:
         self.tenant_keys()  # refuses a malformed key now, naming the field but never the key
         if self.encrypt and self.tenant_key is None and self.tenant_key_file is None:
-            raise ValueError("encrypt=True: needs namespace.tenant_key or namespace.tenant_key_file")
+            raise ValueError(
+                "encrypt=True: needs namespace.tenant_key or namespace.tenant_key_file"
+            )
 
     def tenant_keys(self) -> TenantKeys | None:
         """The tenant's key ring, or None without a key."""
@@ -69,7 +71,9 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         if self.hash_algo not in HASH_ALGOS:
-            raise ValueError(f"hash_algo={self.hash_algo!r}: allowed values are {', '.join(HASH_ALGOS)}")
+            raise ValueError(
+                f"hash_algo={self.hash_algo!r}: allowed values are {', '.join(HASH_ALGOS)}"
+            )
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,15 +85,21 @@ class StoreConfig:
     key_prefix: str = "kvtier"
     timeout_s: float = 5.0
     required: bool = False  # True: a store that cannot be reached at start is an error, not a warning
-    page_tokens: int | None = None  # tokens in one store page: a multiple of pool.page_size (None: one device page)
+    page_tokens: int | None = (
+        None  # tokens in one store page: a multiple of pool.page_size (None: one device page)
+    )
     options: Any = None
 
     def __post_init__(self) -> None:
         check_positive(self, "timeout_s")
         if self.page_tokens is not None:
             check_positive(self, "page_tokens", integer=True)
-        if not PREFIX_RE.fullmatch(self.key_prefix) or {".", ".."} & set(self.key_prefix.split("/")):
-            raise ValueError(f"key_prefix={self.key_prefix!r}: path segments of [A-Za-z0-9_.-] separated by '/'")
+        if not PREFIX_RE.fullmatch(self.key_prefix) or {".", ".."} & set(
+            self.key_prefix.split("/")
+        ):
+            raise ValueError(
+                f"key_prefix={self.key_prefix!r}: path segments of [A-Za-z0-9_.-] separated by '/'"
+            )
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +110,9 @@ class KvtierConfig:
     tree: TreeConfig = TreeConfig()
     controller: ControllerConfig = ControllerConfig()
     store: StoreConfig = StoreConfig()
-    events: EventsConfig | None = None  # KV events for routers (docs/events.md); none without the section
+    events: EventsConfig | None = (
+        None  # KV events for routers (docs/events.md); none without the section
+    )
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,13 +126,19 @@ class KvtierConfig:
             return 1
         if tokens % ps:
             origin = self.sources.get("store.page_tokens", "default")
-            raise KvtierConfigError(f"store.page_tokens={tokens!r}: must be a multiple of pool.page_size={ps} ({origin})")
+            raise KvtierConfigError(
+                f"store.page_tokens={tokens!r}: must be a multiple of pool.page_size={ps} ({origin})"
+            )
         return tokens // ps
 
 
 _SECTIONS: dict[str, type] = {
-    "namespace": NamespaceConfig, "pool": PoolConfig, "mirror": MirrorConfig,
-    "tree": TreeConfig, "controller": ControllerConfig, "store": StoreConfig,
+    "namespace": NamespaceConfig,
+    "pool": PoolConfig,
+    "mirror": MirrorConfig,
+    "tree": TreeConfig,
+    "controller": ControllerConfig,
+    "store": StoreConfig,
     "events": EventsConfig,
 }
 _STORE_COMMON = ("backend", "key_prefix", "timeout_s", "required", "page_tokens")
@@ -140,29 +158,51 @@ def load_config(
         layers.append((f"file {config_path(path)}", _read_yaml(path)))
     layers.append(("env", _from_env(env)))
     if overrides is not None and not isinstance(overrides, Mapping):
-        raise KvtierConfigError(f"overrides: expected a mapping of sections such as {{'store': {{'backend': "
-                                f"'memory'}}}}, got {type(overrides).__name__}")
+        raise KvtierConfigError(
+            f"overrides: expected a mapping of sections such as {{'store': {{'backend': "
+            f"'memory'}}}}, got {type(overrides).__name__}"
+        )
     # copied, so the caller's dicts stay theirs; what is not a mapping is refused below, by name
-    layers.append(("arg", {s: dict(v) if isinstance(v, Mapping) else v for s, v in (overrides or {}).items()}))
+    layers.append(
+        (
+            "arg",
+            {
+                s: dict(v) if isinstance(v, Mapping) else v
+                for s, v in (overrides or {}).items()
+            },
+        )
+    )
     merged: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
     for origin, layer in layers:
         for section, values in layer.items():
             if section not in _SECTIONS:
-                raise KvtierConfigError(f"{section!r}: unknown section; allowed: {', '.join(_SECTIONS)}")
+                raise KvtierConfigError(
+                    f"{section!r}: unknown section; allowed: {', '.join(_SECTIONS)}"
+                )
             if values is None and section == "mirror":  # `mirror: null`: no host tier
                 merged[section] = None
                 sources["mirror"] = origin
                 continue
             if not isinstance(values, Mapping):
-                raise KvtierConfigError(f"{section}: expected a mapping of keys, got {values!r}")
+                raise KvtierConfigError(
+                    f"{section}: expected a mapping of keys, got {values!r}"
+                )
             target = merged.get(section)
             if target is None:
                 target = merged[section] = {}
             for key, value in values.items():
                 target[key] = value
-                sources[f"{section}.{key}"] = origin if origin != "env" else f"env {ENV_PREFIX}{section.upper()}_{key.upper()}"
-    built = {name: _build_section(name, merged.get(name, {}), sources) for name in _SECTIONS if name in merged}
+                sources[f"{section}.{key}"] = (
+                    origin
+                    if origin != "env"
+                    else f"env {ENV_PREFIX}{section.upper()}_{key.upper()}"
+                )
+    built = {
+        name: _build_section(name, merged.get(name, {}), sources)
+        for name in _SECTIONS
+        if name in merged
+    }
     return KvtierConfig(**built, sources=sources)
 
 
@@ -170,8 +210,10 @@ def refuse_store_pages(config: KvtierConfig, where: str) -> None:
     """Where the engine names the store's pages (SGLang's linker and storage backend, vLLM's
     tier), a store page is one engine page: `store.page_tokens` is refused, not ignored."""
     if config.store.page_tokens is not None:
-        raise KvtierConfigError(f"store.page_tokens={config.store.page_tokens!r}: {where} stores one engine page "
-                                "per store page; remove the key (it is for TieredCache, docs/stores.md)")
+        raise KvtierConfigError(
+            f"store.page_tokens={config.store.page_tokens!r}: {where} stores one engine page "
+            "per store page; remove the key (it is for TieredCache, docs/stores.md)"
+        )
 
 
 def explain(config: KvtierConfig) -> str:
@@ -186,9 +228,13 @@ def explain(config: KvtierConfig) -> str:
             value = getattr(section, f.name)
             if name == "store" and f.name == "options":
                 for k, v in _options_items(value):
-                    lines.append(f"store.{k} = {_show(k, v)}  ({config.sources.get(f'store.{k}', 'default')})")
+                    lines.append(
+                        f"store.{k} = {_show(k, v)}  ({config.sources.get(f'store.{k}', 'default')})"
+                    )
                 continue
-            lines.append(f"{name}.{f.name} = {_show(f.name, value)}  ({config.sources.get(f'{name}.{f.name}', 'default')})")
+            lines.append(
+                f"{name}.{f.name} = {_show(f.name, value)}  ({config.sources.get(f'{name}.{f.name}', 'default')})"
+            )
     return "\n".join(lines)
 
 
@@ -223,7 +269,9 @@ def config_path(path: str | os.PathLike) -> Path:
     shipped = shipped_configs()
     if str(path) in shipped:
         return shipped[str(path)]
-    raise KvtierConfigError(f"config file {str(p)!r}: not found (shipped configs: {', '.join(shipped)})")
+    raise KvtierConfigError(
+        f"config file {str(p)!r}: not found (shipped configs: {', '.join(shipped)})"
+    )
 
 
 def _read_yaml(path: str | os.PathLike) -> dict:
@@ -231,11 +279,15 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise KvtierConfigError(f"config file {str(p)!r}: not valid YAML: {exc}") from exc
+        raise KvtierConfigError(
+            f"config file {str(p)!r}: not valid YAML: {exc}"
+        ) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise KvtierConfigError(f"config file {str(p)!r}: expected a mapping of sections, got {type(data).__name__}")
+        raise KvtierConfigError(
+            f"config file {str(p)!r}: expected a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 
@@ -244,11 +296,13 @@ def _from_env(env: Mapping[str, str]) -> dict:
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name in _OTHER_ENV:
             continue
-        rest = name[len(ENV_PREFIX):].lower()
+        rest = name[len(ENV_PREFIX) :].lower()
         section, _, key = rest.partition("_")
         if section not in _SECTIONS or not key:
-            raise KvtierConfigError(f"env {name}: no such setting; use KVTIER_<SECTION>_<KEY> with a section of "
-                                    f"{', '.join(_SECTIONS)} (other variables: {', '.join(sorted(_OTHER_ENV))})")
+            raise KvtierConfigError(
+                f"env {name}: no such setting; use KVTIER_<SECTION>_<KEY> with a section of "
+                f"{', '.join(_SECTIONS)} (other variables: {', '.join(sorted(_OTHER_ENV))})"
+            )
         out.setdefault(section, {})[key] = value
     return out
 
@@ -279,26 +333,54 @@ def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
     base = _make("store", StoreConfig, common, sources)
     rest = {k: v for k, v in values.items() if k not in _STORE_COMMON}
     _, options_cls = (None, None) if base.backend == "none" else resolve(base.backend)
-    allowed = set() if options_cls is None and base.backend == "none" else \
-        ({f.name for f in dataclasses.fields(options_cls)} if options_cls is not None else set(rest))
+    allowed = (
+        set()
+        if options_cls is None and base.backend == "none"
+        else (
+            {f.name for f in dataclasses.fields(options_cls)}
+            if options_cls is not None
+            else set(rest)
+        )
+    )
     backend_layer = _layer(sources.get("store.backend", "file"))
-    dropped = [k for k in rest if k not in allowed and _layer(sources.get(f"store.{k}", "file")) < backend_layer]
+    dropped = [
+        k
+        for k in rest
+        if k not in allowed
+        and _layer(sources.get(f"store.{k}", "file")) < backend_layer
+    ]
     for k in dropped:
-        log.info("config: store.%s (%s) dropped: store.backend=%r (%s) does not take it", k,
-                 sources.get(f"store.{k}"), base.backend, sources.get("store.backend"))
+        log.info(
+            "config: store.%s (%s) dropped: store.backend=%r (%s) does not take it",
+            k,
+            sources.get(f"store.{k}"),
+            base.backend,
+            sources.get("store.backend"),
+        )
         del rest[k]
         sources.pop(f"store.{k}", None)
     if base.backend == "none":
         if rest:
             k = next(iter(rest))
-            raise KvtierConfigError(f"store.{k}: not allowed with store.backend='none' "
-                                    f"({sources.get(f'store.{k}', 'default')})")
+            raise KvtierConfigError(
+                f"store.{k}: not allowed with store.backend='none' "
+                f"({sources.get(f'store.{k}', 'default')})"
+            )
         return base
-    options = _make("store", options_cls, rest, sources) if options_cls is not None else dict(rest)
+    options = (
+        _make("store", options_cls, rest, sources)
+        if options_cls is not None
+        else dict(rest)
+    )
     return dataclasses.replace(base, options=options)
 
 
-def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> Any:
+def _make(
+    section: str,
+    cls: type,
+    values: Mapping[str, Any],
+    sources: Mapping[str, str] | None = None,
+) -> Any:
     """Build `cls` from `values`; every error names the field, its value, where it came from
     (file, env variable, argument) and what is allowed."""
     sources = sources or {}
@@ -306,34 +388,61 @@ def _make(section: str, cls: type, values: Mapping[str, Any], sources: Mapping[s
     allowed = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for key, value in values.items():
-        where = f" ({sources[f'{section}.{key}']})" if f"{section}.{key}" in sources else ""
+        where = (
+            f" ({sources[f'{section}.{key}']})" if f"{section}.{key}" in sources else ""
+        )
         if key not in allowed:
-            raise KvtierConfigError(f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}{where}")
+            raise KvtierConfigError(
+                f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}{where}"
+            )
         try:
-            if hints[key] is bool and isinstance(value, str) and sources.get(f"{section}.{key}", "").startswith("file"):
-                raise KvtierConfigError(f"{section}.{key}={value!r}: expected true or false "
-                                        "(quoted, it is a string in YAML)")
+            if (
+                hints[key] is bool
+                and isinstance(value, str)
+                and sources.get(f"{section}.{key}", "").startswith("file")
+            ):
+                raise KvtierConfigError(
+                    f"{section}.{key}={value!r}: expected true or false "
+                    "(quoted, it is a string in YAML)"
+                )
             kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
         except KvtierConfigError as exc:
-            if shown(key, value) == "***":  # a secret's value is never printed, even when wrong
-                raise KvtierConfigError(f"{section}.{key}: {str(exc).rpartition(': ')[2]} "
-                                        f"(the value is not shown: a secret){where}") from None
+            if (
+                shown(key, value) == "***"
+            ):  # a secret's value is never printed, even when wrong
+                raise KvtierConfigError(
+                    f"{section}.{key}: {str(exc).rpartition(': ')[2]} "
+                    f"(the value is not shown: a secret){where}"
+                ) from None
             raise KvtierConfigError(f"{exc}{where}") from None
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     missing = [k for k in required if k not in kwargs]
     if missing:  # named, not Python's "missing 2 required positional arguments"
-        given = sorted({sources[f"{section}.{k}"] for k in values if f"{section}.{k}" in sources})
+        given = sorted(
+            {sources[f"{section}.{k}"] for k in values if f"{section}.{k}" in sources}
+        )
         where = f" ({', '.join(given)})" if given else ""
-        raise KvtierConfigError(f"{section}: {', '.join(missing)} required (a {section} section sets "
-                                f"{', '.join(required)} at least){where}")
+        raise KvtierConfigError(
+            f"{section}: {', '.join(missing)} required (a {section} section sets "
+            f"{', '.join(required)} at least){where}"
+        )
     try:
         return cls(**kwargs)
     except KvtierConfigError:
         raise
     except (ValueError, TypeError) as exc:
         name = str(exc).split("=", 1)[0].strip()
-        where = f" ({sources[f'{section}.{name}']})" if f"{section}.{name}" in sources else ""
+        where = (
+            f" ({sources[f'{section}.{name}']})"
+            if f"{section}.{name}" in sources
+            else ""
+        )
         raise KvtierConfigError(f"{section}: {exc}{where}") from exc
 
 
@@ -351,24 +460,39 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
 def _coerce_value(name: str, hint: Any, value: Any) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+        if value is None or (
+            isinstance(value, str) and value.lower() in ("null", "none", "~")
+        ):
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
         return _coerce_value(name, inner[0], value) if len(inner) == 1 else value
     if origin is Literal:
         if value not in args:
-            raise KvtierConfigError(f"{name}={value!r}: allowed values are {', '.join(map(str, args))}")
+            raise KvtierConfigError(
+                f"{name}={value!r}: allowed values are {', '.join(map(str, args))}"
+            )
         return value
     if isinstance(hint, type) and issubclass(hint, Enum):
         try:
             return hint(value)
         except ValueError:
-            raise KvtierConfigError(f"{name}={value!r}: allowed values are {', '.join(e.value for e in hint)}") from None
+            raise KvtierConfigError(
+                f"{name}={value!r}: allowed values are {', '.join(e.value for e in hint)}"
+            ) from None
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        ):
             return value.lower() in ("1", "true", "yes", "on")
         raise KvtierConfigError(f"{name}={value!r}: expected true or false")
     if hint is int:

@@ -41,7 +41,9 @@ class Complaints:
     """Logs the first failure of each kind, then every `every`-th with the running count. A
     sick store fails every call: a line per call would bury the log (counters keep them all)."""
 
-    def __init__(self, logger: logging.Logger, prefix: str = "", every: int = 100) -> None:
+    def __init__(
+        self, logger: logging.Logger, prefix: str = "", every: int = 100
+    ) -> None:
         self.log, self.prefix, self.every = logger, prefix, every
         self.seen: dict[str, int] = {}
 
@@ -51,7 +53,9 @@ class Complaints:
         if seen == 1:
             self.log.warning("%s%s", self.prefix, message)
         elif seen % self.every == 0:
-            self.log.warning("%s%d %s failures so far; latest: %s", self.prefix, seen, kind, message)
+            self.log.warning(
+                "%s%d %s failures so far; latest: %s", self.prefix, seen, kind, message
+            )
 
 
 class LogOnce:
@@ -66,4 +70,8 @@ class LogOnce:
             self.log.debug("%s", message)
         else:
             self.seen.add(kind)
-            self.log.error("%s (further %s failures are counted in stats, not logged)", message, kind)
+            self.log.error(
+                "%s (further %s failures are counted in stats, not logged)",
+                message,
+                kind,
+            )

@@ -43,7 +43,7 @@ def token_bytes(tokens: np.ndarray) -> bytes:
     one numpy cast of a whole prompt gives up the GIL on the scheduler thread."""
     out = np.empty(len(tokens), dtype="<u4")
     for i in range(0, len(tokens), GIL_CHUNK):
-        out[i:i + GIL_CHUNK] = tokens[i:i + GIL_CHUNK]
+        out[i : i + GIL_CHUNK] = tokens[i : i + GIL_CHUNK]
     return out.tobytes()
 
 
@@ -59,25 +59,49 @@ class Namespace:
     tp_size: int = 1
     tenant_salt: str | None = None
     key_format_version: int = KEY_FORMAT_VERSION
-    revision: str | None = None  # the weights' revision or fingerprint (same model id, other bytes)
-    tenant_key_id: str | None = None  # hex id of the tenant key (never the key): its pages are sealed
+    revision: str | None = (
+        None  # the weights' revision or fingerprint (same model id, other bytes)
+    )
+    tenant_key_id: str | None = (
+        None  # hex id of the tenant key (never the key): its pages are sealed
+    )
     store_pages: int = 1  # device pages in one store page (`store.page_tokens`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise KvtierConfigError(f"namespace.page_size={self.page_size!r}: must be an integer >= 1")
-        if isinstance(self.store_pages, bool) or not isinstance(self.store_pages, int) or self.store_pages < 1:
-            raise KvtierConfigError(f"store_pages={self.store_pages!r}: device pages in a store page, an integer >= 1")
+            raise KvtierConfigError(
+                f"namespace.page_size={self.page_size!r}: must be an integer >= 1"
+            )
+        if (
+            isinstance(self.store_pages, bool)
+            or not isinstance(self.store_pages, int)
+            or self.store_pages < 1
+        ):
+            raise KvtierConfigError(
+                f"store_pages={self.store_pages!r}: device pages in a store page, an integer >= 1"
+            )
         if not 0 <= self.tp_rank < self.tp_size:
-            raise KvtierConfigError(f"namespace.tp_rank={self.tp_rank!r}: must be in [0, tp_size={self.tp_size})")
+            raise KvtierConfigError(
+                f"namespace.tp_rank={self.tp_rank!r}: must be in [0, tp_size={self.tp_size})"
+            )
 
     def manifest(self, page_bytes: int) -> dict:
         """What `tierctl store ls` shows of a namespace (docs/formats.md). The tenant salt
         itself is never stored: only a digest that `purge --tenant SALT` can match."""
-        out = {"format": 1, "namespace": self.id, "model_id": self.model_id, "revision": self.revision,
-               "dtype": self.dtype, "layout": self.layout, "page_size": self.page_size, "tp_rank": self.tp_rank,
-               "tp_size": self.tp_size, "tenant": tenant_digest(self.tenant_salt),
-               "key_format_version": self.key_format_version, "page_bytes": page_bytes}
+        out = {
+            "format": 1,
+            "namespace": self.id,
+            "model_id": self.model_id,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "layout": self.layout,
+            "page_size": self.page_size,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "tenant": tenant_digest(self.tenant_salt),
+            "key_format_version": self.key_format_version,
+            "page_bytes": page_bytes,
+        }
         if self.tenant_key_id is not None:
             out["tenant_key_id"] = self.tenant_key_id
         if self.store_pages > 1:
@@ -90,14 +114,25 @@ class Namespace:
         h = hashlib.sha256(b"kvtier/namespace")
         for f in fields(self):
             value = getattr(self, f.name)
-            if (f.name in ("revision", "tenant_key_id") and value is None) or (f.name == "store_pages" and value == 1):
+            if (f.name in ("revision", "tenant_key_id") and value is None) or (
+                f.name == "store_pages" and value == 1
+            ):
                 continue  # ids from before these fields existed stay the same
-            h.update(_field(f.name.encode(), b"\x00" if value is None else b"\x01" + str(value).encode()))
+            h.update(
+                _field(
+                    f.name.encode(),
+                    b"\x00" if value is None else b"\x01" + str(value).encode(),
+                )
+            )
         return h.hexdigest()[:NAMESPACE_ID_HEX]
 
 
 def tenant_digest(salt: str | None) -> str | None:
-    return None if salt is None else hashlib.sha256(b"kvtier/tenant\x00" + salt.encode()).hexdigest()[:16]
+    return (
+        None
+        if salt is None
+        else hashlib.sha256(b"kvtier/tenant\x00" + salt.encode()).hexdigest()[:16]
+    )
 
 
 class KeyedHash:
@@ -110,7 +145,11 @@ class KeyedHash:
 
     def __init__(self, hash_key: bytes, algo: str, key_id: str) -> None:
         _hasher(algo)  # refuses an unknown name
-        self.digest_size, self._key, self.key_id = (32 if algo == "sha256" else 16), hash_key, key_id
+        self.digest_size, self._key, self.key_id = (
+            (32 if algo == "sha256" else 16),
+            hash_key,
+            key_id,
+        )
 
     def __call__(self, data: bytes = b""):
         return hashlib.blake2b(data, digest_size=self.digest_size, key=self._key)
@@ -126,7 +165,9 @@ def _hasher(algo):
         return hashlib.sha256
     if algo == "xxh3_128":
         return xxhash.xxh3_128
-    raise KvtierConfigError(f"hash_algo={algo!r}: allowed values are {', '.join(HASH_ALGOS)}")
+    raise KvtierConfigError(
+        f"hash_algo={algo!r}: allowed values are {', '.join(HASH_ALGOS)}"
+    )
 
 
 def page_hashes(
@@ -142,24 +183,35 @@ def page_hashes(
     Each page hashes `field("pv", prev) ‖ field("ns", …) ‖ field("ek", …) ‖ field("tk", page)`
     (docs/formats.md); everything but `prev` and the page's tokens is the same for every
     page, so it is encoded once and each page is one hash call over one joined buffer."""
-    return page_hashes_of_bytes(token_bytes(tokens), page_size, namespace_id, extra_key, prev, algo)
+    return page_hashes_of_bytes(
+        token_bytes(tokens), page_size, namespace_id, extra_key, prev, algo
+    )
 
 
-def page_hashes_of_bytes(data: bytes, page_size: int, namespace_id: str, extra_key: str | None = None,
-                         prev: bytes | None = None, algo: str | KeyedHash = "sha256") -> list[bytes]:
+def page_hashes_of_bytes(
+    data: bytes,
+    page_size: int,
+    namespace_id: str,
+    extra_key: str | None = None,
+    prev: bytes | None = None,
+    algo: str | KeyedHash = "sha256",
+) -> list[bytes]:
     """`page_hashes` of tokens already encoded (`token_bytes`)."""
     new = _hasher(algo)
     step = 4 * page_size
-    middle = (_field(b"ns", namespace_id.encode())
-              + _field(b"ek", b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
-              + b"tk" + struct.pack("<I", step))
+    middle = (
+        _field(b"ns", namespace_id.encode())
+        + _field(b"ek", b"\x00" if extra_key is None else b"\x01" + extra_key.encode())
+        + b"tk"
+        + struct.pack("<I", step)
+    )
     h_prev = SEED if prev is None else prev
     pv = b"pv" + struct.pack("<I", len(h_prev))
     pv_digest = b"pv" + struct.pack("<I", new().digest_size)
     out: list[bytes] = []
     join = b"".join
     for start in range(0, len(data) // step * step, step):
-        h_prev = new(join((pv, h_prev, middle, data[start:start + step]))).digest()
+        h_prev = new(join((pv, h_prev, middle, data[start : start + step]))).digest()
         pv = pv_digest
         out.append(h_prev)
     return out
@@ -175,8 +227,11 @@ def key_maker(prefix: str, namespace_id: str):
         if len(hx) not in (32, 64):
             raise StoreKeyError(f"page hash of {len(hx) // 2} bytes: expected 16 or 32")
         made = base + hx
-        _remember(made, (prefix, namespace_id, bytes(page_hash)))  # well formed by construction
+        _remember(
+            made, (prefix, namespace_id, bytes(page_hash))
+        )  # well formed by construction
         return made
+
     return key
 
 
@@ -193,8 +248,13 @@ def _parse_key(key: str) -> tuple[str, str, str]:
     """(prefix, namespace id, hex page hash). The last two segments are split off, not
     found by one regex over the whole key: that one backtracked, 5 us a key."""
     parts = key.rsplit("/", 2) if isinstance(key, str) else []
-    well_formed = (len(parts) == 3 and _HASH_RE.fullmatch(parts[2]) and _NS_RE.fullmatch(parts[1])
-                   and PREFIX_RE.fullmatch(parts[0]) and not _DOT_SEGMENT.search(parts[0]))
+    well_formed = (
+        len(parts) == 3
+        and _HASH_RE.fullmatch(parts[2])
+        and _NS_RE.fullmatch(parts[1])
+        and PREFIX_RE.fullmatch(parts[0])
+        and not _DOT_SEGMENT.search(parts[0])
+    )
     if not well_formed:
         raise StoreKeyError(
             f"key={key!r}: expected '<prefix>/<32 hex namespace id>/<32 or 64 hex page hash>'"
@@ -234,7 +294,7 @@ _RECENT_MAX = 1 << 15
 
 def _remember(key: str, parts: tuple[str, str, bytes]) -> tuple[str, str, bytes]:
     if len(_RECENT) >= _RECENT_MAX:
-        for old in list(_RECENT)[:_RECENT_MAX // 2]:
+        for old in list(_RECENT)[: _RECENT_MAX // 2]:
             _RECENT.pop(old, None)
     _RECENT[key] = parts
     return parts

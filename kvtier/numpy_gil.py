@@ -6,7 +6,9 @@ GIL_CHUNK elements. No torch here: the CLI's help must not import it."""
 import sys
 
 GIL_CHUNK = 500
-HIGH = 1 if sys.byteorder == "little" else 0  # the upper 32 bits of an int64, viewed as two uint32s
+HIGH = (
+    1 if sys.byteorder == "little" else 0
+)  # the upper 32 bits of an int64, viewed as two uint32s
 
 
 def shared_bytes(a: bytes, a_at: int, b: bytes, b_at: int, n: int) -> int:
@@ -15,12 +17,12 @@ def shared_bytes(a: bytes, a_at: int, b: bytes, b_at: int, n: int) -> int:
     it up, and a memoryview compare unpacks byte by byte (2 ms for 800 KB). Halving the
     window the first difference lies in, each step one memcmp (`startswith`) of a copy of
     its lower half: about `n` bytes copied in all, ~60 us for 800 KB."""
-    if b.startswith(a[a_at:a_at + n], b_at):
+    if b.startswith(a[a_at : a_at + n], b_at):
         return n
     lo, hi = 0, n  # bytes [0, lo) are the same; the first difference is in [lo, hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if b.startswith(a[a_at + lo:a_at + mid], b_at + lo):
+        if b.startswith(a[a_at + lo : a_at + mid], b_at + lo):
             lo = mid
         else:
             hi = mid

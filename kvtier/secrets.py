@@ -7,8 +7,11 @@ import re
 # a secret-looking word as a whole part of the field name (`aws_session_token`,
 # `secret_access_key`, `password`), not inside another word (`prefetch_min_tokens`); the tenant key itself, not the
 # path of its file
-_SECRET_FIELD = re.compile(r"(?:^|_)(?:password|passwd|secret|access_key|token|api_key)(?:_|$)"
-                          r"|(?:^|_)tenant_key$", re.IGNORECASE)
+_SECRET_FIELD = re.compile(
+    r"(?:^|_)(?:password|passwd|secret|access_key|token|api_key)(?:_|$)"
+    r"|(?:^|_)tenant_key$",
+    re.IGNORECASE,
+)
 
 
 def redact_url(url: str) -> str:

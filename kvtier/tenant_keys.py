@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def _derive(secret: bytes, purpose: bytes, size: int) -> bytes:
-    return hashlib.blake2b(purpose, key=secret, digest_size=size, person=_PERSON).digest()
+    return hashlib.blake2b(
+        purpose, key=secret, digest_size=size, person=_PERSON
+    ).digest()
 
 
 class TenantKey:
@@ -88,27 +90,40 @@ def parse_keys(text: str, field: str) -> TenantKeys:
     """The key ring written in `text` (keys separated by commas, spaces or new lines; `#`
     starts a comment). Errors name `field` and what is wrong, never the text."""
     if not isinstance(text, str):
-        raise ValueError(f"{field}: expected a string of 64 hex digits per key, got a {type(text).__name__}")
-    words = [w for line in text.splitlines() for w in re.split(r"[,\s]+", line.split("#", 1)[0]) if w]
+        raise ValueError(
+            f"{field}: expected a string of 64 hex digits per key, got a {type(text).__name__}"
+        )
+    words = [
+        w
+        for line in text.splitlines()
+        for w in re.split(r"[,\s]+", line.split("#", 1)[0])
+        if w
+    ]
     if not words:
         raise ValueError(f"{field}: no key in it (expected 64 hex digits per key)")
     for i, w in enumerate(words):
         if not _HEX_KEY.fullmatch(w):
-            raise ValueError(f"{field}: key {i + 1} of {len(words)} is {len(w)} characters"
-                             f"{'' if re.fullmatch(r'[0-9a-fA-F]*', w) else ', not all hex digits'}; expected 64 hex "
-                             f"digits ({KEY_BYTES} random bytes, e.g. python -c 'import secrets; "
-                             f"print(secrets.token_hex(32))')")
+            raise ValueError(
+                f"{field}: key {i + 1} of {len(words)} is {len(w)} characters"
+                f"{'' if re.fullmatch(r'[0-9a-fA-F]*', w) else ', not all hex digits'}; expected 64 hex "
+                f"digits ({KEY_BYTES} random bytes, e.g. python -c 'import secrets; "
+                f"print(secrets.token_hex(32))')"
+            )
     keys = [TenantKey(bytes.fromhex(w)) for w in words]
     if len({k.key_id for k in keys}) != len(keys):
         raise ValueError(f"{field}: the same key appears twice")
     return TenantKeys(keys)
 
 
-def load_keys(tenant_key: str | None, tenant_key_file: str | None, section: str = "namespace") -> TenantKeys | None:
+def load_keys(
+    tenant_key: str | None, tenant_key_file: str | None, section: str = "namespace"
+) -> TenantKeys | None:
     """The key ring of `tenant_key` (the keys themselves) or `tenant_key_file` (a file
     holding them); None without either. Errors never show a key."""
     if tenant_key is not None and tenant_key_file is not None:
-        raise ValueError(f"{section}.tenant_key and {section}.tenant_key_file are both set: give one")
+        raise ValueError(
+            f"{section}.tenant_key and {section}.tenant_key_file are both set: give one"
+        )
     if tenant_key is not None:
         return parse_keys(tenant_key, f"{section}.tenant_key")
     if tenant_key_file is None:
@@ -118,9 +133,15 @@ def load_keys(tenant_key: str | None, tenant_key_file: str | None, section: str 
             mode = os.fstat(f.fileno()).st_mode
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{section}.tenant_key_file={tenant_key_file!r}: cannot read it "
-                         f"({type(exc).__name__}: {getattr(exc, 'strerror', None) or 'not text'})") from None
+        raise ValueError(
+            f"{section}.tenant_key_file={tenant_key_file!r}: cannot read it "
+            f"({type(exc).__name__}: {getattr(exc, 'strerror', None) or 'not text'})"
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("%s.tenant_key_file=%r: others than its owner may read it (mode %03o); chmod 600 it",
-                    section, tenant_key_file, stat.S_IMODE(mode))
+        log.warning(
+            "%s.tenant_key_file=%r: others than its owner may read it (mode %03o); chmod 600 it",
+            section,
+            tenant_key_file,
+            stat.S_IMODE(mode),
+        )
     return parse_keys(text, f"{section}.tenant_key_file={tenant_key_file!r}")

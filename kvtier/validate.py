@@ -10,7 +10,11 @@ def check_positive(obj: object, *names: str, integer: bool = False) -> None:
     """Each named field of a config dataclass is a number > 0 (an int when `integer`)."""
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not value > 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int if integer else (int, float))
+            or not value > 0
+        ):
             kind = "an integer" if integer else "a number"
             raise ValueError(f"{name}={value!r}: must be {kind} > 0")
 

@@ -31,7 +31,9 @@ def gil_watch():
     gc.collect()
     try:
         gc.disable()
-        sys.setswitchinterval(0.5)  # before the spinner waits: a wait begun at 5 ms would force a switch mid-call
+        sys.setswitchinterval(
+            0.5
+        )  # before the spinner waits: a wait begun at 5 ms would force a switch mid-call
         spinner.start()
         while spins[0] == 0:
             pass  # it ran: now it wants the GIL back, and takes it only if this thread lets it go

@@ -40,4 +40,6 @@ class HungMount:
         assert self.stuck, "no open got stuck on a hung path"
         for t in self.stuck:
             t.join(timeout)
-            assert not t.is_alive(), f"{t.name} still runs {timeout}s after the mount came back"
+            assert not t.is_alive(), (
+                f"{t.name} still runs {timeout}s after the mount came back"
+            )

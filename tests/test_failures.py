@@ -41,10 +41,19 @@ async def test_lmcache_4991_a_failed_store_is_never_visible(tmp_path):
 
 
 def test_lmcache_1139_hashes_do_not_depend_on_the_process():
-    code = ("import numpy as np; from kvtier.hashing import page_hashes; "
-            "print(page_hashes(np.arange(64), 16, 'a' * 32, 'lora')[-1].hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "random")}
+    code = (
+        "import numpy as np; from kvtier.hashing import page_hashes; "
+        "print(page_hashes(np.arange(64), 16, 'a' * 32, 'lora')[-1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("0", "1", "random")
+    }
     assert len(outs) == 1 and len(outs.pop().strip()) == 64
 
 
@@ -69,7 +78,9 @@ def test_token_ids_that_would_alias_in_the_page_hash_are_refused():
     from kvtier.hashing import page_hashes
 
     alias = np.array([2**32 - 1, 2**32, 7, 8]), np.array([-1, 0, 7, 8])
-    assert page_hashes(alias[0], 4, "a" * 32) == page_hashes(alias[1], 4, "a" * 32)  # what must not reach it
+    assert page_hashes(alias[0], 4, "a" * 32) == page_hashes(
+        alias[1], 4, "a" * 32
+    )  # what must not reach it
     cache = make_cache()
     compute(cache, A, seed=1)
     for bad in alias:
@@ -101,7 +112,9 @@ def test_a_reused_token_buffer_never_changes_what_the_cache_holds(as_tensor):
     forward(cache, "a")
     kv_a = fill(cache, new, seed=1)
     cache.cache_finished("a", tokens, torch.cat([got.indices, new]))
-    buf[16:] = np.arange(900, 916)  # the next batch in the same buffer: shares A's first 16 tokens
+    buf[16:] = np.arange(
+        900, 916
+    )  # the next batch in the same buffer: shares A's first 16 tokens
     b = buf.copy()
     got = acquire(cache, b, "b")
     assert got.indices.numel() == 16, "only the 16 tokens B shares with A may hit"
@@ -110,7 +123,9 @@ def test_a_reused_token_buffer_never_changes_what_the_cache_holds(as_tensor):
     got = acquire(cache, a, "a2")
     assert got.indices.numel() == 32 and same_kv(read(cache, got.indices), kv_a)
     cache.abort("a2")
-    last = cache.tree.page_hashes(cache.match_prefix(a).last_device_node)[-1]  # chained: it covers all of A
+    last = cache.tree.page_hashes(cache.match_prefix(a).last_device_node)[
+        -1
+    ]  # chained: it covers all of A
     assert last == page_hashes(a, 4, cache.namespace.id)[-1]
     check(cache)
     cache.close()
@@ -135,7 +150,9 @@ def test_slots_handed_to_a_request_are_its_own_to_change():
     new = cache.alloc(16)
     forward(cache, "r2")
     fill(cache, new, seed=2)
-    kept = cache.cache_unfinished("r2", np.concatenate([A, A + 100]), torch.cat([got.indices, new]))
+    kept = cache.cache_unfinished(
+        "r2", np.concatenate([A, A + 100]), torch.cat([got.indices, new])
+    )
     kept.zero_()
     cache.abort("r2")
     got = acquire(cache, A, "r3")

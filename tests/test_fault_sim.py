@@ -16,21 +16,30 @@ WRITES = ["write_through", "write_through_selective", "write_back"]
 PREFETCHES = ["best_effort", "wait_complete", "timeout"]
 
 
-@pytest.mark.parametrize("page_size,layout", [(1, "page_first"), (1, "layer_first"),
-                                              (16, "page_first"), (16, "layer_first")])
+@pytest.mark.parametrize(
+    "page_size,layout",
+    [(1, "page_first"), (1, "layer_first"), (16, "page_first"), (16, "layer_first")],
+)
 def test_fault_sim_every_policy_finds_no_violation(page_size, layout):
-    setups = [Setup(page_size, layout, "direct", w, p) for w, p in itertools.product(WRITES, PREFETCHES)]
+    setups = [
+        Setup(page_size, layout, "direct", w, p)
+        for w, p in itertools.product(WRITES, PREFETCHES)
+    ]
     out = io.StringIO()
     steps = 250 * len(setups)
-    violations = run(steps, seed=page_size * 7 + len(layout), episode=250, out=out, setups=setups)
+    violations = run(
+        steps, seed=page_size * 7 + len(layout), episode=250, out=out, setups=setups
+    )
     assert violations == 0, out.getvalue()
     assert out.getvalue().splitlines()[-1] == f"fault sim: {steps} steps, 0 violations"
 
 
 def test_fault_sim_kernel_io_path_finds_no_violation():
     """The Triton gather/scatter path, run by the interpreter (tests set TRITON_INTERPRET=1)."""
-    setups = [Setup(4, "page_first", "kernel", "write_through", "wait_complete"),
-              Setup(16, "layer_first", "kernel", "write_back", "best_effort")]
+    setups = [
+        Setup(4, "page_first", "kernel", "write_through", "wait_complete"),
+        Setup(16, "layer_first", "kernel", "write_back", "best_effort"),
+    ]
     out = io.StringIO()
     assert run(300, seed=5, episode=150, out=out, setups=setups) == 0, out.getvalue()
 
@@ -44,9 +53,18 @@ def test_fault_sim_drawn_setups_find_no_violation(seed):
 def test_fault_sim_with_sealed_pages_finds_no_violation():
     """Pages sealed under a tenant key (docs/security.md): the damaged, swapped and
     truncated pages the store answers with are misses, the bytes every forward reads right."""
-    setups = [Setup(4, "page_first", "direct", "write_through", "best_effort", sealing="mac"),
-              Setup(16, "layer_first", "direct", "write_back", "timeout", sealing="aes-gcm"),
-              Setup(1, "page_first", "direct", "write_through_selective", "wait_complete", sealing="aes-gcm")]
+    setups = [
+        Setup(4, "page_first", "direct", "write_through", "best_effort", sealing="mac"),
+        Setup(16, "layer_first", "direct", "write_back", "timeout", sealing="aes-gcm"),
+        Setup(
+            1,
+            "page_first",
+            "direct",
+            "write_through_selective",
+            "wait_complete",
+            sealing="aes-gcm",
+        ),
+    ]
     out = io.StringIO()
     assert run(750, seed=11, episode=250, out=out, setups=setups) == 0, out.getvalue()
 
@@ -55,10 +73,21 @@ def test_fault_sim_with_store_pages_of_several_pages_finds_no_violation():
     """Store pages of 2 and 4 device pages (store.page_tokens, docs/stores.md): reads
     that fail, stall and come back damaged, backups that store a page's first pages from
     its ancestors' host copies; every byte a forward reads right."""
-    setups = [Setup(1, "page_first", "direct", "write_through", "wait_complete", store_pages=4),
-              Setup(4, "layer_first", "direct", "write_back", "best_effort", store_pages=2),
-              Setup(1, "layer_first", "direct", "write_through_selective", "timeout", store_pages=4,
-                    sealing="mac"),
-              Setup(16, "page_first", "direct", "write_through", "timeout", store_pages=2)]
+    setups = [
+        Setup(
+            1, "page_first", "direct", "write_through", "wait_complete", store_pages=4
+        ),
+        Setup(4, "layer_first", "direct", "write_back", "best_effort", store_pages=2),
+        Setup(
+            1,
+            "layer_first",
+            "direct",
+            "write_through_selective",
+            "timeout",
+            store_pages=4,
+            sealing="mac",
+        ),
+        Setup(16, "page_first", "direct", "write_through", "timeout", store_pages=2),
+    ]
     out = io.StringIO()
     assert run(1200, seed=13, episode=300, out=out, setups=setups) == 0, out.getvalue()

@@ -10,7 +10,9 @@ from kvtier.testing import linker_sim
 
 def test_drawn_episodes_have_no_violations():
     out = io.StringIO()
-    assert linker_sim.run(3000, seed=20261201, episode=300, out=out) == 0, out.getvalue()
+    assert linker_sim.run(3000, seed=20261201, episode=300, out=out) == 0, (
+        out.getvalue()
+    )
 
 
 @pytest.mark.parametrize("plant", sorted(linker_sim.PLANTED))

@@ -14,7 +14,16 @@ from kvtier.testing.parts import SimStore, SimStreams
 from kvtier.tiers.indices import runs
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig
-from tests.controller.helpers import acquire, compute, fill, forward, make_cache, read, same_kv, settle
+from tests.controller.helpers import (
+    acquire,
+    compute,
+    fill,
+    forward,
+    make_cache,
+    read,
+    same_kv,
+    settle,
+)
 
 A = np.arange(500, 516)  # 16 tokens = 4 pages of 4
 
@@ -37,18 +46,26 @@ def test_1_failed_load_inside_acquire_is_never_served():
     settle(cache)
     cache.evict(16)
     cache.mirror.__class__ = _BrokenLoads
-    got = acquire(cache, A, "r1")  # locks the device prefix and starts the load, as a server does
+    got = acquire(
+        cache, A, "r1"
+    )  # locks the device prefix and starts the load, as a server does
     assert (got.host_hit, got.indices.numel()) == (16, 16)
     waiter = cache.begin_forward(["r1"])
     for layer in range(cache.pool.num_layers):
-        waiter.wait_layer(layer)  # the forward runs to its end: the one channel is failed()
+        waiter.wait_layer(
+            layer
+        )  # the forward runs to its end: the one channel is failed()
     assert waiter.failed() == ["r1"] and "DMA failed" in waiter.bad["r1"]
-    with pytest.raises(TransferError, match="nothing was cached"):  # fail closed, even if the server goes on
+    with pytest.raises(
+        TransferError, match="nothing was cached"
+    ):  # fail closed, even if the server goes on
         cache.cache_finished("r1", A, got.indices)
     settle(cache)
     check(cache)
     m = cache.match_prefix(A, count=False)
-    assert m.device_indices.numel() == 0 and m.host_hit_length == 16  # never published on device
+    assert (
+        m.device_indices.numel() == 0 and m.host_hit_length == 16
+    )  # never published on device
     cache.mirror.__class__ = HostMirror
     got = acquire(cache, A, "r2")
     forward(cache, "r2")
@@ -88,10 +105,15 @@ def test_2_a_store_read_that_times_out_keeps_its_host_pages_until_it_stops():
     wait_until(cache, lambda: "r" in cache.poll() or cache.prefetcher.is_ready("r"))
     got = cache.acquire(A, "r")
     assert got.ready and got.storage_hit == 0  # the request goes on without the store
-    assert cache.controller.host_available() == free - 16  # but the pages stay the read's
+    assert (
+        cache.controller.host_available() == free - 16
+    )  # but the pages stay the read's
     check(cache)
     store.resolve(read_call, "ok", rng)  # the late read writes into them now
-    wait_until(cache, lambda: cache.poll() is not None and cache.controller.host_available() == free)
+    wait_until(
+        cache,
+        lambda: cache.poll() is not None and cache.controller.host_available() == free,
+    )
     check(cache)
     cache.abort("r")
     cache.close()
@@ -132,13 +154,30 @@ def wait_until(cache, cond):
 
 
 def test_3_page_size_1_page_first_moves_runs_bitwise():
-    assert runs(torch.tensor([5, 6, 7]), torch.tensor([3, 4, 5]), 1) == [(5, 3, 1), (6, 4, 1), (7, 5, 1)]
-    pool = DeviceKVPool(PoolConfig(size=32, num_layers=2, page_size=1, num_kv_heads=2, head_dim=4, dtype="float32"))
+    assert runs(torch.tensor([5, 6, 7]), torch.tensor([3, 4, 5]), 1) == [
+        (5, 3, 1),
+        (6, 4, 1),
+        (7, 5, 1),
+    ]
+    pool = DeviceKVPool(
+        PoolConfig(
+            size=32,
+            num_layers=2,
+            page_size=1,
+            num_kv_heads=2,
+            head_dim=4,
+            dtype="float32",
+        )
+    )
     for layer in pool.buffers:
         for b in layer:
             b.copy_(torch.randn(b.shape))
     mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout="page_first"))
-    dev, host, back = torch.tensor([5, 6, 7, 8]), torch.tensor([3, 4, 5, 6]), torch.tensor([20, 21, 22, 23])
+    dev, host, back = (
+        torch.tensor([5, 6, 7, 8]),
+        torch.tensor([3, 4, 5, 6]),
+        torch.tensor([20, 21, 22, 23]),
+    )
     mirror.backup(pool, dev, host)
     mirror.load(pool, host, back)
     for layer in range(2):
@@ -170,13 +209,31 @@ def test_6_engine_releases_a_request_too_large_for_the_pool():
     from kvtier.cache import TieredCache
     from kvtier.config import load_config
 
-    cfg = load_config(None, {"pool": {"size": 256, "num_layers": 4, "page_size": 16, "num_kv_heads": 2,
-                                      "head_dim": 32, "dtype": "float32"}, "store": {"backend": "none"}}, env={})
+    cfg = load_config(
+        None,
+        {
+            "pool": {
+                "size": 256,
+                "num_layers": 4,
+                "page_size": 16,
+                "num_kv_heads": 2,
+                "head_dim": 32,
+                "dtype": "float32",
+            },
+            "store": {"backend": "none"},
+        },
+        env={},
+    )
     cache = TieredCache(cfg)
     engine = Engine(cache, TinyTransformer(ModelConfig()))
     big, small = Turn("a", 0, tuple(range(300)), 4), Turn("b", 0, tuple(range(40)), 4)
     out = engine.run([big, small])
-    assert out[0].error and out[0].rejected and not out[1].error and len(out[1].output) == 4
+    assert (
+        out[0].error
+        and out[0].rejected
+        and not out[1].error
+        and len(out[1].output) == 4
+    )
     settle(cache)  # writes in flight hold locks until applied
     check(cache)
     assert cache.tree.protected_size() == 0 and len(cache.requests) == 0
@@ -195,7 +252,9 @@ def test_7_write_back_allocation_that_splits_the_loaded_path_is_harmless():
 
     def alloc_then_split(n):
         out = real_alloc(n)
-        cache.tree.match_prefix(cache.key(np.concatenate([A[:8], [9999] * 4])), touch=False)  # splits at 8
+        cache.tree.match_prefix(
+            cache.key(np.concatenate([A[:8], [9999] * 4])), touch=False
+        )  # splits at 8
         return out
 
     cache.slots.alloc_device = alloc_then_split
@@ -237,4 +296,6 @@ def test_poll_goes_on_when_applying_one_completion_raises(monkeypatch):
     settle(cache)
     assert len(calls) == 2 and cache.stats()["counters"]["apply_errors"] == 1
     check(cache)
-    assert cache.match_prefix(np.arange(900, 908), count=False).last_device_node.backed_up
+    assert cache.match_prefix(
+        np.arange(900, 908), count=False
+    ).last_device_node.backed_up

@@ -42,8 +42,15 @@ def test_a_write_that_lands_on_one_rank_only_fails_on_every_rank():
     next collective mixed up. Now neither keeps it, and both go on alike."""
     rendezvous = tp_sim.Rendezvous(2, timeout_s=30)
     streams = [SimStreams(random.Random(r)) for r in range(2)]
-    caches = [make_cache(store="none", pool_size=32, stream_factory=streams[r].factory,
-                         agreement=tp_sim.ThreadAgreement(rendezvous, r)) for r in range(2)]
+    caches = [
+        make_cache(
+            store="none",
+            pool_size=32,
+            stream_factory=streams[r].factory,
+            agreement=tp_sim.ThreadAgreement(rendezvous, r),
+        )
+        for r in range(2)
+    ]
     tokens = np.arange(12)
 
     def serve(r):
@@ -54,6 +61,7 @@ def test_a_write_that_lands_on_one_rank_only_fails_on_every_rank():
         fill(cache, new, seed=1)
         cache.cache_finished("a", tokens, torch.cat([got.indices, new]))
         cache.poll()  # submits the write
+
     on_ranks(serve, 2)
     for r, outcome in enumerate(["ok", "fail_before"]):
         [job] = streams[r].pending
@@ -61,7 +69,10 @@ def test_a_write_that_lands_on_one_rank_only_fails_on_every_rank():
     on_ranks(lambda r: caches[r].poll(), 2)
     states = [tp_sim.replicated_cache(c) for c in caches]
     assert states[0] == states[1]
-    assert [c.tree.total_size(1) for c in caches] == [0, 0]  # no host copy on either rank
+    assert [c.tree.total_size(1) for c in caches] == [
+        0,
+        0,
+    ]  # no host copy on either rank
     assert [c.stats()["counters"]["write_failures"] for c in caches] == [1, 1]
     evicted = on_ranks(lambda r: caches[r].evict(len(tokens)), 2)
     assert evicted[0] == evicted[1] == len(tokens)
@@ -71,18 +82,29 @@ def test_a_write_that_lands_on_one_rank_only_fails_on_every_rank():
     on_ranks(lambda r: caches[r].close(), 2)
 
 
-@pytest.mark.parametrize("ep_seed,steps", [(253228484, 46), (1063938749, 329), (1014138928, 400), (288545018, 72)])
+@pytest.mark.parametrize(
+    "ep_seed,steps",
+    [(253228484, 46), (1063938749, 329), (1014138928, 400), (288545018, 72)],
+)
 def test_tp_episodes_that_diverged_now_agree(ep_seed, steps):
-    setup = dataclasses.replace(Setup.draw(random.Random(ep_seed), allow_kernel=False), store_pages=1)  # as drawn then
+    setup = dataclasses.replace(
+        Setup.draw(random.Random(ep_seed), allow_kernel=False), store_pages=1
+    )  # as drawn then
     failure = tp_sim.run_episode(ep_seed, setup, steps, ranks=2)
-    assert failure is None, f"rank {failure[0]}, step {failure[1]}: {failure[2]}\n" + "\n".join(failure[3][-20:])
+    assert failure is None, (
+        f"rank {failure[0]}, step {failure[1]}: {failure[2]}\n"
+        + "\n".join(failure[3][-20:])
+    )
 
 
 @pytest.mark.parametrize("seed,ranks", [(1, 2), (2, 3)])
 def test_tp_fault_sim_finds_no_divergence(seed, ranks):
     out = io.StringIO()
     assert tp_sim.run(1200, seed, ranks=ranks, out=out) == 0, out.getvalue()
-    assert out.getvalue().splitlines()[-1] == f"fault sim: 1200 steps on {ranks} ranks, 0 violations"
+    assert (
+        out.getvalue().splitlines()[-1]
+        == f"fault sim: 1200 steps on {ranks} ranks, 0 violations"
+    )
 
 
 def _two_ranks_waiting(prefetch_policy: str, clocks: list[float]):
@@ -90,8 +112,15 @@ def _two_ranks_waiting(prefetch_policy: str, clocks: list[float]):
     whose `batch_exists` is pending on both ranks."""
     rendezvous = tp_sim.Rendezvous(2, timeout_s=30)
     stores = [SimStore(), SimStore()]
-    caches = [make_cache(store_obj=stores[r], prefetch_policy=prefetch_policy, clock=lambda r=r: clocks[r],
-                         agreement=tp_sim.ThreadAgreement(rendezvous, r)) for r in range(2)]
+    caches = [
+        make_cache(
+            store_obj=stores[r],
+            prefetch_policy=prefetch_policy,
+            clock=lambda r=r: clocks[r],
+            agreement=tp_sim.ThreadAgreement(rendezvous, r),
+        )
+        for r in range(2)
+    ]
     tokens = np.arange(16)
     got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
     assert [g.ready for g in got] == [False, False]
@@ -106,8 +135,11 @@ def _close(caches, stores) -> None:
     async def answer_all(store):  # on the store's loop: no call slips in between
         store.auto = random.Random(0)
         store.resolve_all(store.auto)
+
     for c, store in zip(caches, stores):
-        asyncio.run_coroutine_threadsafe(answer_all(store), c.controller.storage.loop).result(30)
+        asyncio.run_coroutine_threadsafe(
+            answer_all(store), c.controller.storage.loop
+        ).result(30)
     on_ranks(lambda r: caches[r].abort("a"), 2)
     on_ranks(lambda r: caches[r].close(), 2)
 
@@ -123,7 +155,9 @@ def test_under_timeout_a_request_is_named_ready_on_every_rank_in_the_same_poll()
     ready = on_ranks(lambda r: caches[r].poll(), 2)
     assert ready == [["a"], ["a"]]
     got = on_ranks(lambda r: caches[r].acquire(tokens, "a"), 2)
-    assert [g.ready for g in got] == [True, True] and got[0].indices.numel() == got[1].indices.numel() == 0
+    assert [g.ready for g in got] == [True, True] and got[0].indices.numel() == got[
+        1
+    ].indices.numel() == 0
     assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
     _close(caches, stores)
 
@@ -137,7 +171,9 @@ def test_a_prefetch_whose_store_fails_on_one_rank_ends_on_every_rank():
     caches, stores, tokens = _two_ranks_waiting("wait_complete", [0.0, 0.0])
     [call0], [call1] = stores[0].pending, stores[1].pending
     for k in call0.keys:
-        stores[0]._pages[k] = b"held"  # present (a read would not verify: never asked for)
+        stores[0]._pages[k] = (
+            b"held"  # present (a read would not verify: never asked for)
+        )
     stores[0].resolve(call0, "ok", random.Random(0))
     stores[1].resolve(call1, "error", random.Random(0))
     ready = [[], []]
@@ -190,7 +226,10 @@ def test_an_ended_prefetchs_host_pages_go_back_on_every_rank_in_the_same_poll():
     settle(caches[1])
     on_ranks(lambda r: caches[r].poll(), 2)
     assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
-    assert [c.controller.host_available() for c in caches] == [held[0] + 16, held[1] + 16]  # freed on both
+    assert [c.controller.host_available() for c in caches] == [
+        held[0] + 16,
+        held[1] + 16,
+    ]  # freed on both
     _close(caches, stores)
 
 
@@ -218,9 +257,20 @@ def test_a_read_abandoned_stuck_on_one_rank_holds_back_the_same_host_pages_on_ev
 
     rendezvous = tp_sim.Rendezvous(2, timeout_s=60)
     stores = [Stuck(MemoryStoreConfig(), timeout_s=0.3) for _ in range(2)]
-    caches = [make_cache(page_size=4, pool_size=64, ratio=1.0, store_obj=stores[r],
-                         agreement=tp_sim.ThreadAgreement(rendezvous, r)) for r in range(2)]
-    first, second = np.arange(100, 132), np.arange(500, 548)  # 32 and 48 tokens; the host holds 64
+    caches = [
+        make_cache(
+            page_size=4,
+            pool_size=64,
+            ratio=1.0,
+            store_obj=stores[r],
+            agreement=tp_sim.ThreadAgreement(rendezvous, r),
+        )
+        for r in range(2)
+    ]
+    first, second = (
+        np.arange(100, 132),
+        np.arange(500, 548),
+    )  # 32 and 48 tokens; the host holds 64
 
     def store_first(r):
         compute(caches[r], first, seed=1, rid="a")
@@ -232,18 +282,26 @@ def test_a_read_abandoned_stuck_on_one_rank_holds_back_the_same_host_pages_on_ev
 
     def read_it_back(r):
         got = caches[r].acquire(first, "x")  # rank 0's read hangs, then is abandoned
-        while not got.ready:  # the server's loop: poll (a collective) until it is named ready
+        while (
+            not got.ready
+        ):  # the server's loop: poll (a collective) until it is named ready
             got = caches[r].acquire(first, "x") if "x" in caches[r].poll() else got
         caches[r].abort("x", got.indices)
-        for _ in range(500):  # until its store call has settled on both ranks (polls are collectives)
+        for _ in range(
+            500
+        ):  # until its store call has settled on both ranks (polls are collectives)
             settle(caches[r])
             if not on_ranks_done(r):
                 break
             time.sleep(0.01)
-        return caches[r].controller.quarantined_pages(), caches[r].controller.host_available()
+        return caches[r].controller.quarantined_pages(), caches[
+            r
+        ].controller.host_available()
 
     def on_ranks_done(r):  # one collective: is a prefetch op still held on some rank?
-        _, (held,) = caches[r].agreement.agree([], [int(bool(caches[r].controller.prefetch_ops()))])
+        _, (held,) = caches[r].agreement.agree(
+            [], [int(bool(caches[r].controller.prefetch_ops()))]
+        )
         return held
 
     held = on_ranks(read_it_back, 2)
@@ -253,7 +311,9 @@ def test_a_read_abandoned_stuck_on_one_rank_holds_back_the_same_host_pages_on_ev
     def next_request(r):
         compute(caches[r], second, seed=2, rid="b")
         caches[r].poll()
-        return tp_sim.replicated_cache(caches[r]), caches[r].stats()["counters"]["writes_skipped_no_host_space"]
+        return tp_sim.replicated_cache(caches[r]), caches[r].stats()["counters"][
+            "writes_skipped_no_host_space"
+        ]
 
     after = on_ranks(next_request, 2)
     assert after[0] == after[1]

@@ -19,7 +19,13 @@ from typing import AsyncIterator, Callable, Sequence
 
 from kvtier.backends import frame
 from kvtier.backends.frame import Buffer, FrameError
-from kvtier.errors import Complaints, KvtierError, StoreError, StoreTimeout, StoreUnavailable
+from kvtier.errors import (
+    Complaints,
+    KvtierError,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+)
 from kvtier.hashing import split_key, validate_key
 
 log = logging.getLogger(__name__)
@@ -46,7 +52,9 @@ class StoreCounters:
 class StoredPage:
     key: str
     size: int  # bytes the store holds for it (frame included)
-    mtime: float | None  # when it was written (seconds since the epoch), if the store knows
+    mtime: (
+        float | None
+    )  # when it was written (seconds since the epoch), if the store knows
 
 
 async def _next_batch(it: AsyncIterator):
@@ -73,7 +81,9 @@ def _is_page_key(key: str) -> bool:
 IntoResult = bool | FrameError | None
 
 
-def verify_into(blob, namespace_id: str, page_hash: bytes, view: memoryview, codec=frame.PLAIN) -> IntoResult:
+def verify_into(
+    blob, namespace_id: str, page_hash: bytes, view: memoryview, codec=frame.PLAIN
+) -> IntoResult:
     """One stored blob into the caller's buffer: None if absent, the FrameError if it does
     not verify (the buffer must not be used), True once the verified payload is in `view`."""
     if blob is None:
@@ -95,14 +105,18 @@ async def _quietly(task: asyncio.Future) -> BaseException | None:
     return None
 
 
-
-
 class Store(ABC):
     name = "store"
 
     def __init__(self, timeout_s: float = 5.0) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0")
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not timeout_s > 0
+        ):
+            raise ValueError(
+                f"timeout_s={timeout_s!r}: must be a number of seconds > 0"
+            )
         self.timeout_s = timeout_s
         self.counters = StoreCounters()
         self._complaints = Complaints(log, f"{self.name} store: ")
@@ -112,8 +126,10 @@ class Store(ABC):
         """Frame and read every page with `codec` (a tenant's `SealedCodec`, docs/security.md)
         from now on. One store object serves one tenant: a second, other codec is refused."""
         if self.codec is not frame.PLAIN and codec is not self.codec:
-            raise ValueError(f"{self.name} store: this store object already seals pages for another tenant key; "
-                             "give each tenant's cache its own store object")
+            raise ValueError(
+                f"{self.name} store: this store object already seals pages for another tenant key; "
+                "give each tenant's cache its own store object"
+            )
         self.codec = codec
 
     # -- public API ------------------------------------------------------------------------
@@ -124,7 +140,11 @@ class Store(ABC):
         self.counters.exists_calls += 1
         if not keys:
             return 0
-        present = self._one_each("batch_exists", await self._call("batch_exists", self._exists(list(keys))), len(keys))
+        present = self._one_each(
+            "batch_exists",
+            await self._call("batch_exists", self._exists(list(keys))),
+            len(keys),
+        )
         run = 0
         for p in present:
             if not p:
@@ -137,7 +157,9 @@ class Store(ABC):
         parsed = self._check(keys)
         if not keys:
             return []
-        blobs = self._one_each("batch_get", await self._call("batch_get", self._get(list(keys))), len(keys))
+        blobs = self._one_each(
+            "batch_get", await self._call("batch_get", self._get(list(keys))), len(keys)
+        )
         out: list[bytes | None] = []
         for key, (_, ns, h), blob in zip(keys, parsed, blobs):
             if blob is None:
@@ -152,7 +174,9 @@ class Store(ABC):
             out.append(bytes(payload))
         return out
 
-    async def batch_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def batch_get_into(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[bool]:
         """Read each page's payload into the caller's writable buffer (a host page view).
 
         True where the buffer now holds the verified page; False for a miss. A False buffer
@@ -160,15 +184,24 @@ class Store(ABC):
         """
         parsed = self._check(keys)
         if len(buffers) != len(keys):
-            raise ValueError(f"batch_get_into: {len(keys)} keys but {len(buffers)} buffers")
+            raise ValueError(
+                f"batch_get_into: {len(keys)} keys but {len(buffers)} buffers"
+            )
         if not keys:
             return []
         views = [memoryview(b).cast("B") for b in buffers]
-        results = await self._call("batch_get_into", self._get_into(list(keys), parsed, views))
+        results = await self._call(
+            "batch_get_into", self._get_into(list(keys), parsed, views)
+        )
         results = self._one_each("batch_get_into", results, len(keys))
-        return [self._count_read(k, r, len(v)) is not None for k, r, v in zip(keys, results, views)]
+        return [
+            self._count_read(k, r, len(v)) is not None
+            for k, r, v in zip(keys, results, views)
+        ]
 
-    async def batch_set(self, keys: Sequence[str], pages: Sequence[Buffer]) -> list[bool]:
+    async def batch_set(
+        self, keys: Sequence[str], pages: Sequence[Buffer]
+    ) -> list[bool]:
         """Store each page; True only where the page is durable and visible."""
         parsed = self._check(keys)
         if len(pages) != len(keys):
@@ -176,7 +209,9 @@ class Store(ABC):
         if not keys:
             return []
         views = [memoryview(p).cast("B") for p in pages]
-        frames = [frame.Frame(ns, h, v, self.codec) for (_, ns, h), v in zip(parsed, views)]  # headers made by the store
+        frames = [
+            frame.Frame(ns, h, v, self.codec) for (_, ns, h), v in zip(parsed, views)
+        ]  # headers made by the store
         try:
             ok = await self._call("batch_set", self._set(list(keys), frames))
             ok = self._one_each("batch_set", ok, len(keys))
@@ -191,7 +226,10 @@ class Store(ABC):
             else:
                 self.counters.set_failures += 1
         if not all(ok):
-            self.complain("rejected", f"{len(ok) - sum(ok)} of {len(ok)} pages not stored (the store refused them)")
+            self.complain(
+                "rejected",
+                f"{len(ok) - sum(ok)} of {len(ok)} pages not stored (the store refused them)",
+            )
         return list(ok)
 
     def touch(self, keys: Sequence[str]) -> None:
@@ -222,7 +260,10 @@ class Store(ABC):
         finally:
             try:
                 await it.aclose()
-            except (RuntimeError, KvtierError):  # a batch given up on mid-way: the generator is done for
+            except (
+                RuntimeError,
+                KvtierError,
+            ):  # a batch given up on mid-way: the generator is done for
                 pass
 
     async def inventory(self) -> dict:
@@ -236,7 +277,9 @@ class Store(ABC):
                 namespaces[ns] = namespaces.get(ns, 0) + 1
         return {"pages": pages, "bytes": nbytes, "namespaces": namespaces}
 
-    async def check(self, keys: Sequence[str], codec=None) -> list[str | FrameError | None]:
+    async def check(
+        self, keys: Sequence[str], codec=None
+    ) -> list[str | FrameError | None]:
         """Read and verify each page (with `codec`, else the store's): None if its frame and
         checksum (or seal) verify, else why not ("missing", or the FrameError). Nothing is
         counted as a hit or a miss."""
@@ -244,7 +287,9 @@ class Store(ABC):
         parsed = self._check(keys)
         if not keys:
             return []
-        blobs = self._one_each("check", await self._call("check", self._get(list(keys))), len(keys))
+        blobs = self._one_each(
+            "check", await self._call("check", self._get(list(keys))), len(keys)
+        )
         out: list[str | None] = []
         for (_, ns, h), blob in zip(parsed, blobs):
             if blob is None:
@@ -257,16 +302,25 @@ class Store(ABC):
                 out.append(exc)
         return out
 
-    async def put_manifest(self, prefix: str, namespace_id: str, manifest: dict) -> None:
+    async def put_manifest(
+        self, prefix: str, namespace_id: str, manifest: dict
+    ) -> None:
         """Describe a namespace (docs/formats.md): written once, when it first stores a page."""
-        await self._call("put_manifest", self._put_meta(manifest_key(prefix, namespace_id),
-                                                        json.dumps(manifest, sort_keys=True).encode()))
+        await self._call(
+            "put_manifest",
+            self._put_meta(
+                manifest_key(prefix, namespace_id),
+                json.dumps(manifest, sort_keys=True).encode(),
+            ),
+        )
 
     async def get_manifest(self, prefix: str, namespace_id: str) -> dict | None:
         """The namespace's manifest (docs/formats.md), or None where there is none or it is
         no JSON object. Anyone who can write the store can write it: a field that is not a
         string, number, bool or null is dropped, and JSON nested too deep to parse is none."""
-        raw = await self._call("get_manifest", self._get_meta(manifest_key(prefix, namespace_id)))
+        raw = await self._call(
+            "get_manifest", self._get_meta(manifest_key(prefix, namespace_id))
+        )
         if raw is None:
             return None
         try:
@@ -275,7 +329,11 @@ class Store(ABC):
             return None
         if not isinstance(manifest, dict):
             return None
-        return {k: v for k, v in manifest.items() if v is None or isinstance(v, (str, int, float))}
+        return {
+            k: v
+            for k, v in manifest.items()
+            if v is None or isinstance(v, (str, int, float))
+        }
 
     def stats(self) -> dict:
         return {"store": self.name, **asdict(self.counters), **self._extra_stats()}
@@ -285,7 +343,9 @@ class Store(ABC):
             await self._close()
         except KvtierError:
             raise
-        except Exception as exc:  # closing a broken connection must not raise a client error
+        except (
+            Exception
+        ) as exc:  # closing a broken connection must not raise a client error
             raise self._map_error("close", exc) from exc
 
     # -- for subclasses --------------------------------------------------------------------
@@ -319,10 +379,15 @@ class Store(ABC):
     def _extra_stats(self) -> dict:
         return {}
 
-    async def _get_into(self, keys: list[str], parsed: list, views: list[memoryview]) -> list[IntoResult]:
+    async def _get_into(
+        self, keys: list[str], parsed: list, views: list[memoryview]
+    ) -> list[IntoResult]:
         """Default: read whole frames, verify, copy. Stores that can read in place override."""
         blobs = await self._get(keys)
-        return [verify_into(blob, ns, h, view, self.codec) for (_, ns, h), blob, view in zip(parsed, blobs, views)]
+        return [
+            verify_into(blob, ns, h, view, self.codec)
+            for (_, ns, h), blob, view in zip(parsed, blobs, views)
+        ]
 
     def _one_each(self, op: str, answers, n: int) -> list:
         """A raw call's answers, one per key in order, or StoreError: a list of another
@@ -331,8 +396,10 @@ class Store(ABC):
         answers = list(answers)
         if len(answers) != n:
             self.counters.errors += 1
-            raise StoreError(f"{self.name}.{op}: {len(answers)} answers for {n} keys (a store answers each key, "
-                             f"in order)")
+            raise StoreError(
+                f"{self.name}.{op}: {len(answers)} answers for {n} keys (a store answers each key, "
+                f"in order)"
+            )
         return answers
 
     def _map_error(self, op: str, exc: BaseException) -> StoreError:
@@ -351,7 +418,9 @@ class Store(ABC):
         only after `settled`."""
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(coro)  # a backend may hand back any awaitable
-        woken = loop.create_future()  # by the call's end or its deadline, whichever comes first
+        woken = (
+            loop.create_future()
+        )  # by the call's end or its deadline, whichever comes first
 
         def wake(_=None) -> None:
             if not woken.done():
@@ -369,8 +438,13 @@ class Store(ABC):
         if not task.done():
             task.cancel()
             self.counters.timeouts += 1
-            self.complain("timeout", f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}")
-            exc = StoreTimeout(f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}")
+            self.complain(
+                "timeout",
+                f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}",
+            )
+            exc = StoreTimeout(
+                f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}"
+            )
             exc.settled = asyncio.ensure_future(_quietly(task))
             raise exc
         try:
@@ -398,7 +472,9 @@ class Store(ABC):
                 self.complain("error", str(mapped))
             raise mapped from exc
 
-    def _arm_deadline(self, op: str, task: asyncio.Future, fire: Callable[[], None]) -> Callable[[], None]:
+    def _arm_deadline(
+        self, op: str, task: asyncio.Future, fire: Callable[[], None]
+    ) -> Callable[[], None]:
         """Call `fire` once the call `task` of `op` has run out of time (a test store decides
         when); returns what disarms it. A timer, not a task: a store call costs ~20 us less
         on the storage thread."""
@@ -450,7 +526,9 @@ class Store(ABC):
         if isinstance(result, FrameError):
             self.counters.frame_failures += 1
             self.counters.misses += 1
-            self.complain("corrupt", f"page {key} does not verify ({result}): counted as a miss")
+            self.complain(
+                "corrupt", f"page {key} does not verify ({result}): counted as a miss"
+            )
             return None
         self.counters.hits += 1
         self.counters.get_bytes += nbytes

@@ -33,16 +33,28 @@ from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
 from kvtier.backends.file_io import (
-    TMP, mtime, read_file, read_pages_into, read_sealed_into, run_all, sizes_of, unlink_quietly,
-    write_atomically, write_pages, write_small,
+    TMP,
+    mtime,
+    read_file,
+    read_pages_into,
+    read_sealed_into,
+    run_all,
+    sizes_of,
+    unlink_quietly,
+    write_atomically,
+    write_pages,
+    write_small,
 )
 from kvtier.backends.io_threads import IoThreads, settle_jobs
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 from kvtier.validate import check_positive, io_threads
 
+
 def default_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
     return os.path.join(base, "kvtier")
 
 
@@ -51,27 +63,43 @@ class FileStoreConfig:
     root: str = ""  # empty: $XDG_CACHE_HOME/kvtier or ~/.cache/kvtier
     capacity_bytes: int = 16 << 30
     fsync: bool = False
-    max_concurrency: int = field(default_factory=io_threads)  # up to 4, half the cores at most
-    max_page_bytes: int = 1 << 30  # a larger page file is not a page: the first to evict
+    max_concurrency: int = field(
+        default_factory=io_threads
+    )  # up to 4, half the cores at most
+    max_page_bytes: int = (
+        1 << 30
+    )  # a larger page file is not a page: the first to evict
 
     def __post_init__(self) -> None:
-        check_positive(self, "capacity_bytes", "max_concurrency", "max_page_bytes", integer=True)
+        check_positive(
+            self, "capacity_bytes", "max_concurrency", "max_page_bytes", integer=True
+        )
 
 
 class FileStore(Store):
     config_class = FileStoreConfig
     name = "file"
 
-    def __init__(self, config: FileStoreConfig = FileStoreConfig(), timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, config: FileStoreConfig = FileStoreConfig(), timeout_s: float = 30.0
+    ) -> None:
         super().__init__(timeout_s)
         self.config = config
         self.root = Path(os.path.expanduser(config.root or default_root())).resolve()
         self._root_str = str(self.root)
-        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, LRU first
-        self.used_bytes = 0  # this process's index; the root's total is shared (see _shared)
-        self.disk_full_evictions = 0  # pages evicted because the disk filled before the capacity
+        self._sizes: OrderedDict[str, int] = (
+            OrderedDict()
+        )  # key -> file bytes, LRU first
+        self.used_bytes = (
+            0  # this process's index; the root's total is shared (see _shared)
+        )
+        self.disk_full_evictions = (
+            0  # pages evicted because the disk filled before the capacity
+        )
         self._hung: set[str] = set()  # keys of calls abandoned stuck: never asked again
-        self._inside = InsideRoot(self._root_str, self.complain)  # page directories checked to stay under it
+        self._inside = InsideRoot(
+            self._root_str, self.complain
+        )  # page directories checked to stay under it
         try:
             _claim_root(self.root)
             with self._shared() as usage:
@@ -79,8 +107,10 @@ class FileStore(Store):
                 usage[0] = self.used_bytes
                 usage.append("write")
         except OSError as exc:
-            raise StoreUnavailable(f"file store root={str(self.root)!r}: {exc.strerror or exc}"
-                                   f"{'' if exc.strerror is None else f' ({exc.filename})'}") from None
+            raise StoreUnavailable(
+                f"file store root={str(self.root)!r}: {exc.strerror or exc}"
+                f"{'' if exc.strerror is None else f' ({exc.filename})'}"
+            ) from None
         # daemon threads: a call stuck in the kernel (a hung mount) is abandoned, not waited on
         self._pool = IoThreads(config.max_concurrency, "kvtier-file")
         # checksums of big pages read, made while the I/O threads read the next (file_io)
@@ -97,7 +127,11 @@ class FileStore(Store):
                 path = self.root / USAGE
                 fd, count = _read_usage(path)
                 try:
-                    usage = [count] if count is not None else [_bytes_under(self.root), "recounted"]
+                    usage = (
+                        [count]
+                        if count is not None
+                        else [_bytes_under(self.root), "recounted"]
+                    )
                     before = usage[0]
                     yield usage
                     if usage[0] != before or len(usage) > 1:
@@ -139,7 +173,9 @@ class FileStore(Store):
                     st = os.stat(full)
                 except OSError:  # gone since the walk (another process evicted it), or a dangling link
                     continue
-                oversized = st.st_size > self.config.max_page_bytes + HEADER_SIZE  # evicted first
+                oversized = (
+                    st.st_size > self.config.max_page_bytes + HEADER_SIZE
+                )  # evicted first
                 found.append((not oversized, st.st_mtime_ns, key, st.st_size))
         for _, _, key, size in sorted(found):
             self._sizes[key] = size
@@ -156,8 +192,14 @@ class FileStore(Store):
         unknown = [k for k in keys if k not in self._sizes and k not in self._hung]
         if not unknown:
             return
-        paths = [self._file(k) for k in unknown]  # directories checked on the way, as far as it goes
-        sizes = (await self._run_jobs([(partial(sizes_of, paths, leading, inside=self._inside), unknown)]))[0]
+        paths = [
+            self._file(k) for k in unknown
+        ]  # directories checked on the way, as far as it goes
+        sizes = (
+            await self._run_jobs(
+                [(partial(sizes_of, paths, leading, inside=self._inside), unknown)]
+            )
+        )[0]
         for key, size in zip(unknown, sizes):
             if size is not None and key not in self._sizes:
                 self._sizes[key] = size
@@ -172,7 +214,9 @@ class FileStore(Store):
         """`job(share)` over `items` split into `max_concurrency` thread jobs; the results,
         one per item, in order."""
         groups = min(self.config.max_concurrency, len(items))
-        done = await self._run_jobs([(partial(job, items[g::groups]), items[g::groups]) for g in range(groups)])
+        done = await self._run_jobs(
+            [(partial(job, items[g::groups]), items[g::groups]) for g in range(groups)]
+        )
         out: list = [None] * len(items)
         for g, results in enumerate(done):
             out[g::groups] = results
@@ -192,11 +236,16 @@ class FileStore(Store):
                     self._hang(item[0] if isinstance(item, tuple) else item)
             return self._pool.abandon(cfs)
 
-        return await settle_jobs([asyncio.wrap_future(cf) for cf in cfs], self.timeout_s, give_up)
+        return await settle_jobs(
+            [asyncio.wrap_future(cf) for cf in cfs], self.timeout_s, give_up
+        )
 
     def _hang(self, key_or_path: str) -> None:
-        key = key_or_path if not key_or_path.startswith(self._root_str + "/") else \
-            _page_key(self.root, key_or_path)
+        key = (
+            key_or_path
+            if not key_or_path.startswith(self._root_str + "/")
+            else _page_key(self.root, key_or_path)
+        )
         if key is not None:
             self._forget(key)
             self._hung.add(key)
@@ -204,15 +253,34 @@ class FileStore(Store):
     async def _get(self, keys):
         await self._adopt(keys)
         known = [k for k in keys if k in self._sizes]
-        limit = self.config.max_page_bytes + seal.HEADER_SIZE  # a sealed frame's longest part past the plain header
-        blobs = dict(zip(known, await self._batch(read_file, [(self._file(k), True, limit) for k in known])))
+        limit = (
+            self.config.max_page_bytes + seal.HEADER_SIZE
+        )  # a sealed frame's longest part past the plain header
+        blobs = dict(
+            zip(
+                known,
+                await self._batch(
+                    read_file, [(self._file(k), True, limit) for k in known]
+                ),
+            )
+        )
         return [self._after_read(k, blobs.get(k)) for k in keys]
 
     async def _get_into(self, keys, parsed, views):
         await self._adopt(keys)
-        items = [(k, ns, h, v) for k, (_, ns, h), v in zip(keys, parsed, views) if k in self._sizes]
-        job = partial(read_sealed_into, self.codec) if self.codec.keyed else partial(read_pages_into, self._hashers)
-        got = await self._jobs(job, [(self._file(k), ns, h, v) for k, ns, h, v in items])
+        items = [
+            (k, ns, h, v)
+            for k, (_, ns, h), v in zip(keys, parsed, views)
+            if k in self._sizes
+        ]
+        job = (
+            partial(read_sealed_into, self.codec)
+            if self.codec.keyed
+            else partial(read_pages_into, self._hashers)
+        )
+        got = await self._jobs(
+            job, [(self._file(k), ns, h, v) for k, ns, h, v in items]
+        )
         results = dict(zip([it[0] for it in items], got))
         return [self._after_read(k, results.get(k)) for k in keys]
 
@@ -224,7 +292,9 @@ class FileStore(Store):
         if isinstance(result, OSError):
             self._forget(key)
             self.counters.errors += 1
-            self.complain("error", f"reading {key}: {result}; dropped from the index, a miss")
+            self.complain(
+                "error", f"reading {key}: {result}; dropped from the index, a miss"
+            )
             return None
         if result is not None and not isinstance(result, FrameError):
             self._touch(key)
@@ -234,7 +304,11 @@ class FileStore(Store):
         """Pages that were written are indexed; one that failed is reported not stored (and
         counted); when none could be written the batch fails as a store error."""
         fits = [f.size <= self.config.capacity_bytes for f in frames]
-        items = [(self._file(k), f, self.config.fsync, self._inside) for k, f, ok in zip(keys, frames, fits) if ok]
+        items = [
+            (self._file(k), f, self.config.fsync, self._inside)
+            for k, f, ok in zip(keys, frames, fits)
+            if ok
+        ]
         written = [k for k, ok in zip(keys, fits) if ok]
         outcomes = await self._jobs(write_pages, items)
         await self._retry_if_disk_full(written, items, outcomes)
@@ -258,18 +332,26 @@ class FileStore(Store):
         await self._enforce_capacity(added)
         return ok
 
-    async def _retry_if_disk_full(self, keys: list[str], items: list[tuple], outcomes: list) -> None:
+    async def _retry_if_disk_full(
+        self, keys: list[str], items: list[tuple], outcomes: list
+    ) -> None:
         """The disk filled up before `capacity_bytes` did (other files share it, or the
         capacity was set above its size): evict least recently used pages worth the bytes
         the batch could not write (pages of `keys`, the batch's own, last), then write those
         pages once more (their `outcomes` replaced). The store keeps working as an LRU cache
         as big as the disk lets it be, instead of refusing every write from then on (and
         being marked down, its stored pages unread)."""
-        full = [i for i, r in enumerate(outcomes) if isinstance(r, OSError) and r.errno in _DISK_FULL]
+        full = [
+            i
+            for i, r in enumerate(outcomes)
+            if isinstance(r, OSError) and r.errno in _DISK_FULL
+        ]
         if not full:
             return
         need = sum(items[i][1].size for i in full)
-        for key in keys:  # a page this batch rewrote must not be what makes room for the rest
+        for (
+            key
+        ) in keys:  # a page this batch rewrote must not be what makes room for the rest
             self._touch(key)
         with self._shared() as usage:
             victims = self._choose_victims(usage, max(0, usage[0] - need))
@@ -277,8 +359,11 @@ class FileStore(Store):
             return
         await self._unlink_victims(victims)
         self.disk_full_evictions += len(victims)
-        self.complain("disk_full", f"disk full under {self._root_str}: evicted {len(victims)} pages "
-                                   f"({sum(n for _, n in victims)} bytes) to write {len(full)}")
+        self.complain(
+            "disk_full",
+            f"disk full under {self._root_str}: evicted {len(victims)} pages "
+            f"({sum(n for _, n in victims)} bytes) to write {len(full)}",
+        )
         for i, r in zip(full, await self._jobs(write_pages, [items[i] for i in full])):
             outcomes[i] = r
 
@@ -294,8 +379,12 @@ class FileStore(Store):
         the index said (gone already, or rewritten) is corrected under the lock again."""
         with self._shared() as usage:
             if len(usage) == 1:
-                if usage[0] > self.config.capacity_bytes:  # over before this batch: a count gone
-                    usage[0] = _bytes_under(self.root)  # wrong (a flipped digit) is recounted first
+                if (
+                    usage[0] > self.config.capacity_bytes
+                ):  # over before this batch: a count gone
+                    usage[0] = _bytes_under(
+                        self.root
+                    )  # wrong (a flipped digit) is recounted first
                     usage.append("recounted")
                 else:
                     usage[0] += added
@@ -305,8 +394,13 @@ class FileStore(Store):
 
     async def _unlink_victims(self, victims: list[tuple[str, int]]) -> None:
         """Remove the files of pages `_choose_victims` took off the index and the count."""
-        removed = await self._batch(unlink_quietly, [(self._file(k),) for k, _ in victims])
-        error = sum(size - (r if isinstance(r, int) else 0) for (_, size), r in zip(victims, removed))
+        removed = await self._batch(
+            unlink_quietly, [(self._file(k),) for k, _ in victims]
+        )
+        error = sum(
+            size - (r if isinstance(r, int) else 0)
+            for (_, size), r in zip(victims, removed)
+        )
         if error:
             with self._shared() as usage:
                 usage[0] += error
@@ -362,16 +456,22 @@ class FileStore(Store):
     async def _scan(self, batch):
         keys = list(self._sizes)
         for start in range(0, len(keys), batch):
-            chunk = keys[start:start + batch]
+            chunk = keys[start : start + batch]
             mtimes = await self._batch(mtime, [(self._file(k),) for k in chunk])
-            yield [StoredPage(k, self._sizes.get(k, 0), None if isinstance(m, OSError) else m)
-                   for k, m in zip(chunk, mtimes)]
+            yield [
+                StoredPage(
+                    k, self._sizes.get(k, 0), None if isinstance(m, OSError) else m
+                )
+                for k, m in zip(chunk, mtimes)
+            ]
 
     def _meta_path(self, name: str) -> Path:
         return self.root.joinpath(*name.split("/"))
 
     async def _put_meta(self, name, data):
-        [err] = await self._jobs(write_pages, [(self._meta_path(name), bytes(data), self.config.fsync)])
+        [err] = await self._jobs(
+            write_pages, [(self._meta_path(name), bytes(data), self.config.fsync)]
+        )
         if isinstance(err, OSError):
             raise StoreError(f"file: writing {name}: {err}") from err
 
@@ -380,10 +480,15 @@ class FileStore(Store):
         return None if isinstance(got, OSError) else got
 
     def _extra_stats(self):
-        return {"pages": len(self._sizes), "used_bytes": self.used_bytes,
-                "capacity_bytes": self.config.capacity_bytes, "root": str(self.root),
-                "disk_full_evictions": self.disk_full_evictions, "io_threads_abandoned": self._pool.abandoned,
-                "pages_abandoned": len(self._hung)}
+        return {
+            "pages": len(self._sizes),
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.config.capacity_bytes,
+            "root": str(self.root),
+            "disk_full_evictions": self.disk_full_evictions,
+            "io_threads_abandoned": self._pool.abandoned,
+            "pages_abandoned": len(self._hung),
+        }
 
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
@@ -421,7 +526,9 @@ def _bytes_under(root: Path) -> int:
     for dirpath, _, files in os.walk(root):
         for name in files:
             if not name.startswith((TMP, ".kvtier")):
-                with contextlib.suppress(OSError):  # gone since the walk, or a dangling link
+                with contextlib.suppress(
+                    OSError
+                ):  # gone since the walk, or a dangling link
                     total += os.stat(os.path.join(dirpath, name)).st_size
     return total
 
@@ -430,16 +537,23 @@ def _claim_root(root: Path) -> None:
     """Use `root` only if it is a kvtier store (its marker) or new/empty: never clean up a
     directory that is somebody else's."""
     if root.exists() and not root.is_dir():
-        raise OSError(f"{root} is a file, not a directory: name a directory (it is created if missing)")
+        raise OSError(
+            f"{root} is a file, not a directory: name a directory (it is created if missing)"
+        )
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     marker = root / MARKER
     if marker.exists():
         return
     for dirpath, _, files in os.walk(root):  # a store from before markers is adopted
         for name in files:
-            if not (name.startswith((TMP, ".kvtier")) or _page_key(root, os.path.join(dirpath, name))):
-                raise OSError(f"not a kvtier store: it holds other files ({name}) and no {MARKER} marker; "
-                              f"name an empty directory (or create {marker} if it is one)")
+            if not (
+                name.startswith((TMP, ".kvtier"))
+                or _page_key(root, os.path.join(dirpath, name))
+            ):
+                raise OSError(
+                    f"not a kvtier store: it holds other files ({name}) and no {MARKER} marker; "
+                    f"name an empty directory (or create {marker} if it is one)"
+                )
     write_small(marker, b'{"format": 1}\n')
 
 
@@ -457,7 +571,7 @@ def _page_key(root: Path, full: str) -> str | None:
 
 def _stale_temp(full: str, name: str) -> bool:
     """A temp file of a dead writer on this host, or one untouched for an hour."""
-    owner = name[len(TMP):]
+    owner = name[len(TMP) :]
     host, _, rest = owner.partition(".")
     pid = rest.partition(".")[0]
     if host == socket.gethostname() and pid.isdigit():

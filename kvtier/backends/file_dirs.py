@@ -21,7 +21,9 @@ class InsideRoot:
     place, no permission) is refused; `complain(kind, message)` is told why."""
 
     def __init__(self, root: str, complain: Callable[[str, str], None]) -> None:
-        self.root = root.rstrip("/")  # "" for "/": the store's paths are "<root>/..." strings
+        self.root = root.rstrip(
+            "/"
+        )  # "" for "/": the store's paths are "<root>/..." strings
         self.complain = complain
         self.dirs: set[str] = set()  # directories found whole under the root
 
@@ -30,7 +32,10 @@ class InsideRoot:
             return True
         root = self.root
         if not directory.startswith(root + "/"):
-            self.complain("error", f"{directory}: not under the store root {root or '/'}; its pages are refused")
+            self.complain(
+                "error",
+                f"{directory}: not under the store root {root or '/'}; its pages are refused",
+            )
             return False
         path = ""
         try:  # from "/": a root (or a directory above it) swapped for a symlink since the open is caught
@@ -38,13 +43,24 @@ class InsideRoot:
                 path = f"{path}/{part}"
                 mode = os.lstat(path).st_mode
                 if not stat.S_ISDIR(mode):
-                    why = "a symlink (a store's directories are real ones)" if stat.S_ISLNK(mode) else "not a directory"
-                    self.complain("error", f"{path}: {why}; the pages under it are refused")
+                    why = (
+                        "a symlink (a store's directories are real ones)"
+                        if stat.S_ISLNK(mode)
+                        else "not a directory"
+                    )
+                    self.complain(
+                        "error", f"{path}: {why}; the pages under it are refused"
+                    )
                     return False
-        except FileNotFoundError:  # not there yet: a write makes it (walked again next time)
+        except (
+            FileNotFoundError
+        ):  # not there yet: a write makes it (walked again next time)
             return True
         except OSError as exc:
-            self.complain("error", f"{path}: {exc.strerror or exc}; the pages under it are refused")
+            self.complain(
+                "error",
+                f"{path}: {exc.strerror or exc}; the pages under it are refused",
+            )
             return False
         self.dirs.add(directory)
         return True

@@ -27,7 +27,9 @@ from kvtier.backends.frame import FrameError
 TMP = ".tmp-"
 _OWNER = f"{socket.gethostname()}.{os.getpid()}."
 _RUN = uuid.uuid4().hex[:12] + "-"
-_TEMP_IDS = itertools.count()  # with a per-process random part: temp names never collide
+_TEMP_IDS = (
+    itertools.count()
+)  # with a per-process random part: temp names never collide
 
 
 def unlink_quietly(path: str | Path) -> int:
@@ -62,7 +64,9 @@ def run_all(fn, items: list[tuple], stop=None) -> list:
     return out
 
 
-def sizes_of(paths: list[str], leading: bool, stop=None, inside=None) -> list[int | None]:
+def sizes_of(
+    paths: list[str], leading: bool, stop=None, inside=None
+) -> list[int | None]:
     """Each page file's size, None where there is none (with `leading`: None from the first
     absent on). `inside(dir)`: False where the directory leads out of the store (a symlink):
     its page counts as absent. Asked only of the paths looked at: past the first absent page
@@ -191,7 +195,9 @@ def _scratch(n: int) -> memoryview:
     return memoryview(buf)
 
 
-_HASH_CHUNK = 1 << 20  # big pages are written in chunks of this many bytes, hashed in cache
+_HASH_CHUNK = (
+    1 << 20
+)  # big pages are written in chunks of this many bytes, hashed in cache
 _READ_CHUNK = 2 << 20  # and read in chunks of this many, hashed on a hashing thread
 _HASH_AWAY = 1 << 20  # pages this big are checked on a hashing thread as they are read
 
@@ -273,7 +279,9 @@ def _checked(want: int, got: int):
     return True if got == want else FrameError("checksum mismatch")
 
 
-def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> int | FrameError:
+def _read_page(
+    path: str, ns: str, h: bytes, view: memoryview, hasher=None
+) -> int | FrameError:
     """Header, payload (straight into the caller's buffer) and one byte more; then the
     header and the length (no byte more) are checked. With a `hasher`, the payload is read
     in chunks, each given to it as soon as it is in the buffer. The checksum the payload
@@ -282,7 +290,11 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> i
     header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
     fd = _open_page(path)
     try:
-        n = _read_whole(fd, header, view, extra) if hasher is None else _read_chunks(fd, header, view, extra, hasher)
+        n = (
+            _read_whole(fd, header, view, extra)
+            if hasher is None
+            else _read_chunks(fd, header, view, extra, hasher)
+        )
     finally:
         os.close(fd)
     try:
@@ -290,8 +302,11 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, hasher=None) -> i
         if length != len(view):
             raise FrameError(f"page is {length} bytes, the buffer {len(view)}")
         if n != frame.HEADER_SIZE + length:
-            raise FrameError("trailing bytes after the payload" if n > frame.HEADER_SIZE + length
-                             else f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}")
+            raise FrameError(
+                "trailing bytes after the payload"
+                if n > frame.HEADER_SIZE + length
+                else f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}"
+            )
     except FrameError as exc:
         return exc
     return checksum
@@ -301,19 +316,23 @@ def _read_whole(fd: int, header: bytearray, view: memoryview, extra: bytearray) 
     """One readv of header, payload and a byte more (short reads go on); bytes read."""
     n = os.readv(fd, [header, view, extra])
     while frame.HEADER_SIZE <= n < frame.HEADER_SIZE + len(view):
-        got = os.preadv(fd, [view[n - frame.HEADER_SIZE:], extra], n)
+        got = os.preadv(fd, [view[n - frame.HEADER_SIZE :], extra], n)
         if got == 0:
             break
         n += got
     return n
 
 
-def _read_chunks(fd: int, header: bytearray, view: memoryview, extra: bytearray, hasher) -> int:
+def _read_chunks(
+    fd: int, header: bytearray, view: memoryview, extra: bytearray, hasher
+) -> int:
     """The header, then the payload in chunks (each given to `hasher`), then a byte more;
     bytes read. A page of one chunk is read whole (one readv, as `_read_whole`)."""
     if len(view) <= _READ_CHUNK:
         n = _read_whole(fd, header, view, extra)
-        hasher.update(view)  # a short read fails the length check: its digest goes unused
+        hasher.update(
+            view
+        )  # a short read fails the length check: its digest goes unused
         return n
     n = os.readv(fd, [header, view[:_READ_CHUNK]])
     if n < frame.HEADER_SIZE:
@@ -321,10 +340,10 @@ def _read_chunks(fd: int, header: bytearray, view: memoryview, extra: bytearray,
     got = n - frame.HEADER_SIZE
     hasher.update(view[:got])
     while got < len(view):
-        k = os.preadv(fd, [view[got:got + _READ_CHUNK]], frame.HEADER_SIZE + got)
+        k = os.preadv(fd, [view[got : got + _READ_CHUNK]], frame.HEADER_SIZE + got)
         if k == 0:
             break
-        hasher.update(view[got:got + k])
+        hasher.update(view[got : got + k])
         got += k
     if got == len(view):
         got += os.preadv(fd, [extra], frame.HEADER_SIZE + got)
@@ -360,7 +379,11 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
     checksum, and publish it under this key."""
     final = str(final)  # a Path for the store's own metadata files
     if inside is not None and not inside(_parent(final)):
-        raise OSError(errno.EPERM, "a directory on the way is no real directory under the store root; refused", final)
+        raise OSError(
+            errno.EPERM,
+            "a directory on the way is no real directory under the store root; refused",
+            final,
+        )
     tmp = _temp_name(final)
     try:
         try:
@@ -392,7 +415,11 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
 
 def _check_not_abandoned(stop, final: str) -> None:
     if stop is not None and stop.is_set():
-        raise OSError(errno.ECANCELED, "the write was abandoned (stuck past its call's timeout): not published", final)
+        raise OSError(
+            errno.ECANCELED,
+            "the write was abandoned (stuck past its call's timeout): not published",
+            final,
+        )
 
 
 def _write_page(fd: int, page: frame.Frame) -> None:
@@ -403,7 +430,7 @@ def _write_page(fd: int, page: frame.Frame) -> None:
     if len(payload) > _HASH_CHUNK and not page.codec.keyed:
         hasher = xxhash.xxh3_64()
         for off in range(0, len(payload), _HASH_CHUNK):
-            chunk = payload[off:off + _HASH_CHUNK]
+            chunk = payload[off : off + _HASH_CHUNK]
             hasher.update(chunk)
             _write_all(fd, chunk, frame.HEADER_SIZE + off)
         _write_all(fd, memoryview(page.header_with(hasher.intdigest())), 0)
@@ -411,7 +438,11 @@ def _write_page(fd: int, page: frame.Frame) -> None:
     header, payload = page  # a sealed page's body is its ciphertext
     n = os.writev(fd, [header, payload])
     if n < len(header) + len(payload):  # a short write: finish the rest
-        rest = memoryview(header + payload)[n:] if n < len(header) else payload[n - len(header):]
+        rest = (
+            memoryview(header + payload)[n:]
+            if n < len(header)
+            else payload[n - len(header) :]
+        )
         _write_all(fd, rest, n)
 
 

@@ -41,14 +41,18 @@ class PlainCodec:
     def frame_size(self, payload_length: int) -> int:
         return HEADER_SIZE + payload_length
 
-    def seal(self, namespace_id: str, page_hash: bytes, payload: Buffer) -> tuple[bytes, Buffer]:
+    def seal(
+        self, namespace_id: str, page_hash: bytes, payload: Buffer
+    ) -> tuple[bytes, Buffer]:
         """(header, body): what the store writes for this page."""
         return encode_header(namespace_id, page_hash, payload), payload
 
     def decode(self, blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
         return decode(blob, namespace_id, page_hash)
 
-    def decode_into(self, blob: Buffer, namespace_id: str, page_hash: bytes, view: memoryview) -> None:
+    def decode_into(
+        self, blob: Buffer, namespace_id: str, page_hash: bytes, view: memoryview
+    ) -> None:
         """The verified payload of `blob` into `view` (same length); FrameError otherwise,
         `view` then untouched."""
         payload = decode(blob, namespace_id, page_hash)
@@ -62,13 +66,31 @@ PLAIN = PlainCodec()
 
 def encode_header(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
     checksum = xxhash.xxh3_64_intdigest(payload)
-    return _HEADER.pack(MAGIC, VERSION, 0, bytes.fromhex(namespace_id), len(page_hash),
-                        page_hash.ljust(32, b"\0"), len(memoryview(payload).cast("B")), checksum)
+    return _HEADER.pack(
+        MAGIC,
+        VERSION,
+        0,
+        bytes.fromhex(namespace_id),
+        len(page_hash),
+        page_hash.ljust(32, b"\0"),
+        len(memoryview(payload).cast("B")),
+        checksum,
+    )
 
 
-def header_with(namespace_id: str, page_hash: bytes, length: int, checksum: int) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, 0, bytes.fromhex(namespace_id), len(page_hash),
-                        page_hash.ljust(32, b"\0"), length, checksum)
+def header_with(
+    namespace_id: str, page_hash: bytes, length: int, checksum: int
+) -> bytes:
+    return _HEADER.pack(
+        MAGIC,
+        VERSION,
+        0,
+        bytes.fromhex(namespace_id),
+        len(page_hash),
+        page_hash.ljust(32, b"\0"),
+        length,
+        checksum,
+    )
 
 
 class Frame:
@@ -82,8 +104,15 @@ class Frame:
 
     __slots__ = ("namespace_id", "page_hash", "payload", "codec", "_header", "_body")
 
-    def __init__(self, namespace_id: str, page_hash: bytes, payload: memoryview, codec=PLAIN) -> None:
-        self.namespace_id, self.page_hash, self.payload, self.codec = namespace_id, page_hash, payload, codec
+    def __init__(
+        self, namespace_id: str, page_hash: bytes, payload: memoryview, codec=PLAIN
+    ) -> None:
+        self.namespace_id, self.page_hash, self.payload, self.codec = (
+            namespace_id,
+            page_hash,
+            payload,
+            codec,
+        )
         self._header: bytes | None = None
         self._body: Buffer = payload
 
@@ -94,7 +123,9 @@ class Frame:
     @property
     def header(self) -> bytes:
         if self._header is None:
-            self._header, self._body = self.codec.seal(self.namespace_id, self.page_hash, self.payload)
+            self._header, self._body = self.codec.seal(
+                self.namespace_id, self.page_hash, self.payload
+            )
         return self._header
 
     @property
@@ -105,8 +136,12 @@ class Frame:
 
     def header_with(self, checksum: int) -> bytes:
         """The plain header for a checksum the caller computed over the payload."""
-        assert not self.codec.keyed, "a sealed frame is made by its codec, not from an xxh3 checksum"
-        return header_with(self.namespace_id, self.page_hash, len(self.payload), checksum)
+        assert not self.codec.keyed, (
+            "a sealed frame is made by its codec, not from an xxh3 checksum"
+        )
+        return header_with(
+            self.namespace_id, self.page_hash, len(self.payload), checksum
+        )
 
     def __iter__(self):
         yield self.header
@@ -117,7 +152,9 @@ def encode(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes:
     return encode_header(namespace_id, page_hash, payload) + bytes(payload)
 
 
-def check_header(header: Buffer, namespace_id: str, page_hash: bytes) -> tuple[int, int]:
+def check_header(
+    header: Buffer, namespace_id: str, page_hash: bytes
+) -> tuple[int, int]:
     """(payload length, checksum) of a header that names this namespace and page; else FrameError."""
     if len(header) < HEADER_SIZE:
         raise FrameError(f"truncated header ({len(header)} < {HEADER_SIZE} bytes)")
@@ -125,7 +162,9 @@ def check_header(header: Buffer, namespace_id: str, page_hash: bytes) -> tuple[i
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
     if version == SEALED_VERSION:
-        raise FrameError("frame sealed with a tenant key, and this store has no key for it")
+        raise FrameError(
+            "frame sealed with a tenant key, and this store has no key for it"
+        )
     if version != VERSION:
         raise FrameError(f"frame version {version}, this build reads {VERSION}")
     if ns != bytes.fromhex(namespace_id):

@@ -42,7 +42,9 @@ class IoThreads(Executor):
     def _spawn(self) -> None:
         """A thread started by the thread that submits (the store's loop thread): it keeps
         to that thread's CPUs (controller/cpus.py), as a ThreadPoolExecutor's would."""
-        t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
+        t = threading.Thread(
+            target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True
+        )
         self._threads.append(t)
         t.start()
 
@@ -51,8 +53,10 @@ class IoThreads(Executor):
             raise RuntimeError(f"{self.name}: shut down")
         fut: Future = Future()
         with self._lock:
-            if len(self._threads) - len(self._given_up) < self.size and \
-                    len(self._threads) < self.size + self.max_replaced:
+            if (
+                len(self._threads) - len(self._given_up) < self.size
+                and len(self._threads) < self.size + self.max_replaced
+            ):
                 self._spawn()
         self._jobs.put((fut, fn, args, kwargs))
         return fut
@@ -80,13 +84,25 @@ class IoThreads(Executor):
         """Give up on the threads running `futures` (concurrent futures); how many."""
         wanted = set(futures)
         with self._lock:
-            stuck = [t for t, f in self._running.items() if f in wanted and t not in self._given_up]
-            for t in stuck:  # the next submit starts one in its place (up to max_replaced in all)
+            stuck = [
+                t
+                for t, f in self._running.items()
+                if f in wanted and t not in self._given_up
+            ]
+            for t in (
+                stuck
+            ):  # the next submit starts one in its place (up to max_replaced in all)
                 self._given_up.add(t)
                 self.abandoned += 1
         return len(stuck)
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False, timeout: float | None = None) -> None:
+    def shutdown(
+        self,
+        wait: bool = True,
+        *,
+        cancel_futures: bool = False,
+        timeout: float | None = None,
+    ) -> None:
         """Stop the threads; with `wait`, join those not given up on (up to `timeout` in all)."""
         self._closed = True
         if cancel_futures:
@@ -105,7 +121,9 @@ class IoThreads(Executor):
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
-async def settle_jobs(jobs: list[asyncio.Future], grace_s: float, give_up: Callable[[], int]) -> list:
+async def settle_jobs(
+    jobs: list[asyncio.Future], grace_s: float, give_up: Callable[[], int]
+) -> list:
     """The jobs' results, in order (see the module docstring); `give_up()` abandons the jobs
     still running and returns how many it abandoned."""
     if not jobs:
@@ -115,15 +133,21 @@ async def settle_jobs(jobs: list[asyncio.Future], grace_s: float, give_up: Calla
     while True:
         try:
             timeout = None if deadline is None else max(0.0, deadline - loop.time())
-            _, pending = await asyncio.wait(jobs, timeout=timeout)  # asyncio.wait never cancels them
+            _, pending = await asyncio.wait(
+                jobs, timeout=timeout
+            )  # asyncio.wait never cancels them
             if not pending:
                 break
             n = give_up()
-            for job in jobs:  # retrieve what the others ended with: asyncio logs nothing at exit
+            for job in (
+                jobs
+            ):  # retrieve what the others ended with: asyncio logs nothing at exit
                 if job.done() and not job.cancelled():
                     job.exception()
-            raise StoreAbandoned(f"{n} I/O thread(s) stuck for {grace_s:.1f}s after the call's timeout: "
-                                 "abandoned (their buffers stay out of use)")
+            raise StoreAbandoned(
+                f"{n} I/O thread(s) stuck for {grace_s:.1f}s after the call's timeout: "
+                "abandoned (their buffers stay out of use)"
+            )
         except asyncio.CancelledError as exc:
             cancelled = exc
             if all(j.done() for j in jobs):

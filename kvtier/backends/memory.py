@@ -22,7 +22,9 @@ class MemoryStore(Store):
     config_class = MemoryStoreConfig
     name = "memory"
 
-    def __init__(self, config: MemoryStoreConfig = MemoryStoreConfig(), timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, config: MemoryStoreConfig = MemoryStoreConfig(), timeout_s: float = 5.0
+    ) -> None:
         super().__init__(timeout_s)
         self.capacity_bytes = config.capacity_bytes
         self._pages: OrderedDict[str, bytes] = OrderedDict()
@@ -75,7 +77,11 @@ class MemoryStore(Store):
     async def _scan(self, batch):
         keys = list(self._pages)
         for start in range(0, len(keys), batch):
-            yield [StoredPage(k, len(self._pages[k]), None) for k in keys[start:start + batch] if k in self._pages]
+            yield [
+                StoredPage(k, len(self._pages[k]), None)
+                for k in keys[start : start + batch]
+                if k in self._pages
+            ]
 
     async def _put_meta(self, name, data):
         self._meta[name] = bytes(data)
@@ -84,4 +90,8 @@ class MemoryStore(Store):
         return self._meta.get(name)
 
     def _extra_stats(self):
-        return {"pages": len(self._pages), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes}
+        return {
+            "pages": len(self._pages),
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+        }

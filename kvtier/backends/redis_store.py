@@ -45,11 +45,19 @@ class RedisStoreConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            shown = repr(self.url) if ":" in self.url else "(not shown: with no scheme it may be a secret)"
-            raise ValueError(f"url={shown}: must start with redis://, rediss:// or unix://")
+            shown = (
+                repr(self.url)
+                if ":" in self.url
+                else "(not shown: with no scheme it may be a secret)"
+            )
+            raise ValueError(
+                f"url={shown}: must start with redis://, rediss:// or unix://"
+            )
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s={self.ttl_s}: must be > 0 or null")
-        check_positive(self, "pool_size", "concurrent_min_bytes", "write_threads", integer=True)
+        check_positive(
+            self, "pool_size", "concurrent_min_bytes", "write_threads", integer=True
+        )
         check_positive(self, "socket_timeout_s", "connect_timeout_s")
 
 
@@ -63,7 +71,9 @@ class RedisStore(Store):
     config_class = RedisStoreConfig
     name = "redis"
 
-    def __init__(self, config: RedisStoreConfig = RedisStoreConfig(), timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, config: RedisStoreConfig = RedisStoreConfig(), timeout_s: float = 5.0
+    ) -> None:
         super().__init__(timeout_s)
         import redis.asyncio as aioredis
         from redis.asyncio.cluster import RedisCluster
@@ -86,9 +96,15 @@ class RedisStore(Store):
             # a write the store gave up on (timeout_s) must not hold its thread, and so the
             # caller's pages, much longer: the blocking socket times out no later than that
             self._writer = redis.ConnectionPool.from_url(
-                config.url, **{**kwargs, "socket_timeout": min(config.socket_timeout_s, timeout_s)})
-            self._threads = ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvtier-redis")
-            self._hashers = ThreadPoolExecutor(config.write_threads, thread_name_prefix="kvtier-redis-hash")
+                config.url,
+                **{**kwargs, "socket_timeout": min(config.socket_timeout_s, timeout_s)},
+            )
+            self._threads = ThreadPoolExecutor(
+                config.write_threads, thread_name_prefix="kvtier-redis"
+            )
+            self._hashers = ThreadPoolExecutor(
+                config.write_threads, thread_name_prefix="kvtier-redis-hash"
+            )
         self._slots = asyncio.Semaphore(config.pool_size)
         self._page_bytes = 0  # last page size seen: picks pipelined vs concurrent
         self._to_touch: list[str] = []  # keys `touch` was given, not sent yet
@@ -102,7 +118,10 @@ class RedisStore(Store):
         async def one(key, *a):
             async with self._slots:
                 return await method(key, *a, **kwargs)
-        return await asyncio.gather(*(one(k, *a) for k, *a in zip(keys, *args)), return_exceptions=True)
+
+        return await asyncio.gather(
+            *(one(k, *a) for k, *a in zip(keys, *args)), return_exceptions=True
+        )
 
     async def _exists(self, keys):
         async with self.client.pipeline(transaction=False) as pipe:
@@ -157,8 +176,15 @@ class RedisStore(Store):
             shares[g].append(i)
             loads[g] += frames[i].size
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._threads, self._send_sets, [keys[i] for i in share],
-                                     [frames[i] for i in share]) for share in shares]
+        jobs = [
+            loop.run_in_executor(
+                self._threads,
+                self._send_sets,
+                [keys[i] for i in share],
+                [frames[i] for i in share],
+            )
+            for share in shares
+        ]
         results = await self._in_threads(jobs)
         out = [False] * len(keys)
         for share, got in zip(shares, results):
@@ -184,7 +210,9 @@ class RedisStore(Store):
         if not self.config.overwrite:
             extra.append(b"NX")
         argc = b"*%d\r\n$3\r\nSET\r\n" % (3 + len(extra))
-        end = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in extra)  # after each payload
+        end = b"\r\n" + b"".join(
+            b"$%d\r\n%s\r\n" % (len(a), a) for a in extra
+        )  # after each payload
         headers: queue.SimpleQueue = queue.SimpleQueue()
         stop = threading.Event()  # the sending ended early: hash no further
 
@@ -194,7 +222,9 @@ class RedisStore(Store):
                     if stop.is_set():
                         return
                     headers.put(f.header)
-            except BaseException as exc:  # the sender must not wait for a header that never comes
+            except (
+                BaseException
+            ) as exc:  # the sender must not wait for a header that never comes
                 headers.put(exc)
 
         conn = self._writer.get_connection()
@@ -207,7 +237,11 @@ class RedisStore(Store):
                 if isinstance(header, BaseException):
                     raise header
                 k = key.encode()
-                parts += [b"%s%s$%d\r\n%s\r\n$%d\r\n%s" % (lead, argc, len(k), k, frame.size, header), frame.body]
+                parts += [
+                    b"%s%s$%d\r\n%s\r\n$%d\r\n%s"
+                    % (lead, argc, len(k), k, frame.size, header),
+                    frame.body,
+                ]
                 lead, batched = end, batched + frame.size
                 if batched >= _SEND_BYTES or len(parts) >= _SEND_PARTS:
                     conn.send_packed_command(parts, check_health=False)
@@ -227,7 +261,9 @@ class RedisStore(Store):
         finally:
             stop.set()
             if hashing is not None:
-                wait_for_jobs([hashing])  # it reads the caller's pages: done before the job ends
+                wait_for_jobs(
+                    [hashing]
+                )  # it reads the caller's pages: done before the job ends
             self._writer.release(conn)
 
     async def _delete(self, keys):
@@ -254,7 +290,11 @@ class RedisStore(Store):
             for k in keys:
                 pipe.strlen(k)
             sizes = await pipe.execute(raise_on_error=False)
-        return [StoredPage(k, n, None) for k, n in zip(keys, sizes) if isinstance(n, int) and n]
+        return [
+            StoredPage(k, n, None)
+            for k, n in zip(keys, sizes)
+            if isinstance(n, int) and n
+        ]
 
     async def _put_meta(self, name, data):
         await self.client.set(name, bytes(data), ex=self.config.ttl_s)
@@ -271,13 +311,18 @@ class RedisStore(Store):
         loop, one pipelined batch at a time; keys given meanwhile wait for it (up to
         `_TOUCH_BACKLOG`, the rest dropped: it is an order hint). A failure is counted and
         logged once by the store call, never raised."""
-        self._to_touch.extend(list(keys)[:max(0, _TOUCH_BACKLOG - len(self._to_touch))])
+        self._to_touch.extend(
+            list(keys)[: max(0, _TOUCH_BACKLOG - len(self._to_touch))]
+        )
         if self._to_touch and (self._toucher is None or self._toucher.done()):
             self._toucher = asyncio.get_running_loop().create_task(self._touch_all())
 
     async def _touch_all(self) -> None:
         while self._to_touch:
-            keys, self._to_touch = self._to_touch[:_TOUCH_BATCH], self._to_touch[_TOUCH_BATCH:]
+            keys, self._to_touch = (
+                self._to_touch[:_TOUCH_BATCH],
+                self._to_touch[_TOUCH_BATCH:],
+            )
             try:
                 await self._call("touch", self._touch(keys))
             except KvtierError:  # counted and logged by _call; the rest are only hints
@@ -293,7 +338,9 @@ class RedisStore(Store):
                     pipe.touch(k)
                 else:
                     pipe.expire(k, ttl)
-            await pipe.execute(raise_on_error=False)  # a key gone meanwhile answers 0: fine
+            await pipe.execute(
+                raise_on_error=False
+            )  # a key gone meanwhile answers 0: fine
 
     async def _close(self):
         if self._toucher is not None and not self._toucher.done():
@@ -310,11 +357,23 @@ class RedisStore(Store):
 
         if isinstance(exc, rex.TimeoutError):
             return StoreTimeout(f"redis.{op}: {exc}")
-        if isinstance(exc, (rex.ConnectionError, ConnectionError, OSError, asyncio.IncompleteReadError)):
+        if isinstance(
+            exc,
+            (
+                rex.ConnectionError,
+                ConnectionError,
+                OSError,
+                asyncio.IncompleteReadError,
+            ),
+        ):
             return StoreUnavailable(f"redis.{op}: {type(exc).__name__}: {exc}")
         if isinstance(exc, rex.RedisError):
             return StoreError(f"redis.{op}: {type(exc).__name__}: {exc}")
         return super()._map_error(op, exc)
 
     def _extra_stats(self):
-        return {"url": redact_url(self.config.url), "cluster": self.config.cluster, "touched": self.touched}
+        return {
+            "url": redact_url(self.config.url),
+            "cluster": self.config.cluster,
+            "touched": self.touched,
+        }

@@ -21,7 +21,9 @@ BUILTINS: dict[str, tuple[str, str, str]] = {
 
 
 def known_names() -> list[str]:
-    return sorted(set(BUILTINS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    return sorted(
+        set(BUILTINS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    )
 
 
 def resolve(backend: str) -> tuple[type, type | None]:
@@ -34,14 +36,18 @@ def resolve(backend: str) -> tuple[type, type | None]:
         module, _, attr = backend.partition(":")
         cls = getattr(_import(backend, module), attr, None)
         if cls is None:
-            raise KvtierConfigError(f"store.backend={backend!r}: module {module!r} has no attribute {attr!r}")
+            raise KvtierConfigError(
+                f"store.backend={backend!r}: module {module!r} has no attribute {attr!r}"
+            )
         return cls, getattr(cls, "config_class", None)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == backend:
             try:
                 cls = ep.load()
             except Exception as exc:
-                raise KvtierConfigError(f"store.backend={backend!r}: plugin {ep.value!r} failed to load: {exc}") from exc
+                raise KvtierConfigError(
+                    f"store.backend={backend!r}: plugin {ep.value!r} failed to load: {exc}"
+                ) from exc
             return cls, getattr(cls, "config_class", None)
     raise KvtierConfigError(
         f"store.backend={backend!r}: unknown store; known: none, {', '.join(known_names())}, or 'module:Class'"
@@ -52,7 +58,9 @@ def _import(backend: str, module: str):
     try:
         return importlib.import_module(module)
     except Exception as exc:
-        raise KvtierConfigError(f"store.backend={backend!r}: cannot import {module!r}: {exc}") from exc
+        raise KvtierConfigError(
+            f"store.backend={backend!r}: cannot import {module!r}: {exc}"
+        ) from exc
 
 
 def build_store(backend: str, options=None, timeout_s: float = 5.0):

@@ -48,7 +48,9 @@ class S3Store(Store):
     config_class = S3StoreConfig
     name = "s3"
 
-    def __init__(self, config: S3StoreConfig = S3StoreConfig(), timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, config: S3StoreConfig = S3StoreConfig(), timeout_s: float = 30.0
+    ) -> None:
         super().__init__(timeout_s)
         import boto3
         from botocore.config import Config
@@ -72,7 +74,9 @@ class S3Store(Store):
                 max_pool_connections=config.max_workers,
             ),
         )
-        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="kvtier-s3")
+        self._pool = ThreadPoolExecutor(
+            config.max_workers, thread_name_prefix="kvtier-s3"
+        )
         if config.create_bucket:
             self._create_bucket()
 
@@ -82,7 +86,10 @@ class S3Store(Store):
         try:
             self.client.create_bucket(Bucket=self.config.bucket)
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if exc.response.get("Error", {}).get("Code") not in (
+                "BucketAlreadyOwnedByYou",
+                "BucketAlreadyExists",
+            ):
                 raise self._map_error("create_bucket", exc) from exc
         except Exception as exc:
             raise self._map_error("create_bucket", exc) from exc
@@ -108,7 +115,9 @@ class S3Store(Store):
         from botocore.exceptions import ClientError
 
         try:
-            return self.client.get_object(Bucket=self.config.bucket, Key=self._object(key))["Body"].read()
+            return self.client.get_object(
+                Bucket=self.config.bucket, Key=self._object(key)
+            )["Body"].read()
         except ClientError as exc:
             if _code(exc) in _MISSING:
                 return None
@@ -120,7 +129,12 @@ class S3Store(Store):
         extra = {"IfNoneMatch": "*"} if self.config.skip_existing else {}
         header, payload = page  # the checksum is computed here, in the I/O thread
         try:
-            self.client.put_object(Bucket=self.config.bucket, Key=self._object(key), Body=header + payload, **extra)
+            self.client.put_object(
+                Bucket=self.config.bucket,
+                Key=self._object(key),
+                Body=header + payload,
+                **extra,
+            )
         except ClientError as exc:
             if _code(exc) in ("PreconditionFailed", "412"):
                 return True  # already stored (keys are content hashes)
@@ -144,22 +158,41 @@ class S3Store(Store):
     def _remove(self, keys: list[str]) -> int:
         present = [k for k in keys if self._head(k)]
         for start in range(0, len(present), 1000):
-            chunk = present[start:start + 1000]
-            self.client.delete_objects(Bucket=self.config.bucket,
-                                       Delete={"Objects": [{"Key": self._object(k)} for k in chunk], "Quiet": True})
+            chunk = present[start : start + 1000]
+            self.client.delete_objects(
+                Bucket=self.config.bucket,
+                Delete={
+                    "Objects": [{"Key": self._object(k)} for k in chunk],
+                    "Quiet": True,
+                },
+            )
         return len(present)
 
     async def _delete(self, keys):
         return await self._run(self._remove, keys)
 
-    def _list_page(self, token: str | None, batch: int) -> tuple[list[StoredPage], str | None]:
-        kwargs = {"Bucket": self.config.bucket, "Prefix": self.config.prefix, "MaxKeys": batch}
+    def _list_page(
+        self, token: str | None, batch: int
+    ) -> tuple[list[StoredPage], str | None]:
+        kwargs = {
+            "Bucket": self.config.bucket,
+            "Prefix": self.config.prefix,
+            "MaxKeys": batch,
+        }
         if token:
             kwargs["ContinuationToken"] = token
         resp = self.client.list_objects_v2(**kwargs)
-        pages = [StoredPage(o["Key"][len(self.config.prefix):], o["Size"], o["LastModified"].timestamp())
-                 for o in resp.get("Contents", [])]
-        return pages, resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
+        pages = [
+            StoredPage(
+                o["Key"][len(self.config.prefix) :],
+                o["Size"],
+                o["LastModified"].timestamp(),
+            )
+            for o in resp.get("Contents", [])
+        ]
+        return pages, resp.get("NextContinuationToken") if resp.get(
+            "IsTruncated"
+        ) else None
 
     async def _scan(self, batch):
         token = None
@@ -170,8 +203,11 @@ class S3Store(Store):
                 return
 
     async def _put_meta(self, name, data):
-        await self._run(lambda: self.client.put_object(Bucket=self.config.bucket, Key=self._object(name),
-                                                       Body=bytes(data)))
+        await self._run(
+            lambda: self.client.put_object(
+                Bucket=self.config.bucket, Key=self._object(name), Body=bytes(data)
+            )
+        )
 
     async def _get_meta(self, name):
         return await self._run(self._fetch, name)
@@ -186,7 +222,9 @@ class S3Store(Store):
         if isinstance(exc, (bex.ConnectTimeoutError, bex.ReadTimeoutError)):
             return StoreTimeout(f"s3.{op}: {type(exc).__name__}")
         if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectionClosedError)):
-            return StoreUnavailable(f"s3.{op}: {type(exc).__name__}: cannot reach {self.config.endpoint_url or 'AWS'}")
+            return StoreUnavailable(
+                f"s3.{op}: {type(exc).__name__}: cannot reach {self.config.endpoint_url or 'AWS'}"
+            )
         if isinstance(exc, bex.ClientError):
             return StoreError(f"s3.{op}: {_code(exc)}: {exc}")
         if isinstance(exc, bex.BotoCoreError):

@@ -43,7 +43,9 @@ HEADER_SIZE = 128
 TAG_SIZE = 16
 
 
-_PREFIX = struct.Struct("<4sHH16sB32sQ")  # what plain and sealed headers share: up to the payload length
+_PREFIX = struct.Struct(
+    "<4sHH16sB32sQ"
+)  # what plain and sealed headers share: up to the payload length
 
 
 def frame_bound(header: Buffer) -> int | None:
@@ -117,35 +119,58 @@ class SealedCodec:
         subkey = key.aead_key if mode == MODE_AEAD else key.mac_key
         return AESGCM(hashlib.blake2b(sealed, key=subkey, digest_size=32).digest())
 
-    def seal(self, namespace_id: str, page_hash: bytes, payload: Buffer) -> tuple[bytes, Buffer]:
+    def seal(
+        self, namespace_id: str, page_hash: bytes, payload: Buffer
+    ) -> tuple[bytes, Buffer]:
         key, length = self.keys.current, len(memoryview(payload).cast("B"))
         nonce = os.urandom(12)
-        sealed = _SEALED.pack(MAGIC, SEALED_VERSION, self.mode, bytes.fromhex(namespace_id), len(page_hash),
-                              page_hash.ljust(32, b"\0"), length, key.key_id, nonce)
+        sealed = _SEALED.pack(
+            MAGIC,
+            SEALED_VERSION,
+            self.mode,
+            bytes.fromhex(namespace_id),
+            len(page_hash),
+            page_hash.ljust(32, b"\0"),
+            length,
+            key.key_id,
+            nonce,
+        )
         cipher = self._cipher(key, self.mode, sealed)
         if not self.encrypt:
-            return sealed + cipher.encrypt(nonce, b"", payload) + bytes(HEADER_SIZE - SEALED_PART - TAG_SIZE), payload
+            return sealed + cipher.encrypt(nonce, b"", payload) + bytes(
+                HEADER_SIZE - SEALED_PART - TAG_SIZE
+            ), payload
         body = bytearray(length + TAG_SIZE)
         cipher.encrypt_into(nonce, payload, sealed, body)
         return sealed + bytes(HEADER_SIZE - SEALED_PART), body
 
-    def open_header(self, header: Buffer, namespace_id: str, page_hash: bytes) -> Opened:
+    def open_header(
+        self, header: Buffer, namespace_id: str, page_hash: bytes
+    ) -> Opened:
         """What a sealed header says, checked against the page asked for; FrameError if it
         is not a sealed header for it under a key of the ring (before any tag is checked)."""
         view = memoryview(header).cast("B")
         if len(view) < HEADER_SIZE:
             raise FrameError(f"truncated header ({len(view)} < {HEADER_SIZE} bytes)")
-        magic, version, mode, ns, hlen, h, length, key_id, nonce = _SEALED.unpack_from(view)
+        magic, version, mode, ns, hlen, h, length, key_id, nonce = _SEALED.unpack_from(
+            view
+        )
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic!r}")
         if version == VERSION:
-            raise NotSealed("frame not sealed (a plain xxh3 frame): this tenant reads only frames sealed with its key")
+            raise NotSealed(
+                "frame not sealed (a plain xxh3 frame): this tenant reads only frames sealed with its key"
+            )
         if version != SEALED_VERSION or mode not in MODES:
-            raise FrameError(f"frame version {version} mode {mode}, this build reads version {SEALED_VERSION} "
-                             f"modes {', '.join(map(str, MODES))}")
+            raise FrameError(
+                f"frame version {version} mode {mode}, this build reads version {SEALED_VERSION} "
+                f"modes {', '.join(map(str, MODES))}"
+            )
         key = self.keys.by_id.get(key_id)
         if key is None:
-            raise ForeignKey(f"sealed with key {key_id.hex()}, which is not one of this tenant's keys")
+            raise ForeignKey(
+                f"sealed with key {key_id.hex()}, which is not one of this tenant's keys"
+            )
         if ns != bytes.fromhex(namespace_id):
             raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
         if h[:hlen] != page_hash or hlen != len(page_hash):
@@ -154,8 +179,14 @@ class SealedCodec:
         if view[used:HEADER_SIZE] != bytes(HEADER_SIZE - used):
             raise FrameError("nonzero bytes in the header's unused part")
         sealed = bytes(view[:SEALED_PART])
-        return Opened(self._cipher(key, mode, sealed), mode, nonce, sealed,
-                      bytes(view[SEALED_PART:SEALED_PART + TAG_SIZE]), length)
+        return Opened(
+            self._cipher(key, mode, sealed),
+            mode,
+            nonce,
+            sealed,
+            bytes(view[SEALED_PART : SEALED_PART + TAG_SIZE]),
+            length,
+        )
 
     def decode(self, blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
         view = memoryview(blob).cast("B")
@@ -168,7 +199,9 @@ class SealedCodec:
         decrypt(opened, body, out)
         return memoryview(out)
 
-    def decode_into(self, blob: Buffer, namespace_id: str, page_hash: bytes, view: memoryview) -> None:
+    def decode_into(
+        self, blob: Buffer, namespace_id: str, page_hash: bytes, view: memoryview
+    ) -> None:
         """The authenticated payload into `view`; FrameError otherwise (an encrypted page's
         `view` may then hold garbage, which the caller must not use)."""
         whole = memoryview(blob).cast("B")
@@ -182,8 +215,14 @@ class SealedCodec:
             return
         decrypt(opened, body, view)
 
-    def read_into(self, read: Callable[[list], int], namespace_id: str, page_hash: bytes, view: memoryview,
-                  scratch: Callable[[int], memoryview]) -> None:
+    def read_into(
+        self,
+        read: Callable[[list], int],
+        namespace_id: str,
+        page_hash: bytes,
+        view: memoryview,
+        scratch: Callable[[int], memoryview],
+    ) -> None:
         """A frame read in one go (the file store): `read(buffers)` fills the header, the
         body and a byte more into buffers and says how many bytes it read. The body goes
         where this codec's own mode wants it: an authenticated one straight into `view`,
@@ -192,23 +231,30 @@ class SealedCodec:
         if it does not authenticate (`view` may then hold garbage)."""
         header, tail, body = bytearray(HEADER_SIZE), bytearray(TAG_SIZE + 1), None
         if self.encrypt:
-            body = scratch(len(view) + TAG_SIZE + 1)[:len(view) + TAG_SIZE + 1]
+            body = scratch(len(view) + TAG_SIZE + 1)[: len(view) + TAG_SIZE + 1]
             n = read([header, body]) - HEADER_SIZE
         else:
             n = read([header, view, tail]) - HEADER_SIZE
-        opened = self.open_header(header[:HEADER_SIZE + min(n, 0)], namespace_id, page_hash)
+        opened = self.open_header(
+            header[: HEADER_SIZE + min(n, 0)], namespace_id, page_hash
+        )
         if opened.length != len(view):
             raise FrameError(f"page is {opened.length} bytes, the buffer {len(view)}")
         _check_length(n, opened)
         if opened.mode == MODE_MAC:
             if body is not None:
-                view[:] = body[:len(view)]
+                view[:] = body[: len(view)]
             check_tag(opened, view)
             return
-        if body is None:  # ciphertext in `view`, its tag in `tail`: together, as AES-GCM takes them
+        if (
+            body is None
+        ):  # ciphertext in `view`, its tag in `tail`: together, as AES-GCM takes them
             body = scratch(opened.body_size)
-            body[:len(view)], body[len(view):opened.body_size] = view, tail[:TAG_SIZE]
-        decrypt(opened, body[:opened.body_size], view)
+            body[: len(view)], body[len(view) : opened.body_size] = (
+                view,
+                tail[:TAG_SIZE],
+            )
+        decrypt(opened, body[: opened.body_size], view)
 
 
 def _body(view: memoryview, opened: Opened) -> memoryview:
@@ -226,11 +272,15 @@ def check_tag(opened: Opened, payload: Buffer) -> None:
     try:
         opened.cipher.decrypt(opened.nonce, opened.tag, payload)
     except InvalidTag:
-        raise FrameError("MAC mismatch: not sealed with this tenant's key, or altered since") from None
+        raise FrameError(
+            "MAC mismatch: not sealed with this tenant's key, or altered since"
+        ) from None
 
 
 def decrypt(opened: Opened, body: Buffer, out) -> None:
     try:
         opened.cipher.decrypt_into(opened.nonce, body, opened.sealed, out)
     except InvalidTag:
-        raise FrameError("AES-GCM tag mismatch: not sealed with this tenant's key, or altered since") from None
+        raise FrameError(
+            "AES-GCM tag mismatch: not sealed with this tenant's key, or altered since"
+        ) from None

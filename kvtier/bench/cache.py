@@ -76,9 +76,15 @@ class Scheduler:
         self.by_call: dict[str, list[float]] = {}  # API call -> [wall, cpu, calls]
         self.hits = [0, 0, 0]
         self.requests = 0
-        self.runqueue: float | None = None  # seconds runnable but off-CPU over the loop (Linux)
-        self.polls = self.polls_idle = self.polls_deferred = 0  # the cache's own counts (completions.py)
-        self.threads: dict[str, float] = {}  # kvtier's own threads: CPU seconds by name (`_threads_cpu`)
+        self.runqueue: float | None = (
+            None  # seconds runnable but off-CPU over the loop (Linux)
+        )
+        self.polls = self.polls_idle = self.polls_deferred = (
+            0  # the cache's own counts (completions.py)
+        )
+        self.threads: dict[
+            str, float
+        ] = {}  # kvtier's own threads: CPU seconds by name (`_threads_cpu`)
 
     def _call(self, fn, *args):
         start, cpu = time.perf_counter(), time.thread_time()
@@ -99,20 +105,30 @@ class Scheduler:
             self._loop()
         finally:
             end_wait = _runqueue_seconds()
-            self.runqueue = None if start_wait is None or end_wait is None else end_wait - start_wait
+            self.runqueue = (
+                None
+                if start_wait is None or end_wait is None
+                else end_wait - start_wait
+            )
 
     def _loop(self) -> None:
         cache = self.cache
         queue = deque(enumerate(self.trace))
         parked: dict[str, tuple[int, object]] = {}
-        busy: set[int] = set()  # sessions with a turn in flight: the next turn waits for it
+        busy: set[int] = (
+            set()
+        )  # sessions with a turn in flight: the next turn waits for it
         while queue or parked:
             runnable = []
             for rid in self._call(cache.poll):
                 if rid in parked:
                     i, t = parked.pop(rid)
                     runnable.append((rid, t, self._call(cache.acquire, t.prompt, rid)))
-            while queue and len(parked) + len(runnable) < self.in_flight and queue[0][1].session not in busy:
+            while (
+                queue
+                and len(parked) + len(runnable) < self.in_flight
+                and queue[0][1].session not in busy
+            ):
                 i, t = queue.popleft()
                 rid = f"r{i}"
                 busy.add(t.session)
@@ -128,14 +144,20 @@ class Scheduler:
                 continue
             batch = []
             for rid, t, got in runnable:
-                mine = self._call(cache.alloc, len(t.prompt) + len(t.output) - got.indices.numel())
-                if mine is None:  # no room while the others hold theirs: this one goes back
+                mine = self._call(
+                    cache.alloc, len(t.prompt) + len(t.output) - got.indices.numel()
+                )
+                if (
+                    mine is None
+                ):  # no room while the others hold theirs: this one goes back
                     self._call(cache.abort, rid)
                     queue.appendleft((int(rid[1:]), t))
                     busy.discard(t.session)
                     continue
                 batch.append((rid, t, got, torch.cat([got.indices, mine])))
-            if not batch:  # writes in flight lock device pages until polled: wait for them
+            if (
+                not batch
+            ):  # writes in flight lock device pages until polled: wait for them
                 if not cache.busy() and len(runnable) == 1:
                     raise RuntimeError("device pool too small for one request")
                 start = time.perf_counter()
@@ -146,9 +168,15 @@ class Scheduler:
             for layer in range(cache.pool.num_layers):
                 self._call(waiter.wait_layer, layer)
             for rid, t, got, kv in batch:
-                self._call(cache.cache_finished, rid, np.concatenate([t.prompt, t.output]), kv)
+                self._call(
+                    cache.cache_finished, rid, np.concatenate([t.prompt, t.output]), kv
+                )
                 busy.discard(t.session)
-                self.hits = [self.hits[0] + got.device_hit, self.hits[1] + got.host_hit, self.hits[2] + got.storage_hit]
+                self.hits = [
+                    self.hits[0] + got.device_hit,
+                    self.hits[1] + got.host_hit,
+                    self.hits[2] + got.storage_hit,
+                ]
                 self.requests += 1
 
 
@@ -160,11 +188,19 @@ def _threads_cpu(before: set[threading.Thread]) -> dict[str, float]:
     trace) outlives a cache: not counted."""
     out: dict[str, float] = {}
     for t in threading.enumerate():
-        if not t.name.startswith("kvtier-") or t.name.startswith("kvtier-copy") or t.ident is None or t in before:
+        if (
+            not t.name.startswith("kvtier-")
+            or t.name.startswith("kvtier-copy")
+            or t.ident is None
+            or t in before
+        ):
             continue
         try:
             cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-        except (OSError, AttributeError):  # gone meanwhile, or no per-thread clocks here
+        except (
+            OSError,
+            AttributeError,
+        ):  # gone meanwhile, or no per-thread clocks here
             continue
         name = t.name.rstrip("0123456789").rstrip("_")
         out[name] = out.get(name, 0.0) + cpu
@@ -195,39 +231,78 @@ def kvtier_cpus(choice: str) -> str | None:
     return format_cpu_list(allowed[1:]) if len(allowed) >= 2 else None
 
 
-STORE_PAGE_TOKENS = 16  # the store page the bench gives a smaller device page (`store.page_tokens`)
+STORE_PAGE_TOKENS = (
+    16  # the store page the bench gives a smaller device page (`store.page_tokens`)
+)
 
 
 def store_page_tokens(page: int, tokens: int | None) -> int:
     """`store.page_tokens` for a run: `tokens`, or STORE_PAGE_TOKENS rounded up to whole pages."""
     if tokens is None:
         return -(-STORE_PAGE_TOKENS // page) * page
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1 or tokens % page:
-        raise KvtierConfigError(f"--store-page-tokens {tokens!r}: must be a positive multiple of --page-size {page}")
+    if (
+        isinstance(tokens, bool)
+        or not isinstance(tokens, int)
+        or tokens < 1
+        or tokens % page
+    ):
+        raise KvtierConfigError(
+            f"--store-page-tokens {tokens!r}: must be a positive multiple of --page-size {page}"
+        )
     return tokens
 
 
-def _config(size: int, page: int, store_root: str | None, cpus: str, store: str = "file",
-            page_tokens: int | None = None):
+def _config(
+    size: int,
+    page: int,
+    store_root: str | None,
+    cpus: str,
+    store: str = "file",
+    page_tokens: int | None = None,
+):
     """All tiers (a 2x host mirror, then the file store at `store_root` or, with `store`
     "memory", an in-process dict; store pages of `page_tokens`) or, with no root, the
     device pool alone."""
     tiers = store_root is not None
-    backend = {"backend": "file", "root": store_root, "capacity_bytes": 1 << 34} if store == "file" else \
-        {"backend": "memory", "capacity_bytes": 1 << 34}
+    backend = (
+        {"backend": "file", "root": store_root, "capacity_bytes": 1 << 34}
+        if store == "file"
+        else {"backend": "memory", "capacity_bytes": 1 << 34}
+    )
     backend["page_tokens"] = page_tokens
-    return load_config(None, {
-        "pool": {"size": size, "num_layers": 2, "page_size": page, "num_kv_heads": 1, "head_dim": 16,
-                 "dtype": "float16"},
-        "mirror": {"ratio": 2.0, "layout": "page_first"} if tiers else None,
-        "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete",
-                       "cpus": kvtier_cpus(cpus)},
-        "store": backend if tiers else {"backend": "none"},
-    }, env={})
+    return load_config(
+        None,
+        {
+            "pool": {
+                "size": size,
+                "num_layers": 2,
+                "page_size": page,
+                "num_kv_heads": 1,
+                "head_dim": 16,
+                "dtype": "float16",
+            },
+            "mirror": {"ratio": 2.0, "layout": "page_first"} if tiers else None,
+            "controller": {
+                "write_policy": "write_through",
+                "prefetch_policy": "wait_complete",
+                "cpus": kvtier_cpus(cpus),
+            },
+            "store": backend if tiers else {"backend": "none"},
+        },
+        env={},
+    )
 
 
-def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
-            store: str = "file", page_tokens: int | None = None) -> tuple[Scheduler, object]:
+def _kvtier(
+    trace,
+    size: int,
+    page: int,
+    in_flight: int,
+    cpus: str,
+    tiers: bool,
+    store: str = "file",
+    page_tokens: int | None = None,
+) -> tuple[Scheduler, object]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(size, page, tmp if tiers else None, cpus, store, page_tokens)
         before = set(threading.enumerate())
@@ -237,35 +312,71 @@ def _kvtier(trace, size: int, page: int, in_flight: int, cpus: str, tiers: bool,
             sched.run()
             cache.check_accounting()
             c = cache.stats_obj.counters
-            sched.polls, sched.polls_idle, sched.polls_deferred = c.polls, c.polls_idle, c.polls_deferred
+            sched.polls, sched.polls_idle, sched.polls_deferred = (
+                c.polls,
+                c.polls_idle,
+                c.polls_deferred,
+            )
             sched.threads = _threads_cpu(before)
         finally:
             cache.close()
     return sched, cfg
 
 
-def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, device_fraction: float = 0.10,
-        in_flight: int = 8, cpus: str = "auto", sglang: bool = True, store: str = "file",
-        page_tokens: int | None = None) -> dict:
+def run(
+    sessions: int = 150,
+    turns: int = 6,
+    page: int = 16,
+    rounds: int = 3,
+    device_fraction: float = 0.10,
+    in_flight: int = 8,
+    cpus: str = "auto",
+    sglang: bool = True,
+    store: str = "file",
+    page_tokens: int | None = None,
+) -> dict:
     page_tokens = store_page_tokens(page, page_tokens)
-    trace = multiturn(sessions=sessions, turns=turns, system_prompts=6, system_len=512, msg_len=(32, 200), seed=3)
+    trace = multiturn(
+        sessions=sessions,
+        turns=turns,
+        system_prompts=6,
+        system_len=512,
+        msg_len=(32, 200),
+        seed=3,
+    )
     bound, working_set = infinite_bound(trace, page)
     longest = max(len(t.prompt) + len(t.output) for t in trace)
     # room for two of the longest requests: one that cannot fit alone would be aborted and
     # retried forever (a small --sessions gives a pool of ~1k tokens, below one long turn)
-    size = max(page * 64, -(-2 * longest // page) * page, int(working_set * device_fraction) // page * page)
+    size = max(
+        page * 64,
+        -(-2 * longest // page) * page,
+        int(working_set * device_fraction) // page * page,
+    )
     why_not = sglang_unavailable() if sglang else "not asked for (--baseline bare)"
     if store not in STORES:
         raise ValueError(f"store={store!r}: allowed are {', '.join(STORES)}")
-    arms = {"kvtier": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=True, store=store,
-                                      page_tokens=page_tokens),
-            "device": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=False),
-            "bare": lambda: bare_tree(trace, page)}
+    arms = {
+        "kvtier": lambda: _kvtier(
+            trace,
+            size,
+            page,
+            in_flight,
+            cpus,
+            tiers=True,
+            store=store,
+            page_tokens=page_tokens,
+        ),
+        "device": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=False),
+        "bare": lambda: bare_tree(trace, page),
+    }
     if why_not is None:
         arms["sglang"] = lambda: sglang_device(trace, size, page, in_flight)
     cpu: dict[str, list[float]] = {k: [] for k in arms}
     last: dict[str, object] = {}
-    for _ in range(rounds):  # the arms take turns, round after round, on the same minutes
+    for _ in range(
+        rounds
+    ):  # the arms take turns, round after round, on the same minutes
         for name, arm in arms.items():
             gc.collect()  # the previous arm's garbage is not collected on this arm's clock
             last[name] = out = arm()
@@ -277,61 +388,139 @@ def run(sessions: int = 150, turns: int = 6, page: int = 16, rounds: int = 3, de
     prompt_tokens = sum(len(t.prompt) for t in trace)
     rates = [x / prompt_tokens for x in sched.hits]
     total = sum(rates)
-    print(f"{n} requests ({in_flight} in flight), page {page}, {prompt_tokens} prompt tokens, working set "
-          f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, {store} store "
-          f"(store pages of {page_tokens} tokens); "
-          f"{rounds} alternating rounds, medians; kvtier's threads on CPUs {cfg.controller.cpus or 'any'}")
-    print(f"hit rate: device {rates[0]:.3f} + host {rates[1]:.3f} + storage {rates[2]:.3f} = {total:.3f} "
-          f"(infinite cache {bound:.3f})")
-    print(f"scheduler time inside kvtier, all tiers (last round): {sched.inside / n * 1e3:.3f} ms per request wall, "
-          f"CPU {sched.cpu / n * 1e3:.3f} ms (naps while only parked requests remained, excluded: "
-          f"{sched.naps / n * 1e3:.2f} ms)")
+    print(
+        f"{n} requests ({in_flight} in flight), page {page}, {prompt_tokens} prompt tokens, working set "
+        f"{working_set} tokens, device pool {size} tokens ({size / working_set:.0%}), mirror 2x, {store} store "
+        f"(store pages of {page_tokens} tokens); "
+        f"{rounds} alternating rounds, medians; kvtier's threads on CPUs {cfg.controller.cpus or 'any'}"
+    )
+    print(
+        f"hit rate: device {rates[0]:.3f} + host {rates[1]:.3f} + storage {rates[2]:.3f} = {total:.3f} "
+        f"(infinite cache {bound:.3f})"
+    )
+    print(
+        f"scheduler time inside kvtier, all tiers (last round): {sched.inside / n * 1e3:.3f} ms per request wall, "
+        f"CPU {sched.cpu / n * 1e3:.3f} ms (naps while only parked requests remained, excluded: "
+        f"{sched.naps / n * 1e3:.2f} ms)"
+    )
     if sched.runqueue is not None:
-        print(f"scheduler thread waiting for a CPU core (runqueue, whole loop): {sched.runqueue / n * 1e3:.3f} ms "
-              f"per request")
+        print(
+            f"scheduler thread waiting for a CPU core (runqueue, whole loop): {sched.runqueue / n * 1e3:.3f} ms "
+            f"per request"
+        )
     if sched.threads:
-        print("kvtier's own threads, CPU per request (last round, on CPUs "
-              f"{cfg.controller.cpus or 'any'}): " + ", ".join(
-                  f"{name} {cpu / n * 1e3:.3f} ms" for name, cpu in sorted(sched.threads.items())))
-    print(f"polls per request: {sched.polls / n:.1f} ({sched.polls_idle / n:.1f} found nothing moved, "
-          f"{sched.polls_deferred / n:.1f} only finished copies or backups, left for a later poll)")
-    print("per request, wall (CPU) ms: " + ", ".join(
-        f"{name} {w / n * 1e3:.3f} ({c / n * 1e3:.3f})" for name, (w, c, _) in sched.by_call.items()))
-    sg = f"SGLang RadixCache + pools {per['sglang'] * 1e3:.3f} ms" if "sglang" in per else f"SGLang: {why_not}"
-    print(f"scheduler CPU per request: kvtier all tiers {per['kvtier'] * 1e3:.3f} ms, kvtier device only "
-          f"{per['device'] * 1e3:.3f} ms, {sg}, bare RadixTree match+insert {per['bare'] * 1e3:.3f} ms")
-    base, label = (per["sglang"], "SGLang device-only") if "sglang" in per else (per["bare"], "bare tree")
-    rounds_ratio = [k / b for k, b in zip(cpu["kvtier"], cpu["sglang" if "sglang" in per else "bare"])]
-    print("scheduler ratio round by round (each against the baseline of its own round): "
-          + " / ".join(f"{r:.2f}x" for r in rounds_ratio))
+        print(
+            "kvtier's own threads, CPU per request (last round, on CPUs "
+            f"{cfg.controller.cpus or 'any'}): "
+            + ", ".join(
+                f"{name} {cpu / n * 1e3:.3f} ms"
+                for name, cpu in sorted(sched.threads.items())
+            )
+        )
+    print(
+        f"polls per request: {sched.polls / n:.1f} ({sched.polls_idle / n:.1f} found nothing moved, "
+        f"{sched.polls_deferred / n:.1f} only finished copies or backups, left for a later poll)"
+    )
+    print(
+        "per request, wall (CPU) ms: "
+        + ", ".join(
+            f"{name} {w / n * 1e3:.3f} ({c / n * 1e3:.3f})"
+            for name, (w, c, _) in sched.by_call.items()
+        )
+    )
+    sg = (
+        f"SGLang RadixCache + pools {per['sglang'] * 1e3:.3f} ms"
+        if "sglang" in per
+        else f"SGLang: {why_not}"
+    )
+    print(
+        f"scheduler CPU per request: kvtier all tiers {per['kvtier'] * 1e3:.3f} ms, kvtier device only "
+        f"{per['device'] * 1e3:.3f} ms, {sg}, bare RadixTree match+insert {per['bare'] * 1e3:.3f} ms"
+    )
+    base, label = (
+        (per["sglang"], "SGLang device-only")
+        if "sglang" in per
+        else (per["bare"], "bare tree")
+    )
+    rounds_ratio = [
+        k / b
+        for k, b in zip(cpu["kvtier"], cpu["sglang" if "sglang" in per else "bare"])
+    ]
+    print(
+        "scheduler ratio round by round (each against the baseline of its own round): "
+        + " / ".join(f"{r:.2f}x" for r in rounds_ratio)
+    )
     print(f"device only: kvtier {per['device'] / base:.2f}x {label}")
-    print(f"cache: hit rate {total / bound:.3f}x bound, scheduler {per['kvtier'] / base:.2f}x {label}")
-    return {"rates": rates, "bound": bound, "cpu_ms_per_request": {k: v * 1e3 for k, v in per.items()},
-            "scheduler_ratio": per["kvtier"] / base, "device_ratio": per["device"] / base, "baseline": label,
-            "hit_ratio": total / bound}
+    print(
+        f"cache: hit rate {total / bound:.3f}x bound, scheduler {per['kvtier'] / base:.2f}x {label}"
+    )
+    return {
+        "rates": rates,
+        "bound": bound,
+        "cpu_ms_per_request": {k: v * 1e3 for k, v in per.items()},
+        "scheduler_ratio": per["kvtier"] / base,
+        "device_ratio": per["device"] / base,
+        "baseline": label,
+        "hit_ratio": total / bound,
+    }
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--sessions", type=int, default=150)
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--in-flight", type=int, default=8, help="requests the scheduler keeps in flight")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page (1 and 16 are the targets)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of every arm")
-    p.add_argument("--baseline", choices=("sglang", "bare"), default="sglang",
-                   help="sglang: SGLang's own RadixCache where it loads (else the bare tree); bare: the bare tree")
-    p.add_argument("--store", choices=STORES, default="file",
-                   help="the all-tiers arm's store: file (the default, one file per page) or memory (in-process: "
-                        "what the tiering costs without the file store's I/O thread)")
-    p.add_argument("--store-page-tokens", type=int, default=None,
-                   help=f"store.page_tokens of the all-tiers arm: a multiple of the page size (default "
-                        f"{STORE_PAGE_TOKENS} tokens rounded up to whole pages)")
-    p.add_argument("--kvtier-cpus", default="auto",
-                   help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=8,
+        help="requests the scheduler keeps in flight",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="tokens per page (1 and 16 are the targets)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds of every arm"
+    )
+    p.add_argument(
+        "--baseline",
+        choices=("sglang", "bare"),
+        default="sglang",
+        help="sglang: SGLang's own RadixCache where it loads (else the bare tree); bare: the bare tree",
+    )
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default="file",
+        help="the all-tiers arm's store: file (the default, one file per page) or memory (in-process: "
+        "what the tiering costs without the file store's I/O thread)",
+    )
+    p.add_argument(
+        "--store-page-tokens",
+        type=int,
+        default=None,
+        help=f"store.page_tokens of the all-tiers arm: a multiple of the page size (default "
+        f"{STORE_PAGE_TOKENS} tokens rounded up to whole pages)",
+    )
+    p.add_argument(
+        "--kvtier-cpus",
+        default="auto",
+        help="controller.cpus: auto (all but the first CPU), all (anywhere), or a list such as 1-3",
+    )
     args = p.parse_args(argv)
-    run(args.sessions, args.turns, page=args.page_size, rounds=args.rounds, in_flight=args.in_flight,
-        cpus=args.kvtier_cpus, sglang=args.baseline == "sglang", store=args.store,
-        page_tokens=args.store_page_tokens)
+    run(
+        args.sessions,
+        args.turns,
+        page=args.page_size,
+        rounds=args.rounds,
+        in_flight=args.in_flight,
+        cpus=args.kvtier_cpus,
+        sglang=args.baseline == "sglang",
+        store=args.store,
+        page_tokens=args.store_page_tokens,
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ class ArmResult:
 def sglang_unavailable() -> str | None:
     """Why SGLang's cache cannot be driven in this process, or None when it can."""
     from kvtier.integrations.sglang_device import Unavailable, load
+
     try:
         load()
     except Unavailable as exc:
@@ -46,7 +47,9 @@ def sglang_device(trace, size: int, page: int, in_flight: int) -> ArmResult:
     cpu, hits = 0.0, 0
     while queue:
         batch, sessions, reserved = [], set(), 0
-        while queue and len(batch) < in_flight and trace[queue[0]].session not in sessions:
+        while (
+            queue and len(batch) < in_flight and trace[queue[0]].session not in sessions
+        ):
             t = trace[queue[0]]
             req = dc.new_request(f"r{queue[0]}", t.prompt, len(t.output))
             start = time.thread_time()
@@ -61,7 +64,9 @@ def sglang_device(trace, size: int, page: int, in_flight: int) -> ArmResult:
             sessions.add(t.session)
             batch.append((req, t))
         start = time.thread_time()
-        dc.allocate([r for r, _ in batch], [len(t.prompt) + len(t.output) for _, t in batch])
+        dc.allocate(
+            [r for r, _ in batch], [len(t.prompt) + len(t.output) for _, t in batch]
+        )
         cpu += time.thread_time() - start
         for req, t in batch:
             hits += req.prefix_len

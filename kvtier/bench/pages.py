@@ -10,4 +10,4 @@ def page_aligned(n: int, size: int) -> list[memoryview]:
     mapping), as host mirror pages do."""
     step = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     whole = memoryview(mmap.mmap(-1, max(1, n * step)))
-    return [whole[i * step:i * step + size] for i in range(n)]
+    return [whole[i * step : i * step + size] for i in range(n)]

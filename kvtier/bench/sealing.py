@@ -41,16 +41,23 @@ def _sealed(store, sealing: str, keys):
 
 def _ops(store, tag: str, pages: list[bytes], bufs: list, loop):
     keys = [make_key(f"bench/{tag}", NS, os.urandom(32)) for _ in pages]
-    return (lambda: loop.run_until_complete(store.batch_set(keys, pages)),
-            lambda: loop.run_until_complete(store.batch_get_into(keys, bufs)))
+    return (
+        lambda: loop.run_until_complete(store.batch_set(keys, pages)),
+        lambda: loop.run_until_complete(store.batch_get_into(keys, bufs)),
+    )
 
 
 def _row(name: str, n: int, size: int, gbs: dict[str, float]) -> str:
     cells = []
     for op in ("set", "get"):
         plain = gbs[f"plain {op}"]
-        cells.append(f"{op} plain {plain:5.2f} GB/s, " + ", ".join(
-            f"{s} {gbs[f'{s} {op}']:5.2f} ({gbs[f'{s} {op}'] / plain:.2f}x)" for s in SEALINGS[1:]))
+        cells.append(
+            f"{op} plain {plain:5.2f} GB/s, "
+            + ", ".join(
+                f"{s} {gbs[f'{s} {op}']:5.2f} ({gbs[f'{s} {op}'] / plain:.2f}x)"
+                for s in SEALINGS[1:]
+            )
+        )
     return f"{name:7s} {n:3d} x {_size(size)}: " + " | ".join(cells)
 
 
@@ -63,13 +70,18 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, dict[str, 
     worst: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        makers = {"memory": lambda s: MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 30)),
-                  "file": lambda s: FileStore(FileStoreConfig(root=str(root / f"store-{s}")))}
+        makers = {
+            "memory": lambda s: MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 30)),
+            "file": lambda s: FileStore(FileStoreConfig(root=str(root / f"store-{s}"))),
+        }
         redis_server = None
         try:
             redis_server = servers.RedisServer(root).start()
             from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
-            makers["redis"] = lambda s: RedisStore(RedisStoreConfig(url=redis_server.url))
+
+            makers["redis"] = lambda s: RedisStore(
+                RedisStoreConfig(url=redis_server.url)
+            )
         except servers.ServerMissing as exc:
             print(f"redis: skipped ({exc})")
         try:
@@ -82,8 +94,12 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, dict[str, 
                     bufs = {s: page_aligned(n, size) for s in SEALINGS}
                     fns = {}
                     for s in SEALINGS:
-                        fns[f"{s} set"], fns[f"{s} get"] = _ops(stores[s], s, pages, bufs[s], loop)
-                    gbs = {k: n * size / t / 1e9 for k, t in alternate(fns, repeat).items()}
+                        fns[f"{s} set"], fns[f"{s} get"] = _ops(
+                            stores[s], s, pages, bufs[s], loop
+                        )
+                    gbs = {
+                        k: n * size / t / 1e9 for k, t in alternate(fns, repeat).items()
+                    }
                     assert all(b == pages for b in bufs.values()), "read back differs"
                     print(_row(name, n, size, gbs))
                     for k, v in gbs.items():
@@ -94,7 +110,10 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, dict[str, 
                 for store in stores.values():
                     loop.run_until_complete(store.close())
             for name, w in worst.items():
-                print(f"sealed {name}: " + ", ".join(f"{k} {v:.2f}x plain" for k, v in sorted(w.items())))
+                print(
+                    f"sealed {name}: "
+                    + ", ".join(f"{k} {v:.2f}x plain" for k, v in sorted(w.items()))
+                )
         finally:
             if redis_server is not None:
                 redis_server.stop()

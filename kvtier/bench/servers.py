@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 
-
 class ServerMissing(RuntimeError):
     """A server binary is not installed."""
 
@@ -40,14 +39,18 @@ def _is_free(port: int) -> bool:
 def require_redis() -> str:
     path = shutil.which("redis-server")
     if path is None:
-        raise ServerMissing("redis-server is not installed (apt-get install -y redis-server)")
+        raise ServerMissing(
+            "redis-server is not installed (apt-get install -y redis-server)"
+        )
     return path
 
 
 class RedisServer:
     """One redis-server process on a loopback port; `stop()`/`start()` for fault tests."""
 
-    def __init__(self, workdir: Path, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, cluster: bool = False
+    ) -> None:
         self.binary = require_redis()
         self.port = port or free_port(also_bus=cluster)
         self.workdir = workdir
@@ -55,11 +58,31 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "RedisServer":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no"]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--protected-mode",
+            "no",
+        ]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{self.port}.conf",
+            ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self._wait(lambda: self._ping(), "redis-server did not answer PING")
         return self
 
@@ -96,15 +119,36 @@ def start_cluster(workdir: Path, masters: int = 3) -> list[RedisServer]:
     if cli is None:
         for n in nodes:
             n.stop()
-        raise ServerMissing("redis-cli is not installed (it ships with redis-server / redis-tools)")
-    subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                    "--cluster-replicas", "0", "--cluster-yes"],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        raise ServerMissing(
+            "redis-cli is not installed (it ships with redis-server / redis-tools)"
+        )
+    subprocess.run(
+        [
+            cli,
+            "--cluster",
+            "create",
+            *[f"127.0.0.1:{n.port}" for n in nodes],
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=60,
+    )
 
     def ready() -> bool:
         for n in nodes:  # every node must agree, or the first writes bounce
-            out = subprocess.run([cli, "-p", str(n.port), "cluster", "info"], capture_output=True, text=True)
-            if "cluster_state:ok" not in out.stdout or "cluster_slots_ok:16384" not in out.stdout:
+            out = subprocess.run(
+                [cli, "-p", str(n.port), "cluster", "info"],
+                capture_output=True,
+                text=True,
+            )
+            if (
+                "cluster_state:ok" not in out.stdout
+                or "cluster_slots_ok:16384" not in out.stdout
+            ):
                 return False
         return True
 
@@ -112,7 +156,11 @@ def start_cluster(workdir: Path, masters: int = 3) -> list[RedisServer]:
     from redis.cluster import RedisCluster
 
     client = RedisCluster(host="127.0.0.1", port=nodes[0].port)
-    nodes[0]._wait(lambda: _writes_everywhere(client), "redis cluster did not accept writes", timeout=30)
+    nodes[0]._wait(
+        lambda: _writes_everywhere(client),
+        "redis cluster did not accept writes",
+        timeout=30,
+    )
     client.close()
     return nodes
 
@@ -137,8 +185,12 @@ class S3Server:
         self.port = free_port()
         import logging
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        logging.getLogger("werkzeug").setLevel(
+            logging.ERROR
+        )  # one access-log line per request otherwise
+        self.server = ThreadedMotoServer(
+            ip_address="127.0.0.1", port=self.port, verbose=False
+        )
         self.server.start()
 
     @property

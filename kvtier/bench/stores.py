@@ -52,7 +52,9 @@ from kvtier.hashing import make_key
 
 NS = "0" * 32
 SHAPES = [(256, 64 << 10), (32, 1 << 20), (8, 8 << 20)]  # (pages, bytes per page)
-SLOW_SMALL = {"s3"}  # moto's server spends ~6 ms a request: 64 KiB pages time moto, not us
+SLOW_SMALL = {
+    "s3"
+}  # moto's server spends ~6 ms a request: 64 KiB pages time moto, not us
 
 
 def _size(nbytes: int) -> str:
@@ -63,16 +65,23 @@ def _keys(n: int, tag: str) -> list[str]:
     return [make_key(f"bench/{tag}", NS, os.urandom(32)) for _ in range(n)]
 
 
-def store_ops(store, pages: list[bytes], bufs: list[memoryview], loop: asyncio.AbstractEventLoop):
+def store_ops(
+    store, pages: list[bytes], bufs: list[memoryview], loop: asyncio.AbstractEventLoop
+):
     """(set, get) of `pages` through the store, reading back into `bufs`."""
     keys = _keys(len(pages), "store")
-    return (lambda: loop.run_until_complete(store.batch_set(keys, pages)),
-            lambda: loop.run_until_complete(store.batch_get_into(keys, bufs)))
+    return (
+        lambda: loop.run_until_complete(store.batch_set(keys, pages)),
+        lambda: loop.run_until_complete(store.batch_get_into(keys, bufs)),
+    )
 
 
 def _threaded(pool, fn, items: list, threads: int) -> None:
     """fn over items, split into `threads` jobs as the store splits a batch."""
-    for f in [pool.submit(lambda share: [fn(*it) for it in share], items[g::threads]) for g in range(threads)]:
+    for f in [
+        pool.submit(lambda share: [fn(*it) for it in share], items[g::threads])
+        for g in range(threads)
+    ]:
         f.result()
 
 
@@ -92,8 +101,10 @@ def raw_file(root: Path, pages: list[bytes], bufs: list[memoryview], threads: in
         with open(p, "rb") as f:
             f.readinto(b)
 
-    return (lambda: _threaded(pool, write, list(zip(paths, pages)), threads),
-            lambda: _threaded(pool, read, list(zip(paths, bufs)), threads))
+    return (
+        lambda: _threaded(pool, write, list(zip(paths, pages)), threads),
+        lambda: _threaded(pool, read, list(zip(paths, bufs)), threads),
+    )
 
 
 def raw_memory(pages: list[bytes], bufs: list[memoryview]):
@@ -112,6 +123,7 @@ def raw_memory(pages: list[bytes], bufs: list[memoryview]):
 
 def with_checksum(raw_set, raw_get, pages: list[bytes], bufs: list[memoryview]):
     """The raw sides plus one xxh3 pass over the same bytes: before a set, after a get."""
+
     def hash_all(items) -> None:
         for b in items:
             xxhash.xxh3_64_intdigest(b)
@@ -142,14 +154,22 @@ def raw_redis(url: str, pages: list[bytes], bufs: list[memoryview], threads: int
     return write, lambda: client.mget(keys)
 
 
-def raw_s3(url: str, bucket: str, pages: list[bytes], bufs: list[memoryview], threads: int):
+def raw_s3(
+    url: str, bucket: str, pages: list[bytes], bufs: list[memoryview], threads: int
+):
     from concurrent.futures import ThreadPoolExecutor
 
     import boto3
     from botocore.config import Config
 
-    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id="bench",
-                          aws_secret_access_key="bench", config=Config(max_pool_connections=threads))
+    client = boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        config=Config(max_pool_connections=threads),
+    )
     pool = ThreadPoolExecutor(threads)
 
     def write(i, v):
@@ -158,11 +178,15 @@ def raw_s3(url: str, bucket: str, pages: list[bytes], bufs: list[memoryview], th
     def read(i):
         client.get_object(Bucket=bucket, Key=f"raw-{i}")["Body"].read()
 
-    return (lambda: _threaded(pool, write, list(enumerate(pages)), threads),
-            lambda: _threaded(pool, read, [(i,) for i in range(len(pages))], threads))
+    return (
+        lambda: _threaded(pool, write, list(enumerate(pages)), threads),
+        lambda: _threaded(pool, read, [(i,) for i in range(len(pages))], threads),
+    )
 
 
-def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[float, float, float, float]]:
+def run(
+    repeat: int = 15, only: list[str] | None = None
+) -> dict[str, tuple[float, float, float, float]]:
     """Per store: (set, get) against the raw client, then (set, get) against raw + xxh3,
     each the worst over the page shapes."""
     loop = asyncio.new_event_loop()
@@ -170,23 +194,42 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[floa
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         file_cfg = FileStoreConfig(root=str(root / "store"))
-        stores = {"memory": lambda: (MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 30)), raw_memory),
-                  "file": lambda: (FileStore(file_cfg),
-                                   lambda p, b: raw_file(root, p, b, file_cfg.max_concurrency))}
+        stores = {
+            "memory": lambda: (
+                MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 30)),
+                raw_memory,
+            ),
+            "file": lambda: (
+                FileStore(file_cfg),
+                lambda p, b: raw_file(root, p, b, file_cfg.max_concurrency),
+            ),
+        }
         redis_server = s3_server = None
         try:
             redis_server = servers.RedisServer(root).start()
             from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
-            stores["redis"] = lambda: (RedisStore(RedisStoreConfig(url=redis_server.url)),
-                                       lambda p, b: raw_redis(redis_server.url, p, b, 1))
+
+            stores["redis"] = lambda: (
+                RedisStore(RedisStoreConfig(url=redis_server.url)),
+                lambda p, b: raw_redis(redis_server.url, p, b, 1),
+            )
         except servers.ServerMissing as exc:
             print(f"redis: skipped ({exc})")
         try:
             s3_server = servers.S3Server()
             from kvtier.backends.s3 import S3Store, S3StoreConfig
-            cfg = S3StoreConfig(bucket="bench", endpoint_url=s3_server.url, create_bucket=True,
-                                access_key_id="bench", secret_access_key="bench")
-            stores["s3"] = lambda: (S3Store(cfg), lambda p, b: raw_s3(s3_server.url, "bench", p, b, cfg.max_workers))
+
+            cfg = S3StoreConfig(
+                bucket="bench",
+                endpoint_url=s3_server.url,
+                create_bucket=True,
+                access_key_id="bench",
+                secret_access_key="bench",
+            )
+            stores["s3"] = lambda: (
+                S3Store(cfg),
+                lambda p, b: raw_s3(s3_server.url, "bench", p, b, cfg.max_workers),
+            )
         except ImportError as exc:
             print(f"s3: skipped ({exc})")
         try:
@@ -206,8 +249,12 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[floa
                     fns = {"set": s_set, "get": s_get}
                     if raw is not None:
                         fns["raw set"], fns["raw get"] = raw(pages, bufs)
-                        fns["limit set"], fns["limit get"] = with_checksum(fns["raw set"], fns["raw get"], pages, bufs)
-                    gbs = {k: n * size / t / 1e9 for k, t in alternate(fns, repeat).items()}
+                        fns["limit set"], fns["limit get"] = with_checksum(
+                            fns["raw set"], fns["raw get"], pages, bufs
+                        )
+                    gbs = {
+                        k: n * size / t / 1e9 for k, t in alternate(fns, repeat).items()
+                    }
                     bufs[0][:1] = bufs[-1][-1:] = b"?"
                     s_get()
                     assert bufs == pages, "read back differs"
@@ -217,15 +264,19 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[floa
                         get_r.append(gbs["get"] / gbs["raw get"])
                         set_l.append(gbs["set"] / gbs["limit set"])
                         get_l.append(gbs["get"] / gbs["limit get"])
-                        line += (f" | raw set {gbs['raw set']:6.2f} get {gbs['raw get']:6.2f} GB/s"
-                                 f" | raw + xxh3 set {gbs['limit set']:6.2f} get {gbs['limit get']:6.2f} GB/s")
+                        line += (
+                            f" | raw set {gbs['raw set']:6.2f} get {gbs['raw get']:6.2f} GB/s"
+                            f" | raw + xxh3 set {gbs['limit set']:6.2f} get {gbs['limit get']:6.2f} GB/s"
+                        )
                     print(line)
                 loop.run_until_complete(store.close())
                 if set_r:
                     ratios[name] = (min(set_r), min(get_r), min(set_l), min(get_l))
             for name, (s, g, sl, gl) in ratios.items():
-                print(f"store {name}: set {s:.2f}x raw, get {g:.2f}x raw; against raw + xxh3: set {sl:.2f}x, "
-                      f"get {gl:.2f}x")
+                print(
+                    f"store {name}: set {s:.2f}x raw, get {g:.2f}x raw; against raw + xxh3: set {sl:.2f}x, "
+                    f"get {gl:.2f}x"
+                )
         finally:
             if redis_server is not None:
                 redis_server.stop()
@@ -237,13 +288,27 @@ def run(repeat: int = 15, only: list[str] | None = None) -> dict[str, tuple[floa
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("--repeat", type=int, default=15, help="alternating rounds; each side keeps its best")
-    p.add_argument("--only", nargs="*", choices=["memory", "file", "redis", "s3"], help="store names")
-    p.add_argument("--sealing", action="store_true",
-                   help="instead: sealed frames (AES-256-GMAC, AES-256-GCM) against the plain one (kvtier/bench/sealing.py)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=15,
+        help="alternating rounds; each side keeps its best",
+    )
+    p.add_argument(
+        "--only",
+        nargs="*",
+        choices=["memory", "file", "redis", "s3"],
+        help="store names",
+    )
+    p.add_argument(
+        "--sealing",
+        action="store_true",
+        help="instead: sealed frames (AES-256-GMAC, AES-256-GCM) against the plain one (kvtier/bench/sealing.py)",
+    )
     args = p.parse_args(argv)
     if args.sealing:
         from kvtier.bench import sealing
+
         sealing.run(args.repeat, args.only)
         return
     run(args.repeat, args.only)

@@ -15,8 +15,11 @@ def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> 
     return time.perf_counter() - start
 
 
-def alternate(fns: dict[str, Callable[[], object]], repeat: int,
-              sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+def alternate(
+    fns: dict[str, Callable[[], object]],
+    repeat: int,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
     """Best time of each fn over `repeat` rounds, the fns taking turns within a round."""
     for fn in fns.values():
         fn()  # warm-up (and whatever the first timed call needs exists)

@@ -12,7 +12,9 @@ import numpy as np
 class Turn:
     session: int
     turn: int
-    prompt: np.ndarray  # int64 token ids: the whole conversation so far plus the new message
+    prompt: (
+        np.ndarray
+    )  # int64 token ids: the whole conversation so far plus the new message
     output: np.ndarray  # tokens the model "generates" for this turn
 
 
@@ -29,13 +31,24 @@ def multiturn(
     """Requests in arrival order: sessions interleave, each turn extends its session's history."""
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, vocab, system_len) for _ in range(system_prompts)]
-    firsts = [rng.integers(0, vocab, int(rng.integers(*msg_len))) for _ in range(shared_first)]
+    firsts = [
+        rng.integers(0, vocab, int(rng.integers(*msg_len))) for _ in range(shared_first)
+    ]
     histories, out = [], []
     for s in range(sessions):
-        first = firsts[int(rng.integers(shared_first))] if rng.random() < 0.5 else rng.integers(0, vocab, int(rng.integers(*msg_len)))
+        first = (
+            firsts[int(rng.integers(shared_first))]
+            if rng.random() < 0.5
+            else rng.integers(0, vocab, int(rng.integers(*msg_len)))
+        )
         # a shared first message sometimes diverges half-way: a split inside an edge
         if rng.random() < 0.3:
-            first = np.concatenate([first[: len(first) // 2], rng.integers(0, vocab, len(first) - len(first) // 2)])
+            first = np.concatenate(
+                [
+                    first[: len(first) // 2],
+                    rng.integers(0, vocab, len(first) - len(first) // 2),
+                ]
+            )
         histories.append([systems[int(rng.integers(system_prompts))], first])
     order = [(s, t) for t in range(turns) for s in range(sessions)]
     for s, t in order:

@@ -21,13 +21,19 @@ def replay(trace, page_size: int) -> dict[str, float]:
     keys = []
     for t in trace:
         full = np.concatenate([t.prompt, t.output])
-        keys.append((RadixKey(t.prompt), RadixKey(full[: len(full) - len(full) % page_size])))
-    slots = torch.arange(page_size, page_size + sum(len(k[1]) for k in keys), dtype=torch.int64)
+        keys.append(
+            (RadixKey(t.prompt), RadixKey(full[: len(full) - len(full) % page_size]))
+        )
+    slots = torch.arange(
+        page_size, page_size + sum(len(k[1]) for k in keys), dtype=torch.int64
+    )
     matched, used = 0, 0
     start = time.perf_counter()
     for prompt, full in keys:
         matched += tree.match_prefix(prompt).device_slots.size
-        tree.insert(full, slots[used:used + len(full)])  # fresh slots, as an allocator would give
+        tree.insert(
+            full, slots[used : used + len(full)]
+        )  # fresh slots, as an allocator would give
         used += len(full)
     both = time.perf_counter() - start
     start = time.perf_counter()
@@ -37,21 +43,32 @@ def replay(trace, page_size: int) -> dict[str, float]:
     match_only = time.perf_counter() - start
     tree.sanity_check()
     tokens = sum(len(k[0]) for k in keys)
-    return {"ops": len(keys), "insert_match_ops_s": len(keys) / both, "match_ops_s": len(keys) / match_only,
-            "matched": matched, "matched_again": matched_again, "key_tokens": tokens}
+    return {
+        "ops": len(keys),
+        "insert_match_ops_s": len(keys) / both,
+        "match_ops_s": len(keys) / match_only,
+        "matched": matched,
+        "matched_again": matched_again,
+        "key_tokens": tokens,
+    }
 
 
 def scaling(page_size: int = 1, repeat: int = 2000) -> tuple[float, float, float]:
     """Seconds per fixed 2k-token match against trees of ~1k and ~100k nodes, and the ratio."""
     rng = np.random.default_rng(1)
-    probe = rng.integers(32000, 64000, 2048)  # disjoint from the filler: the probe stays one node
+    probe = rng.integers(
+        32000, 64000, 2048
+    )  # disjoint from the filler: the probe stays one node
     times = []
     for nodes in (1_000, 100_000):
         tree = RadixTree(page_size=page_size)
         tree.insert(RadixKey(probe), torch.arange(1, 2049))
         base = rng.integers(0, 32000, (nodes, 2 * page_size))
         for i, row in enumerate(base):
-            tree.insert(RadixKey(row), torch.arange(10_000 + i * len(row), 10_000 + (i + 1) * len(row)))
+            tree.insert(
+                RadixKey(row),
+                torch.arange(10_000 + i * len(row), 10_000 + (i + 1) * len(row)),
+            )
         key = RadixKey(probe)
         rounds = []
         for _ in range(5):
@@ -72,9 +89,14 @@ def eviction_scaling(page_size: int = 16, evictions: int = 500) -> tuple[float, 
         tree = RadixTree(page_size=page_size)
         rows = rng.integers(0, 32000, (leaves, 2 * page_size))
         for i, row in enumerate(rows):
-            tree.insert(RadixKey(row), torch.arange(page_size + i * len(row), page_size + (i + 1) * len(row)))
+            tree.insert(
+                RadixKey(row),
+                torch.arange(page_size + i * len(row), page_size + (i + 1) * len(row)),
+            )
         for i in range(0, leaves, 7):
-            tree.match_prefix(RadixKey(rows[i]))  # touched leaves: their heap keys go stale
+            tree.match_prefix(
+                RadixKey(rows[i])
+            )  # touched leaves: their heap keys go stale
         start = time.perf_counter()
         for _ in range(evictions):
             tree.evict_device(page_size)
@@ -92,14 +114,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for ps in (1, 16):
         gc.collect()  # the previous run's tree must not be collected on this run's clock
         r = replay(trace, ps)
-        print(f"page {ps:2d}: {r['ops']} requests, {r['key_tokens'] / 1e6:.2f}M key tokens | "
-              f"insert+match {r['insert_match_ops_s']:8.0f} ops/s | match {r['match_ops_s']:8.0f} ops/s | "
-              f"matched tokens {r['matched']} (again {r['matched_again']})")
+        print(
+            f"page {ps:2d}: {r['ops']} requests, {r['key_tokens'] / 1e6:.2f}M key tokens | "
+            f"insert+match {r['insert_match_ops_s']:8.0f} ops/s | match {r['match_ops_s']:8.0f} ops/s | "
+            f"matched tokens {r['matched']} (again {r['matched_again']})"
+        )
     small, large, ratio = scaling()
-    print(f"scaling: one 2k-token match {small * 1e6:.1f} us at ~1k nodes, {large * 1e6:.1f} us at ~100k nodes")
+    print(
+        f"scaling: one 2k-token match {small * 1e6:.1f} us at ~1k nodes, {large * 1e6:.1f} us at ~100k nodes"
+    )
     few, many = eviction_scaling()
-    print(f"eviction: one page {few * 1e6:.1f} us at ~1k leaves, {many * 1e6:.1f} us at ~50k leaves "
-          f"({many / few:.2f}x)")
+    print(
+        f"eviction: one page {few * 1e6:.1f} us at ~1k leaves, {many * 1e6:.1f} us at ~50k leaves "
+        f"({many / few:.2f}x)"
+    )
     print(f"tree: match time ratio 100k/1k nodes {ratio:.2f}x")
 
 

@@ -37,24 +37,51 @@ def _size(nbytes: int) -> str:
 
 
 def _manager(kvtier_config: dict, rows: int, row_bytes: int):
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    tier = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "kvtier_config": kvtier_config}
+    tier = {
+        "type": "KvtierTier",
+        "module_path": "kvtier.integrations.vllm",
+        "kvtier_config": kvtier_config,
+    }
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
-        worker_kv_bytes_per_block=row_bytes, enable_kv_cache_events=False,
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=16, layer_names=("layer.0",), group_id=0
+            ),
+        ),
+        worker_kv_bytes_per_block=row_bytes,
+        enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": rows * row_bytes, "secondary_tiers": [tier]},
-        engine_id=f"kvtierbench{uuid.uuid4().hex[:12]}", model=OffloadingModelConfig(name="bench", dtype="float16"),
+        engine_id=f"kvtierbench{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name="bench", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=False))
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
     return TieringOffloadingSpec(config).get_manager()
 
 
-def _pair(kvtier_config: dict, n: int, size: int, loop: asyncio.AbstractEventLoop) -> tuple[dict, object, object]:
+def _pair(
+    kvtier_config: dict, n: int, size: int, loop: asyncio.AbstractEventLoop
+) -> tuple[dict, object, object]:
     """The four timed functions, the manager and the direct store, over one primary region."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -65,14 +92,18 @@ def _pair(kvtier_config: dict, n: int, size: int, loop: asyncio.AbstractEventLoo
     mgr = _manager(kvtier_config, n, size)
     tier = mgr.secondary_tiers[0]
     view = mgr.primary_tier.get_kv_memoryview()
-    np.asarray(view)[:] = np.frombuffer(os.urandom(n * size), dtype=np.uint8).reshape(n, size)
+    np.asarray(view)[:] = np.frombuffer(os.urandom(n * size), dtype=np.uint8).reshape(
+        n, size
+    )
     flat = view.cast("B")
-    rows = [flat[i * size:(i + 1) * size] for i in range(n)]
+    rows = [flat[i * size : (i + 1) * size] for i in range(n)]
     cfg = load_config(None, kvtier_config)
     direct = build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
     chunk_ids = np.arange(n, dtype=np.int32)
     ids, ctx = itertools.count(), ReqContext(req_id="bench")
-    full = lambda keys: [make_key(tier.key_prefix, tier.namespace.id, page_hash_of(k)) for k in keys]
+    full = lambda keys: [
+        make_key(tier.key_prefix, tier.namespace.id, page_hash_of(k)) for k in keys
+    ]
     fresh = lambda: [make_offload_key(os.urandom(32), 0) for _ in range(n)]
 
     def job(keys, promotion: bool) -> None:
@@ -84,14 +115,22 @@ def _pair(kvtier_config: dict, n: int, size: int, loop: asyncio.AbstractEventLoo
 
     stored = fresh()
     job(stored, False)
-    fns = {"tier set": lambda: job(fresh(), False),
-           "direct set": lambda: loop.run_until_complete(direct.batch_set(full(fresh()), rows)),
-           "tier get": lambda: job(stored, True),
-           "direct get": lambda: loop.run_until_complete(direct.batch_get_into(full(stored), rows))}
+    fns = {
+        "tier set": lambda: job(fresh(), False),
+        "direct set": lambda: loop.run_until_complete(
+            direct.batch_set(full(fresh()), rows)
+        ),
+        "tier get": lambda: job(stored, True),
+        "direct get": lambda: loop.run_until_complete(
+            direct.batch_get_into(full(stored), rows)
+        ),
+    }
     return fns, mgr, direct
 
 
-def run(repeat: int = 9, only: list[str] | None = None) -> dict[str, tuple[float, float]]:
+def run(
+    repeat: int = 9, only: list[str] | None = None
+) -> dict[str, tuple[float, float]]:
     loop = asyncio.new_event_loop()
     ratios: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,24 +148,34 @@ def run(repeat: int = 9, only: list[str] | None = None) -> dict[str, tuple[float
                     continue
                 set_r, get_r = [], []
                 for n, size in SHAPES:
-                    fns, mgr, direct = _pair({"store": {"timeout_s": 30.0, **section}}, n, size, loop)
+                    fns, mgr, direct = _pair(
+                        {"store": {"timeout_s": 30.0, **section}}, n, size, loop
+                    )
                     try:
                         # stores and loads in rounds of their own: a load right after a store's
                         # fresh writes (dirty pages, evicted cache) would pay for them
-                        best = alternate({k: fns[k] for k in ("tier set", "direct set")}, repeat)
-                        best |= alternate({k: fns[k] for k in ("tier get", "direct get")}, repeat)
+                        best = alternate(
+                            {k: fns[k] for k in ("tier set", "direct set")}, repeat
+                        )
+                        best |= alternate(
+                            {k: fns[k] for k in ("tier get", "direct get")}, repeat
+                        )
                         gbs = {k: n * size / t / 1e9 for k, t in best.items()}
                     finally:
                         mgr.shutdown()
                         loop.run_until_complete(direct.close())
                     set_r.append(gbs["tier set"] / gbs["direct set"])
                     get_r.append(gbs["tier get"] / gbs["direct get"])
-                    print(f"{name:6s} {n:3d} x {_size(size)}: tier set {gbs['tier set']:6.2f} get "
-                          f"{gbs['tier get']:6.2f} GB/s | store direct set {gbs['direct set']:6.2f} get "
-                          f"{gbs['direct get']:6.2f} GB/s")
+                    print(
+                        f"{name:6s} {n:3d} x {_size(size)}: tier set {gbs['tier set']:6.2f} get "
+                        f"{gbs['tier get']:6.2f} GB/s | store direct set {gbs['direct set']:6.2f} get "
+                        f"{gbs['direct get']:6.2f} GB/s"
+                    )
                 ratios[name] = (min(set_r), min(get_r))
             for name, (s, g) in ratios.items():
-                print(f"vLLM tier on {name}: store {s:.2f}x, load {g:.2f}x the store called directly (worst shape)")
+                print(
+                    f"vLLM tier on {name}: store {s:.2f}x, load {g:.2f}x the store called directly (worst shape)"
+                )
         finally:
             if redis_server is not None:
                 redis_server.stop()
@@ -135,8 +184,17 @@ def run(repeat: int = 9, only: list[str] | None = None) -> dict[str, tuple[float
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeat", type=int, default=9, help="alternating rounds; each side keeps its best")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=9,
+        help="alternating rounds; each side keeps its best",
+    )
     p.add_argument("--only", nargs="*", choices=["file", "redis"], help="store names")
     args = p.parse_args(argv)
     run(args.repeat, args.only)

@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 # (no request waits for them; a prefetch's move, a drain, an allocation or eviction that
 # fell short, or this many polls apply them)
 LAZY_POLLS = 4
-UNKNOWN = -1  # a prefetch's `present` before its store answered (below every real count, for MIN)
+UNKNOWN = (
+    -1
+)  # a prefetch's `present` before its store answered (below every real count, for MIN)
 
 
 class PollReport:
@@ -46,24 +48,51 @@ class PollReport:
 
     __slots__ = ("mins", "maxs", "prefetches", "unsettled")
 
-    def __init__(self, mins: list[int], maxs: list[int], prefetches: int, unsettled: int) -> None:
-        self.mins, self.maxs, self.prefetches, self.unsettled = mins, maxs, prefetches, unsettled
+    def __init__(
+        self, mins: list[int], maxs: list[int], prefetches: int, unsettled: int
+    ) -> None:
+        self.mins, self.maxs, self.prefetches, self.unsettled = (
+            mins,
+            maxs,
+            prefetches,
+            unsettled,
+        )
 
     @classmethod
-    def of(cls, finished: Finished, live: list[PrefetchState], unsettled: list[tuple[int, int]],
-           writes_landed: list[int]) -> "PollReport":
+    def of(
+        cls,
+        finished: Finished,
+        live: list[PrefetchState],
+        unsettled: list[tuple[int, int]],
+        writes_landed: list[int],
+    ) -> "PollReport":
         """This rank's numbers. `ended` is read first: what is read after it is final once
         ended (a read's abandonment is set before `settled`). `unsettled`: (settled,
         abandoned) per ended, unsettled prefetch."""
         mins, stuck = list(finished), []
         for p in live:
             op = p.op
-            ended = Ended.SETTLED if op.settled else Ended.FINISHED if op.finished else Ended.RUNNING
+            ended = (
+                Ended.SETTLED
+                if op.settled
+                else Ended.FINISHED
+                if op.finished
+                else Ended.RUNNING
+            )
             present = op.present
             mins += (UNKNOWN if present is None else present, op.landed, ended)
             stuck.append(int(op.abandoned))
-        maxs = [int(p.want_stop) for p in live] + stuck + [abandoned for _, abandoned in unsettled]
-        return cls(mins + [settled for settled, _ in unsettled] + writes_landed, maxs, len(live), len(unsettled))
+        maxs = (
+            [int(p.want_stop) for p in live]
+            + stuck
+            + [abandoned for _, abandoned in unsettled]
+        )
+        return cls(
+            mins + [settled for settled, _ in unsettled] + writes_landed,
+            maxs,
+            len(live),
+            len(unsettled),
+        )
 
     def agree(self, agreement: Agreement) -> "PollReport":
         mins, maxs = agreement.agree(self.mins, self.maxs)
@@ -75,39 +104,48 @@ class PollReport:
 
     def prefetch_reports(self) -> list[tuple[int | None, int, int]]:
         """(present or None, landed, ended) per live prefetch, in start order."""
-        flat = self.mins[_K:_K + 3 * self.prefetches]
-        return [(None if present == UNKNOWN else present, landed, ended)
-                for present, landed, ended in zip(flat[0::3], flat[1::3], flat[2::3])]
+        flat = self.mins[_K : _K + 3 * self.prefetches]
+        return [
+            (None if present == UNKNOWN else present, landed, ended)
+            for present, landed, ended in zip(flat[0::3], flat[1::3], flat[2::3])
+        ]
 
     @property
     def settled(self) -> list[int]:
         at = _K + 3 * self.prefetches
-        return self.mins[at:at + self.unsettled]
+        return self.mins[at : at + self.unsettled]
 
     @property
     def writes_landed(self) -> list[int]:
-        return self.mins[_K + 3 * self.prefetches + self.unsettled:]
+        return self.mins[_K + 3 * self.prefetches + self.unsettled :]
 
     @property
     def stops(self) -> list[int]:
-        return self.maxs[:self.prefetches]
+        return self.maxs[: self.prefetches]
 
     @property
     def abandoned_live(self) -> list[int]:
-        return self.maxs[self.prefetches:2 * self.prefetches]
+        return self.maxs[self.prefetches : 2 * self.prefetches]
 
     @property
     def abandoned(self) -> list[int]:
         """Per ended, unsettled prefetch."""
-        return self.maxs[2 * self.prefetches:]
+        return self.maxs[2 * self.prefetches :]
 
 
 _K = len(Finished._fields)
 
 
 class Completions:
-    def __init__(self, controller: CacheController, writes: Writes, loads: Loads, prefetcher: Prefetcher,
-                 agreement: Agreement, counters: Counters) -> None:
+    def __init__(
+        self,
+        controller: CacheController,
+        writes: Writes,
+        loads: Loads,
+        prefetcher: Prefetcher,
+        agreement: Agreement,
+        counters: Counters,
+    ) -> None:
         self.ctl = controller
         self.writes = writes
         self.loads = loads
@@ -120,7 +158,9 @@ class Completions:
         # one collective each, whatever moved where.
         self._quiet_at: tuple[int, int] | None = None
         self._may_skip = not self.tp and not agreement.consensus_check
-        self._deferred = 0  # polls in a row that left finished copies or backups for later
+        self._deferred = (
+            0  # polls in a row that left finished copies or backups for later
+        )
 
     def poll(self, force: bool = False) -> None:
         """Apply what every rank has finished. On one rank, a poll after which nothing has
@@ -132,7 +172,9 @@ class Completions:
         each. `force` (a drain, a write-back eviction) applies everything."""
         ctl, pf = self.ctl, self.prefetcher
         ctl.flush_writes()
-        moves = ctl.moves()  # before anything is read: a change after it shows at the next poll
+        moves = (
+            ctl.moves()
+        )  # before anything is read: a change after it shows at the next poll
         self.counters.polls += 1
         quiet = self._quiet_at
         if quiet is not None and not force and moves[0] == quiet[0] and pf.quiet():
@@ -147,7 +189,9 @@ class Completions:
         errors = self.counters.apply_errors
         self._deferred = 0
         self._full_poll()
-        self._quiet_at = moves if self._may_skip and self.counters.apply_errors == errors else None
+        self._quiet_at = (
+            moves if self._may_skip and self.counters.apply_errors == errors else None
+        )
 
     def short_of_room(self) -> None:
         """An allocation or an engine's eviction fell short: finished writes unlock device
@@ -158,24 +202,51 @@ class Completions:
         ctl, pf = self.ctl, self.prefetcher
         live = pf.live()
         pf.wish_stops(live)
-        agreed = PollReport.of(ctl.finished(), live, ctl.unsettled(), ctl.writes_landed() if self.tp else []) \
-            .agree(self.agreement)
+        agreed = PollReport.of(
+            ctl.finished(),
+            live,
+            ctl.unsettled(),
+            ctl.writes_landed() if self.tp else [],
+        ).agree(self.agreement)
         finished = agreed.finished
         writes = ctl.take(OpKind.WRITE, finished.writes)
         if self.tp:
             for op, ok in zip(writes, agreed.writes_landed):  # landed on every rank?
                 op.failed_elsewhere = not ok and op.handle.error is None
         self._each("write", writes, self.writes.apply, self.writes.release)
-        self._each("load", ctl.take(OpKind.LOAD, finished.loads), self.loads.apply, self.loads.release)
-        self._each("backup", ctl.take(OpKind.BACKUP, finished.backups), self.writes.apply_backup,
-                   self.writes.release_backup)
+        self._each(
+            "load",
+            ctl.take(OpKind.LOAD, finished.loads),
+            self.loads.apply,
+            self.loads.release,
+        )
+        self._each(
+            "backup",
+            ctl.take(OpKind.BACKUP, finished.backups),
+            self.writes.apply_backup,
+            self.writes.release_backup,
+        )
         reports = agreed.prefetch_reports()
-        self._each("grant room", [reports], lambda r: pf.make_grant_room(live, r, agreed.stops), lambda r: None)
-        for p, (present, landed, ended), stop, stuck in zip(live, reports, agreed.stops, agreed.abandoned_live):
-            p.op.abandoned_anywhere = p.op.abandoned_anywhere or bool(stuck)  # before its pages are freed
+        self._each(
+            "grant room",
+            [reports],
+            lambda r: pf.make_grant_room(live, r, agreed.stops),
+            lambda r: None,
+        )
+        for p, (present, landed, ended), stop, stuck in zip(
+            live, reports, agreed.stops, agreed.abandoned_live
+        ):
+            p.op.abandoned_anywhere = p.op.abandoned_anywhere or bool(
+                stuck
+            )  # before its pages are freed
             if pf.idle(p, present, landed, ended, stop):
                 continue  # most polls, most prefetches
-            self._each("prefetch", [p], lambda p: pf.apply(p, present, landed, ended, bool(stop)), pf.release)
+            self._each(
+                "prefetch",
+                [p],
+                lambda p: pf.apply(p, present, landed, ended, bool(stop)),
+                pf.release,
+            )
         settled = agreed.settled
         if settled:
             for op in ctl.take_settled(settled, agreed.abandoned):
@@ -196,8 +267,12 @@ class Completions:
         with what it landed and the request is named ready, as at any end."""
         self.prefetcher.stop_all()
         for _ in range(rounds):
-            self.poll(force=True)  # applies the stops (and grants): no op is left waiting for the scheduler
-            if not self.ctl.busy():  # the same on every rank: each op leaves at an agreed poll
+            self.poll(
+                force=True
+            )  # applies the stops (and grants): no op is left waiting for the scheduler
+            if (
+                not self.ctl.busy()
+            ):  # the same on every rank: each op leaves at an agreed poll
                 break
             self.ctl.wait_idle()
         self.prefetcher.forget_ended()
@@ -210,9 +285,14 @@ class Completions:
                 apply(op)
             except Exception as exc:
                 self.counters.apply_errors += 1
-                log.exception("kvtier: applying a %s completion failed (%s); released it", kind, exc)
+                log.exception(
+                    "kvtier: applying a %s completion failed (%s); released it",
+                    kind,
+                    exc,
+                )
                 try:
                     release(op)
                 except Exception:
-                    log.exception("kvtier: releasing a failed %s completion failed", kind)
-
+                    log.exception(
+                        "kvtier: releasing a failed %s completion failed", kind
+                    )

@@ -84,9 +84,18 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TieredCache:
-    def __init__(self, config: KvtierConfig, tp_group=None, store: Store | None = None, stream_factory=make_stream,
-                 clock=time.monotonic, agreement: Agreement | None = None, *, pool: DeviceKVPool | None = None,
-                 device_allocator: DeviceAllocator | None = None) -> None:
+    def __init__(
+        self,
+        config: KvtierConfig,
+        tp_group=None,
+        store: Store | None = None,
+        stream_factory=make_stream,
+        clock=time.monotonic,
+        agreement: Agreement | None = None,
+        *,
+        pool: DeviceKVPool | None = None,
+        device_allocator: DeviceAllocator | None = None,
+    ) -> None:
         """`pool`: the engine's own KV tensors (`DeviceKVPool.from_tensors`); it describes
         the pool in place of `config.pool`. `device_allocator`: the engine's own slot
         allocator over that pool (`cache.slots.DeviceAllocator`); kvtier then frees the
@@ -94,39 +103,85 @@ class TieredCache:
         configured one; `stream_factory` and `clock` let a test schedule every copy and
         every deadline itself, and `agreement` (in place of `tp_group`) run several ranks
         in one process."""
-        check_cpus(config.controller.cpus)  # on this machine, before the store connects or a thread starts
+        check_cpus(
+            config.controller.cpus
+        )  # on this machine, before the store connects or a thread starts
         if pool is not None:
             config = replace(config, pool=pool.config)
         self.config = config
         self.pool = DeviceKVPool(config.pool) if pool is None else pool
-        self.mirror = HostMirror(self.pool, config.mirror) if config.mirror is not None else None
+        self.mirror = (
+            HostMirror(self.pool, config.mirror) if config.mirror is not None else None
+        )
         if agreement is None:
             agreement = Agreement(tp_group, config.controller.consensus_check or None)
         rank, size = agreement.rank, agreement.world_size
         ns = config.namespace
         keys = ns.tenant_keys()  # docs/security.md: keyed page hashes and sealed frames
-        self.namespace = Namespace(ns.model_id, config.pool.dtype, config.pool.page_layout, config.pool.page_size,
-                                   rank, size, ns.tenant_salt, revision=ns.revision,
-                                   tenant_key_id=None if keys is None else keys.current.key_id.hex(),
-                                   store_pages=config.store_pages)
+        self.namespace = Namespace(
+            ns.model_id,
+            config.pool.dtype,
+            config.pool.page_layout,
+            config.pool.page_size,
+            rank,
+            size,
+            ns.tenant_salt,
+            revision=ns.revision,
+            tenant_key_id=None if keys is None else keys.current.key_id.hex(),
+            store_pages=config.store_pages,
+        )
         if store is None and config.store.backend != "none" and self.mirror is not None:
-            store = build_store(config.store.backend, config.store.options, config.store.timeout_s)
+            store = build_store(
+                config.store.backend, config.store.options, config.store.timeout_s
+            )
         if store is not None and keys is not None:
             store.seal_with(SealedCodec(keys.current_only(), ns.encrypt))
-        hash_algo = config.tree.hash_algo if keys is None else keys.current.page_hash(config.tree.hash_algo)
-        self.tree = RadixTree(config.pool.page_size, config.tree.eviction_policy, config.tree.slru_threshold,
-                              self.namespace.id, hash_algo)
-        manifest = None if self.mirror is None else (config.store.key_prefix, self.namespace.id,
-                                                     self.namespace.manifest(self.mirror.page_bytes * config.store_pages))
-        self.controller = CacheController(self.pool, self.mirror, store, config.controller, stream_factory, clock,
-                                          manifest, config.store_pages)
+        hash_algo = (
+            config.tree.hash_algo
+            if keys is None
+            else keys.current.page_hash(config.tree.hash_algo)
+        )
+        self.tree = RadixTree(
+            config.pool.page_size,
+            config.tree.eviction_policy,
+            config.tree.slru_threshold,
+            self.namespace.id,
+            hash_algo,
+        )
+        manifest = (
+            None
+            if self.mirror is None
+            else (
+                config.store.key_prefix,
+                self.namespace.id,
+                self.namespace.manifest(self.mirror.page_bytes * config.store_pages),
+            )
+        )
+        self.controller = CacheController(
+            self.pool,
+            self.mirror,
+            store,
+            config.controller,
+            stream_factory,
+            clock,
+            manifest,
+            config.store_pages,
+        )
         if self.controller.storage is not None:
-            if config.store.required:  # reach the store once at start, or refuse to start
-                self.controller.probe_store(config.store.key_prefix, self.namespace.id, config.store.timeout_s + 5)
+            if (
+                config.store.required
+            ):  # reach the store once at start, or refuse to start
+                self.controller.probe_store(
+                    config.store.key_prefix,
+                    self.namespace.id,
+                    config.store.timeout_s + 5,
+                )
         self.agreement = agreement
         self.stats_obj = CacheStats()
         # KV events for routers (docs/events.md): rank 0 speaks for all ranks (they hold the same pages)
-        self.events = cache_events(config.events, self.tree) if agreement.rank == 0 else None
+        self.events = (
+            cache_events(config.events, self.tree) if agreement.rank == 0 else None
+        )
         self.tree.set_observer(self.events)
         self._wire(device_allocator, clock)
         self.closed = False
@@ -134,23 +189,57 @@ class TieredCache:
 
     def _wire(self, device_allocator: DeviceAllocator | None, clock) -> None:
         """The parts, each owning its state, each calling only the ones made before it."""
-        cfg, ctl, tree, has_mirror = self.config.controller, self.controller, self.tree, self.mirror is not None
+        cfg, ctl, tree, has_mirror = (
+            self.config.controller,
+            self.controller,
+            self.tree,
+            self.mirror is not None,
+        )
         self.page_size = ps = self.config.pool.page_size
         if device_allocator is None:
             device_allocator = PagedAllocator(self.config.pool.size, ps)
-        elif device_allocator.page_size != ps or device_allocator.size != self.config.pool.size:
-            raise ValueError(f"device_allocator: size {device_allocator.size}, page_size {device_allocator.page_size}; "
-                             f"the pool has size {self.config.pool.size}, page_size {ps}")
-        key_of = key_maker(self.config.store.key_prefix, tree.namespace_id)  # page hash -> store key
+        elif (
+            device_allocator.page_size != ps
+            or device_allocator.size != self.config.pool.size
+        ):
+            raise ValueError(
+                f"device_allocator: size {device_allocator.size}, page_size {device_allocator.page_size}; "
+                f"the pool has size {self.config.pool.size}, page_size {ps}"
+            )
+        key_of = key_maker(
+            self.config.store.key_prefix, tree.namespace_id
+        )  # page hash -> store key
         complain = LogOnce(log)
         self.requests = RequestTable()
-        self.slots = Slots(tree, ctl, device_allocator, cfg, self.stats_obj.counters, key_of, has_mirror,
-                           back_up=self._back_up)
-        self.writes = Writes(self.slots, cfg, self.stats_obj, key_of, complain, self.events)
-        self.loads = Loads(self.slots, cfg, self.stats_obj, complain, lambda: self.completions.short_of_room())
+        self.slots = Slots(
+            tree,
+            ctl,
+            device_allocator,
+            cfg,
+            self.stats_obj.counters,
+            key_of,
+            has_mirror,
+            back_up=self._back_up,
+        )
+        self.writes = Writes(
+            self.slots, cfg, self.stats_obj, key_of, complain, self.events
+        )
+        self.loads = Loads(
+            self.slots,
+            cfg,
+            self.stats_obj,
+            complain,
+            lambda: self.completions.short_of_room(),
+        )
         self.prefetcher = Prefetcher(self.slots, cfg, self.stats_obj, key_of, clock)
-        self.completions = Completions(ctl, self.writes, self.loads, self.prefetcher, self.agreement,
-                                       self.stats_obj.counters)
+        self.completions = Completions(
+            ctl,
+            self.writes,
+            self.loads,
+            self.prefetcher,
+            self.agreement,
+            self.stats_obj.counters,
+        )
 
     def _back_up(self, leaves: list[TreeNode]) -> None:
         """Write-back eviction backs these leaves' paths up first (slots.py calls this)."""
@@ -169,7 +258,9 @@ class TieredCache:
     def key(self, tokens, extra_key: str | None = None) -> RadixKey:
         return tokens if isinstance(tokens, RadixKey) else RadixKey(tokens, extra_key)
 
-    def match_prefix(self, tokens, extra_key: str | None = None, count: bool = True) -> MatchResult:
+    def match_prefix(
+        self, tokens, extra_key: str | None = None, count: bool = True
+    ) -> MatchResult:
         """Longest cached prefix (low level: `acquire` is the request API). Lock
         `last_device_node` before using `device_indices`. `count=False` for a re-match of
         the same request: it neither counts in stats nor bumps hit counts again."""
@@ -177,7 +268,11 @@ class TieredCache:
         m = self.tree.match_prefix(key, touch=count)
         if count:
             self._count_lookup(len(key), m.device_slots.size, m.host_hit_length, 0)
-        if count and self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
+        if (
+            count
+            and self.config.controller.write_policy
+            == WritePolicy.WRITE_THROUGH_SELECTIVE
+        ):
             self.writes.write_hot_path(m.last_device_node)
         return m
 
@@ -188,7 +283,9 @@ class TieredCache:
         c.host_hit_tokens += host
         c.storage_hit_tokens += storage
 
-    def acquire(self, tokens, request_id: str, extra_key: str | None = None) -> Acquired:
+    def acquire(
+        self, tokens, request_id: str, extra_key: str | None = None
+    ) -> Acquired:
         """Steps 1-3 of the embedding sequence; never waits on the store or a copy.
 
         First call: match; if the store may hold pages beyond the match, start a prefetch and
@@ -196,10 +293,14 @@ class TieredCache:
         take the prefetch, lock the device prefix and start loading the host part into slots
         the request owns. Wait per layer (`begin_forward`) before reading them."""
         self._check_open("acquire")
-        if not isinstance(request_id, str):  # None reads as "every request" to begin_forward
+        if not isinstance(
+            request_id, str
+        ):  # None reads as "every request" to begin_forward
             raise ValueError(f"acquire: request_id={request_id!r}: must be a str")
         if request_id in self.requests:
-            raise ValueError(f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first")
+            raise ValueError(
+                f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first"
+            )
         first = not self.prefetcher.started(request_id)
         if not self.prefetcher.is_ready(request_id):
             return Acquired(False, _EMPTY)
@@ -213,7 +314,9 @@ class TieredCache:
             storage, hashed = 0, None
         else:
             storage, hashed = self.prefetcher.take(request_id, key)
-            m = self.tree.match_prefix(key, touch=False)  # the prefetch hung pages under it
+            m = self.tree.match_prefix(
+                key, touch=False
+            )  # the prefetch hung pages under it
         if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.writes.write_hot_path(m.last_device_node)
         self.lock(m.last_device_node)
@@ -223,11 +326,17 @@ class TieredCache:
         self.requests.hold(request_id, held)
         loaded = held.loaded
         self.requests.hand_out(loaded // self.page_size)
-        storage_hit = min(storage, loaded)  # prefetched pages are the deepest of the host path
+        storage_hit = min(
+            storage, loaded
+        )  # prefetched pages are the deepest of the host path
         self._count_lookup(len(key), device_hit, loaded - storage_hit, storage_hit)
         # a copy, never a view of a node's slots: what a request is handed is its own to change
-        slots = concat([m.device_slots] if load is None else [m.device_slots, load.device_slots])
-        return Acquired(True, tensor(slots), device_hit, loaded - storage_hit, storage_hit)
+        slots = concat(
+            [m.device_slots] if load is None else [m.device_slots, load.device_slots]
+        )
+        return Acquired(
+            True, tensor(slots), device_hit, loaded - storage_hit, storage_hit
+        )
 
     def lock(self, node: TreeNode) -> None:
         if node is not self.tree.root:
@@ -269,16 +378,28 @@ class TieredCache:
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least `num_tokens` device tokens if possible; returns tokens evicted."""
-        self._check_open("evict")  # under write_back it would queue writes on a stream that is gone
-        evicted = self.slots.evict_device(n := check_size("evict: num_tokens", num_tokens, minimum=0))
-        if evicted < n:  # an engine's own allocator is short: writes in flight lock pages
+        self._check_open(
+            "evict"
+        )  # under write_back it would queue writes on a stream that is gone
+        evicted = self.slots.evict_device(
+            n := check_size("evict: num_tokens", num_tokens, minimum=0)
+        )
+        if (
+            evicted < n
+        ):  # an engine's own allocator is short: writes in flight lock pages
             self.completions.short_of_room()
         return evicted
 
     # -- finishing a request ------------------------------------------------------------------
 
-    def cache_finished(self, request_id: str, tokens, kv_indices: torch.Tensor, extra_key: str | None = None,
-                       priority: int = 0) -> None:
+    def cache_finished(
+        self,
+        request_id: str,
+        tokens,
+        kv_indices: torch.Tensor,
+        extra_key: str | None = None,
+        priority: int = 0,
+    ) -> None:
         """The request is done: keep its page-aligned KV, free duplicates and its tail, unlock.
 
         `kv_indices[i]` holds token i's KV (what `acquire` handed out, then the request's own
@@ -286,23 +407,39 @@ class TieredCache:
         `failed()` named must have been aborted; one that failed after every layer had
         landed (after `failed()` was asked) is refused here: nothing is kept, everything
         the request held is released, and TransferError is raised (docs/design.md §8)."""
-        self._check_open("cache_finished")  # its write would queue on a stream that is gone
+        self._check_open(
+            "cache_finished"
+        )  # its write would queue on a stream that is gone
         held = self.requests.require(request_id, "cache_finished")
         key = self.key(tokens, extra_key)
-        kv = self._row("cache_finished", kv_indices, len(key))  # numpy from here on (docs/design.md §2)
+        kv = self._row(
+            "cache_finished", kv_indices, len(key)
+        )  # numpy from here on (docs/design.md §2)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-            raise ValueError(f"cache_finished: priority={priority!r}: must be an integer")
+            raise ValueError(
+                f"cache_finished: priority={priority!r}: must be an integer"
+            )
         held.check_finish("cache_finished", request_id, key, kv, self.slots)
         self._check_load(request_id, held, kv)
         aligned = len(key) - len(key) % self.page_size
-        r = self.tree.insert(key[:aligned], kv[:aligned], priority, held.known_hashes(key, self.page_size))
+        r = self.tree.insert(
+            key[:aligned],
+            kv[:aligned],
+            priority,
+            held.known_hashes(key, self.page_size),
+        )
         self._give_back(kv, held.tree_len, r.prefix_len, aligned, len(key))
         self.unlock(held.node)
         self.requests.release(request_id)
         self.writes.after_insert(r.added)
 
-    def cache_unfinished(self, request_id: str, tokens, kv_indices: torch.Tensor,
-                         extra_key: str | None = None) -> torch.Tensor:
+    def cache_unfinished(
+        self,
+        request_id: str,
+        tokens,
+        kv_indices: torch.Tensor,
+        extra_key: str | None = None,
+    ) -> torch.Tensor:
         """Chunked prefill: keep the page-aligned KV so far; returns the canonical slots of
         tokens [0, aligned) — repoint the request's row to them."""
         self._check_open("cache_unfinished")
@@ -318,9 +455,13 @@ class TieredCache:
         assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
         self.lock(m.last_device_node)
         self.unlock(held.node)
-        self.requests.hold(request_id, Held(m.last_device_node, aligned, None, key[:aligned]))
+        self.requests.hold(
+            request_id, Held(m.last_device_node, aligned, None, key[:aligned])
+        )
         self.writes.after_insert(r.added)
-        return tensor(concat([m.device_slots]))  # the request's own copy, as from acquire
+        return tensor(
+            concat([m.device_slots])
+        )  # the request's own copy, as from acquire
 
     def _row(self, what: str, kv_indices, tokens: int):
         """A finish's row: one slot per token, optionally followed by the tail of the last
@@ -328,21 +469,31 @@ class TieredCache:
         kv = check_slots(f"{what}: kv_indices", kv_indices)
         whole = -(-tokens // self.page_size) * self.page_size
         if not tokens <= kv.shape[0] <= whole:
-            raise ValueError(f"{what}: kv_indices: expected {tokens} indices (one per token, up to {whole} with the "
-                             f"tail of the last page), got {kv.shape[0]}")
+            raise ValueError(
+                f"{what}: kv_indices: expected {tokens} indices (one per token, up to {whole} with the "
+                f"tail of the last page), got {kv.shape[0]}"
+            )
         return kv[:tokens]
 
-    def abort(self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None) -> None:
+    def abort(
+        self, request_id: str, kv_indices: torch.Tensor | np.ndarray | None = None
+    ) -> None:
         """Release whatever the request holds, in any state: its prefetch, its lock, the
         slots of its load (once the copy has stopped) and, given its row `kv_indices`, its
         own slots. Unknown or already released requests are a no-op. A row that is not the
         request's (shorter than the prefix it was handed, or with slots it does not own) is
         refused before anything changes, as a finish's is."""
-        mine = None if kv_indices is None else check_slots("abort: kv_indices", kv_indices)
+        mine = (
+            None if kv_indices is None else check_slots("abort: kv_indices", kv_indices)
+        )
         held = self.requests.get(request_id)
-        if held is not None and mine is not None:  # refused before anything changes, like a finish
+        if (
+            held is not None and mine is not None
+        ):  # refused before anything changes, like a finish
             held.check_row("abort", request_id, mine, self.slots)
-        self.prefetcher.take(request_id)  # stopped; what it landed stays on host for others
+        self.prefetcher.take(
+            request_id
+        )  # stopped; what it landed stays on host for others
         if held is None:
             return
         self.requests.release(request_id)
@@ -353,7 +504,7 @@ class TieredCache:
             self.requests.take_back(loaded // self.page_size)
             self.loads.orphan(held.load)
         if mine is not None:
-            self._free(mine[held.tree_len + loaded:])
+            self._free(mine[held.tree_len + loaded :])
 
     def _check_load(self, request_id: str, held: Held, kv: np.ndarray) -> None:
         """Fail closed: a request whose load did not land intact must not insert anything."""
@@ -361,17 +512,31 @@ class TieredCache:
         if load is None:
             return
         if not load.handle.is_done():
-            load.handle.wait(self.config.store.timeout_s + 30.0)  # its forward waited already
-        ok = load.ok and not load.handle.missed  # a forward that gave up on it read KV not landed
-        if self.agreement.world_size > 1:  # every rank inserts, or none: one collective, on every rank
+            load.handle.wait(
+                self.config.store.timeout_s + 30.0
+            )  # its forward waited already
+        ok = (
+            load.ok and not load.handle.missed
+        )  # a forward that gave up on it read KV not landed
+        if (
+            self.agreement.world_size > 1
+        ):  # every rank inserts, or none: one collective, on every rank
             (ok,), _ = self.agreement.agree([int(ok)], [])
         if ok:
             return
-        error = load.handle.error or ("a forward gave up waiting for it" if load.handle.missed else "did not finish")
+        error = load.handle.error or (
+            "a forward gave up waiting for it"
+            if load.handle.missed
+            else "did not finish"
+        )
         self.abort(request_id, kv)
-        raise TransferError(f"request {request_id!r}: its host->device load failed ({error}); nothing was cached")
+        raise TransferError(
+            f"request {request_id!r}: its host->device load failed ({error}); nothing was cached"
+        )
 
-    def _give_back(self, kv: np.ndarray, tree_len: int, prefix_len: int, aligned: int, end: int) -> None:
+    def _give_back(
+        self, kv: np.ndarray, tree_len: int, prefix_len: int, aligned: int, end: int
+    ) -> None:
         """Request slots [tree_len, end) leave the request: the tree took [prefix_len,
         aligned); duplicates [tree_len, prefix_len) and the tail [aligned, end) are freed,
         in one call (most finishes free a tail only: no free group to open)."""
@@ -388,16 +553,25 @@ class TieredCache:
         load is named by the waiter's `failed()` after the forward, on one rank as on many
         (docs/design.md §8): abort those requests. Ids kvtier does not hold (requests that
         never went through it) have nothing to wait for."""
-        if isinstance(request_ids, str):  # its characters would be looked up, its load never waited for
-            raise ValueError(f"begin_forward: request_ids={request_ids!r}: expected a list of request ids, "
-                             f"got one string")
+        if isinstance(
+            request_ids, str
+        ):  # its characters would be looked up, its load never waited for
+            raise ValueError(
+                f"begin_forward: request_ids={request_ids!r}: expected a list of request ids, "
+                f"got one string"
+            )
         ids = self.requests.ids() if request_ids is None else request_ids
         loads = {}
         for rid in ids:
             held = self.requests.get(rid)
             if held is not None and held.load is not None:
                 loads[rid] = held.load.handle
-        return LayerWaiter(loads, self.config.store.timeout_s + 30.0, self.agreement, self.pool.num_layers)
+        return LayerWaiter(
+            loads,
+            self.config.store.timeout_s + 30.0,
+            self.agreement,
+            self.pool.num_layers,
+        )
 
     def poll(self) -> list[str]:
         """Apply finished background work; returns the waiting requests that may now be
@@ -417,7 +591,9 @@ class TieredCache:
         if self.controller.storage is not None:
             self.controller.storage.speed.report_prefill(tokens, seconds)
         else:
-            prefill_rate(tokens, seconds)  # bad values are refused with a store or without
+            prefill_rate(
+                tokens, seconds
+            )  # bad values are refused with a store or without
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
         """A fixed prefill rate instead of measured ones (None: never skip for speed)."""
@@ -446,16 +622,22 @@ class TieredCache:
         ready by the next poll (their prefetches stop: they end with what landed)."""
         held = self.requests.locked_tokens()
         if held:
-            raise ValueError(f"flush: {held} device tokens are locked by requests; finish them first")
+            raise ValueError(
+                f"flush: {held} device tokens are locked by requests; finish them first"
+            )
         self.completions.drain()
         locked = self.tree.protected_size(D)
         if locked:  # only requests lock, and none does: a bug, not bad input
-            raise AssertionError(f"flush: {locked} device tokens still locked after draining")
+            raise AssertionError(
+                f"flush: {locked} device tokens still locked after draining"
+            )
         self.slots.evict_all_device()
         if self.mirror is not None:
             hv = self.tree.evict_host(self.tree.total_size(H))
             self.controller.free_host(hv.host_slots)
-        assert self.tree.total_size(D) == self.tree.total_size(H) == 0, "flush left tokens in the tree"
+        assert self.tree.total_size(D) == self.tree.total_size(H) == 0, (
+            "flush left tokens in the tree"
+        )
 
     def close(self) -> None:
         """Finish background work, drop device and host contents, stop threads. Requests
@@ -467,7 +649,10 @@ class TieredCache:
         self.closed = True
         self.completions.drain()
         if self.tree.protected_size(D):
-            log.warning("close: %d device tokens still locked by requests; not flushed", self.tree.protected_size(D))
+            log.warning(
+                "close: %d device tokens still locked by requests; not flushed",
+                self.tree.protected_size(D),
+            )
         else:
             self.flush()
         self.controller.close()
@@ -482,9 +667,13 @@ class TieredCache:
 
     def check_accounting(self) -> None:
         """free + held by the tree + held by requests/ops == total, for pool and mirror."""
-        problems = self.slots.accounting_problems(self.requests.pages, self.loads.orphaned_pages)
+        problems = self.slots.accounting_problems(
+            self.requests.pages, self.loads.orphaned_pages
+        )
         if problems:
-            raise AssertionError("kvtier accounting broken:\n  " + "\n  ".join(problems))
+            raise AssertionError(
+                "kvtier accounting broken:\n  " + "\n  ".join(problems)
+            )
 
     def stats(self) -> dict:
         """Counters, tier sizes, queues and the store's own numbers (`cache/report.py`)."""
@@ -497,4 +686,3 @@ class TieredCache:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(PrometheusCollector(self))
         return registry
-

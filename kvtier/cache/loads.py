@@ -20,8 +20,14 @@ from kvtier.tree import Tier, TreeNode
 
 
 class Loads(Part):
-    def __init__(self, slots: Slots, config: ControllerConfig, stats: CacheStats,
-                 complain: Callable[[str, str], None], short_of_room: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        slots: Slots,
+        config: ControllerConfig,
+        stats: CacheStats,
+        complain: Callable[[str, str], None],
+        short_of_room: Callable[[], None],
+    ) -> None:
         """`short_of_room`: called when a load finds no device room (writes in flight lock
         device pages, and the next poll must apply those that landed: the completions')."""
         super().__init__(slots, config, stats)
@@ -39,7 +45,9 @@ class Loads(Part):
         if total == 0 or total < self.cfg.load_back_min_tokens:
             return None
         anchor = chain[0].parent
-        assert anchor is self.tree.root or anchor.locks[Tier.DEVICE], f"loading under {anchor}, which nobody locked"
+        assert anchor is self.tree.root or anchor.locks[Tier.DEVICE], (
+            f"loading under {anchor}, which nobody locked"
+        )
         self.tree.protect_host(node)
         device = self.slots.alloc_device(total)
         if device is None:
@@ -48,7 +56,9 @@ class Loads(Part):
             return None
         # allocation may have applied completions that split nodes of the path: walk it again
         host = concat([n.values[Tier.HOST] for n in self.tree.nodes_to_load(node)])
-        assert host.size == total, f"the host path to {node} changed length while allocating"
+        assert host.size == total, (
+            f"the host path to {node} changed length while allocating"
+        )
         op = self.ctl.load(host, device, node)
         self.counters.loads += 1
         return op
@@ -66,9 +76,14 @@ class Loads(Part):
         self.tree.release_host(op.tag)
         if op.handle.error is not None:
             self.counters.load_failures += 1
-            self.complain("load", f"host->device load failed: {op.handle.error}; the request recomputes")
+            self.complain(
+                "load",
+                f"host->device load failed: {op.handle.error}; the request recomputes",
+            )
         else:
-            self.counters.h2d_bytes += op.device_slots.size * self.ctl.pool.bytes_per_token
+            self.counters.h2d_bytes += (
+                op.device_slots.size * self.ctl.pool.bytes_per_token
+            )
             self.latency["load"].observe(time.perf_counter() - op.started)
         if op.orphaned:
             self._free_orphan(op)

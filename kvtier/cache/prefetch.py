@@ -33,7 +33,9 @@ class Link(Enum):
 
     WAITING = "waiting"  # the request waits to be named ready
     READY = "ready"  # named ready: the request may acquire it again
-    DISCARDED = "discarded"  # nobody takes it (its request was aborted): forget it when it ends
+    DISCARDED = (
+        "discarded"  # nobody takes it (its request was aborted): forget it when it ends
+    )
     AWAITED = "awaited"  # discarded, and a new request with its id waits: name that one when it ends
 
 
@@ -42,7 +44,9 @@ class PrefetchState:
     """Scheduler-side state of one prefetch: the key it continues and its current anchor."""
 
     op: PrefetchOp
-    whole: RadixKey  # the request's key, as acquired: the pages' hashes hold only for it
+    whole: (
+        RadixKey  # the request's key, as acquired: the pages' hashes hold only for it
+    )
     key: RadixKey  # the pages asked for: a suffix of `whole`, from its page `first`
     first: int
     anchor: TreeNode
@@ -60,8 +64,14 @@ class PrefetchState:
 
 
 class Prefetcher(Part):
-    def __init__(self, slots: Slots, config: ControllerConfig, stats: CacheStats, key_of: Callable[[bytes], str],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        slots: Slots,
+        config: ControllerConfig,
+        stats: CacheStats,
+        key_of: Callable[[bytes], str],
+        clock: Callable[[], float],
+    ) -> None:
         super().__init__(slots, config, stats)
         self.key_of = key_of
         self.clock = clock
@@ -89,15 +99,23 @@ class Prefetcher(Part):
         group = self.ctl.storage.group
         if group > 1 and not store_pages.ends(start // ps, pages, group):
             return False  # no whole store page among them (store_pages.py)
-        suffix = key[start:start + pages * ps]
-        hashing = self.tree.hashing_below(anchor, suffix)  # run by the storage thread (PageKeys)
-        op = PrefetchOp(request_id, PageKeys(hashing, self.key_of, pages, start // ps), tokens=pages * ps)
+        suffix = key[start : start + pages * ps]
+        hashing = self.tree.hashing_below(
+            anchor, suffix
+        )  # run by the storage thread (PageKeys)
+        op = PrefetchOp(
+            request_id,
+            PageKeys(hashing, self.key_of, pages, start // ps),
+            tokens=pages * ps,
+        )
         deadline = None
         if self.cfg.prefetch_policy == PrefetchPolicy.TIMEOUT:
             deadline = self.clock() + self.cfg.prefetch_timeout(pages * ps)
         if anchor is not self.tree.root:
             self.tree.protect_host(anchor)
-        self.prefetches[request_id] = PrefetchState(op, key, suffix, start // ps, anchor, deadline)
+        self.prefetches[request_id] = PrefetchState(
+            op, key, suffix, start // ps, anchor, deadline
+        )
         self.ctl.prefetch(op)
         self.counters.prefetches += 1
         return True
@@ -114,7 +132,9 @@ class Prefetcher(Part):
             return False
         return p is None or p.link == Link.READY
 
-    def take(self, request_id: str, key: RadixKey | None = None) -> tuple[int, KnownHashes | None]:
+    def take(
+        self, request_id: str, key: RadixKey | None = None
+    ) -> tuple[int, KnownHashes | None]:
         """(Tokens the request's (ready) prefetch put on host, the page hashes it computed
         for the key's pages past its match: only if `key` starts with the tokens they were
         computed from); an unfinished one is stopped and finishes on a later poll, nobody
@@ -128,20 +148,37 @@ class Prefetcher(Part):
             self.changed = True
         else:
             del self.prefetches[request_id]
-        chain = p.op.keys.hashes  # None if the storage thread never hashed them (store down)
-        if chain is None or key is None or not same_prefix(key, p.whole, (p.first + len(chain)) * self.page_size):
+        chain = (
+            p.op.keys.hashes
+        )  # None if the storage thread never hashed them (store down)
+        if (
+            chain is None
+            or key is None
+            or not same_prefix(key, p.whole, (p.first + len(chain)) * self.page_size)
+        ):
             return taken, None
         return taken, KnownHashes(p.first, chain)
 
-    def same_key(self, request_id: str, tokens, extra_key: str | None) -> RadixKey | None:
+    def same_key(
+        self, request_id: str, tokens, extra_key: str | None
+    ) -> RadixKey | None:
         """The key the request's prefetch was started with, if `tokens` (a numpy array, as
         kvtier's own callers pass) and `extra_key` are the same again: the second acquire of
         a request does not copy and check its prompt a second time. Else None."""
         p = self.prefetches.get(request_id)
-        if p is None or not isinstance(tokens, np.ndarray) or tokens.dtype != np.int64 or extra_key != p.whole.extra_key:
+        if (
+            p is None
+            or not isinstance(tokens, np.ndarray)
+            or tokens.dtype != np.int64
+            or extra_key != p.whole.extra_key
+        ):
             return None
         whole = p.whole.tokens
-        return p.whole if tokens.shape == whole.shape and tokens.tobytes() == whole.tobytes() else None
+        return (
+            p.whole
+            if tokens.shape == whole.shape and tokens.tobytes() == whole.tobytes()
+            else None
+        )
 
     def take_ready(self) -> list[str]:
         """The requests named ready since the last call."""
@@ -150,7 +187,11 @@ class Prefetcher(Part):
 
     def waiting_since(self) -> list[float]:
         """perf_counter start of each prefetch whose request waits (any thread: a snapshot)."""
-        return [p.op.started for p in list(self.prefetches.values()) if p.link == Link.WAITING]
+        return [
+            p.op.started
+            for p in list(self.prefetches.values())
+            if p.link == Link.WAITING
+        ]
 
     # -- the poll's side ----------------------------------------------------------------------
 
@@ -180,17 +221,28 @@ class Prefetcher(Part):
         if policy == PrefetchPolicy.WAIT_COMPLETE or not self.prefetches:
             return True
         if policy == PrefetchPolicy.TIMEOUT:
-            return all(p.deadline is None or p.result is not None for p in self.prefetches.values())
+            return all(
+                p.deadline is None or p.result is not None
+                for p in self.prefetches.values()
+            )
         return all(p.link is not Link.WAITING for p in self.prefetches.values())
 
     def forget_ended(self) -> None:
-        self.prefetches = {rid: p for rid, p in self.prefetches.items() if p.result is None}
+        self.prefetches = {
+            rid: p for rid, p in self.prefetches.items() if p.result is None
+        }
 
-    def idle(self, p: PrefetchState, present: int | None, landed: int, ended: int, stop: int) -> bool:
+    def idle(
+        self, p: PrefetchState, present: int | None, landed: int, ended: int, stop: int
+    ) -> bool:
         """Would `apply` do nothing? (No grant due, no stop, no page landed, not ended.)"""
-        return not (ended or stop or p.broken or landed > p.op.inserted) and (present is None or p.op.granted)
+        return not (ended or stop or p.broken or landed > p.op.inserted) and (
+            present is None or p.op.granted
+        )
 
-    def apply(self, p: PrefetchState, present: int | None, landed: int, ended: int, stop: bool) -> None:
+    def apply(
+        self, p: PrefetchState, present: int | None, landed: int, ended: int, stop: bool
+    ) -> None:
         """What every rank agreed on for `p` this poll: pages the store holds (None: some
         rank does not know yet), pages landed, how far it ended, whether to stop it."""
         p.stopped = p.stopped or stop
@@ -220,8 +272,11 @@ class Prefetcher(Part):
             if p.link is not waiting:
                 continue
             p.polls += 1
-            if p.result is not None or (policy == PrefetchPolicy.BEST_EFFORT and p.polls >= 1) or \
-                    (policy == PrefetchPolicy.TIMEOUT and p.stopped):
+            if (
+                p.result is not None
+                or (policy == PrefetchPolicy.BEST_EFFORT and p.polls >= 1)
+                or (policy == PrefetchPolicy.TIMEOUT and p.stopped)
+            ):
                 p.link = Link.READY
                 self._ready.append(rid)
 
@@ -230,13 +285,20 @@ class Prefetcher(Part):
         if op.host_pages is not None and op.host_pages.size > op.inserted:
             self.ctl.free_unused_pages(op)
 
-    def make_grant_room(self, live: list[PrefetchState], reports: list[tuple[int | None, int, int]],
-                        stops: list[int]) -> None:
+    def make_grant_room(
+        self,
+        live: list[PrefetchState],
+        reports: list[tuple[int | None, int, int]],
+        stops: list[int],
+    ) -> None:
         """Host room for every grant this poll makes (agreed numbers: the same on every
         rank), in one eviction pass: each `_grant` then finds its pages free. None for a
         prefetch stopped or ended by now: `apply` grants it nothing."""
-        pages = sum(present for p, (present, _, ended), stop in zip(live, reports, stops)
-                    if present and _grants(p, ended, stop))
+        pages = sum(
+            present
+            for p, (present, _, ended), stop in zip(live, reports, stops)
+            if present and _grants(p, ended, stop)
+        )
         if pages:
             self.slots.make_host_room(pages * self.page_size)
 
@@ -269,17 +331,23 @@ class Prefetcher(Part):
         self.latency["prefetch"].observe(time.perf_counter() - op.started)
         if p.discarded:
             del self.prefetches[op.request_id]
-            if p.link == Link.AWAITED:  # a new request with its id said "not ready" meanwhile
+            if (
+                p.link == Link.AWAITED
+            ):  # a new request with its id said "not ready" meanwhile
                 self._ready.append(op.request_id)
 
     def _insert_landed(self, p: PrefetchState, landed: int) -> None:
         """Pages [inserted, landed) are verified on host: hang them under the anchor."""
         op, ps = p.op, self.page_size
-        pages = op.host_pages[op.inserted:landed]
+        pages = op.host_pages[op.inserted : landed]
         slots = self.ctl.page_slots(pages)
-        key = p.key[op.inserted * ps:landed * ps]
-        r = self.tree.insert_host(p.anchor, key, slots, KnownHashes(0, op.keys.hashes[op.inserted:landed]))
-        self.ctl.free_host(slots[: r.prefix_len])  # already on host: the tree keeps its own copy
+        key = p.key[op.inserted * ps : landed * ps]
+        r = self.tree.insert_host(
+            p.anchor, key, slots, KnownHashes(0, op.keys.hashes[op.inserted : landed])
+        )
+        self.ctl.free_host(
+            slots[: r.prefix_len]
+        )  # already on host: the tree keeps its own copy
         self.tree.protect_host(r.last_node)
         if p.anchor is not self.tree.root:
             self.tree.release_host(p.anchor)

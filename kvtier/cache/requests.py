@@ -25,7 +25,9 @@ class Held:
     load: LoadOp | None
     key: RadixKey
     hashes: KnownHashes | None = None  # page hashes its prefetch computed for `key`
-    since: float = field(default_factory=time.monotonic)  # for stats only (the oldest held request)
+    since: float = field(
+        default_factory=time.monotonic
+    )  # for stats only (the oldest held request)
 
     @property
     def loaded(self) -> int:
@@ -42,9 +44,17 @@ class Held:
         hashes = self.hashes
         if hashes is None:
             return None
-        return hashes if same_prefix(key, self.key, (hashes.first + len(hashes.chain)) * page_size) else None
+        return (
+            hashes
+            if same_prefix(
+                key, self.key, (hashes.first + len(hashes.chain)) * page_size
+            )
+            else None
+        )
 
-    def check_finish(self, what: str, request_id: str, key: RadixKey, kv: np.ndarray, slots: Slots) -> None:
+    def check_finish(
+        self, what: str, request_id: str, key: RadixKey, kv: np.ndarray, slots: Slots
+    ) -> None:
         """A finish (`what`) with `key` and slots `kv` keeps the KV it was handed under the
         tokens it was computed for, in slots nobody else owns; else ValueError, before
         anything changes:
@@ -59,28 +69,40 @@ class Held:
         """
         n = self.handed
         if not same_prefix(key, self.key, n):
-            raise ValueError(f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
-                             f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})")
+            raise ValueError(
+                f"{what}: request_id={request_id!r}: tokens (extra_key={key.extra_key!r}) do not start "
+                f"with the {n} tokens it was handed KV for (extra_key={self.key.extra_key!r})"
+            )
         self.check_row(what, request_id, kv, slots)
-        twice = slots.repeated(kv[self.tree_len:])
+        twice = slots.repeated(kv[self.tree_len :])
         if twice.size:
-            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices lists slots {twice[:8].tolist()} more "
-                             f"than once: two tokens' KV cannot share a slot (one would be served the other's)")
+            raise ValueError(
+                f"{what}: request_id={request_id!r}: kv_indices lists slots {twice[:8].tolist()} more "
+                f"than once: two tokens' KV cannot share a slot (one would be served the other's)"
+            )
 
-    def check_row(self, what: str, request_id: str, kv: np.ndarray, slots: Slots) -> None:
+    def check_row(
+        self, what: str, request_id: str, kv: np.ndarray, slots: Slots
+    ) -> None:
         """`kv` is the request's row: it covers the prefix it was handed, past the tree's
         part the slots are the request's own (see `check_finish`); else ValueError."""
         start, n = self.tree_len, self.handed
         if kv.shape[0] < n:  # its own slots past the prefix would go unfreed
-            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices has {kv.shape[0]} slots; the request's "
-                             f"row covers at least the {n} it was handed")
+            raise ValueError(
+                f"{what}: request_id={request_id!r}: kv_indices has {kv.shape[0]} slots; the request's "
+                f"row covers at least the {n} it was handed"
+            )
         if n > start and kv[start:n].tobytes() != self.load.device_slots.tobytes():
-            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices[{start}:{n}] are not the slots its "
-                             f"prefix was loaded into")
+            raise ValueError(
+                f"{what}: request_id={request_id!r}: kv_indices[{start}:{n}] are not the slots its "
+                f"prefix was loaded into"
+            )
         bad = slots.unallocated(kv[n:])
         if bad.size:
-            raise ValueError(f"{what}: request_id={request_id!r}: kv_indices {bad[:8].tolist()} are not allocated "
-                             f"(freed, or never from alloc): KV kept there would be overwritten by the page's next owner")
+            raise ValueError(
+                f"{what}: request_id={request_id!r}: kv_indices {bad[:8].tolist()} are not allocated "
+                f"(freed, or never from alloc): KV kept there would be overwritten by the page's next owner"
+            )
 
 
 class RequestTable:
@@ -103,7 +125,9 @@ class RequestTable:
     def require(self, request_id: str, what: str) -> Held:
         held = self._held.get(request_id)
         if held is None:
-            raise ValueError(f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)")
+            raise ValueError(
+                f"{what}: request_id={request_id!r} holds nothing (acquire it first, once it is ready)"
+            )
         return held
 
     def hand_out(self, pages: int) -> None:

@@ -35,13 +35,23 @@ class DeviceAllocator(Protocol):
     def unallocated(self, slots: np.ndarray) -> np.ndarray: ...
 
 
-BackUp = Callable[[list[TreeNode]], None]  # write these leaves' paths to host and apply the writes
+BackUp = Callable[
+    [list[TreeNode]], None
+]  # write these leaves' paths to host and apply the writes
 
 
 class Slots:
-    def __init__(self, tree: RadixTree, controller: CacheController, device: DeviceAllocator,
-                 config: ControllerConfig, counters: Counters, key_of: Callable[[bytes], str],
-                 has_mirror: bool, back_up: BackUp) -> None:
+    def __init__(
+        self,
+        tree: RadixTree,
+        controller: CacheController,
+        device: DeviceAllocator,
+        config: ControllerConfig,
+        counters: Counters,
+        key_of: Callable[[bytes], str],
+        has_mirror: bool,
+        back_up: BackUp,
+    ) -> None:
         self.tree = tree
         self.ctl = controller
         self.device = device
@@ -51,11 +61,15 @@ class Slots:
         self.key_of = key_of
         self.has_mirror = has_mirror
         # tokens an eviction frees beyond the demand, per tier (whole pages)
-        whole_pages = lambda size: int(size * config.evict_headroom) // self.page_size * self.page_size
+        whole_pages = lambda size: (
+            int(size * config.evict_headroom) // self.page_size * self.page_size
+        )
         self.device_headroom = whole_pages(device.size)
         self.host_headroom = whole_pages(controller.mirror.size) if has_mirror else 0
         self.back_up = back_up  # write-back eviction backs paths up first (the cache's completions)
-        self._repeats = Repeats(device.size + device.page_size)  # the pool's slots, padding page included
+        self._repeats = Repeats(
+            device.size + device.page_size
+        )  # the pool's slots, padding page included
 
     # -- device -------------------------------------------------------------------------------
 
@@ -106,7 +120,9 @@ class Slots:
 
     def evict_all_device(self) -> None:
         """Evict every unlocked device token (flush)."""
-        self.device.free_slots(self.tree.evict_device(self.tree.total_size(Tier.DEVICE)).device_slots)
+        self.device.free_slots(
+            self.tree.evict_device(self.tree.total_size(Tier.DEVICE)).device_slots
+        )
 
     def _free_evicted(self, ev: DeviceEviction) -> None:
         # scanned for repeats like any free: an engine that put a slot the tree holds into a
@@ -118,22 +134,34 @@ class Slots:
     def accounting_problems(self, request_pages: int, orphaned_pages: int) -> list[str]:
         """free + held by the tree + held by requests/ops == total, for pool and mirror."""
         problems, ps, tree = [], self.page_size, self.tree
-        dev_free, dev_tree, dev_req = self.device.available_size(), tree.total_size(Tier.DEVICE), request_pages * ps
-        if dev_req < 0:  # a negative count would balance pages the tree holds but never allocated
+        dev_free, dev_tree, dev_req = (
+            self.device.available_size(),
+            tree.total_size(Tier.DEVICE),
+            request_pages * ps,
+        )
+        if (
+            dev_req < 0
+        ):  # a negative count would balance pages the tree holds but never allocated
             problems.append(f"device: requests hold {dev_req} slots")
         strays = self.device.unallocated(tier_slots(tree, Tier.DEVICE))
         if strays.size:
-            problems.append(f"device: the tree holds slots whose pages are not allocated: {strays[:8].tolist()}")
+            problems.append(
+                f"device: the tree holds slots whose pages are not allocated: {strays[:8].tolist()}"
+            )
         dev_ops, total = orphaned_pages * ps, self.device.size
         if dev_free + dev_tree + dev_req + dev_ops != total:
-            problems.append(f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
-                            f"{dev_ops} != {total}")
+            problems.append(
+                f"device: free {dev_free} + tree {dev_tree} + requests {dev_req} + orphaned loads "
+                f"{dev_ops} != {total}"
+            )
         if self.has_mirror:
             host = self.ctl.host_accounting()
             host_tree, total = tree.total_size(Tier.HOST), self.ctl.mirror.size
             if host.free + host_tree + host.in_flight + host.quarantined != total:
-                problems.append(f"host: free {host.free} + tree {host_tree} + in flight {host.in_flight} "
-                                f"+ quarantined {host.quarantined} != {total}")
+                problems.append(
+                    f"host: free {host.free} + tree {host_tree} + in flight {host.in_flight} "
+                    f"+ quarantined {host.quarantined} != {total}"
+                )
         return problems
 
     # -- host ---------------------------------------------------------------------------------
@@ -158,21 +186,32 @@ class Slots:
         storage = self.ctl.storage
         if storage is None or not storage.keeps_page_order:
             return  # no hashes gathered on the scheduler thread for a store that ignores them
-        nodes = [node for node in nodes if node.hashes]  # removed nodes: nobody changes them
+        nodes = [
+            node for node in nodes if node.hashes
+        ]  # removed nodes: nobody changes them
         chains = [node.hashes for node in nodes]
         if storage.group > 1:  # a store page is keyed by its last page (store_pages.py)
             g, ps = storage.group, self.page_size
-            chains = [n.hashes[(g - 1 - store_pages.tokens_above(n) // ps) % g::g] for n in nodes]
+            chains = [
+                n.hashes[(g - 1 - store_pages.tokens_above(n) // ps) % g :: g]
+                for n in nodes
+            ]
         count = sum(map(len, chains))
         if count:  # flattened by the storage thread, with the keys
-            storage.touch(PageKeys(lambda: [h for chain in chains for h in chain], self.key_of, count))
+            storage.touch(
+                PageKeys(
+                    lambda: [h for chain in chains for h in chain], self.key_of, count
+                )
+            )
 
 
 class Part:
     """What writes, loads and the prefetcher are built over: the slots (and through them
     the tree and the controller), the controller config and the stats."""
 
-    def __init__(self, slots: Slots, config: ControllerConfig, stats: CacheStats) -> None:
+    def __init__(
+        self, slots: Slots, config: ControllerConfig, stats: CacheStats
+    ) -> None:
         self.tree, self.ctl, self.slots = slots.tree, slots.ctl, slots
         self.cfg = config
         self.counters, self.latency = stats.counters, stats.latency

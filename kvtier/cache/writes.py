@@ -23,8 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class Writes(Part):
-    def __init__(self, slots: Slots, config: ControllerConfig, stats: CacheStats, key_of: Callable[[bytes], str],
-                 complain: Callable[[str, str], None], events=None) -> None:
+    def __init__(
+        self,
+        slots: Slots,
+        config: ControllerConfig,
+        stats: CacheStats,
+        key_of: Callable[[bytes], str],
+        complain: Callable[[str, str], None],
+        events=None,
+    ) -> None:
         """`events`: told of pages on their way to and in the store (kvtier/events/cache_events.py)."""
         super().__init__(slots, config, stats)
         self.events = events
@@ -63,7 +70,12 @@ class Writes(Part):
 
     def write_node(self, node: TreeNode) -> bool:
         """Queue node's device->host copy (locked until its ack). False if not possible now."""
-        if node.backed_up or node.id in self.writing or not node.on_device or not self.has_mirror:
+        if (
+            node.backed_up
+            or node.id in self.writing
+            or not node.on_device
+            or not self.has_mirror
+        ):
             return node.backed_up or node.id in self.writing
         parent = node.parent
         if parent is not self.tree.root and not self._host_copy_coming(parent):
@@ -100,21 +112,29 @@ class Writes(Part):
         self.writing.discard(node.id)
         self.tree.unlock(node)
         if op.handle.error is not None or op.failed_elsewhere:
-            self._failed(op, f"device->host write failed: {op.handle.error or 'on another rank'}")
+            self._failed(
+                op, f"device->host write failed: {op.handle.error or 'on another rank'}"
+            )
             return
         try:  # validates before it changes anything
             unused = self.tree.mark_backed_up(node, op.host_slots)
-        except ValueError as exc:  # its parent's write failed: a child's copy fails with it
+        except (
+            ValueError
+        ) as exc:  # its parent's write failed: a child's copy fails with it
             self._failed(op, f"write of {node} depends on a failed write ({exc})")
             return
         op.applied = True  # from here on the tree owns the host slots
-        self.ctl.free_host(unused)  # a prefetch from the store may have given part of it a host copy
+        self.ctl.free_host(
+            unused
+        )  # a prefetch from the store may have given part of it a host copy
         halves = self._landed(node, op.host_slots.size)
         self._write_waiting_children(halves)
         self.counters.writes += 1
         self.counters.d2h_bytes += op.host_slots.size * self.ctl.pool.bytes_per_token
         self.latency["write"].observe(time.perf_counter() - op.started)
-        for half in reversed(halves):  # root-down: each half split off during the write is stored too
+        for half in reversed(
+            halves
+        ):  # root-down: each half split off during the write is stored too
             self._backup_to_store(half)
 
     def _failed(self, op: WriteOp, why: str) -> None:
@@ -149,7 +169,11 @@ class Writes(Part):
             return
         for n in landed:
             for child in list(n.children.values()):
-                if child.on_device and not child.backed_up and child.id not in self.writing:
+                if (
+                    child.on_device
+                    and not child.backed_up
+                    and child.id not in self.writing
+                ):
                     self.write_node(child)
 
     def _backup_to_store(self, node: TreeNode) -> None:
@@ -158,14 +182,23 @@ class Writes(Part):
         ps, group = self.page_size, self.ctl.storage.group
         pages = node.values[Tier.HOST][::ps] // ps
         first, lead, deferred = 0, None, 0
-        if group > 1:  # store pages of several pages: those whose last page is the node's (store_pages.py)
+        if (
+            group > 1
+        ):  # store pages of several pages: those whose last page is the node's (store_pages.py)
             first = store_pages.tokens_above(node) // ps
             last = store_pages.ends(first, len(pages), group)
             if not last:
                 return  # none: a longer sequence's backup stores its pages
-            lead, deferred = store_pages.lead_in(node, first % group, ps, Tier.HOST), len(pages) - last[-1] - 1
-        keys = PageKeys(self.tree.hashing_of(node), self.key_of, len(pages), first)  # hashed by the storage thread
-        self.tree.protect_host(node)  # and so the host copies above it, `lead` among them
+            lead, deferred = (
+                store_pages.lead_in(node, first % group, ps, Tier.HOST),
+                len(pages) - last[-1] - 1,
+            )
+        keys = PageKeys(
+            self.tree.hashing_of(node), self.key_of, len(pages), first
+        )  # hashed by the storage thread
+        self.tree.protect_host(
+            node
+        )  # and so the host copies above it, `lead` among them
         if self.events is not None:
             self.events.backup_started(node, 0 if lead is None else len(lead))
         self.ctl.backup(keys, pages, node, lead, deferred)
@@ -177,12 +210,18 @@ class Writes(Part):
         good = sum(op.ok or [])
         self.counters.l3_write_pages += good
         self.counters.l3_write_failures += len(op.keys) - good - op.deferred
-        self.counters.l3_write_bytes += op.store_bytes  # whole store pages: lead-in pages too
+        self.counters.l3_write_bytes += (
+            op.store_bytes
+        )  # whole store pages: lead-in pages too
         self.latency["backup"].observe(time.perf_counter() - op.started)
-        if self.events is not None:  # last: a release after a raise above forgets it once
+        if (
+            self.events is not None
+        ):  # last: a release after a raise above forgets it once
             self.events.backup_done(op.tag, op.ok)
 
     def release_backup(self, op: BackupOp[TreeNode]) -> None:
         self.tree.release_host(op.tag)
         if self.events is not None:
-            self.events.backup_done(op.tag, None)  # nothing stored: forget what it started
+            self.events.backup_done(
+                op.tag, None
+            )  # nothing stored: forget what it started

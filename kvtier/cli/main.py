@@ -42,21 +42,34 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier.cli import replay, serve, stats, store
 
     p = _Parser(prog="tierctl", description="kvtier: hierarchical KV-cache tiering")
-    p.add_argument("--version", action="version", version=f"tierctl {kvtier.__version__}")
+    p.add_argument(
+        "--version", action="version", version=f"tierctl {kvtier.__version__}"
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    r = sub.add_parser("replay", help="run the reference engine on a workload, print hits per tier")
+    r = sub.add_parser(
+        "replay", help="run the reference engine on a workload, print hits per tier"
+    )
     replay.add_arguments(r)
     r.set_defaults(func=lambda a: replay.run(a, default_config()))
-    s = sub.add_parser("serve", help="the reference engine behind HTTP (/generate /metrics /stats /flush)")
+    s = sub.add_parser(
+        "serve",
+        help="the reference engine behind HTTP (/generate /metrics /stats /flush)",
+    )
     serve.add_arguments(s)
     s.set_defaults(func=lambda a: serve.run(a, default_config()))
-    st = sub.add_parser("stats", help="per-tier stats of a running server, or a store's contents")
+    st = sub.add_parser(
+        "stats", help="per-tier stats of a running server, or a store's contents"
+    )
     stats.add_arguments(st)
     st.set_defaults(func=stats.run)
-    so = sub.add_parser("store", help="maintain an L3 store: ls, du, verify [--prune], purge")
+    so = sub.add_parser(
+        "store", help="maintain an L3 store: ls, du, verify [--prune], purge"
+    )
     store.add_arguments(so)
     so.set_defaults(func=lambda a: store.run(a, default_config()))
-    b = sub.add_parser("bench", help="benchmarks against baselines measured in the same run")
+    b = sub.add_parser(
+        "bench", help="benchmarks against baselines measured in the same run"
+    )
     b.add_argument("name", nargs="?", choices=BENCHMARKS)
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     b.set_defaults(func=_bench)
@@ -70,9 +83,13 @@ def _bench(args) -> int:
     import importlib
 
     if args.name is None:
-        raise KvtierConfigError(f"bench: name a benchmark: {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]} "
-                                "(`tierctl bench NAME --help` for its options)")
-    importlib.import_module(f"kvtier.bench.{args.name}").main(args.rest, prog=f"tierctl bench {args.name}")
+        raise KvtierConfigError(
+            f"bench: name a benchmark: {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]} "
+            "(`tierctl bench NAME --help` for its options)"
+        )
+    importlib.import_module(f"kvtier.bench.{args.name}").main(
+        args.rest, prog=f"tierctl bench {args.name}"
+    )
     return 0
 
 
@@ -83,7 +100,9 @@ def _config(args) -> int:
 
     threads, origin = torch_threads()
     print(explain(load_config(args.config or default_config())))
-    print(f"engine.torch_threads = {threads}  ({origin}; tierctl replay and serve run the reference model with it)")
+    print(
+        f"engine.torch_threads = {threads}  ({origin}; tierctl replay and serve run the reference model with it)"
+    )
     return 0
 
 

@@ -11,47 +11,90 @@ from kvtier.errors import KvtierConfigError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", default=None, help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3",
+    )
     p.add_argument("--workload", default="multiturn", help="multiturn | docqa | agent")
-    p.add_argument("--trace", default=None, help="a JSONL trace instead of a built-in workload")
-    p.add_argument("--requests", type=int, default=60, help="turns to replay (default 60)")
-    p.add_argument("--batch", type=int, default=4, help="requests per forward (default 4)")
-    p.add_argument("--verify", nargs="?", const=1.0, type=float, default=None, metavar="FRACTION",
-                   help="check every request (or a FRACTION of them) against an uncached run")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write cumulative hit rate per tier (needs matplotlib)")
+    p.add_argument(
+        "--trace", default=None, help="a JSONL trace instead of a built-in workload"
+    )
+    p.add_argument(
+        "--requests", type=int, default=60, help="turns to replay (default 60)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=4, help="requests per forward (default 4)"
+    )
+    p.add_argument(
+        "--verify",
+        nargs="?",
+        const=1.0,
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="check every request (or a FRACTION of them) against an uncached run",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="write cumulative hit rate per tier (needs matplotlib)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=None, metavar="N",
-                   help="prefill rate of the model this replay stands for: store loads expected to take longer "
-                        "than recomputing at this rate are skipped (default: never skip)")
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        metavar="N",
+        help="prefill rate of the model this replay stands for: store loads expected to take longer "
+        "than recomputing at this rate are skipped (default: never skip)",
+    )
 
 
 def check_arguments(args) -> None:
     """Refuse what would be silently ignored or fail only after the whole replay."""
     if args.verify is not None and not 0 < args.verify <= 1:
-        raise KvtierConfigError(f"--verify {args.verify}: a fraction in (0, 1] (--verify alone checks every request)")
+        raise KvtierConfigError(
+            f"--verify {args.verify}: a fraction in (0, 1] (--verify alone checks every request)"
+        )
     if args.trace and (args.requests != 60 or args.workload != "multiturn"):
-        raise KvtierConfigError("--trace replays its own turns: --requests and --workload do not apply to it")
+        raise KvtierConfigError(
+            "--trace replays its own turns: --requests and --workload do not apply to it"
+        )
     if args.seed < 0:
-        raise KvtierConfigError(f"--seed {args.seed}: must be an integer >= 0 (the model's weights and the workload)")
+        raise KvtierConfigError(
+            f"--seed {args.seed}: must be an integer >= 0 (the model's weights and the workload)"
+        )
     if args.requests < 1:
         raise KvtierConfigError(f"--requests {args.requests}: must be >= 1")
     if getattr(args, "batch", 1) < 1:
-        raise KvtierConfigError(f"--batch {args.batch}: must be >= 1 (requests per forward)")
+        raise KvtierConfigError(
+            f"--batch {args.batch}: must be >= 1 (requests per forward)"
+        )
     if args.trace and not os.path.isfile(args.trace):
-        raise KvtierConfigError(f"--trace {args.trace!r}: no such file (a JSONL trace, one turn per line: README)")
+        raise KvtierConfigError(
+            f"--trace {args.trace!r}: no such file (a JSONL trace, one turn per line: README)"
+        )
     rate = getattr(args, "prefill_tokens_per_s", None)
     if rate is not None and not 0 < rate < float("inf"):
-        raise KvtierConfigError(f"--prefill-tokens-per-s {rate}: must be a number of tokens per second > 0")
+        raise KvtierConfigError(
+            f"--prefill-tokens-per-s {rate}: must be a number of tokens per second > 0"
+        )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise KvtierConfigError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
+            raise KvtierConfigError(
+                "--plot needs matplotlib: pip install 'kvtier[plot]'"
+            ) from None
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise KvtierConfigError(f"--plot {args.plot!r}: cannot write there ({folder} is not a writable "
-                                    "directory); checked before the replay runs")
+            raise KvtierConfigError(
+                f"--plot {args.plot!r}: cannot write there ({folder} is not a writable "
+                "directory); checked before the replay runs"
+            )
 
 
 def run(args, default_config: str) -> int:
@@ -64,14 +107,19 @@ def run(args, default_config: str) -> int:
 
     model = TinyTransformer(ModelConfig(seed=args.seed))
     config = with_weights(load_config(args.config or default_config), model)
-    turns = load_trace(args.trace, model.config.vocab) if args.trace else \
-        generate(args.workload, args.requests, model.config.vocab, args.seed)
+    turns = (
+        load_trace(args.trace, model.config.vocab)
+        if args.trace
+        else generate(args.workload, args.requests, model.config.vocab, args.seed)
+    )
     cache = TieredCache(config)
     try:
         cache.set_prefill_rate(getattr(args, "prefill_tokens_per_s", None))
         engine = Engine(cache, model, max_batch=args.batch)
         progress = None if args.json or not sys.stderr.isatty() else _progress
-        results, seconds = timed_run(engine, turns, keep_logits=args.verify is not None, progress=progress)
+        results, seconds = timed_run(
+            engine, turns, keep_logits=args.verify is not None, progress=progress
+        )
         if progress:
             print(file=sys.stderr)
         checked, worst, wrong = _verify(model, results, args.verify)
@@ -86,12 +134,16 @@ def run(args, default_config: str) -> int:
         print(_table(summary))
     if args.plot:  # after the table: a plot that fails loses nothing
         _plot(results, args.plot, summary, args.trace or args.workload)
-    return 1 if wrong or summary["failed_requests"] or not summary["counts_add_up"] else 0
+    return (
+        1 if wrong or summary["failed_requests"] or not summary["counts_add_up"] else 0
+    )
 
 
 def with_weights(config, model):
     """The namespace names these weights: KV of another seed is never served to them."""
-    ns = dataclasses.replace(config.namespace, revision=config.namespace.revision or model.fingerprint())
+    ns = dataclasses.replace(
+        config.namespace, revision=config.namespace.revision or model.fingerprint()
+    )
     return dataclasses.replace(config, namespace=ns)
 
 
@@ -118,28 +170,50 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
     from kvtier.engine.engine import infinite_hit_rate
 
     prompt = sum(len(r.prompt) for r in results)
-    dev, host, storage = (sum(getattr(r, f) for r in results) for f in ("device_hit", "host_hit", "storage_hit"))
+    dev, host, storage = (
+        sum(getattr(r, f) for r in results)
+        for f in ("device_hit", "host_hit", "storage_hit")
+    )
     computed = sum(r.computed for r in results)
     c = stats["counters"]
     return {
         "failed_requests": sum(r.error is not None for r in results),
         "errors": [f"{r.session}/{r.turn}: {r.error}" for r in results if r.error][:5],
         "counts_add_up": dev + host + storage + computed == prompt,
-        "requests": len(results), "prompt_tokens": prompt,
+        "requests": len(results),
+        "prompt_tokens": prompt,
         "hit_tokens": {"device": dev, "host": host, "storage": storage},
         "hit_rate": (dev + host + storage) / max(prompt, 1),
         "infinite_cache_hit_rate": infinite_hit_rate(results, page_size),
-        "prefill_tokens_computed": computed, "prefill_tokens_without_cache": prompt,
-        "bytes": {"device_to_host": c["d2h_bytes"], "host_to_device": c["h2d_bytes"],
-                  "host_to_store": c["l3_write_bytes"], "store_to_host": c["l3_read_bytes"]},
+        "prefill_tokens_computed": computed,
+        "prefill_tokens_without_cache": prompt,
+        "bytes": {
+            "device_to_host": c["d2h_bytes"],
+            "host_to_device": c["h2d_bytes"],
+            "host_to_store": c["l3_write_bytes"],
+            "store_to_host": c["l3_read_bytes"],
+        },
         "seconds": seconds,  # throughput counts the requests served, not those that failed
         "requests_per_s": sum(r.error is None for r in results) / seconds,
-        "prompt_tokens_per_s": sum(len(r.prompt) for r in results if r.error is None) / seconds,
-        "verified_requests": checked, "max_logit_diff": worst,
-        "store": {k: stats.get("store", {}).get(k, 0) for k in ("hits", "misses", "frame_failures", "errors", "timeouts",
-                                                               "set_failures", "store_down", "breaker_trips",
-                                                               "calls_skipped_store_down",
-                                                               "prefetch_skipped_slow")},
+        "prompt_tokens_per_s": sum(len(r.prompt) for r in results if r.error is None)
+        / seconds,
+        "verified_requests": checked,
+        "max_logit_diff": worst,
+        "store": {
+            k: stats.get("store", {}).get(k, 0)
+            for k in (
+                "hits",
+                "misses",
+                "frame_failures",
+                "errors",
+                "timeouts",
+                "set_failures",
+                "store_down",
+                "breaker_trips",
+                "calls_skipped_store_down",
+                "prefetch_skipped_slow",
+            )
+        },
     }
 
 
@@ -161,27 +235,41 @@ def _table(s: dict) -> str:
     ]
     st = s["store"]
     if st["errors"] or st["frame_failures"] or st["timeouts"] or st["set_failures"]:
-        lines.append(f"store trouble            {st['errors']} failed calls, {st['timeouts']} timeouts, "
-                     f"{st['set_failures']} pages not stored, {st['frame_failures']} pages that did not verify "
-                     f"(each a miss; see the log)")
+        lines.append(
+            f"store trouble            {st['errors']} failed calls, {st['timeouts']} timeouts, "
+            f"{st['set_failures']} pages not stored, {st['frame_failures']} pages that did not verify "
+            f"(each a miss; see the log)"
+        )
     if st["breaker_trips"]:
         state = "DOWN at the end" if st["store_down"] else "up again at the end"
-        lines.append(f"store down               {st['breaker_trips']} times ({state}); "
-                     f"{st['calls_skipped_store_down']} calls skipped instead of waiting for it")
+        lines.append(
+            f"store down               {st['breaker_trips']} times ({state}); "
+            f"{st['calls_skipped_store_down']} calls skipped instead of waiting for it"
+        )
     if st["prefetch_skipped_slow"]:
-        lines.append(f"store too slow           {st['prefetch_skipped_slow']} prefetches skipped: loading was "
-                     f"expected to take longer than recomputing")
+        lines.append(
+            f"store too slow           {st['prefetch_skipped_slow']} prefetches skipped: loading was "
+            f"expected to take longer than recomputing"
+        )
     if s["failed_requests"]:
-        lines.append(f"failed requests          {s['failed_requests']} (released); first: {s['errors'][0]}")
+        lines.append(
+            f"failed requests          {s['failed_requests']} (released); first: {s['errors'][0]}"
+        )
     if not s["counts_add_up"]:
-        lines.append("COUNTS DO NOT ADD UP      device + host + store + computed != prompt tokens")
+        lines.append(
+            "COUNTS DO NOT ADD UP      device + host + store + computed != prompt tokens"
+        )
     wrong = s.get("verify_failures") or []
     if wrong:
-        lines.append(f"VERIFY FAILED            {len(wrong)} of {s['verified_requests']} requests differ from the "
-                     f"uncached run; first: {wrong[0]}")
+        lines.append(
+            f"VERIFY FAILED            {len(wrong)} of {s['verified_requests']} requests differ from the "
+            f"uncached run; first: {wrong[0]}"
+        )
     elif s["verified_requests"]:
-        lines.append(f"verified                 {s['verified_requests']} requests match the uncached run "
-                     f"(max |logit diff| {s['max_logit_diff']:.1e})")
+        lines.append(
+            f"verified                 {s['verified_requests']} requests match the uncached run "
+            f"(max |logit diff| {s['max_logit_diff']:.1e})"
+        )
     return "\n".join(lines)
 
 
@@ -192,7 +280,9 @@ def _mib(n: int) -> str:
 def _progress(done: int, total: int) -> None:
     width = 30
     filled = width * done // total
-    sys.stderr.write(f"\rreplay [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    sys.stderr.write(
+        f"\rreplay [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+    )
     sys.stderr.flush()
 
 
@@ -203,12 +293,18 @@ def _plot(results, path: str, summary: dict, workload: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("tierctl: --plot needs matplotlib: pip install 'kvtier[plot]'") from None
+        raise SystemExit(
+            "tierctl: --plot needs matplotlib: pip install 'kvtier[plot]'"
+        ) from None
     totals = {"device": 0, "host": 0, "store": 0}
     prompt, series = 0, {k: [] for k in totals}
     for r in results:
         prompt += len(r.prompt)
-        for k, v in (("device", r.device_hit), ("host", r.host_hit), ("store", r.storage_hit)):
+        for k, v in (
+            ("device", r.device_hit),
+            ("host", r.host_hit),
+            ("store", r.storage_hit),
+        ):
             totals[k] += v
             series[k].append(totals[k] / prompt)
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -216,11 +312,17 @@ def _plot(results, path: str, summary: dict, workload: str) -> None:
     for k, ys in series.items():
         ax.plot(xs, ys, label=k)
     ax.plot(xs, [sum(t) for t in zip(*series.values())], label="total", color="black")
-    ax.axhline(summary["infinite_cache_hit_rate"], linestyle="--", color="grey",
-               label=f"bound: an infinite cache ({summary['infinite_cache_hit_rate']:.1%})")
+    ax.axhline(
+        summary["infinite_cache_hit_rate"],
+        linestyle="--",
+        color="grey",
+        label=f"bound: an infinite cache ({summary['infinite_cache_hit_rate']:.1%})",
+    )
     ax.set_xlabel("requests")
     ax.set_ylabel("cumulative hit rate (of prompt tokens)")
-    ax.set_title(f"kvtier replay of {os.path.basename(workload)}: where prefixes were found")
+    ax.set_title(
+        f"kvtier replay of {os.path.basename(workload)}: where prefixes were found"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

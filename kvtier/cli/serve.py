@@ -33,19 +33,71 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def add_arguments(p) -> None:
     p.description = "The reference engine behind HTTP. API, request and response, limits, metrics: docs/http-api.md."
-    p.add_argument("--config", default=None, help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3")
-    p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs --token")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file, or a shipped config by name: default, memory, redis, redis-cluster, s3",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="a non-loopback address needs --token"
+    )
     p.add_argument("--port", type=int, default=9400)
-    p.add_argument("--token", default=None, help="require Authorization: Bearer TOKEN (or env KVTIER_SERVE_TOKEN)")
-    p.add_argument("--max-body", type=int, default=MAX_BODY, help="largest request body in bytes (default 1 MiB)")
-    p.add_argument("--client-timeout", type=float, default=10.0, help="seconds a client has to send a whole request")
-    p.add_argument("--max-connections", type=int, default=1024, help="open connections at most; more get a 503")
-    p.add_argument("--max-queue", type=int, default=1024, help="generate requests queued at most; more get a 503")
-    p.add_argument("--backlog", type=int, default=2048, help="connections the kernel queues before accept")
-    p.add_argument("--batch", type=int, default=4, help="requests per forward (default 4)")
-    p.add_argument("--sessions", type=int, default=4096, help="session histories kept at most (LRU)")
-    p.add_argument("--session-ttl", type=float, default=3600.0, help="seconds a session's history outlives its last turn")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="info logs every request (access log)")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="require Authorization: Bearer TOKEN (or env KVTIER_SERVE_TOKEN)",
+    )
+    p.add_argument(
+        "--max-body",
+        type=int,
+        default=MAX_BODY,
+        help="largest request body in bytes (default 1 MiB)",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a whole request",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open connections at most; more get a 503",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="generate requests queued at most; more get a 503",
+    )
+    p.add_argument(
+        "--backlog",
+        type=int,
+        default=2048,
+        help="connections the kernel queues before accept",
+    )
+    p.add_argument(
+        "--batch", type=int, default=4, help="requests per forward (default 4)"
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=4096,
+        help="session histories kept at most (LRU)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a session's history outlives its last turn",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="info logs every request (access log)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,21 +113,38 @@ def check_arguments(args) -> None:
     """One line naming the flag, its value and what is allowed."""
     if not 0 <= args.port <= 65535:
         raise KvtierConfigError(f"serve --port {args.port}: must be in 0..65535")
-    for flag, value in (("--max-body", args.max_body), ("--max-connections", args.max_connections),
-                        ("--max-queue", args.max_queue), ("--backlog", args.backlog), ("--batch", args.batch),
-                        ("--sessions", args.sessions)):
+    for flag, value in (
+        ("--max-body", args.max_body),
+        ("--max-connections", args.max_connections),
+        ("--max-queue", args.max_queue),
+        ("--backlog", args.backlog),
+        ("--batch", args.batch),
+        ("--sessions", args.sessions),
+    ):
         if value < 1:
             raise KvtierConfigError(f"serve {flag} {value}: must be an integer >= 1")
-    for flag, value in (("--client-timeout", args.client_timeout), ("--session-ttl", args.session_ttl)):
+    for flag, value in (
+        ("--client-timeout", args.client_timeout),
+        ("--session-ttl", args.session_ttl),
+    ):
         if not 0 < value < float("inf"):
-            raise KvtierConfigError(f"serve {flag} {value}: must be a number of seconds > 0")
+            raise KvtierConfigError(
+                f"serve {flag} {value}: must be a number of seconds > 0"
+            )
 
 
 class Server:
     """Engine + cache on one scheduler thread (`EngineLoop`); request checks here."""
 
-    def __init__(self, config_path: str, seed: int = 0, batch: int = 4, sessions: int = 4096,
-                 session_ttl_s: float | None = 3600.0, max_queue: int = 1024) -> None:
+    def __init__(
+        self,
+        config_path: str,
+        seed: int = 0,
+        batch: int = 4,
+        sessions: int = 4096,
+        session_ttl_s: float | None = 3600.0,
+        max_queue: int = 1024,
+    ) -> None:
         from kvtier.cache import TieredCache
         from kvtier.cli.replay import with_weights
         from kvtier.config import load_config
@@ -87,7 +156,9 @@ class Server:
         self.model = TinyTransformer(ModelConfig(seed=seed))
         self.cache = TieredCache(with_weights(load_config(config_path), self.model))
         self.histories = Histories(sessions, session_ttl_s)
-        self.engine = Engine(self.cache, self.model, max_batch=batch, histories=self.histories)
+        self.engine = Engine(
+            self.cache, self.model, max_batch=batch, histories=self.histories
+        )
         self.loop = EngineLoop(self.engine, max_queue=max_queue)
         self._anonymous = 0
 
@@ -97,11 +168,19 @@ class Server:
 
         unknown = sorted(set(body) - _GENERATE_FIELDS)
         if unknown:  # a misspelt max_new_tokens would silently get the default
-            raise ValueError(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_GENERATE_FIELDS))}")
+            raise ValueError(
+                f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_GENERATE_FIELDS))}"
+            )
         prompt = body.get("prompt")
         vocab = self.model.config.vocab
-        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab})")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(_is_int(t) and 0 <= t < vocab for t in prompt)
+        ):
+            raise ValueError(
+                f"prompt must be a non-empty list of token ids in [0, {vocab})"
+            )
         n = body.get("max_new_tokens", 16)
         if not _is_int(n) or not 1 <= n <= 4096:
             raise ValueError(f"max_new_tokens={n!r}: must be an integer in [1, 4096]")
@@ -116,12 +195,25 @@ class Server:
     def answer(self, body: dict, r) -> dict:
         if r.error is not None:
             raise (RequestRejected if r.rejected else RequestFailed)(r.error)
-        return {"output": r.output, "prompt_tokens": len(r.prompt), "history_tokens": len(r.prompt) - len(body["prompt"]),
-                "cached_tokens": r.cached, "hits": {"device": r.device_hit, "host": r.host_hit, "storage": r.storage_hit}}
+        return {
+            "output": r.output,
+            "prompt_tokens": len(r.prompt),
+            "history_tokens": len(r.prompt) - len(body["prompt"]),
+            "cached_tokens": r.cached,
+            "hits": {
+                "device": r.device_hit,
+                "host": r.host_hit,
+                "storage": r.storage_hit,
+            },
+        }
 
     # the rest runs on the engine loop's thread (EngineLoop.call)
     def stats(self) -> dict:
-        return {**self.cache.stats(), "sessions": self.histories.stats(), "server": self.loop.stats()}
+        return {
+            **self.cache.stats(),
+            "sessions": self.histories.stats(),
+            "server": self.loop.stats(),
+        }
 
     def metrics(self) -> bytes:
         from prometheus_client import generate_latest
@@ -139,7 +231,14 @@ class Server:
 class Listener:
     """uvicorn on a socket bound here (so `--port 0` names its port before serving)."""
 
-    def __init__(self, app, host: str, port: int, limits: Limits = Limits(), log_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        host: str,
+        port: int,
+        limits: Limits = Limits(),
+        log_config: dict | None = None,
+    ) -> None:
         """`log_config`: a logging dictConfig to apply (the CLI's); None leaves logging alone."""
         import uvicorn
 
@@ -150,16 +249,30 @@ class Listener:
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.sock.bind((host, port))
-            self.sock.listen(limits.backlog)  # clients queue from here on, before uvicorn accepts
+            self.sock.listen(
+                limits.backlog
+            )  # clients queue from here on, before uvicorn accepts
         except OSError as exc:
             self.sock.close()
-            raise KvtierConfigError(f"serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            raise KvtierConfigError(
+                f"serve: cannot listen on {host}:{port}: {exc.strerror or exc}"
+            ) from None
         self.port = self.sock.getsockname()[1]
-        self.url = f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{self.port}"
-        config = uvicorn.Config(app, http=protocol_with_deadline(limits.client_timeout), lifespan="off",
-                                backlog=limits.backlog, limit_concurrency=limits.max_connections,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=30, log_level=limits.log_level,
-                                access_log=limits.log_level in ("info", "debug"), log_config=log_config)
+        self.url = (
+            f"http://{f'[{host}]' if family == socket.AF_INET6 else host}:{self.port}"
+        )
+        config = uvicorn.Config(
+            app,
+            http=protocol_with_deadline(limits.client_timeout),
+            lifespan="off",
+            backlog=limits.backlog,
+            limit_concurrency=limits.max_connections,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=30,
+            log_level=limits.log_level,
+            access_log=limits.log_level in ("info", "debug"),
+            log_config=log_config,
+        )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
@@ -169,10 +282,16 @@ class Listener:
 
     def start(self, timeout: float = 30.0) -> "Listener":
         """Serve on a thread (no signal handling there); returns once it accepts."""
-        self._thread = threading.Thread(target=self.serve, name="kvtier-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self.serve, name="kvtier-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+        while (
+            not self.server.started
+            and self._thread.is_alive()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         return self
 
@@ -186,15 +305,33 @@ class Listener:
 def run(args, default_config: str) -> int:
     token = args.token or os.environ.get("KVTIER_SERVE_TOKEN") or None
     if not _is_loopback(args.host) and token is None:
-        raise KvtierConfigError(f"serve --host {args.host}: a non-loopback address needs a token "
-                                "(--token or KVTIER_SERVE_TOKEN); clients send Authorization: Bearer <token>")
+        raise KvtierConfigError(
+            f"serve --host {args.host}: a non-loopback address needs a token "
+            "(--token or KVTIER_SERVE_TOKEN); clients send Authorization: Bearer <token>"
+        )
     check_arguments(args)
-    limits = Limits(args.max_body, args.client_timeout, args.max_connections, args.backlog, args.log_level)
-    server = Server(args.config or default_config, batch=args.batch, sessions=args.sessions,
-                    session_ttl_s=args.session_ttl, max_queue=args.max_queue)
+    limits = Limits(
+        args.max_body,
+        args.client_timeout,
+        args.max_connections,
+        args.backlog,
+        args.log_level,
+    )
+    server = Server(
+        args.config or default_config,
+        batch=args.batch,
+        sessions=args.sessions,
+        session_ttl_s=args.session_ttl,
+        max_queue=args.max_queue,
+    )
     try:
-        listener = Listener(build_app(server, token, args.max_body), args.host, args.port, limits,
-                            _log_config(args.log_level))
+        listener = Listener(
+            build_app(server, token, args.max_body),
+            args.host,
+            args.port,
+            limits,
+            _log_config(args.log_level),
+        )
     except KvtierConfigError:
         server.close()
         raise
@@ -204,11 +341,22 @@ def run(args, default_config: str) -> int:
     def stop(*_) -> None:
         listener.server.should_exit = True
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    print(f"tierctl serve: {listener.url} (/generate /metrics /stats /flush)", flush=True)
-    log.info("serving %s: batch %d, sessions %d (ttl %.0fs), client timeout %.1fs, max body %d, token %s",
-             listener.url, args.batch, args.sessions, args.session_ttl, args.client_timeout, args.max_body,
-             "required" if token else "none")
+    previous = {
+        sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    print(
+        f"tierctl serve: {listener.url} (/generate /metrics /stats /flush)", flush=True
+    )
+    log.info(
+        "serving %s: batch %d, sessions %d (ttl %.0fs), client timeout %.1fs, max body %d, token %s",
+        listener.url,
+        args.batch,
+        args.sessions,
+        args.session_ttl,
+        args.client_timeout,
+        args.max_body,
+        "required" if token else "none",
+    )
     try:
         listener.serve()
     finally:
@@ -237,7 +385,11 @@ def _log_config(level: str) -> dict:
     from uvicorn.config import LOGGING_CONFIG
 
     cfg = copy.deepcopy(LOGGING_CONFIG)
-    cfg["loggers"]["kvtier"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    cfg["loggers"]["kvtier"] = {
+        "handlers": ["default"],
+        "level": level.upper(),
+        "propagate": False,
+    }
     return cfg
 
 

@@ -45,7 +45,9 @@ def json_depth(raw: bytes) -> int:
     """How deep arrays and objects nest in `raw` (strings skipped), without parsing it:
     a deep body is refused before `json.loads` recurses into it."""
     depth = deepest = 0
-    for ch in _STRINGS.sub(b'""', raw).translate(None, b' \t\r\n"0123456789,:.-+eEtrufalsn'):
+    for ch in _STRINGS.sub(b'""', raw).translate(
+        None, b' \t\r\n"0123456789,:.-+eEtrufalsn'
+    ):
         if ch in b"[{":
             depth += 1
             deepest = max(deepest, depth)
@@ -77,13 +79,19 @@ async def read_body(request: Request, max_body: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_body:
-            raise _TooLarge(f"body of more than {max_body} bytes; at most {max_body} (--max-body)")
+            raise _TooLarge(
+                f"body of more than {max_body} bytes; at most {max_body} (--max-body)"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 def _error(code: int, message: str, close: bool = False) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=code, headers={"Connection": "close"} if close else None)
+    return JSONResponse(
+        {"error": message},
+        status_code=code,
+        headers={"Connection": "close"} if close else None,
+    )
 
 
 class TokenGate:
@@ -99,11 +107,18 @@ class TokenGate:
         sent = [v for k, v in scope["headers"] if k == b"authorization"]
         if len(sent) == 1 and hmac.compare_digest(sent[0], self.expected):
             return await self.app(scope, receive, send)
-        response = _error(401, "missing or wrong token: send one header Authorization: Bearer <token>")
+        response = _error(
+            401, "missing or wrong token: send one header Authorization: Bearer <token>"
+        )
         await response(scope, receive, send)
 
 
-def build_app(server, token: str | None = None, max_body: int = MAX_BODY, max_depth: int = MAX_DEPTH):
+def build_app(
+    server,
+    token: str | None = None,
+    max_body: int = MAX_BODY,
+    max_depth: int = MAX_DEPTH,
+):
     """`server`: a `kvtier.cli.serve.Server` (validation, the engine loop)."""
     from kvtier.engine.loop import Busy
 
@@ -140,20 +155,32 @@ def build_app(server, token: str | None = None, max_body: int = MAX_BODY, max_de
         return JSONResponse(await on_loop(server.stats))
 
     async def metrics(request: Request):
-        return Response(await on_loop(server.metrics), media_type="text/plain; version=0.0.4")
+        return Response(
+            await on_loop(server.metrics), media_type="text/plain; version=0.0.4"
+        )
 
     async def not_found(request: Request, exc: HTTPException):
         if exc.status_code in (404, 405):
-            return _error(404 if exc.status_code == 404 else 405,
-                          f"no route {request.method} {request.url.path}; routes: GET /stats /metrics, "
-                          "POST /generate /flush")
+            return _error(
+                404 if exc.status_code == 404 else 405,
+                f"no route {request.method} {request.url.path}; routes: GET /stats /metrics, "
+                "POST /generate /flush",
+            )
         return _error(exc.status_code, str(exc.detail))
 
     async def internal(request: Request, exc: Exception):
-        log.exception("serve: %s %s failed", request.method, request.url.path, exc_info=exc)
+        log.exception(
+            "serve: %s %s failed", request.method, request.url.path, exc_info=exc
+        )
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    app = Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/flush", flush, methods=["POST"]),
-                            Route("/stats", stats, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])],
-                    exception_handlers={HTTPException: not_found, Exception: internal})
+    app = Starlette(
+        routes=[
+            Route("/generate", generate, methods=["POST"]),
+            Route("/flush", flush, methods=["POST"]),
+            Route("/stats", stats, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: not_found, Exception: internal},
+    )
     return TokenGate(app, token)

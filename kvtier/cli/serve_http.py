@@ -15,7 +15,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 class DeadlineProtocol(H11Protocol):
     request_timeout = 10.0
     _deadline = None
-    _answered = None  # the cycle of the last response sent (its request is not the one in hand)
+    _answered = (
+        None  # the cycle of the last response sent (its request is not the one in hand)
+    )
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -49,7 +51,11 @@ class DeadlineProtocol(H11Protocol):
     def _expire(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
-            self.logger.info("dropping %s: no whole request within %.1fs", self.client, self.request_timeout)
+            self.logger.info(
+                "dropping %s: no whole request within %.1fs",
+                self.client,
+                self.request_timeout,
+            )
             self.transport.close()
 
 

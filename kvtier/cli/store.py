@@ -30,28 +30,61 @@ BATCH = 256
 
 
 def add_arguments(p) -> None:
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=type(p))
-    for name, text in (("ls", "namespaces in the store"), ("du", "bytes per namespace"),
-                       ("verify", "read and check every page"), ("purge", "delete a namespace, a tenant or old pages")):
+    sub = p.add_subparsers(
+        dest="action", metavar="ACTION", required=True, parser_class=type(p)
+    )
+    for name, text in (
+        ("ls", "namespaces in the store"),
+        ("du", "bytes per namespace"),
+        ("verify", "read and check every page"),
+        ("purge", "delete a namespace, a tenant or old pages"),
+    ):
         s = sub.add_parser(name, help=text)
-        s.add_argument("--config", default=None, help="a YAML file or a shipped config name (default: default)")
+        s.add_argument(
+            "--config",
+            default=None,
+            help="a YAML file or a shipped config name (default: default)",
+        )
         s.add_argument("--json", action="store_true")
         if name == "verify":
-            s.add_argument("--prune", action="store_true", help="delete the pages that do not verify")
+            s.add_argument(
+                "--prune",
+                action="store_true",
+                help="delete the pages that do not verify",
+            )
         if name == "purge":
             which = s.add_mutually_exclusive_group(required=True)
-            which.add_argument("--namespace", type=_namespace_id, help="a namespace id (see `tierctl store ls`)")
-            which.add_argument("--tenant", nargs="?", const="", metavar="SALT",
-                               help="a tenant salt: every namespace made with it; alone: the --config's tenant "
-                                    "(its salt, and every page sealed with its tenant key, manifest or not)")
-            which.add_argument("--older-than", type=_age, help="pages written longer ago than this: 90m, 12h, 7d")
-            s.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+            which.add_argument(
+                "--namespace",
+                type=_namespace_id,
+                help="a namespace id (see `tierctl store ls`)",
+            )
+            which.add_argument(
+                "--tenant",
+                nargs="?",
+                const="",
+                metavar="SALT",
+                help="a tenant salt: every namespace made with it; alone: the --config's tenant "
+                "(its salt, and every page sealed with its tenant key, manifest or not)",
+            )
+            which.add_argument(
+                "--older-than",
+                type=_age,
+                help="pages written longer ago than this: 90m, 12h, 7d",
+            )
+            s.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="say what would go, delete nothing",
+            )
 
 
 def _age(text: str) -> float:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number and a unit s, m, h or d (e.g. 7d)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a number and a unit s, m, h or d (e.g. 7d)"
+        )
     return float(m[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
 
 
@@ -61,22 +94,30 @@ def _store_from(config_path: str):
 
     cfg = load_config(config_path)
     if cfg.store.backend == "none":
-        raise KvtierConfigError(f"{config_path}: store.backend is 'none': no store here")
+        raise KvtierConfigError(
+            f"{config_path}: store.backend is 'none': no store here"
+        )
     return cfg, build_store(cfg.store.backend, cfg.store.options, cfg.store.timeout_s)
 
 
 def run(args, default_config: str) -> int:
     cfg, store = _store_from(args.config or default_config)
     action = {"ls": _ls, "du": _du, "verify": _verify, "purge": _purge}[args.action]
-    args.tenant_config = cfg.namespace  # the config's tenant: its salt and key ring (verify, purge)
+    args.tenant_config = (
+        cfg.namespace
+    )  # the config's tenant: its salt and key ring (verify, purge)
 
     async def go():
         try:
             return await action(store, cfg.store.key_prefix, args)
         except KvtierError:
             raise
-        except Exception as exc:  # the store's client outside a timed call (a listing): one line
-            raise StoreError(f"{store.name} store: {type(exc).__name__}: {exc}") from None
+        except (
+            Exception
+        ) as exc:  # the store's client outside a timed call (a listing): one line
+            raise StoreError(
+                f"{store.name} store: {type(exc).__name__}: {exc}"
+            ) from None
         finally:
             with contextlib.suppress(Exception):
                 await store.close()
@@ -100,8 +141,9 @@ class _Progress:
 
 
 async def _by_namespace(store, prefix: str, what: str) -> dict[str, dict]:
-    spaces: dict[str, dict] = defaultdict(lambda: {"pages": 0, "bytes": 0, "oldest": None, "newest": None,
-                                                   "keys": []})
+    spaces: dict[str, dict] = defaultdict(
+        lambda: {"pages": 0, "bytes": 0, "oldest": None, "newest": None, "keys": []}
+    )
     progress = _Progress(what)
     async for batch in store.scan(BATCH):
         for p in batch:
@@ -113,8 +155,12 @@ async def _by_namespace(store, prefix: str, what: str) -> dict[str, dict]:
             s["bytes"] += p.size
             s["keys"].append((p.key, p.mtime))
             if p.mtime is not None:
-                s["oldest"] = p.mtime if s["oldest"] is None else min(s["oldest"], p.mtime)
-                s["newest"] = p.mtime if s["newest"] is None else max(s["newest"], p.mtime)
+                s["oldest"] = (
+                    p.mtime if s["oldest"] is None else min(s["oldest"], p.mtime)
+                )
+                s["newest"] = (
+                    p.mtime if s["newest"] is None else max(s["newest"], p.mtime)
+                )
         progress.add(len(batch))
     progress.done()
     return dict(spaces)
@@ -125,21 +171,39 @@ async def _ls(store, prefix, args) -> int:
     rows = []
     for ns, s in sorted(spaces.items()):
         m = await store.get_manifest(prefix, ns) or {}
-        rows.append({"namespace": ns, "model_id": m.get("model_id"), "revision": m.get("revision"),
-                     "dtype": m.get("dtype"), "layout": m.get("layout"), "page_size": m.get("page_size"),
-                     "store_pages": m.get("store_pages", 1) if m else None,
-                     "tenant": m.get("tenant"), "pages": s["pages"], "bytes": s["bytes"],
-                     "oldest": s["oldest"], "newest": s["newest"], "manifest": bool(m)})
+        rows.append(
+            {
+                "namespace": ns,
+                "model_id": m.get("model_id"),
+                "revision": m.get("revision"),
+                "dtype": m.get("dtype"),
+                "layout": m.get("layout"),
+                "page_size": m.get("page_size"),
+                "store_pages": m.get("store_pages", 1) if m else None,
+                "tenant": m.get("tenant"),
+                "pages": s["pages"],
+                "bytes": s["bytes"],
+                "oldest": s["oldest"],
+                "newest": s["newest"],
+                "manifest": bool(m),
+            }
+        )
     if args.json:
         print(json.dumps({"store": store.name, "namespaces": rows}, indent=2))
         return 0
-    print(f"store {store.name}: {len(rows)} namespaces, {sum(r['pages'] for r in rows)} pages, "
-          f"{_size(sum(r['bytes'] for r in rows))}")
-    print(f"{'namespace':32}  {'model':24} {'dtype':8} {'page':>5} {'tenant':16} {'pages':>7} {'size':>10}  newest")
+    print(
+        f"store {store.name}: {len(rows)} namespaces, {sum(r['pages'] for r in rows)} pages, "
+        f"{_size(sum(r['bytes'] for r in rows))}"
+    )
+    print(
+        f"{'namespace':32}  {'model':24} {'dtype':8} {'page':>5} {'tenant':16} {'pages':>7} {'size':>10}  newest"
+    )
     for r in rows:
-        print(f"{r['namespace']:32}  {_shown(r['model_id'] or '(no manifest)')[:24]:24} {_shown(r['dtype'] or '-'):8} "
-              f"{_page(r):>5} {_shown(r['tenant'] or '-'):16} {r['pages']:>7} "
-              f"{_size(r['bytes']):>10}  {_when(r['newest'])}")
+        print(
+            f"{r['namespace']:32}  {_shown(r['model_id'] or '(no manifest)')[:24]:24} {_shown(r['dtype'] or '-'):8} "
+            f"{_page(r):>5} {_shown(r['tenant'] or '-'):16} {r['pages']:>7} "
+            f"{_size(r['bytes']):>10}  {_when(r['newest'])}"
+        )
     return 0
 
 
@@ -153,8 +217,16 @@ async def _du(store, prefix, args) -> int:
     spaces = await _by_namespace(store, prefix, "measuring")
     total = sum(s["bytes"] for s in spaces.values())
     if args.json:
-        print(json.dumps({"store": store.name, "bytes": total,
-                          "namespaces": {ns: s["bytes"] for ns, s in sorted(spaces.items())}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "store": store.name,
+                    "bytes": total,
+                    "namespaces": {ns: s["bytes"] for ns, s in sorted(spaces.items())},
+                },
+                indent=2,
+            )
+        )
         return 0
     for ns, s in sorted(spaces.items(), key=lambda kv: -kv[1]["bytes"]):
         print(f"{_size(s['bytes']):>10}  {ns}")
@@ -207,13 +279,15 @@ async def _verify(store, prefix, args) -> int:
             foreign += len(page_keys)
             continue
         for start in range(0, len(page_keys), BATCH):
-            chunk = page_keys[start:start + BATCH]
+            chunk = page_keys[start : start + BATCH]
             verdicts = await store.check(chunk, codec)
             for k, why in zip(chunk, verdicts):
                 if why is None:
                     good += 1
                     orphaned += manifest is None
-                elif isinstance(why, seal.ForeignKey) and isinstance(codec, _AnyFrame):  # else strict: our key's
+                elif isinstance(why, seal.ForeignKey) and isinstance(
+                    codec, _AnyFrame
+                ):  # else strict: our key's
                     foreign += 1
                 elif why != "missing":  # deleted meanwhile: nothing to say
                     bad += 1
@@ -223,12 +297,30 @@ async def _verify(store, prefix, args) -> int:
     if args.prune and bad_keys:
         pruned = await store.delete([k for k, _ in bad_keys])
     if args.json:
-        print(json.dumps({"store": store.name, "good": good, "bad": bad, "orphaned": orphaned, "foreign": foreign,
-                          "pruned": pruned, "bad_pages": [{"key": k, "why": w} for k, w in bad_keys]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "store": store.name,
+                    "good": good,
+                    "bad": bad,
+                    "orphaned": orphaned,
+                    "foreign": foreign,
+                    "pruned": pruned,
+                    "bad_pages": [{"key": k, "why": w} for k, w in bad_keys],
+                },
+                indent=2,
+            )
+        )
     else:
-        print(f"store {store.name}: {good} good, {bad} bad, {orphaned} orphaned (no manifest)"
-              + (f", {foreign} sealed with keys not given (not checked)" if foreign else "")
-              + (f", {pruned} bad pages deleted" if args.prune else ""))
+        print(
+            f"store {store.name}: {good} good, {bad} bad, {orphaned} orphaned (no manifest)"
+            + (
+                f", {foreign} sealed with keys not given (not checked)"
+                if foreign
+                else ""
+            )
+            + (f", {pruned} bad pages deleted" if args.prune else "")
+        )
         for k, why in bad_keys[:20]:
             print(f"  bad: {k}: {why}")
         if len(bad_keys) > 20:
@@ -246,18 +338,25 @@ async def _purge(store, prefix, args) -> int:
     else:
         ages = [t for s in spaces.values() for _, t in s["keys"]]
         if ages and all(t is None for t in ages):
-            raise KvtierConfigError(f"purge --older-than: the {store.name} store keeps no write times; "
-                                    "expire pages with the store's own TTL instead (store.ttl_s on redis)")
+            raise KvtierConfigError(
+                f"purge --older-than: the {store.name} store keeps no write times; "
+                "expire pages with the store's own TTL instead (store.ttl_s on redis)"
+            )
         cutoff = time.time() - args.older_than
-        victims = [k for s in spaces.values() for k, t in s["keys"] if t is not None and t < cutoff]
+        victims = [
+            k
+            for s in spaces.values()
+            for k, t in s["keys"]
+            if t is not None and t < cutoff
+        ]
     if args.dry_run:
         print(f"would delete {len(victims)} pages")
         return 0
     deleted = 0
     progress = _Progress("deleting")
     for start in range(0, len(victims), BATCH):
-        deleted += await store.delete(victims[start:start + BATCH])
-        progress.add(len(victims[start:start + BATCH]))
+        deleted += await store.delete(victims[start : start + BATCH])
+        progress.add(len(victims[start : start + BATCH]))
     progress.done()
     print(f"deleted {deleted} pages")
     return 0
@@ -271,19 +370,23 @@ async def _tenant_pages(store, prefix, spaces: dict, args) -> list[str]:
     salt = args.tenant or mine.tenant_salt
     keys = mine.tenant_keys() if salt == mine.tenant_salt else None
     if salt is None and keys is None:
-        raise KvtierConfigError("purge --tenant: give a SALT, or a --config with namespace.tenant_salt or "
-                                "namespace.tenant_key")
+        raise KvtierConfigError(
+            "purge --tenant: give a SALT, or a --config with namespace.tenant_salt or "
+            "namespace.tenant_key"
+        )
     want, key_ids = tenant_digest(salt), set(keys.ids if keys is not None else ())
     victims: list[str] = []
     for ns, s in spaces.items():
         page_keys = [k for k, _ in s["keys"]]
         m = await store.get_manifest(prefix, ns)
         if m is not None:
-            if (salt is not None and m.get("tenant") == want) or m.get("tenant_key_id") in key_ids:
+            if (salt is not None and m.get("tenant") == want) or m.get(
+                "tenant_key_id"
+            ) in key_ids:
                 victims += page_keys
         elif keys is not None:
             for start in range(0, len(page_keys), BATCH):
-                chunk = page_keys[start:start + BATCH]
+                chunk = page_keys[start : start + BATCH]
                 verdicts = await store.check(chunk, seal.SealedCodec(keys))
                 victims += [k for k, why in zip(chunk, verdicts) if why is None]
     return victims
@@ -298,8 +401,10 @@ def _shown(value) -> str:
 
 def _namespace_id(text: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{32}", text):
-        raise argparse.ArgumentTypeError(f"{text!r}: a namespace id is 32 lowercase hex digits "
-                                         "(see `tierctl store ls`)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a namespace id is 32 lowercase hex digits "
+            "(see `tierctl store ls`)"
+        )
     return text
 
 

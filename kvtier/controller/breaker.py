@@ -29,8 +29,12 @@ class BreakerConfig:
 
 
 class Breaker:
-    def __init__(self, name: str, config: BreakerConfig = BreakerConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: BreakerConfig = BreakerConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self.config = config
         self.clock = clock
@@ -54,7 +58,11 @@ class Breaker:
 
     def succeeded(self) -> None:
         if self.down:
-            log.warning("store %s answers again after %d skipped calls; using it", self.name, self.skipped)
+            log.warning(
+                "store %s answers again after %d skipped calls; using it",
+                self.name,
+                self.skipped,
+            )
         self.consecutive, self.down, self.probing = 0, False, False
         self.backoff = self.config.backoff_s
 
@@ -67,8 +75,13 @@ class Breaker:
         elif self.consecutive >= self.config.failures:
             self.down, self.trips = True, self.trips + 1
             self.next_probe = self.clock() + self.backoff
-            log.error("store %s is down after %d failed calls (last: %s); skipping it, probing every %.1fs+",
-                      self.name, self.consecutive, why, self.backoff)
+            log.error(
+                "store %s is down after %d failed calls (last: %s); skipping it, probing every %.1fs+",
+                self.name,
+                self.consecutive,
+                why,
+                self.backoff,
+            )
 
     def abandoned(self, outcome) -> bool:
         """Did the call whose `settled` gave `outcome` get abandoned, its threads stuck (a
@@ -80,4 +93,8 @@ class Breaker:
         return True
 
     def stats(self) -> dict:
-        return {"store_down": self.down, "breaker_trips": self.trips, "calls_skipped_store_down": self.skipped}
+        return {
+            "store_down": self.down,
+            "breaker_trips": self.trips,
+            "calls_skipped_store_down": self.skipped,
+        }

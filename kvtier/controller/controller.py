@@ -67,8 +67,12 @@ class WriteOp(Generic[Tag]):
     tag: Tag
     handle: Handle | None = None
     started: float = field(default_factory=time.perf_counter)
-    applied: bool = False  # the scheduler took it (its host slots went to the tree or back)
-    failed_elsewhere: bool = False  # landed here, failed on another rank: failed on every rank
+    applied: bool = (
+        False  # the scheduler took it (its host slots went to the tree or back)
+    )
+    failed_elsewhere: bool = (
+        False  # landed here, failed on another rank: failed on every rank
+    )
 
 
 @dataclass(eq=False)
@@ -92,35 +96,64 @@ class LoadOp(Generic[Tag]):
 
 
 class CacheController:
-    def __init__(self, pool: DeviceKVPool, mirror: HostMirror | None, store: Store | None,
-                 config: ControllerConfig, stream_factory=make_stream, clock=time.monotonic,
-                 manifest: tuple[str, str, dict] | None = None, store_pages: int = 1) -> None:
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        mirror: HostMirror | None,
+        store: Store | None,
+        config: ControllerConfig,
+        stream_factory=make_stream,
+        clock=time.monotonic,
+        manifest: tuple[str, str, dict] | None = None,
+        store_pages: int = 1,
+    ) -> None:
         """`stream_factory(name, device)` makes the write and load streams (a test passes
         one whose every copy it schedules itself); `clock` times the store breaker's probes;
         `manifest` (key prefix, namespace id, manifest) is written to the store once;
         `store_pages`: device pages in one store page (store_pages.py)."""
-        cpus = check_cpus(config.cpus)  # before any thread starts: a bad value leaves nothing behind
+        cpus = check_cpus(
+            config.cpus
+        )  # before any thread starts: a bad value leaves nothing behind
         self.pool = pool
         self.mirror = mirror
         self.config = config
         self.page_size = pool.config.page_size
-        self.host_lock = threading.Lock()  # the mirror's allocator is shared with the storage thread
+        self.host_lock = (
+            threading.Lock()
+        )  # the mirror's allocator is shared with the storage thread
         self.write_stream = stream_factory("write", pool.device)
         self.load_stream = stream_factory("load", pool.device)
         for t in [*self.write_stream.threads(), *self.load_stream.threads()]:
             confine(t.native_id, cpus)  # they start no threads of their own: no race
         self.storage = None
         if store is not None and mirror is not None:
-            breaker = BreakerConfig(config.store_down_after_failures, config.store_probe_backoff_s,
-                                    config.store_probe_max_backoff_s)
-            self.storage = StorageWorker(store, mirror, config.max_inflight_prefetch_bytes, breaker, clock, cpus,
-                                         manifest, store_pages)
+            breaker = BreakerConfig(
+                config.store_down_after_failures,
+                config.store_probe_backoff_s,
+                config.store_probe_max_backoff_s,
+            )
+            self.storage = StorageWorker(
+                store,
+                mirror,
+                config.max_inflight_prefetch_bytes,
+                breaker,
+                clock,
+                cpus,
+                manifest,
+                store_pages,
+            )
         self._queued_writes: list[WriteOp] = []
         self._queues: dict[OpKind, deque] = {kind: deque() for kind in OpKind}
         self._prefetches: dict[str, PrefetchOp] = {}  # in submission order
-        self._unsettled: list[PrefetchOp] = []  # ended, but the store may still write their pages
-        self._quarantined: list[np.ndarray] = []  # host pages an abandoned store read may still write
-        self._copies_done = 0  # write and load handles finished (bumped by their runners)
+        self._unsettled: list[
+            PrefetchOp
+        ] = []  # ended, but the store may still write their pages
+        self._quarantined: list[
+            np.ndarray
+        ] = []  # host pages an abandoned store read may still write
+        self._copies_done = (
+            0  # write and load handles finished (bumped by their runners)
+        )
 
     @property
     def store(self) -> Store | None:
@@ -134,8 +167,10 @@ class CacheController:
             asyncio.run_coroutine_threadsafe(probe, storage.loop).result(timeout_s)
         except (StoreError, TimeoutError) as exc:
             self.close()
-            raise StoreUnavailable(f"store.required: the {storage.store.name} store cannot be reached at start: "
-                                   f"{str(exc) or type(exc).__name__}") from exc
+            raise StoreUnavailable(
+                f"store.required: the {storage.store.name} store cannot be reached at start: "
+                f"{str(exc) or type(exc).__name__}"
+            ) from exc
 
     # -- host slots (the lock makes accounting snapshots consistent) --------------------------
 
@@ -153,8 +188,10 @@ class CacheController:
         abandoned stuck on some rank (agreed in a poll: `abandoned_anywhere`; this rank's
         own, `abandoned`, is always in it): then they are all kept out of use for good,
         counted, on every rank (its allocator stays the others')."""
-        pages = op.host_pages[op.inserted:]
-        if op.abandoned_anywhere or op.abandoned:  # agreed: the same pages on every rank
+        pages = op.host_pages[op.inserted :]
+        if (
+            op.abandoned_anywhere or op.abandoned
+        ):  # agreed: the same pages on every rank
             if pages.size:
                 with self.host_lock:  # one consistent accounting snapshot
                     self._quarantined.append(pages)
@@ -176,7 +213,9 @@ class CacheController:
 
     def grant(self, op: PrefetchOp, pages: int) -> int:
         """Reserve up to `pages` free host pages for `op` and let its reads start."""
-        if pages == 0 and op.present == 0:  # this rank's store holds none: its op waits for no grant
+        if (
+            pages == 0 and op.present == 0
+        ):  # this rank's store holds none: its op waits for no grant
             op.granted = True
             return 0
         ps = self.page_size
@@ -214,7 +253,9 @@ class CacheController:
         dev = _joined([op.device_slots for op in ops])
         host = _joined([op.host_slots for op in ops])
         mirror, pool = self.mirror, self.pool
-        handle = self.write_stream.submit(lambda h: mirror.backup(pool, dev, host), Handle(on_done=self._copy_done))
+        handle = self.write_stream.submit(
+            lambda h: mirror.backup(pool, dev, host), Handle(on_done=self._copy_done)
+        )
         writes = self._queues[OpKind.WRITE]
         for op in ops:
             op.handle = handle
@@ -228,14 +269,18 @@ class CacheController:
 
     # -- host -> device -----------------------------------------------------------------------
 
-    def load(self, host_slots: np.ndarray, device_slots: np.ndarray, tag: Tag) -> LoadOp:
+    def load(
+        self, host_slots: np.ndarray, device_slots: np.ndarray, tag: Tag
+    ) -> LoadOp:
         """Copy host slots into (already allocated) device slots, one layer at a time."""
         mirror, pool = self.mirror, self.pool
         check_slots("host_slots", host_slots)
         check_slots("device_slots", device_slots, host_slots.size)
 
         def job(h: Handle) -> None:
-            plan = mirror.plan(device_slots, host_slots)  # by whoever runs the job (streams.py)
+            plan = mirror.plan(
+                device_slots, host_slots
+            )  # by whoever runs the job (streams.py)
             for layer in range(pool.num_layers):
                 mirror.load_layer(pool, host_slots, device_slots, layer, plan)
                 h.layer_done(layer)
@@ -251,8 +296,14 @@ class CacheController:
 
     # -- host <-> store -----------------------------------------------------------------------
 
-    def backup(self, keys: list[str], host_pages: np.ndarray, tag: Tag,
-               lead_in: np.ndarray | None = None, deferred: int = 0) -> BackupOp | None:
+    def backup(
+        self,
+        keys: list[str],
+        host_pages: np.ndarray,
+        tag: Tag,
+        lead_in: np.ndarray | None = None,
+        deferred: int = 0,
+    ) -> BackupOp | None:
         if self.storage is None:
             return None
         op = BackupOp(keys, host_pages, tag, lead_in=lead_in, deferred=deferred)
@@ -262,7 +313,9 @@ class CacheController:
 
     def prefetch(self, op: PrefetchOp) -> None:
         if op.request_id in self._prefetches:
-            raise ValueError(f"prefetch: request_id={op.request_id!r} already has a prefetch in flight")
+            raise ValueError(
+                f"prefetch: request_id={op.request_id!r} already has a prefetch in flight"
+            )
         self._prefetches[op.request_id] = op
         self.storage.submit_prefetch(op)
 
@@ -283,12 +336,16 @@ class CacheController:
         set before `settled`."""
         return [(int(op.settled), int(op.abandoned)) for op in self._unsettled]
 
-    def take_settled(self, settled: list[int], abandoned: list[int]) -> list[PrefetchOp]:
+    def take_settled(
+        self, settled: list[int], abandoned: list[int]
+    ) -> list[PrefetchOp]:
         """The first `len(settled)` unsettled prefetches whose flag is set (agreed): they
         leave the controller; the rest stay, in order. One abandoned on any rank (agreed)
         holds back all its unused host pages on every rank (`free_unused_pages`)."""
         head = self._unsettled[: len(settled)]
-        self._unsettled = [op for op, done in zip(head, settled) if not done] + self._unsettled[len(settled):]
+        self._unsettled = [
+            op for op, done in zip(head, settled) if not done
+        ] + self._unsettled[len(settled) :]
         for op, stuck in zip(head, abandoned):
             op.abandoned_anywhere = op.abandoned_anywhere or bool(stuck)
         return [op for op, done in zip(head, settled) if done]
@@ -311,15 +368,20 @@ class CacheController:
     def finished(self) -> Finished:
         """Leading finished ops of each kind (snapshots; only grow)."""
         q = self._queues
-        return Finished(_leading(q[OpKind.WRITE], lambda op: op.handle.is_done()),
-                        _leading(q[OpKind.LOAD], lambda op: op.handle.is_done()),
-                        _leading(q[OpKind.BACKUP], lambda op: op.finished))
+        return Finished(
+            _leading(q[OpKind.WRITE], lambda op: op.handle.is_done()),
+            _leading(q[OpKind.LOAD], lambda op: op.handle.is_done()),
+            _leading(q[OpKind.BACKUP], lambda op: op.finished),
+        )
 
     def writes_landed(self) -> list[int]:
         """Per write in flight, in order: 1 if it has landed here. A write's outcome changes
         the tree, so under tensor parallelism the ranks agree on these (MIN): a write that
         failed on any rank fails on every rank."""
-        return [int(op.handle.is_done() and op.handle.error is None) for op in self._queues[OpKind.WRITE]]
+        return [
+            int(op.handle.is_done() and op.handle.error is None)
+            for op in self._queues[OpKind.WRITE]
+        ]
 
     def take(self, kind: OpKind, n: int) -> list:
         """The `n` oldest ops of `kind` (finished on every rank), which leave the controller."""
@@ -328,14 +390,22 @@ class CacheController:
 
     def queue_sizes(self) -> dict[str, int]:
         q = self._queues
-        return {"writes": len(q[OpKind.WRITE]), "loads": len(q[OpKind.LOAD]), "backups": len(q[OpKind.BACKUP]),
-                "prefetches": len(self._prefetches), "host_pages_quarantined": self.quarantined_pages()}
+        return {
+            "writes": len(q[OpKind.WRITE]),
+            "loads": len(q[OpKind.LOAD]),
+            "backups": len(q[OpKind.BACKUP]),
+            "prefetches": len(self._prefetches),
+            "host_pages_quarantined": self.quarantined_pages(),
+        }
 
     def host_accounting(self) -> HostAccounting:
         """Where the host slots not in the tree are, one consistent snapshot."""
         with self.host_lock:
-            return HostAccounting(self.mirror.allocator.available_size(), self._in_flight_host_slots(),
-                                  self.quarantined_pages() * self.page_size)
+            return HostAccounting(
+                self.mirror.allocator.available_size(),
+                self._in_flight_host_slots(),
+                self.quarantined_pages() * self.page_size,
+            )
 
     def _in_flight_host_slots(self) -> int:
         n = sum(op.host_slots.size for op in self._queued_writes)
@@ -347,14 +417,21 @@ class CacheController:
 
     def busy(self) -> bool:
         """Any op not applied yet (or a prefetch whose store call has not settled)?"""
-        return bool(any(self._queues.values()) or self._prefetches or self._queued_writes or self._unsettled)
+        return bool(
+            any(self._queues.values())
+            or self._prefetches
+            or self._queued_writes
+            or self._unsettled
+        )
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until every submitted transfer and store op has finished."""
         self.flush_writes()
         deadline = time.monotonic() + timeout
-        for stream, ops in ((self.write_stream, list(self._queues[OpKind.WRITE])),
-                            (self.load_stream, list(self._queues[OpKind.LOAD]))):
+        for stream, ops in (
+            (self.write_stream, list(self._queues[OpKind.WRITE])),
+            (self.load_stream, list(self._queues[OpKind.LOAD])),
+        ):
             for op in ops:
                 stream.wait(op.handle, max(0.0, deadline - time.monotonic()))
         if self.storage is not None:

@@ -27,7 +27,9 @@ def parse_cpu_list(text: str) -> frozenset[int]:
         except ValueError:
             lo, hi = -1, -2
         if lo < 0 or hi < lo:
-            raise ValueError(f"cpus={text!r}: expected a CPU list such as '1-3,6' (ids >= 0, ranges low-high)")
+            raise ValueError(
+                f"cpus={text!r}: expected a CPU list such as '1-3,6' (ids >= 0, ranges low-high)"
+            )
         cpus.update(range(lo, hi + 1))
     return frozenset(cpus)
 
@@ -50,11 +52,15 @@ def check_cpus(text: str | None) -> frozenset[int] | None:
         raise KvtierConfigError(f"controller.{exc}") from None
     allowed = allowed_cpus()
     if allowed is None:
-        raise KvtierConfigError(f"controller.cpus={text!r}: confining threads needs Linux (sched_setaffinity); "
-                                f"leave it null")
+        raise KvtierConfigError(
+            f"controller.cpus={text!r}: confining threads needs Linux (sched_setaffinity); "
+            f"leave it null"
+        )
     if not cpus <= allowed:
-        raise KvtierConfigError(f"controller.cpus={text!r}: CPUs {format_cpu_list(cpus - allowed)} are not ones "
-                                f"this process may run on ({format_cpu_list(allowed)})")
+        raise KvtierConfigError(
+            f"controller.cpus={text!r}: CPUs {format_cpu_list(cpus - allowed)} are not ones "
+            f"this process may run on ({format_cpu_list(allowed)})"
+        )
     return cpus
 
 
@@ -66,8 +72,12 @@ def confine(native_id: int, cpus: frozenset[int] | None) -> None:
     try:
         os.sched_setaffinity(native_id, cpus)
     except OSError as exc:
-        logging.getLogger(__name__).warning("thread %d: could not keep to CPUs %s (%s); running anywhere",
-                                            native_id, format_cpu_list(cpus), exc)
+        logging.getLogger(__name__).warning(
+            "thread %d: could not keep to CPUs %s (%s); running anywhere",
+            native_id,
+            format_cpu_list(cpus),
+            exc,
+        )
 
 
 def keep_to(cpus: frozenset[int] | None) -> None:
@@ -76,7 +86,7 @@ def keep_to(cpus: frozenset[int] | None) -> None:
 
 
 def format_cpu_list(cpus) -> str:
-    """"1-3,6" for {1, 2, 3, 6}."""
+    """ "1-3,6" for {1, 2, 3, 6}."""
     out, ids = [], sorted(cpus)
     i = 0
     while i < len(ids):

@@ -22,12 +22,20 @@ class LayerWaiter:
     requests whose load failed on any rank (agreed in one collective under tensor
     parallelism): their outputs are garbage; abort exactly those, on every rank."""
 
-    def __init__(self, loads: dict[str, Handle], timeout_s: float, agreement: Agreement, num_layers: int) -> None:
+    def __init__(
+        self,
+        loads: dict[str, Handle],
+        timeout_s: float,
+        agreement: Agreement,
+        num_layers: int,
+    ) -> None:
         self.loads = loads  # request id -> its load, in the caller's (replicated) order
         self.num_layers = num_layers
         self.timeout_s = timeout_s
         self.agreement = agreement
-        self.bad: dict[str, str] = {}  # request id -> why its load is unusable (this rank)
+        self.bad: dict[
+            str, str
+        ] = {}  # request id -> why its load is unusable (this rank)
 
     def wait_layer(self, layer: int) -> None:
         if type(layer) is not int or not 0 <= layer < self.num_layers:
@@ -46,11 +54,15 @@ class LayerWaiter:
         ValueError: -1 returned at once (nothing waited for, and the forward read KV not
         loaded yet), a layer past the last waited out the whole timeout and blamed the load."""
         try:
-            index = None if isinstance(layer, (bool, np.bool_)) else operator.index(layer)
+            index = (
+                None if isinstance(layer, (bool, np.bool_)) else operator.index(layer)
+            )
         except TypeError:
             index = None
         if index is None or not 0 <= index < self.num_layers:
-            raise ValueError(f"wait_layer: layer={layer!r}: must be an integer in [0, {self.num_layers})")
+            raise ValueError(
+                f"wait_layer: layer={layer!r}: must be an integer in [0, {self.num_layers})"
+            )
         return index
 
     def failed(self) -> list[str]:
@@ -60,6 +72,8 @@ class LayerWaiter:
         if not self.loads:
             return []
         rids = list(self.loads)
-        mine = [int(rid in self.bad or self.loads[rid].error is not None) for rid in rids]
+        mine = [
+            int(rid in self.bad or self.loads[rid].error is not None) for rid in rids
+        ]
         _, agreed = self.agreement.agree([], mine)
         return [rid for rid, bad in zip(rids, agreed) if bad]

@@ -23,7 +23,12 @@ from typing import Callable
 
 
 class LoadSpeed:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, probe_s: float = 1.0, alpha: float = 0.2) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        probe_s: float = 1.0,
+        alpha: float = 0.2,
+    ) -> None:
         self.clock = clock
         self.probe_s = probe_s
         self.alpha = alpha
@@ -39,9 +44,14 @@ class LoadSpeed:
     # -- the engine (scheduler thread) -----------------------------------------------------
 
     def set_prefill_rate(self, tokens_per_s: float | None) -> None:
-        if tokens_per_s is not None and not (isinstance(tokens_per_s, (int, float)) and tokens_per_s > 0
-                                             and math.isfinite(tokens_per_s)):
-            raise ValueError(f"prefill tokens_per_s={tokens_per_s!r}: must be a finite number > 0, or None")
+        if tokens_per_s is not None and not (
+            isinstance(tokens_per_s, (int, float))
+            and tokens_per_s > 0
+            and math.isfinite(tokens_per_s)
+        ):
+            raise ValueError(
+                f"prefill tokens_per_s={tokens_per_s!r}: must be a finite number > 0, or None"
+            )
         with self._lock:
             self._prefill = None if tokens_per_s is None else float(tokens_per_s)
 
@@ -52,7 +62,11 @@ class LoadSpeed:
         if rate is None:
             return
         with self._lock:
-            self._prefill = rate if self._prefill is None else self._prefill + self.alpha * (rate - self._prefill)
+            self._prefill = (
+                rate
+                if self._prefill is None
+                else self._prefill + self.alpha * (rate - self._prefill)
+            )
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -66,7 +80,9 @@ class LoadSpeed:
 
     def observe_read(self, pages: int, seconds: float) -> None:
         if pages > 0:
-            self.page_s = self._avg(self.page_s, max(0.0, seconds - (self.call_s or 0.0)) / pages)
+            self.page_s = self._avg(
+                self.page_s, max(0.0, seconds - (self.call_s or 0.0)) / pages
+            )
 
     def expected_s(self, pages: int, calls: int) -> float | None:
         if self.call_s is None or self.page_s is None:
@@ -94,10 +110,13 @@ class LoadSpeed:
 
     def stats(self) -> dict:
         prefill = self.prefill_tokens_per_s
-        return {"prefetch_skipped_slow": self.skipped, "prefetch_skipped_slow_tokens": self.skipped_tokens,
-                "store_call_ms": None if self.call_s is None else self.call_s * 1e3,
-                "store_page_ms": None if self.page_s is None else self.page_s * 1e3,
-                "prefill_tokens_per_s": prefill}
+        return {
+            "prefetch_skipped_slow": self.skipped,
+            "prefetch_skipped_slow_tokens": self.skipped_tokens,
+            "store_call_ms": None if self.call_s is None else self.call_s * 1e3,
+            "store_page_ms": None if self.page_s is None else self.page_s * 1e3,
+            "prefill_tokens_per_s": prefill,
+        }
 
 
 def prefill_rate(tokens: int, seconds: float) -> float | None:
@@ -105,13 +124,25 @@ def prefill_rate(tokens: int, seconds: float) -> float | None:
     too short for the clock to see (0 s): it teaches nothing. A negative, infinite or NaN
     value, or one that is not a number, is an engine bug and raises ValueError naming it:
     averaged in, it would make every load look slower (or faster) than recomputing."""
-    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+    if (
+        isinstance(tokens, bool)
+        or not isinstance(tokens, numbers.Integral)
+        or tokens < 0
+    ):
         raise ValueError(f"report_prefill: tokens={tokens!r}: must be an integer >= 0")
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
-        raise ValueError(f"report_prefill: seconds={seconds!r}: must be a finite number >= 0")
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, numbers.Real)
+        or not 0 <= seconds < math.inf
+    ):
+        raise ValueError(
+            f"report_prefill: seconds={seconds!r}: must be a finite number >= 0"
+        )
     if tokens == 0 or seconds == 0:
         return None
     rate = tokens / seconds
     if not math.isfinite(rate):  # a subnormal `seconds`: no clock measures that
-        raise ValueError(f"report_prefill: {tokens} tokens in seconds={seconds!r}: not a measurable rate")
+        raise ValueError(
+            f"report_prefill: {tokens} tokens in seconds={seconds!r}: not a measurable rate"
+        )
     return rate

@@ -20,8 +20,11 @@ class Histogram:
         self.count += 1
 
     def as_dict(self) -> dict:
-        return {"count": self.count, "sum_s": self.sum,
-                "buckets": dict(zip([*map(str, BUCKETS_S), "+Inf"], self.cumulative()))}
+        return {
+            "count": self.count,
+            "sum_s": self.sum,
+            "buckets": dict(zip([*map(str, BUCKETS_S), "+Inf"], self.cumulative())),
+        }
 
     def cumulative(self) -> list[int]:
         out, total = [], 0
@@ -58,7 +61,9 @@ class Counters:
     prefetch_timed_out: int = 0
     prefetch_errors: int = 0
     prefetch_skipped_store_down: int = 0
-    prefetch_skipped_slow: int = 0  # loads expected slower than recomputing (controller/speed.py)
+    prefetch_skipped_slow: int = (
+        0  # loads expected slower than recomputing (controller/speed.py)
+    )
     polls: int = 0
     polls_idle: int = 0  # of those: nothing had moved since the last one, so none was read (completions.py)
     polls_deferred: int = 0  # of those: only copies or backups had finished; left for a later poll (completions.py)
@@ -68,12 +73,20 @@ class Counters:
 class CacheStats:
     counters: Counters = field(default_factory=Counters)
     latency: dict[str, Histogram] = field(
-        default_factory=lambda: {k: Histogram() for k in ("write", "load", "prefetch", "backup")})
+        default_factory=lambda: {
+            k: Histogram() for k in ("write", "load", "prefetch", "backup")
+        }
+    )
 
     def as_dict(self) -> dict:
         c = self.counters
         out = asdict(c)
-        out["miss_tokens"] = c.lookup_tokens - c.device_hit_tokens - c.host_hit_tokens - c.storage_hit_tokens
+        out["miss_tokens"] = (
+            c.lookup_tokens
+            - c.device_hit_tokens
+            - c.host_hit_tokens
+            - c.storage_hit_tokens
+        )
         out["latency"] = {k: h.as_dict() for k, h in self.latency.items()}
         return out
 
@@ -85,21 +98,45 @@ class PrometheusCollector:
         self.cache = cache
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         stats = self.cache.stats()
         for name, value in stats["counters"].items():
             if isinstance(value, (int, float)) and name != "latency":
-                yield CounterMetricFamily(f"kvtier_{name}", f"kvtier {name.replace('_', ' ')}", value=value)
+                yield CounterMetricFamily(
+                    f"kvtier_{name}", f"kvtier {name.replace('_', ' ')}", value=value
+                )
         for tier, sizes in stats["tiers"].items():
             for name, value in sizes.items():
-                yield GaugeMetricFamily(f"kvtier_{tier}_{name}", f"kvtier {tier} {name.replace('_', ' ')}", value=value)
+                yield GaugeMetricFamily(
+                    f"kvtier_{tier}_{name}",
+                    f"kvtier {tier} {name.replace('_', ' ')}",
+                    value=value,
+                )
         for name, value in stats["queues"].items():
-            yield GaugeMetricFamily(f"kvtier_queue_{name}", f"kvtier queue {name.replace('_', ' ')}", value=value)
+            yield GaugeMetricFamily(
+                f"kvtier_queue_{name}",
+                f"kvtier queue {name.replace('_', ' ')}",
+                value=value,
+            )
         for name, value in stats.get("store", {}).items():
             if isinstance(value, (int, float)):  # a bool (store_down) is 0 or 1
-                yield GaugeMetricFamily(f"kvtier_store_{name}", f"kvtier store {name.replace('_', ' ')}", value=value)
+                yield GaugeMetricFamily(
+                    f"kvtier_store_{name}",
+                    f"kvtier store {name.replace('_', ' ')}",
+                    value=value,
+                )
         for op, h in self.cache.stats_obj.latency.items():
-            buckets = [(str(b), c) for b, c in zip(BUCKETS_S, h.cumulative())] + [("+Inf", h.count)]
-            yield HistogramMetricFamily(f"kvtier_{op}_latency_seconds", f"kvtier {op} latency",
-                                        buckets=buckets, sum_value=h.sum)
+            buckets = [(str(b), c) for b, c in zip(BUCKETS_S, h.cumulative())] + [
+                ("+Inf", h.count)
+            ]
+            yield HistogramMetricFamily(
+                f"kvtier_{op}_latency_seconds",
+                f"kvtier {op} latency",
+                buckets=buckets,
+                sum_value=h.sum,
+            )

@@ -39,7 +39,9 @@ from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 8 << 20
-MANIFEST_CHECK_EVERY = 64  # backups between two checks that the namespace's manifest is there
+MANIFEST_CHECK_EVERY = (
+    64  # backups between two checks that the namespace's manifest is there
+)
 
 
 class PageKeys(Sequence):
@@ -52,8 +54,13 @@ class PageKeys(Sequence):
 
     __slots__ = ("hashes", "count", "key_of", "first", "_hashing", "_keys")
 
-    def __init__(self, hashes: list[bytes] | Callable[[], list[bytes]], key_of: Callable[[bytes], str],
-                 count: int | None = None, first: int = 0) -> None:
+    def __init__(
+        self,
+        hashes: list[bytes] | Callable[[], list[bytes]],
+        key_of: Callable[[bytes], str],
+        count: int | None = None,
+        first: int = 0,
+    ) -> None:
         lazy = callable(hashes)
         self.hashes = None if lazy else hashes
         self._hashing = hashes if lazy else None
@@ -112,7 +119,9 @@ class PrefetchOp:
     stop: bool = False
     granted: bool = False
     wake: asyncio.Event | None = None  # the storage loop's view of `granted` / `stop`
-    host_pages: np.ndarray | None = None  # page numbers, set by the scheduler before `granted`
+    host_pages: np.ndarray | None = (
+        None  # page numbers, set by the scheduler before `granted`
+    )
     # written by the storage thread
     present: int | None = None  # pages the store holds, once batch_exists answered
     landed: int = 0
@@ -134,9 +143,13 @@ class BackupOp(Generic[Tag]):
     host_pages: np.ndarray  # page numbers
     tag: Tag
     started: float = field(default_factory=time.perf_counter)
-    lead_in: np.ndarray | None = None  # host pages before its first: they complete its first store page
+    lead_in: np.ndarray | None = (
+        None  # host pages before its first: they complete its first store page
+    )
     ok: list[bool] | None = None  # per page: is it stored
-    store_bytes: int = 0  # bytes the store took (whole store pages, `lead_in` pages among them)
+    store_bytes: int = (
+        0  # bytes the store took (whole store pages, `lead_in` pages among them)
+    )
     deferred: int = 0  # pages past its last whole store page, left to a longer sequence (set by its maker)
     finished: bool = False
     error: str | None = None
@@ -145,27 +158,46 @@ class BackupOp(Generic[Tag]):
 class StorageWorker:
     """Runs store coroutines on its own event loop thread; never blocks the scheduler."""
 
-    def __init__(self, store: Store, mirror: HostMirror, max_inflight_bytes: int,
-                 breaker: BreakerConfig = BreakerConfig(), clock=time.monotonic,
-                 cpus: frozenset[int] | None = None, manifest: tuple[str, str, dict] | None = None,
-                 group: int = 1) -> None:
+    def __init__(
+        self,
+        store: Store,
+        mirror: HostMirror,
+        max_inflight_bytes: int,
+        breaker: BreakerConfig = BreakerConfig(),
+        clock=time.monotonic,
+        cpus: frozenset[int] | None = None,
+        manifest: tuple[str, str, dict] | None = None,
+        group: int = 1,
+    ) -> None:
         """`cpus`: where the loop thread runs, and so the store I/O threads it starts (cpus.py);
         `manifest`: (key prefix, namespace id, manifest) to write before the first page and
         keep written (`_write_manifest`); `group`: device pages in a store page (store_pages.py;
         the scheduler submits no op in which no store page ends)."""
         self.store = store
         self.breaker = Breaker(store.name, breaker, clock)
-        self._complain = Complaints(log)  # a full disk fails every backup: not a line each
-        self.keeps_page_order = type(store).touch is not Store.touch  # else `touch` would do nothing
+        self._complain = Complaints(
+            log
+        )  # a full disk fails every backup: not a line each
+        self.keeps_page_order = (
+            type(store).touch is not Store.touch
+        )  # else `touch` would do nothing
         self.clock = clock
-        self.speed = LoadSpeed(clock, probe_s=breaker.backoff_s)  # skip loads slower than recomputing
+        self.speed = LoadSpeed(
+            clock, probe_s=breaker.backoff_s
+        )  # skip loads slower than recomputing
         self.manifest = manifest  # (key prefix, namespace id, manifest) kept written
-        self._manifest_due = 0  # backups until the manifest is checked again (0: the next one)
+        self._manifest_due = (
+            0  # backups until the manifest is checked again (0: the next one)
+        )
         self.mirror = mirror
         self.group = group
-        pages_in_flight = max(1, max_inflight_bytes // (mirror.page_bytes * group))  # store pages
+        pages_in_flight = max(
+            1, max_inflight_bytes // (mirror.page_bytes * group)
+        )  # store pages
         # a read batch of ~8 MiB: few round trips for small pages, bounded memory for big ones
-        self.chunk = max(1, min(CHUNK_BYTES // (mirror.page_bytes * group), pages_in_flight))
+        self.chunk = max(
+            1, min(CHUNK_BYTES // (mirror.page_bytes * group), pages_in_flight)
+        )
         self._slots_count = max(1, pages_in_flight // self.chunk)
         self.loop = asyncio.new_event_loop()
         # ops submitted since the loop last woke up: one wake-up starts them all
@@ -173,14 +205,24 @@ class StorageWorker:
         self._pending_lock = threading.Lock()
         self._wake_scheduled = False
         self._waker = Waker(self.loop, self._run_pending)
-        self._thread = threading.Thread(target=self._run, args=(cpus,), name="kvtier-storage", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(cpus,), name="kvtier-storage", daemon=True
+        )
         self._thread.start()
-        self._slots = self._call_soon(lambda: asyncio.Semaphore(self._slots_count)).result()
+        self._slots = self._call_soon(
+            lambda: asyncio.Semaphore(self._slots_count)
+        ).result()
         self._running = 0  # ops submitted and not ended: `drain` waits until none is
         self._ended = threading.Condition(threading.Lock())
-        self.progress = threading.Event()  # set whenever a prefetch moves (an idle scheduler waits on it)
-        self.moves = 0  # bumped after each change to a prefetch the scheduler reads (`_moved`)
-        self.backups_moved = 0  # the same for a backup's end, which no request waits for
+        self.progress = (
+            threading.Event()
+        )  # set whenever a prefetch moves (an idle scheduler waits on it)
+        self.moves = (
+            0  # bumped after each change to a prefetch the scheduler reads (`_moved`)
+        )
+        self.backups_moved = (
+            0  # the same for a backup's end, which no request waits for
+        )
 
     def _moved(self, backup: bool = False) -> None:
         """An op changed (its fields are written first): the scheduler's next poll reads
@@ -200,6 +242,7 @@ class StorageWorker:
     def _call_soon(self, fn) -> Future:
         async def wrap():
             return fn()
+
         return asyncio.run_coroutine_threadsafe(wrap(), self.loop)
 
     def submit_prefetch(self, op: PrefetchOp) -> None:
@@ -271,7 +314,9 @@ class StorageWorker:
             op.finished = True
             self._moved()
         if settled is not None and self.breaker.abandoned(await settled):
-            op.abandoned = op.reading is not None  # a stuck thread may still write those host pages
+            op.abandoned = (
+                op.reading is not None
+            )  # a stuck thread may still write those host pages
         op.settled = True
         self._moved()
 
@@ -286,12 +331,17 @@ class StorageWorker:
                 return None
             asked = self.clock()
             if self.group == 1:
-                present = found = await self._guarded(self.store.batch_exists(list(op.keys)))
+                present = found = await self._guarded(
+                    self.store.batch_exists(list(op.keys))
+                )
             else:
                 present, found = await store_pages.exists(self, op)
             self.speed.observe_call(self.clock() - asked)
-            if present and not self.speed.worth_loading(found * self.group, -(-found // self.chunk),
-                                                        present * op.tokens // len(op.keys)):
+            if present and not self.speed.worth_loading(
+                found * self.group,
+                -(-found // self.chunk),
+                present * op.tokens // len(op.keys),
+            ):
                 op.present, op.outcome = 0, Outcome.SLOW_STORE
                 self._moved()
                 return None
@@ -317,23 +367,31 @@ class StorageWorker:
                 if op.stop:
                     op.outcome = Outcome.STOPPED
                     return
-                chunk = pages[start:start + self.chunk]
+                chunk = pages[start : start + self.chunk]
                 async with self._slots:
                     asked = self.clock()
                     op.reading = chunk
-                    ok = await self._guarded(self._read(op.keys[start:start + len(chunk)], chunk))
+                    ok = await self._guarded(
+                        self._read(op.keys[start : start + len(chunk)], chunk)
+                    )
                     op.reading = None
                     self.speed.observe_read(len(chunk), self.clock() - asked)
                 run = next((i for i, good in enumerate(ok) if not good), len(ok))
-                op.store_bytes += sum(ok) * self.mirror.page_bytes  # pages past a bad one verified too (unused)
+                op.store_bytes += (
+                    sum(ok) * self.mirror.page_bytes
+                )  # pages past a bad one verified too (unused)
                 op.landed += run
                 self._moved()
                 if run < len(ok):
-                    op.outcome = Outcome.PARTIAL  # a miss or a page that did not verify: stop at it
+                    op.outcome = (
+                        Outcome.PARTIAL
+                    )  # a miss or a page that did not verify: stop at it
                     return
         except KvtierError as exc:
             op.outcome, op.error = Outcome.ERROR, str(exc)
-            self._complain("prefetch", f"prefetch {op.request_id}: {exc} (its pages are misses)")
+            self._complain(
+                "prefetch", f"prefetch {op.request_id}: {exc} (its pages are misses)"
+            )
             return getattr(exc, "settled", None)
         except Exception as exc:  # never leave an op unfinished
             op.outcome, op.error = Outcome.ERROR, f"{type(exc).__name__}: {exc}"
@@ -351,7 +409,11 @@ class StorageWorker:
             return
         prefix, ns, manifest = self.manifest
         if await self._guarded(self.store.get_manifest(prefix, ns)) is None:
-            await self._guarded(self.store.put_manifest(prefix, ns, {**manifest, "created": time.time()}))
+            await self._guarded(
+                self.store.put_manifest(
+                    prefix, ns, {**manifest, "created": time.time()}
+                )
+            )
         self._manifest_due = MANIFEST_CHECK_EVERY
 
     async def _guarded(self, call):
@@ -397,13 +459,17 @@ class StorageWorker:
             if self.manifest is not None:
                 await self._write_manifest()
             if self.group == 1:
-                op.ok = await self._guarded(self.store.batch_set(list(op.keys), self._payloads(op.host_pages)))
+                op.ok = await self._guarded(
+                    self.store.batch_set(list(op.keys), self._payloads(op.host_pages))
+                )
                 op.store_bytes = sum(op.ok) * self.mirror.page_bytes
             else:
                 op.ok = await store_pages.backup(self, op)
         except KvtierError as exc:
             op.error = str(exc)
-            op.ok = op.ok or [False] * len(op.keys)  # store pages of several pages: the calls before it stored theirs
+            op.ok = op.ok or [False] * len(
+                op.keys
+            )  # store pages of several pages: the calls before it stored theirs
             settled = getattr(exc, "settled", None)
             self._complain("backup", f"backup of {len(op.keys)} pages failed: {exc}")
         except Exception as exc:
@@ -415,7 +481,9 @@ class StorageWorker:
                 op.finished = True
                 self._moved(backup=True)
         if settled is not None:
-            self.breaker.abandoned(await settled)  # a stuck write reads no further page (io_threads.py)
+            self.breaker.abandoned(
+                await settled
+            )  # a stuck write reads no further page (io_threads.py)
             op.finished = True
             self._moved(backup=True)
 
@@ -432,7 +500,9 @@ class StorageWorker:
     def close(self, timeout: float = 30.0) -> None:
         self.drain(timeout)
         try:
-            asyncio.run_coroutine_threadsafe(self.store.close(), self.loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(self.store.close(), self.loop).result(
+                timeout
+            )
         except Exception as exc:
             log.warning("closing store: %s", exc)
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -50,7 +50,7 @@ def lead_in(node: "TreeNode", pages: int, page_size: int, host: int) -> np.ndarr
         if slots is None:
             break
         take = min(want, len(slots))
-        parts.append(slots[len(slots) - take::page_size] // page_size)
+        parts.append(slots[len(slots) - take :: page_size] // page_size)
         want -= take
         n = n.parent
     return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int64)
@@ -73,19 +73,30 @@ async def read(worker, op, pages: np.ndarray) -> str | None:
     for start in range(0, len(wanted), worker.chunk):
         if op.stop:
             return "stopped"
-        batch = wanted[start:start + worker.chunk]
-        async with worker._slots:  # bounds the buffers in flight (max_inflight_prefetch_bytes)
+        batch = wanted[start : start + worker.chunk]
+        async with (
+            worker._slots
+        ):  # bounds the buffers in flight (max_inflight_prefetch_bytes)
             buffers = [bytearray(g * pb) for _ in batch]
             asked = worker.clock()
-            ok = await worker._guarded(worker.store.batch_get_into(op.keys.at(batch), buffers))
+            ok = await worker._guarded(
+                worker.store.batch_get_into(op.keys.at(batch), buffers)
+            )
             worker.speed.observe_read(len(batch) * g, worker.clock() - asked)
         bad = next((i for i, good in enumerate(ok) if not good), len(ok))
-        op.store_bytes += sum(ok[bad + 1:]) * g * pb  # store pages past a bad one verified too (unused)
+        op.store_bytes += (
+            sum(ok[bad + 1 :]) * g * pb
+        )  # store pages past a bad one verified too (unused)
         for last, buf in zip(batch[:bad], buffers):
             lo, hi = max(0, last - g + 1), min(last + 1, granted)
             skip = lo - (last - g + 1)  # pages of the store page the tree already holds
-            worker.mirror.write_pages(pages[lo:hi], np.frombuffer(buf, np.uint8).reshape(g, pb)[skip:skip + hi - lo])
-            op.store_bytes += g * pb  # the whole store page crossed, the pages skipped too
+            worker.mirror.write_pages(
+                pages[lo:hi],
+                np.frombuffer(buf, np.uint8).reshape(g, pb)[skip : skip + hi - lo],
+            )
+            op.store_bytes += (
+                g * pb
+            )  # the whole store page crossed, the pages skipped too
             op.landed = hi  # after its bytes are in place
         worker._moved()
         if bad < len(ok):
@@ -99,18 +110,22 @@ async def backup(worker, op) -> list[bool]:
     g, keys = worker.group, op.keys
     lead = op.lead_in if op.lead_in is not None else np.empty(0, np.int64)
     pages = np.concatenate([lead, op.host_pages])
-    at = len(lead) - g + 1  # index in `pages` of the first page of the store page ending at op page 0
+    at = (
+        len(lead) - g + 1
+    )  # index in `pages` of the first page of the store page ending at op page 0
     whole = [e for e in ends(keys.first, len(keys), g) if e + at >= 0]
-    stored = op.ok = [False] * len(keys)  # filled call by call: a later call that raises keeps these
+    stored = op.ok = [False] * len(
+        keys
+    )  # filled call by call: a later call that raises keeps these
     for start in range(0, len(whole), worker.chunk):
-        batch = whole[start:start + worker.chunk]
-        views = worker._payloads(pages[batch[0] + at:batch[-1] + at + g])
+        batch = whole[start : start + worker.chunk]
+        views = worker._payloads(pages[batch[0] + at : batch[-1] + at + g])
         base = batch[0] + at
-        payloads = [b"".join(views[e + at - base:e + at - base + g]) for e in batch]
+        payloads = [b"".join(views[e + at - base : e + at - base + g]) for e in batch]
         ok = await worker._guarded(worker.store.batch_set(keys.at(batch), payloads))
         for last, good in zip(batch, ok):
             if good:
                 op.store_bytes += g * worker.mirror.page_bytes  # its lead-in pages too
                 lo = max(0, last - g + 1)
-                stored[lo:last + 1] = [True] * (last + 1 - lo)
+                stored[lo : last + 1] = [True] * (last + 1 - lo)
     return stored

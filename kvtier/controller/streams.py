@@ -43,15 +43,30 @@ class Handle:
     """Completion of one job: `landed` layers (in order, for loads) and `done` overall.
     The job's runner signals (`layer_done`, `finish`, `fail`); anyone may wait."""
 
-    __slots__ = ("num_layers", "landed", "done", "error", "cuda_events", "run_here", "on_done", "missed")
+    __slots__ = (
+        "num_layers",
+        "landed",
+        "done",
+        "error",
+        "cuda_events",
+        "run_here",
+        "on_done",
+        "missed",
+    )
 
-    def __init__(self, num_layers: int = 0, on_done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, num_layers: int = 0, on_done: Callable[[], None] | None = None
+    ) -> None:
         self.num_layers = num_layers
         self.landed = 0  # layers [0, landed) have landed (all of them once done)
         self.done = False
         self.error: BaseException | None = None
-        self.cuda_events: list | None = None  # CUDA stream: one per layer, made by its worker
-        self.run_here: Callable[[], None] | None = None  # CPU stream: run the job on the waiter's thread if not started
+        self.cuda_events: list | None = (
+            None  # CUDA stream: one per layer, made by its worker
+        )
+        self.run_here: Callable[[], None] | None = (
+            None  # CPU stream: run the job on the waiter's thread if not started
+        )
         self.on_done = on_done  # called by the runner once `done` is set (the controller counts moves)
         self.missed = False  # a forward's wait for a layer gave up: that forward read KV not landed (LayerWaiter)
 
@@ -65,7 +80,9 @@ class Handle:
     def finish(self) -> None:
         with _SIGNAL:
             self.landed, self.done = self.num_layers, True
-            if self.on_done is not None:  # before any waiter wakes: one that polls next sees it
+            if (
+                self.on_done is not None
+            ):  # before any waiter wakes: one that polls next sees it
                 self.on_done()
             _SIGNAL.notify_all()
 
@@ -153,12 +170,17 @@ class _Finisher:
             self._step(item)
         except BaseException as exc:  # the waiter learns of it; the runner keeps going
             handle.fail(exc)
-            if not isinstance(exc, Exception) and threading.current_thread() is not self.thread:
+            if (
+                not isinstance(exc, Exception)
+                and threading.current_thread() is not self.thread
+            ):
                 raise  # a waiter's KeyboardInterrupt stays its own
         else:
             handle.finish()
         finally:
-            handle.run_here = None  # (it refers to the handle: no cycle outlives the job)
+            handle.run_here = (
+                None  # (it refers to the handle: no cycle outlives the job)
+            )
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
@@ -235,14 +257,18 @@ class CudaTransferStream(TransferStream):
 
     def submit(self, job: Job, handle: Handle) -> Handle:
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))  # KV written before we copy it
+        ready.record(
+            torch.cuda.current_stream(self.device)
+        )  # KV written before we copy it
         self._worker.put((job, handle, ready), handle)
         return handle
 
     def _run(self, item) -> None:
         job, handle, ready = item
         torch.cuda.set_device(self.device)
-        handle.cuda_events = [torch.cuda.Event() for _ in range(handle.num_layers)]  # here, not on the scheduler
+        handle.cuda_events = [
+            torch.cuda.Event() for _ in range(handle.num_layers)
+        ]  # here, not on the scheduler
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
             job(handle)

@@ -26,7 +26,10 @@ class Agreement:
     def __init__(self, group=None, consensus_check: bool | None = None) -> None:
         self.group = group
         if consensus_check is None:
-            consensus_check = os.environ.get("KVTIER_CONSENSUS_CHECK", "") not in ("", "0")
+            consensus_check = os.environ.get("KVTIER_CONSENSUS_CHECK", "") not in (
+                "",
+                "0",
+            )
         self.consensus_check = consensus_check and group is not None
         self.collectives = 0
 
@@ -56,7 +59,7 @@ class Agreement:
         dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.group)
         self.collectives += 1
         out = vec.tolist()
-        return out[: len(mins)], [-v for v in out[len(mins):]]
+        return out[: len(mins)], [-v for v in out[len(mins) :]]
 
     def check(self, decisions: list[int]) -> None:
         """Exit the process if ranks made different decisions (only when enabled)."""
@@ -64,13 +67,21 @@ class Agreement:
             return
         import torch.distributed as dist
 
-        digest = xxhash.xxh3_64_intdigest(torch.tensor(decisions, dtype=torch.int64).numpy().tobytes()) >> 2
+        digest = (
+            xxhash.xxh3_64_intdigest(
+                torch.tensor(decisions, dtype=torch.int64).numpy().tobytes()
+            )
+            >> 2
+        )
         vec = torch.tensor([digest, -digest], dtype=torch.int64)
         dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.group)
         self.collectives += 1
         if vec[0].item() != -vec[1].item():
-            log.critical("kvtier consensus check: ranks diverged (digest min %d != max %d); exiting",
-                         vec[0].item(), -vec[1].item())
+            log.critical(
+                "kvtier consensus check: ranks diverged (digest min %d != max %d); exiting",
+                vec[0].item(),
+                -vec[1].item(),
+            )
             logging.shutdown()
             sys.stderr.flush()
             os._exit(DIVERGED_EXIT_CODE)

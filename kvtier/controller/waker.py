@@ -25,7 +25,9 @@ def _gil_holding_write() -> Callable[[int], None]:
         return _os_write
     write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
     write.restype = ctypes.c_ssize_t
-    return lambda fd: write(fd, b"\0", 1)  # -1 (pipe full) is fine: a wake-up is pending
+    return lambda fd: write(
+        fd, b"\0", 1
+    )  # -1 (pipe full) is fine: a wake-up is pending
 
 
 def _os_write(fd: int) -> None:
@@ -38,14 +40,18 @@ def _os_write(fd: int) -> None:
 class Waker:
     """A private self-pipe on `loop`: `wake()` (any thread) makes the loop call `on_wake`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None]
+    ) -> None:
         self._read, self._write = socket.socketpair()
         self._read.setblocking(False)
         self._write.setblocking(False)
         self._fd = self._write.fileno()
         self._send = _gil_holding_write()
         self._on_wake = on_wake
-        loop.add_reader(self._read.fileno(), self._woken)  # before the loop runs: no race
+        loop.add_reader(
+            self._read.fileno(), self._woken
+        )  # before the loop runs: no race
 
     def wake(self) -> None:
         if self._fd >= 0:  # after close the number may name another file by now

@@ -36,8 +36,12 @@ class Result:
     storage_hit: int = 0
     cached: int = 0  # prompt tokens whose KV came from the cache
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)
-    error: str | None = None  # why the request failed (its KV was released, nothing cached)
-    rejected: bool = False  # failed because of the request itself (too large): a client error
+    error: str | None = (
+        None  # why the request failed (its KV was released, nothing cached)
+    )
+    rejected: bool = (
+        False  # failed because of the request itself (too large): a client error
+    )
     ticket: str = ""  # what `Engine.submit` returned
 
     @property
@@ -56,14 +60,20 @@ class _Active:
     result: Result
     last_slot: int = -1
     filled: int = 0  # row entries that hold the request's slots
-    fed: list[int] = field(default_factory=list)  # tokens fed so far (prompt, then outputs)
-    in_tree: int = 0  # prompt tokens whose KV the tree holds (cached at acquire, or by a chunk)
+    fed: list[int] = field(
+        default_factory=list
+    )  # tokens fed so far (prompt, then outputs)
+    in_tree: int = (
+        0  # prompt tokens whose KV the tree holds (cached at acquire, or by a chunk)
+    )
     remember: bool = True  # grow the session's history when it finishes
 
 
 @dataclass(slots=True)
 class _Queued:
-    ticket: str  # what `submit` returned; a request preempted and started again keeps it
+    ticket: (
+        str  # what `submit` returned; a request preempted and started again keeps it
+    )
     turn: Turn
     remember: bool = True
 
@@ -78,9 +88,17 @@ class Engine:
     the batch waits until that one has cached it (SGLang's in-batch prefix check), so a
     shared document is computed once, not once per request of the batch."""
 
-    def __init__(self, cache: TieredCache, model: TinyTransformer, max_batch: int = 4, chunk_size: int = 256,
-                 max_context: int = 16384, report_prefill: bool = False, histories: Histories | None = None,
-                 share_prefixes: bool = True) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        model: TinyTransformer,
+        max_batch: int = 4,
+        chunk_size: int = 256,
+        max_context: int = 16384,
+        report_prefill: bool = False,
+        histories: Histories | None = None,
+        share_prefixes: bool = True,
+    ) -> None:
         """`report_prefill`: tell the cache how fast this model prefills (each forward's
         prefill tokens and seconds), so that it skips store loads slower than that.
         `histories`: where session histories live (default: an LRU of 4,096 sessions)."""
@@ -99,7 +117,9 @@ class Engine:
         self._next_id = 0
         self._next_ticket = 0
         self.preempted = 0  # requests sent back to the queue when the pool ran out
-        self.held_back = 0  # admissions deferred because a batch member was computing the prefix
+        self.held_back = (
+            0  # admissions deferred because a batch member was computing the prefix
+        )
         self._waiting: deque[_Queued] = deque()
         self._active: list[_Active] = []
         self._parked: dict[str, tuple[_Queued, list[int]]] = {}
@@ -116,7 +136,9 @@ class Engine:
     def pending(self) -> bool:
         return bool(self._waiting or self._active or self._parked)
 
-    def run(self, turns: list[Turn], keep_logits: bool = False, progress=None) -> list[Result]:
+    def run(
+        self, turns: list[Turn], keep_logits: bool = False, progress=None
+    ) -> list[Result]:
         """Serve `turns` in order (a session's next turn waits for its previous one). A
         request that fails is released and returned with `error` set; the rest go on."""
         for t in turns:
@@ -130,9 +152,18 @@ class Engine:
 
     def step(self, keep_logits: bool = False) -> list[Result]:
         """One scheduler step; the requests that ended in it."""
-        waiting, active, parked, ready, done = self._waiting, self._active, self._parked, self._ready, []
-        while ready and self._fits(parked[ready[0]][1], parked[ready[0]][0].turn, active) and \
-                not self._load_must_wait(parked[ready[0]][1]):
+        waiting, active, parked, ready, done = (
+            self._waiting,
+            self._active,
+            self._parked,
+            self._ready,
+            [],
+        )
+        while (
+            ready
+            and self._fits(parked[ready[0]][1], parked[ready[0]][0].turn, active)
+            and not self._load_must_wait(parked[ready[0]][1])
+        ):
             rid = ready.popleft()
             q, prompt = parked.pop(rid)
             self._acquire(rid, q, prompt, active, done, parked)
@@ -143,7 +174,9 @@ class Engine:
             active.remove(a)
             done.append(self._finish(a))
         ready += [rid for rid in self.cache.poll() if rid in parked]
-        if (parked or waiting) and not active:  # nothing could run: nap until a store op or copy moves
+        if (
+            parked or waiting
+        ) and not active:  # nothing could run: nap until a store op or copy moves
             self.cache.wait_progress()
         return done
 
@@ -155,8 +188,12 @@ class Engine:
         waiting, active, parked = self._waiting, self._active, self._parked
         passed: set[str] = set()
         i = 0
-        while i < len(waiting) and i < 8 * self.max_batch and not self._ready and \
-                len(active) + len(parked) < self.max_batch:
+        while (
+            i < len(waiting)
+            and i < 8 * self.max_batch
+            and not self._ready
+            and len(active) + len(parked) < self.max_batch
+        ):
             q = waiting[i]
             if q.turn.session in passed:
                 i += 1
@@ -179,7 +216,11 @@ class Engine:
         """The session's history, then the turn's tokens; a turn that already starts with
         its history (a client resending the whole conversation) is taken as it is."""
         history = self.histories.get(turn.session)
-        if history and len(turn.prompt) >= len(history) and list(turn.prompt[:len(history)]) == history:
+        if (
+            history
+            and len(turn.prompt) >= len(history)
+            and list(turn.prompt[: len(history)]) == history
+        ):
             return list(turn.prompt)
         return history + list(turn.prompt)
 
@@ -187,7 +228,9 @@ class Engine:
         """Does a request of the batch (running, or waiting for its prefetch) compute a page
         or more of `prompt`'s prefix that the tree does not hold yet?"""
         key = np.asarray(prompt[:-1], dtype=np.int64)
-        started = [(a.prompt, a.in_tree) for a in active] + [(p, 0) for _, p in self._parked.values()]
+        started = [(a.prompt, a.in_tree) for a in active] + [
+            (p, 0) for _, p in self._parked.values()
+        ]
         for other, in_tree in started:
             n = min(len(key), len(other))
             if n - in_tree < self.page_size:
@@ -205,13 +248,19 @@ class Engine:
         room and it would recompute the whole prefix."""
         if not self.share_prefixes or not (self._active or self.cache.writes.writing):
             return False  # nothing that ends soon would make room: start it (and recompute)
-        m = self.cache.match_prefix(np.asarray(prompt[:-1], dtype=np.int64), count=False)
+        m = self.cache.match_prefix(
+            np.asarray(prompt[:-1], dtype=np.int64), count=False
+        )
         return m.host_hit_length > self.cache.room()
 
-    def _can_admit(self, turn: Turn, prompt: list[int], active: list[_Active], parked: dict) -> bool:
+    def _can_admit(
+        self, turn: Turn, prompt: list[int], active: list[_Active], parked: dict
+    ) -> bool:
         """Same session waits for its previous turn; a new request must fit what the pool can
         free (a lone request is always tried)."""
-        if turn.session in {a.turn.session for a in active} | {q.turn.session for q, _ in parked.values()}:
+        if turn.session in {a.turn.session for a in active} | {
+            q.turn.session for q, _ in parked.values()
+        }:
             return False
         return self._fits(prompt, turn, active)
 
@@ -219,23 +268,51 @@ class Engine:
         if not active:
             return True
         need = len(prompt) + turn.output_len
-        reserved = sum(len(a.prompt) + a.turn.output_len - a.pos for a in active)  # still to allocate
+        reserved = sum(
+            len(a.prompt) + a.turn.output_len - a.pos for a in active
+        )  # still to allocate
         room = self.cache.room()
         return need + reserved + self.page_size * (len(active) + 1) <= room
 
-    def _start(self, q: _Queued, prompt: list[int], active: list, parked: dict, done: list) -> None:
+    def _start(
+        self, q: _Queued, prompt: list[int], active: list, parked: dict, done: list
+    ) -> None:
         turn = q.turn
         need = len(prompt) + turn.output_len
         limit = min(self.cache.config.pool.size - self.page_size, self.max_context)
         if not turn.output_len or need > limit:
-            why = (f"request needs {need} tokens of KV (prompt {len(prompt)} + output {turn.output_len}); "
-                   f"this server holds at most {limit}") if turn.output_len else "output_len must be >= 1"
-            done.append(Result(turn.session, turn.turn, prompt, [], error=why, rejected=True, ticket=q.ticket))
+            why = (
+                (
+                    f"request needs {need} tokens of KV (prompt {len(prompt)} + output {turn.output_len}); "
+                    f"this server holds at most {limit}"
+                )
+                if turn.output_len
+                else "output_len must be >= 1"
+            )
+            done.append(
+                Result(
+                    turn.session,
+                    turn.turn,
+                    prompt,
+                    [],
+                    error=why,
+                    rejected=True,
+                    ticket=q.ticket,
+                )
+            )
             return
         self._acquire(f"req-{self._next_id}", q, prompt, active, done, parked)
         self._next_id += 1
 
-    def _acquire(self, rid: str, q: _Queued, prompt: list[int], active: list, done: list, parked=None) -> None:
+    def _acquire(
+        self,
+        rid: str,
+        q: _Queued,
+        prompt: list[int],
+        active: list,
+        done: list,
+        parked=None,
+    ) -> None:
         # all but the last prompt token: its logits start the output, so it is computed
         got = self.cache.acquire(np.asarray(prompt[:-1], dtype=np.int64), rid)
         if not got.ready:
@@ -245,28 +322,61 @@ class Engine:
         row = int(self.rows.alloc(1)[0])
         self.rows.write(row, 0, got.indices)
         turn = q.turn
-        result = Result(turn.session, turn.turn, prompt, [], got.device_hit, got.host_hit, got.storage_hit, cached,
-                        ticket=q.ticket)
+        result = Result(
+            turn.session,
+            turn.turn,
+            prompt,
+            [],
+            got.device_hit,
+            got.host_hit,
+            got.storage_hit,
+            cached,
+            ticket=q.ticket,
+        )
         last = int(got.indices[-1]) if cached else -1
-        active.append(_Active(rid, q.ticket, turn, prompt, row, cached, result, last, cached, list(prompt[:cached]),
-                              in_tree=cached, remember=q.remember))
+        active.append(
+            _Active(
+                rid,
+                q.ticket,
+                turn,
+                prompt,
+                row,
+                cached,
+                result,
+                last,
+                cached,
+                list(prompt[:cached]),
+                in_tree=cached,
+                remember=q.remember,
+            )
+        )
 
     # -- forward steps ------------------------------------------------------------------------
 
-    def _step(self, active: list[_Active], keep_logits: bool, done: list, waiting: deque) -> None:
+    def _step(
+        self, active: list[_Active], keep_logits: bool, done: list, waiting: deque
+    ) -> None:
         chunks, batch, stalled = [], [], []
         for a in list(active):
-            tokens = a.prompt[a.pos:a.pos + self.chunk_size] if a.pos < len(a.prompt) else [a.result.output[-1]]
+            tokens = (
+                a.prompt[a.pos : a.pos + self.chunk_size]
+                if a.pos < len(a.prompt)
+                else [a.result.output[-1]]
+            )
             slots = self._slots(a, len(tokens))
             if slots is None:  # sits this step out: the others finish and free room
                 stalled.append((a, len(tokens)))
                 continue
             self.rows.write(a.row, a.pos, slots)
             a.filled = a.pos + len(tokens)
-            chunks.append(Chunk(a.row, a.pos, torch.tensor(tokens, dtype=torch.int64), slots))
+            chunks.append(
+                Chunk(a.row, a.pos, torch.tensor(tokens, dtype=torch.int64), slots)
+            )
             batch.append((a, tokens))
         if not chunks:
-            if self.cache.busy():  # writes in flight hold locks: once polled, room frees
+            if (
+                self.cache.busy()
+            ):  # writes in flight hold locks: once polled, room frees
                 time.sleep(0.001)
                 return
             # nobody can move: preempt the youngest (what it computed stays cached)
@@ -278,24 +388,37 @@ class Engine:
                 waiting.appendleft(_Queued(a.ticket, a.turn, a.remember))
                 self.preempted += 1
             else:
-                done.append(self._fail(a, f"device pool exhausted: no room for {n} more tokens"))
+                done.append(
+                    self._fail(a, f"device pool exhausted: no room for {n} more tokens")
+                )
             return
         waiter = self.cache.begin_forward([a.rid for a, _ in batch])
         started = time.perf_counter()
         try:
-            logits = self.model.forward_cached(chunks, self.cache.pool, self.rows.req_to_token, waiter.wait_layer)
-        except TransferError as exc:  # a load this forward reads failed: no request of it may go on
+            logits = self.model.forward_cached(
+                chunks, self.cache.pool, self.rows.req_to_token, waiter.wait_layer
+            )
+        except (
+            TransferError
+        ) as exc:  # a load this forward reads failed: no request of it may go on
             for a, _ in batch:
                 active.remove(a)
                 done.append(self._fail(a, str(exc)))
             return
-        failed = set(waiter.failed())  # tensor parallel: the forward ran on; agreed on every rank
+        failed = set(
+            waiter.failed()
+        )  # tensor parallel: the forward ran on; agreed on every rank
         if failed:
             kept = []
             for a, tokens in batch:
                 if a.rid in failed:
                     active.remove(a)
-                    done.append(self._fail(a, f"request {a.rid!r}: its host->device load failed on some rank"))
+                    done.append(
+                        self._fail(
+                            a,
+                            f"request {a.rid!r}: its host->device load failed on some rank",
+                        )
+                    )
                 else:
                     kept.append((a, tokens))
             logits = [lg for (a, _), lg in zip(batch, logits) if a.rid not in failed]
@@ -317,24 +440,32 @@ class Engine:
         """Slots for the next `n` tokens: the rest of the request's last page, then new pages."""
         ps = self.page_size
         room = (ps - a.pos % ps) % ps if a.last_slot >= 0 else 0
-        first = torch.arange(a.last_slot + 1, a.last_slot + 1 + min(room, n), dtype=torch.int64)
+        first = torch.arange(
+            a.last_slot + 1, a.last_slot + 1 + min(room, n), dtype=torch.int64
+        )
         rest = n - first.numel()
         more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
         if more is None:
             return None
-        slots = torch.cat([first, more[:rest]])  # the rest of the last page: `first` of the next step
+        slots = torch.cat(
+            [first, more[:rest]]
+        )  # the rest of the last page: `first` of the next step
         a.last_slot = int(slots[-1])
         return slots
 
     def _keep_chunk(self, a: _Active) -> None:
         """Chunked prefill: hand the page-aligned KV so far to the cache and repoint the row."""
         kv = self.rows.read(a.row, a.pos)
-        canon = self.cache.cache_unfinished(a.rid, np.asarray(a.fed, dtype=np.int64), kv)
+        canon = self.cache.cache_unfinished(
+            a.rid, np.asarray(a.fed, dtype=np.int64), kv
+        )
         self.rows.write(a.row, 0, canon)
         a.in_tree = a.pos - a.pos % self.page_size
 
     def _finish(self, a: _Active) -> Result:
-        fed = np.asarray(a.fed, dtype=np.int64)  # prompt + outputs but the last: those have K/V
+        fed = np.asarray(
+            a.fed, dtype=np.int64
+        )  # prompt + outputs but the last: those have K/V
         try:
             self.cache.cache_finished(a.rid, fed, self.rows.read(a.row, len(fed)))
         except TransferError as exc:  # the cache released it already
@@ -373,14 +504,20 @@ def set_torch_threads() -> int:
 def verify(model: TinyTransformer, result: Result, atol: float = 1e-5) -> float:
     """Run the request without any cache; raise if tokens or logits differ. Returns max |diff|."""
     seq = torch.tensor(result.prompt + result.output[:-1], dtype=torch.int64)
-    dense = model.forward_dense(seq)[len(result.prompt) - 1:]
+    dense = model.forward_dense(seq)[len(result.prompt) - 1 :]
     want = dense.argmax(-1).tolist()
     if want != result.output:
-        raise AssertionError(f"{result.session}/{result.turn}: tokens differ from the uncached run: "
-                             f"{result.output} vs {want}")
-    diff = max((float((a - b).abs().max()) for a, b in zip(result.logits, dense)), default=0.0)
+        raise AssertionError(
+            f"{result.session}/{result.turn}: tokens differ from the uncached run: "
+            f"{result.output} vs {want}"
+        )
+    diff = max(
+        (float((a - b).abs().max()) for a, b in zip(result.logits, dense)), default=0.0
+    )
     if diff > atol:
-        raise AssertionError(f"{result.session}/{result.turn}: logits differ by {diff:.2e} > {atol}")
+        raise AssertionError(
+            f"{result.session}/{result.turn}: logits differ by {diff:.2e} > {atol}"
+        )
     return diff
 
 
@@ -400,7 +537,9 @@ def infinite_hit_rate(results: list[Result], page_size: int) -> float:
     return hit / max(total, 1)
 
 
-def timed_run(engine: Engine, turns: list[Turn], keep_logits: bool = False, progress=None):
+def timed_run(
+    engine: Engine, turns: list[Turn], keep_logits: bool = False, progress=None
+):
     start = time.perf_counter()
     results = engine.run(turns, keep_logits, progress)
     return results, time.perf_counter() - start

@@ -27,19 +27,27 @@ class Busy(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_queue: int = 1024, idle_poll_s: float = 0.05) -> None:
+    def __init__(
+        self, engine: Engine, max_queue: int = 1024, idle_poll_s: float = 0.05
+    ) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.idle_poll_s = idle_poll_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._futures: dict[str, Future] = {}  # ticket -> the caller's future (loop thread only)
-        self._queued = 0  # generate requests accepted, not answered (any thread: under _lock)
+        self._futures: dict[
+            str, Future
+        ] = {}  # ticket -> the caller's future (loop thread only)
+        self._queued = (
+            0  # generate requests accepted, not answered (any thread: under _lock)
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.served = 0
         self.refused_busy = 0
         self.idle_polls = 0
-        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="kvtier-engine", daemon=True
+        )
         self._thread.start()
 
     def generate(self, turn: Turn, remember: bool) -> Future:
@@ -47,7 +55,9 @@ class EngineLoop:
         with self._lock:
             if self._queued >= self.max_queue:
                 self.refused_busy += 1
-                raise Busy(f"{self._queued} requests queued: at most {self.max_queue} (--max-queue); retry later")
+                raise Busy(
+                    f"{self._queued} requests queued: at most {self.max_queue} (--max-queue); retry later"
+                )
             self._queued += 1
         fut: Future = Future()
         self._inbox.put(("generate", (turn, remember), fut))
@@ -61,9 +71,15 @@ class EngineLoop:
 
     def stats(self) -> dict:
         """On the loop thread (through `call`): the server's own numbers."""
-        return {"queued": self._queued, "max_queue": self.max_queue, "served": self.served,
-                "refused_busy": self.refused_busy, "idle_polls": self.idle_polls,
-                "held_back": self.engine.held_back, "preempted": self.engine.preempted}
+        return {
+            "queued": self._queued,
+            "max_queue": self.max_queue,
+            "served": self.served,
+            "refused_busy": self.refused_busy,
+            "idle_polls": self.idle_polls,
+            "held_back": self.engine.held_back,
+            "preempted": self.engine.preempted,
+        }
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop after the requests in hand (up to `timeout`), then close the cache."""
@@ -71,7 +87,9 @@ class EngineLoop:
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("engine loop still busy after %.0fs; closing the cache anyway", timeout)
+            log.warning(
+                "engine loop still busy after %.0fs; closing the cache anyway", timeout
+            )
         self.engine.cache.close()
 
     def _run(self) -> None:
@@ -86,14 +104,20 @@ class EngineLoop:
                 else:
                     self.idle_polls += 1
                     self.engine.cache.poll()  # nothing runs: still apply what finished
-            except Exception as exc:  # a bug of ours: fail what is in hand, keep serving
+            except (
+                Exception
+            ) as exc:  # a bug of ours: fail what is in hand, keep serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
 
     def _take(self, block: bool) -> None:
         """Move everything queued into the engine; when idle, wait up to `idle_poll_s` first."""
         try:
-            item = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
+            item = (
+                self._inbox.get(timeout=self.idle_poll_s)
+                if block
+                else self._inbox.get_nowait()
+            )
         except queue.Empty:
             return
         while True:

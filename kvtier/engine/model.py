@@ -54,31 +54,54 @@ class TinyTransformer:
         kv = c.num_kv_heads * c.head_dim
         self.embed = torch.randn(c.vocab, c.hidden, generator=g)
         self.layers = [
-            {"norm1": torch.ones(c.hidden), "wq": w(c.hidden, c.hidden), "wk": w(c.hidden, kv), "wv": w(c.hidden, kv),
-             "wo": w(c.hidden, c.hidden), "norm2": torch.ones(c.hidden), "w1": w(c.hidden, c.ffn),
-             "w3": w(c.hidden, c.ffn), "w2": w(c.ffn, c.hidden)}
+            {
+                "norm1": torch.ones(c.hidden),
+                "wq": w(c.hidden, c.hidden),
+                "wk": w(c.hidden, kv),
+                "wv": w(c.hidden, kv),
+                "wo": w(c.hidden, c.hidden),
+                "norm2": torch.ones(c.hidden),
+                "w1": w(c.hidden, c.ffn),
+                "w3": w(c.hidden, c.ffn),
+                "w2": w(c.ffn, c.hidden),
+            }
             for _ in range(c.num_layers)
         ]
         self.norm = torch.ones(c.hidden)
         self.head = w(c.hidden, c.vocab)
-        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.inv_freq = 1.0 / (
+            c.rope_theta
+            ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        )
 
     def fingerprint(self) -> str:
         """16 hex digits naming these weights: a cache namespace revision, so KV computed by
         another seed's weights is never served to this model."""
         h = xxhash.xxh3_64()
-        for t in [self.embed, self.norm, self.head, *(w for layer in self.layers for w in layer.values())]:
+        for t in [
+            self.embed,
+            self.norm,
+            self.head,
+            *(w for layer in self.layers for w in layer.values()),
+        ]:
             h.update(t.contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def check_pool(self, pool: DeviceKVPool) -> None:
         p, c = pool.config, self.config
-        if (p.attention, p.num_layers, p.num_kv_heads, p.head_dim, p.v_head_dim or p.head_dim, p.dtype) != \
-                ("mha", c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, "float32"):
+        if (
+            p.attention,
+            p.num_layers,
+            p.num_kv_heads,
+            p.head_dim,
+            p.v_head_dim or p.head_dim,
+            p.dtype,
+        ) != ("mha", c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, "float32"):
             raise ValueError(
                 f"pool geometry {p.attention} layers={p.num_layers} kv_heads={p.num_kv_heads} head_dim={p.head_dim} "
                 f"dtype={p.dtype} does not fit the reference model (mha, {c.num_layers} layers, "
-                f"{c.num_kv_heads} kv heads, head_dim {c.head_dim}, float32)")
+                f"{c.num_kv_heads} kv heads, head_dim {c.head_dim}, float32)"
+            )
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -104,7 +127,9 @@ class TinyTransformer:
         v = (h @ layer["wv"]).view(-1, c.num_kv_heads, c.head_dim)
         return self._rope(q, positions), self._rope(k, positions), v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
+    ) -> torch.Tensor:
         """q: [n, H, D] at positions q_start.. ; k, v: [m, KVH, D] at positions 0..m-1; causal."""
         c = self.config
         rep = c.num_heads // c.num_kv_heads
@@ -114,11 +139,15 @@ class TinyTransformer:
         qpos = torch.arange(q_start, q_start + q.shape[0])[:, None]
         mask = torch.arange(k.shape[0])[None, :] > qpos
         scores = scores.masked_fill(mask[None], float("-inf"))
-        return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+        return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v).reshape(
+            q.shape[0], -1
+        )
 
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         h = self._rms(x, layer["norm2"])
-        return (torch.nn.functional.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer["w2"]
+        return (torch.nn.functional.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer[
+            "w2"
+        ]
 
     # -- forwards -------------------------------------------------------------------------------
 
@@ -132,8 +161,13 @@ class TinyTransformer:
             x = x + self._mlp(layer, x)
         return self._rms(x, self.norm) @ self.head
 
-    def forward_cached(self, chunks: list[Chunk], pool: DeviceKVPool, req_to_token: torch.Tensor,
-                       wait_layer=None) -> list[torch.Tensor]:
+    def forward_cached(
+        self,
+        chunks: list[Chunk],
+        pool: DeviceKVPool,
+        req_to_token: torch.Tensor,
+        wait_layer=None,
+    ) -> list[torch.Tensor]:
         """Logits [len(chunk.tokens), vocab] per chunk. Writes the new K/V into the pool and
         reads every earlier token's K/V from it (layer i after `wait_layer(i)`)."""
         xs = [self.embed[ch.tokens] for ch in chunks]
@@ -146,7 +180,9 @@ class TinyTransformer:
                 pool.set_kv(i, ch.slots, k, v)
                 end = ch.start + len(ch.tokens)
                 slots = req_to_token[ch.row, :end].to(torch.int64)
-                attn = self._attend(q, pool.k_buffer(i)[slots], pool.v_buffer(i)[slots], ch.start)
+                attn = self._attend(
+                    q, pool.k_buffer(i)[slots], pool.v_buffer(i)[slots], ch.start
+                )
                 xs[j] = xs[j] + attn @ layer["wo"]
                 xs[j] = xs[j] + self._mlp(layer, xs[j])
         return [self._rms(x, self.norm) @ self.head for x in xs]

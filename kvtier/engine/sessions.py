@@ -15,14 +15,26 @@ from typing import Callable
 
 
 class Histories:
-    def __init__(self, cap: int = 4096, ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cap: int = 4096,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise ValueError(f"sessions cap={cap!r}: must be an integer >= 1")
-        if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool) and ttl_s > 0):
-            raise ValueError(f"session ttl_s={ttl_s!r}: must be a number of seconds > 0 (or none)")
+        if ttl_s is not None and not (
+            isinstance(ttl_s, (int, float))
+            and not isinstance(ttl_s, bool)
+            and ttl_s > 0
+        ):
+            raise ValueError(
+                f"session ttl_s={ttl_s!r}: must be a number of seconds > 0 (or none)"
+            )
         self.cap, self.ttl_s, self.clock = cap, ttl_s, clock
-        self._entries: OrderedDict[str, tuple[float, list[int]]] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[str, tuple[float, list[int]]] = (
+            OrderedDict()
+        )  # LRU first
         self.evicted = 0  # dropped for the cap
         self.expired = 0  # dropped for the TTL
 
@@ -56,6 +68,11 @@ class Histories:
 
     def stats(self) -> dict:
         self._expire()
-        return {"sessions": len(self._entries), "sessions_cap": self.cap, "session_ttl_s": self.ttl_s,
-                "sessions_evicted": self.evicted, "sessions_expired": self.expired,
-                "session_history_tokens": sum(len(t) for _, t in self._entries.values())}
+        return {
+            "sessions": len(self._entries),
+            "sessions_cap": self.cap,
+            "session_ttl_s": self.ttl_s,
+            "sessions_evicted": self.evicted,
+            "sessions_expired": self.expired,
+            "session_history_tokens": sum(len(t) for _, t in self._entries.values()),
+        }

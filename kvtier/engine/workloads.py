@@ -29,7 +29,9 @@ def generate(name: str, requests: int, vocab: int = 512, seed: int = 0) -> list[
     """`requests` turns of a built-in workload."""
     makers = {"multiturn": _multiturn, "docqa": _docqa, "agent": _agent}
     if name not in makers:
-        raise ValueError(f"workload={name!r}: allowed values are {', '.join(WORKLOADS)}")
+        raise ValueError(
+            f"workload={name!r}: allowed values are {', '.join(WORKLOADS)}"
+        )
     if requests < 1:
         raise ValueError(f"requests={requests}: must be >= 1")
     return makers[name](requests, np.random.default_rng(seed), vocab)
@@ -59,8 +61,15 @@ def _multiturn(n: int, rng, vocab: int) -> list[Turn]:
 def _docqa(n: int, rng, vocab: int) -> list[Turn]:
     """Long-document QA: a few long documents, many independent questions about each."""
     docs = [_tokens(rng, vocab, 1024) for _ in range(3)]
-    return [Turn(f"qa-{i}", 0, docs[i % len(docs)] + _tokens(rng, vocab, int(rng.integers(16, 64))),
-                 int(rng.integers(4, 16))) for i in range(n)]
+    return [
+        Turn(
+            f"qa-{i}",
+            0,
+            docs[i % len(docs)] + _tokens(rng, vocab, int(rng.integers(16, 64))),
+            int(rng.integers(4, 16)),
+        )
+        for i in range(n)
+    ]
 
 
 def _agent(n: int, rng, vocab: int) -> list[Turn]:
@@ -74,7 +83,14 @@ def _agent(n: int, rng, vocab: int) -> list[Turn]:
             if len(out) == n:
                 break
             obs = _tokens(rng, vocab, int(rng.integers(32, 128)))
-            out.append(Turn(f"agent-{a}", step, tools + obs if step == 0 else obs, int(rng.integers(8, 32))))
+            out.append(
+                Turn(
+                    f"agent-{a}",
+                    step,
+                    tools + obs if step == 0 else obs,
+                    int(rng.integers(8, 32)),
+                )
+            )
         step += 1
     return out
 
@@ -87,8 +103,10 @@ def load_trace(path: str | Path, vocab: int) -> list[Turn]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text: a trace is JSONL, one turn per line "
-                                 "(a gzipped trace: gunzip it first)") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text: a trace is JSONL, one turn per line "
+                    "(a gzipped trace: gunzip it first)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -103,14 +121,24 @@ def load_trace(path: str | Path, vocab: int) -> list[Turn]:
 
 def _turn(obj: object, where: str, vocab: int) -> Turn:
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected an object with session, turn, prompt, output_len")
+        raise ValueError(
+            f"{where}: expected an object with session, turn, prompt, output_len"
+        )
     unknown = set(obj) - {"session", "turn", "prompt", "output_len"}
     if unknown:
-        raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}; allowed: session, turn, prompt, output_len")
+        raise ValueError(
+            f"{where}: unknown field {sorted(unknown)[0]!r}; allowed: session, turn, prompt, output_len"
+        )
     prompt = obj.get("prompt")
-    if not isinstance(prompt, list) or not prompt or not all(_is_int(t) and 0 <= t < vocab for t in prompt):
-        raise ValueError(f"{where}: prompt must be a non-empty list of token ids in [0, {vocab}) "
-                         "(JSON true/false are not token ids)")
+    if (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(_is_int(t) and 0 <= t < vocab for t in prompt)
+    ):
+        raise ValueError(
+            f"{where}: prompt must be a non-empty list of token ids in [0, {vocab}) "
+            "(JSON true/false are not token ids)"
+        )
     out_len = obj.get("output_len", 16)
     if not _is_int(out_len) or out_len < 1:
         raise ValueError(f"{where}: output_len={out_len!r}: must be an integer >= 1")
@@ -128,5 +156,14 @@ def _is_int(value) -> bool:
 def write_trace(turns: list[Turn], path: str | Path) -> None:
     with open(path, "w") as f:
         for t in turns:
-            f.write(json.dumps({"session": t.session, "turn": t.turn, "prompt": list(t.prompt),
-                                "output_len": t.output_len}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "session": t.session,
+                        "turn": t.turn,
+                        "prompt": list(t.prompt),
+                        "output_len": t.output_len,
+                    }
+                )
+                + "\n"
+            )

@@ -35,19 +35,27 @@ class CacheEvents:
         self.tree = tree
         self.page_size = tree.page_size
         self.pending: list[dict[str, Any]] = []
-        self._backups: dict[int, deque] = {}  # node id -> (hashes, parent, tokens) of backups in flight
+        self._backups: dict[
+            int, deque
+        ] = {}  # node id -> (hashes, parent, tokens) of backups in flight
 
     def _chain(self, node: "TreeNode") -> tuple[list[bytes], bytes | None]:
         hashes = self.tree.page_hashes(node)
         parent = node.parent
-        before = self.tree.page_hashes(parent)[-1] if parent is not None and parent is not self.tree.root else None
+        before = (
+            self.tree.page_hashes(parent)[-1]
+            if parent is not None and parent is not self.tree.root
+            else None
+        )
         return hashes, before
 
     def tier_changed(self, node: "TreeNode", tier: int, present: bool) -> None:
         hashes, parent = self._chain(node)
         medium = TIER_MEDIUM[int(tier)]
         if present:
-            self.pending.append(block_stored(hashes, parent, node.key.tokens, self.page_size, medium))
+            self.pending.append(
+                block_stored(hashes, parent, node.key.tokens, self.page_size, medium)
+            )
         else:
             self.pending.append(block_removed(hashes, medium))
 
@@ -61,23 +69,31 @@ class CacheEvents:
         with its first page, in one store page (store_pages.py)."""
         hashes, parent = self._chain(node)
         lead = self._lead(node, lead_in) if lead_in else None
-        self._backups.setdefault(node.id, deque()).append((hashes, parent, node.key.tokens, lead))
+        self._backups.setdefault(node.id, deque()).append(
+            (hashes, parent, node.key.tokens, lead)
+        )
 
-    def _lead(self, node: "TreeNode", pages: int) -> tuple[list[bytes], bytes | None, np.ndarray]:
+    def _lead(
+        self, node: "TreeNode", pages: int
+    ) -> tuple[list[bytes], bytes | None, np.ndarray]:
         """(Hashes, the hash before them, tokens) of the last `pages` pages above `node`."""
         ps, root = self.page_size, self.tree.root
         hashes, tokens, before, n = [], [], None, node.parent
         while pages > 0 and n is not None and n is not root:
             chain = self.tree.page_hashes(n)
             take = min(pages, len(chain))
-            hashes[:0] = chain[len(chain) - take:]
-            tokens.insert(0, n.key.tokens[(len(chain) - take) * ps:])
+            hashes[:0] = chain[len(chain) - take :]
+            tokens.insert(0, n.key.tokens[(len(chain) - take) * ps :])
             pages -= take
             before = chain[len(chain) - take - 1] if take < len(chain) else None
             n = n.parent
             if before is None and n is not None and n is not root:
                 before = self.tree.page_hashes(n)[-1]
-        return hashes, before, np.concatenate(tokens) if tokens else np.empty(0, np.int64)
+        return (
+            hashes,
+            before,
+            np.concatenate(tokens) if tokens else np.empty(0, np.int64),
+        )
 
     def backup_done(self, node: "TreeNode", ok: list[bool] | None) -> None:
         """The store holds the pages where `ok` is True: one BlockStored per run of them;
@@ -90,7 +106,9 @@ class CacheEvents:
             del self._backups[node.id]
         ok = ok or [False] * len(hashes)
         if lead is not None and lead[0] and ok and ok[0]:
-            self.pending.append(block_stored(lead[0], lead[1], lead[2], self.page_size, "STORAGE"))
+            self.pending.append(
+                block_stored(lead[0], lead[1], lead[2], self.page_size, "STORAGE")
+            )
         i, ps = 0, self.page_size
         while i < len(hashes):
             if not ok[i]:
@@ -100,7 +118,11 @@ class CacheEvents:
             while j < len(hashes) and ok[j]:
                 j += 1
             before = parent if i == 0 else hashes[i - 1]
-            self.pending.append(block_stored(hashes[i:j], before, tokens[i * ps:j * ps], ps, "STORAGE"))
+            self.pending.append(
+                block_stored(
+                    hashes[i:j], before, tokens[i * ps : j * ps], ps, "STORAGE"
+                )
+            )
             i = j
 
     def flush(self) -> None:

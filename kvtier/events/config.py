@@ -36,15 +36,26 @@ class EventsConfig:
             if value is None and name == "replay_endpoint":
                 continue
             if not isinstance(value, str) or not value.startswith(_SCHEMES):
-                raise ValueError(f"{name}={value!r}: expected a ZMQ endpoint starting with {', '.join(_SCHEMES)}")
+                raise ValueError(
+                    f"{name}={value!r}: expected a ZMQ endpoint starting with {', '.join(_SCHEMES)}"
+                )
         if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
-            raise ValueError(f"replay_endpoint={self.replay_endpoint!r}: must differ from endpoint")
+            raise ValueError(
+                f"replay_endpoint={self.replay_endpoint!r}: must differ from endpoint"
+            )
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
         if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r}: allowed values are {', '.join(FORMATS)}")
-        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) \
-                or self.data_parallel_rank < 0:
-            raise ValueError(f"data_parallel_rank={self.data_parallel_rank!r}: must be an integer >= 0")
+            raise ValueError(
+                f"format={self.format!r}: allowed values are {', '.join(FORMATS)}"
+            )
+        if (
+            isinstance(self.data_parallel_rank, bool)
+            or not isinstance(self.data_parallel_rank, int)
+            or self.data_parallel_rank < 0
+        ):
+            raise ValueError(
+                f"data_parallel_rank={self.data_parallel_rank!r}: must be an integer >= 0"
+            )

@@ -36,7 +36,11 @@ _STOP = object()
 
 def binds(endpoint: str) -> bool:
     """vLLM's rule: wildcard, ipc and inproc endpoints bind; a concrete tcp host connects."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith(("ipc://", "inproc://"))
+    )
 
 
 def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -48,40 +52,63 @@ def rank_endpoint(endpoint: str | None, rank: int) -> str | None:
     if endpoint.startswith("tcp://"):
         base, _, port = endpoint.rpartition(":")
         return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
-    raise ValueError(f"endpoint={endpoint!r}: an ipc endpoint serves data_parallel_rank 0 only; use tcp or inproc")
+    raise ValueError(
+        f"endpoint={endpoint!r}: an ipc endpoint serves data_parallel_rank 0 only; use tcp or inproc"
+    )
 
 
 class ZmqPublisher:
-    def __init__(self, config: EventsConfig, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self, config: EventsConfig, context: zmq.Context | None = None
+    ) -> None:
         self.config = config
         self.topic = config.topic.encode()
         self.endpoint = rank_endpoint(config.endpoint, config.data_parallel_rank)
-        self.replay_endpoint = rank_endpoint(config.replay_endpoint, config.data_parallel_rank)
+        self.replay_endpoint = rank_endpoint(
+            config.replay_endpoint, config.data_parallel_rank
+        )
         self._ctx = context or zmq.Context.instance()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._complain = Complaints(log, "kv events: ")
-        self.counters = {"batches": 0, "events": 0, "replays": 0, "refused_queue_full": 0, "skipped_hwm": 0,
-                         "subscriptions": 0, "unsubscriptions": 0}
+        self.counters = {
+            "batches": 0,
+            "events": 0,
+            "replays": 0,
+            "refused_queue_full": 0,
+            "skipped_hwm": 0,
+            "subscriptions": 0,
+            "unsubscriptions": 0,
+        }
         # made here so a bad endpoint fails the caller; used only by the thread from then on
-        self._pub = self._ctx.socket(zmq.XPUB)  # a SUB subscribes as to PUB; NODROP lets us see a full queue
+        self._pub = self._ctx.socket(
+            zmq.XPUB
+        )  # a SUB subscribes as to PUB; NODROP lets us see a full queue
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._replay = None
         try:
-            (self._pub.bind if binds(self.endpoint) else self._pub.connect)(self.endpoint)
+            (self._pub.bind if binds(self.endpoint) else self._pub.connect)(
+                self.endpoint
+            )
             if self.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))  # a whole replay fits
+                self._replay.setsockopt(
+                    zmq.SNDHWM, 2 * (config.buffer_steps + 1)
+                )  # a whole replay fits
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise ValueError(f"events: cannot open endpoint {self.endpoint!r} / replay {self.replay_endpoint!r}: "
-                             f"{exc}") from exc
+            raise ValueError(
+                f"events: cannot open endpoint {self.endpoint!r} / replay {self.replay_endpoint!r}: "
+                f"{exc}"
+            ) from exc
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="kvtier-events", daemon=True
+        )
         self._thread.start()
 
     def publish(self, events: list[dict[str, Any]], ts: float | None = None) -> bool:
@@ -94,8 +121,11 @@ class ZmqPublisher:
             self._queue.put_nowait((time.time() if ts is None else ts, events))
         except queue.Full:
             self.counters["refused_queue_full"] += 1
-            self._complain("queue_full", f"{self._queue.qsize()} batches wait for the publisher thread; a batch of "
-                                         f"{len(events)} events was refused")
+            self._complain(
+                "queue_full",
+                f"{self._queue.qsize()} batches wait for the publisher thread; a batch of "
+                f"{len(events)} events was refused",
+            )
             return False
         return True
 
@@ -124,11 +154,16 @@ class ZmqPublisher:
         seq_bytes = seq.to_bytes(8, "big")
         self._buffer.append((seq, payload))
         try:
-            self._pub.send_multipart((self.topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+            self._pub.send_multipart(
+                (self.topic, seq_bytes, payload), flags=zmq.NOBLOCK
+            )
         except zmq.Again:
             self.counters["skipped_hwm"] += 1
-            self._complain("hwm", f"a subscriber is {self.config.hwm} messages behind (events.hwm): batch {seq} "
-                                  "was not sent live; it is kept for replay")
+            self._complain(
+                "hwm",
+                f"a subscriber is {self.config.hwm} messages behind (events.hwm): batch {seq} "
+                "was not sent live; it is kept for replay",
+            )
         except zmq.ZMQError as exc:
             self._complain("send", f"sending batch {seq}: {exc}; it is kept for replay")
         self.counters["batches"] += 1
@@ -147,14 +182,19 @@ class ZmqPublisher:
         while self._replay is not None and self._replay.poll(0):
             frames = self._replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
-                self._complain("replay", f"a replay request of {len(frames)} frames; expected "
-                                         "[identity, '', start seq (8 bytes)]")
+                self._complain(
+                    "replay",
+                    f"a replay request of {len(frames)} frames; expected "
+                    "[identity, '', start seq (8 bytes)]",
+                )
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    self._replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+                    self._replay.send_multipart(
+                        (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
+                    )
             self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
             self.counters["replays"] += 1
 
@@ -163,8 +203,12 @@ class ZmqPublisher:
     def stats(self) -> dict:
         """Counters; `queued`: batches waiting for the thread; `unsent`: batches handed over
         and not yet sent (or kept for replay), the one the thread is encoding included."""
-        return {**self.counters, "queued": self._queue.qsize(), "unsent": self._queue.unfinished_tasks,
-                "buffered": len(self._buffer)}
+        return {
+            **self.counters,
+            "queued": self._queue.qsize(),
+            "unsent": self._queue.unfinished_tasks,
+            "buffered": len(self._buffer),
+        }
 
     def wait_sent(self, timeout: float = 5.0) -> bool:
         """Wait until every batch handed over so far is sent (or, past the HWM, kept for
@@ -182,7 +226,9 @@ class ZmqPublisher:
         self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("kv events: the publisher thread did not stop within %.1fs", timeout)
+            log.warning(
+                "kv events: the publisher thread did not stop within %.1fs", timeout
+            )
             return
         self._close_sockets()
 

@@ -20,8 +20,14 @@ class Message:
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 context: zmq.Context | None = None, rcvhwm: int = 1000) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        context: zmq.Context | None = None,
+        rcvhwm: int = 1000,
+    ) -> None:
         self._ctx = context or zmq.Context.instance()
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -52,7 +58,9 @@ class Subscriber:
                 if n == -1:
                     return out
                 out.append(Message(topic, n, payload))
-            raise TimeoutError(f"replay from {start_seq}: no end marker within {timeout_ms} ms")
+            raise TimeoutError(
+                f"replay from {start_seq}: no end marker within {timeout_ms} ms"
+            )
         finally:
             req.close()
 
@@ -65,7 +73,9 @@ class PrefixIndex:
     """Which block hashes each medium holds, as the events say, and the chain each block
     hangs from: what a router's index keeps."""
 
-    blocks: dict[str, set[int]] = field(default_factory=lambda: {m: set() for m in MEDIUMS})
+    blocks: dict[str, set[int]] = field(
+        default_factory=lambda: {m: set() for m in MEDIUMS}
+    )
     parents: dict[int, int | None] = field(default_factory=dict)
     batches: int = 0
 

@@ -30,25 +30,50 @@ def wire_hash(h: bytes) -> int:
     return int.from_bytes(h, "big") & _MASK
 
 
-def block_stored(hashes: Sequence[bytes], parent: bytes | None, token_ids: Sequence[int], block_size: int,
-                 medium: str) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": [wire_hash(h) for h in hashes],
-            "parent_block_hash": None if parent is None else wire_hash(parent),
-            "token_ids": [int(t) for t in token_ids], "block_size": block_size, "lora_id": None,
-            "medium": medium, "lora_name": None}
+def block_stored(
+    hashes: Sequence[bytes],
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    medium: str,
+) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": [wire_hash(h) for h in hashes],
+        "parent_block_hash": None if parent is None else wire_hash(parent),
+        "token_ids": [int(t) for t in token_ids],
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+    }
 
 
 def block_removed(hashes: Sequence[bytes], medium: str) -> dict[str, Any]:
-    return {"type": "BlockRemoved", "block_hashes": [wire_hash(h) for h in hashes], "medium": medium}
+    return {
+        "type": "BlockRemoved",
+        "block_hashes": [wire_hash(h) for h in hashes],
+        "medium": medium,
+    }
 
 
 def all_blocks_cleared() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
-_POSITIONS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                              "lora_name"),
-              "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
+_POSITIONS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
 
 
 def positional(event: dict[str, Any]) -> list:

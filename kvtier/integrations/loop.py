@@ -32,9 +32,13 @@ class LoopThread:
     """One asyncio loop on a daemon thread: the only place the store is used. `cpus`
     (`controller.cpus`) keeps it, and the store threads it starts, off the engine's cores."""
 
-    def __init__(self, cpus: frozenset[int] | None = None, name: str = "kvtier-store") -> None:
+    def __init__(
+        self, cpus: frozenset[int] | None = None, name: str = "kvtier-store"
+    ) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, args=(cpus,), name=name, daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, args=(cpus,), name=name, daemon=True
+        )
         self.thread.start()
 
     def _run(self, cpus: frozenset[int] | None) -> None:
@@ -64,7 +68,9 @@ class StoreTenant:
     only the key's id."""
 
     key_id: str | None = None  # hex: the adapter's Namespace(tenant_key_id=...)
-    keyed: KeyedHash | None = None  # the engine's page keys go through it before they become store keys
+    keyed: KeyedHash | None = (
+        None  # the engine's page keys go through it before they become store keys
+    )
     codec: SealedCodec | None = None
 
     def seal(self, store: Store | None) -> None:
@@ -79,18 +85,28 @@ def tenant_of(ns: NamespaceConfig) -> StoreTenant:
     keys = ns.tenant_keys()
     if keys is None:
         return StoreTenant()
-    return StoreTenant(keys.current.key_id.hex(), keys.current.page_hash("sha256"),
-                       SealedCodec(keys.current_only(), ns.encrypt))
+    return StoreTenant(
+        keys.current.key_id.hex(),
+        keys.current.page_hash("sha256"),
+        SealedCodec(keys.current_only(), ns.encrypt),
+    )
 
 
 def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:
     """The breaker of the YAML's `controller:` settings, as the cache's storage thread uses."""
-    return Breaker(store_name, BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s,
-                                             c.store_probe_max_backoff_s))
+    return Breaker(
+        store_name,
+        BreakerConfig(
+            c.store_down_after_failures,
+            c.store_probe_backoff_s,
+            c.store_probe_max_backoff_s,
+        ),
+    )
 
 
-async def read_staged(breaker: Breaker, store: Store, keys: list[str],
-                      views: list[memoryview]) -> list[bool] | None:
+async def read_staged(
+    breaker: Breaker, store: Store, keys: list[str], views: list[memoryview]
+) -> list[bool] | None:
     """`store.batch_get_into(keys, views)` behind the breaker, read into buffers of kvtier's
     own and copied into the engine's `views` only for pages that verified, once the call
     returned. A call given up on stuck (a hung mount) is a miss while its thread may still
@@ -100,16 +116,22 @@ async def read_staged(breaker: Breaker, store: Store, keys: list[str],
     staging = np.empty(sum(len(v) for v in views), dtype=np.uint8)
     staged, at = [], 0
     for v in views:
-        staged.append(staging[at:at + len(v)])
+        staged.append(staging[at : at + len(v)])
         at += len(v)
-    ok = await guarded(breaker, lambda: store.batch_get_into(keys, [memoryview(s) for s in staged]), None)
+    ok = await guarded(
+        breaker,
+        lambda: store.batch_get_into(keys, [memoryview(s) for s in staged]),
+        None,
+    )
     for view, page, good in zip(views, staged, ok or []):
         if good:  # numpy's copy lets the GIL go for a big page: the engine's threads run meanwhile
             np.copyto(np.frombuffer(view, dtype=np.uint8), page)
     return ok
 
 
-async def guarded(breaker: Breaker, call: Callable[[], Awaitable], fallback: Any) -> Any:
+async def guarded(
+    breaker: Breaker, call: Callable[[], Awaitable], fallback: Any
+) -> Any:
     """One store call behind the breaker, on the loop. A failure is `fallback` (a miss); a
     timed-out call returns only once the store has stopped touching the caller's buffers,
     or has abandoned the call's stuck threads (a hung mount: the store is then down)."""

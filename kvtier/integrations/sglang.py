@@ -41,13 +41,21 @@ from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
-from kvtier.integrations.loop import LoopThread, breaker_for, guarded, read_staged, tenant_of
+from kvtier.integrations.loop import (
+    LoopThread,
+    breaker_for,
+    guarded,
+    read_staged,
+    tenant_of,
+)
 
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = f"pip install --no-deps sglang=={SGLANG_VERSION}"
-_HEX_HASH = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")  # fullmatch: `$` would pass a trailing newline
+_HEX_HASH = re.compile(
+    r"[0-9a-f]{32}|[0-9a-f]{64}"
+)  # fullmatch: `$` would pass a trailing newline
 # extra_config keys this adapter reads; SGLang's own keys pass through untouched
 EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
 
@@ -58,7 +66,9 @@ def page_hash_of(key: str, keyed: KeyedHash | None = None) -> bytes:
     a tenant's `keyed` hash, every key through it (a key listing then tells nothing of
     SGLang's hashes, which anyone can compute from the tokens)."""
     if not isinstance(key, str) or not key:
-        raise ValueError(f"key={key!r}: expected a non-empty string (SGLang's page hash)")
+        raise ValueError(
+            f"key={key!r}: expected a non-empty string (SGLang's page hash)"
+        )
     if keyed is not None:
         return keyed(b"kvtier/sglang-key\x00" + key.encode()).digest()
     if _HEX_HASH.fullmatch(key):
@@ -69,7 +79,9 @@ def page_hash_of(key: str, keyed: KeyedHash | None = None) -> bytes:
 def _bytes_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"expected a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+        raise ValueError(
+            f"expected a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}"
+        )
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -82,21 +94,30 @@ class KvtierStorageBase:
         if not path or not isinstance(path, str):
             raise KvtierConfigError(
                 f"extra_config.kvtier_config={path!r}: give the path of a kvtier YAML with a store: section "
-                "(docs/sglang.md)")
+                "(docs/sglang.md)"
+            )
         kv_cache_dtype = extra.get("kv_cache_dtype")
-        if kv_cache_dtype is not None and (not isinstance(kv_cache_dtype, str) or not kv_cache_dtype):
-            raise KvtierConfigError(f"extra_config.kv_cache_dtype={kv_cache_dtype!r}: expected SGLang's "
-                                    "--kv-cache-dtype value, e.g. 'fp8_e4m3'")
+        if kv_cache_dtype is not None and (
+            not isinstance(kv_cache_dtype, str) or not kv_cache_dtype
+        ):
+            raise KvtierConfigError(
+                f"extra_config.kv_cache_dtype={kv_cache_dtype!r}: expected SGLang's "
+                "--kv-cache-dtype value, e.g. 'fp8_e4m3'"
+            )
         config: KvtierConfig = load_config(path)
         refuse_store_pages(config, "SGLang's storage backend")
         if config.store.backend == "none":
-            raise KvtierConfigError(f"store.backend='none' in {path}: SGLang's L3 needs a store "
-                                    "(file, redis, s3 or a plugin)")
+            raise KvtierConfigError(
+                f"store.backend='none' in {path}: SGLang's L3 needs a store "
+                "(file, redis, s3 or a plugin)"
+            )
         self.kvtier_config = config
         self.storage_config = storage_config
         self.kv_cache_dtype = kv_cache_dtype
         self.key_prefix = config.store.key_prefix
-        self.tenant = tenant_of(config.namespace)  # docs/security.md: key id, keyed page keys, sealed store
+        self.tenant = tenant_of(
+            config.namespace
+        )  # docs/security.md: key id, keyed page keys, sealed store
         c = config.controller
         self._loop = LoopThread(check_cpus(c.cpus), name="kvtier-sglang-store")
         self.store: Store = self._loop.run(self._build(config))
@@ -116,7 +137,9 @@ class KvtierStorageBase:
 
     @staticmethod
     async def _build(config: KvtierConfig) -> Store:
-        return build_store(config.store.backend, config.store.options, config.store.timeout_s)
+        return build_store(
+            config.store.backend, config.store.options, config.store.timeout_s
+        )
 
     # -- SGLang's registration -------------------------------------------------------------
 
@@ -126,16 +149,28 @@ class KvtierStorageBase:
         self.namespace = self._namespace(mem_pool_host)
         dummy = mem_pool_host.get_dummy_flat_data_page()
         self.page_bytes = dummy.numel() * dummy.element_size()
-        log.info("kvtier: SGLang L3 on the %s store, namespace %s (%s, %s, %d tokens/page, %d B/page)",
-                 self.store.name, self.namespace.id, self.namespace.dtype, self.namespace.layout,
-                 self.namespace.page_size, self.page_bytes)
+        log.info(
+            "kvtier: SGLang L3 on the %s store, namespace %s (%s, %s, %d tokens/page, %d B/page)",
+            self.store.name,
+            self.namespace.id,
+            self.namespace.dtype,
+            self.namespace.layout,
+            self.namespace.page_size,
+            self.page_bytes,
+        )
 
     def on_host_pools_registered(self) -> None:
         """Hybrid models (Mamba, SWA, DSA sidecar pools) need the v2 API: refuse to attach."""
-        others = sorted(str(n) for n in (getattr(self, "registered_pools", None) or {}) if str(n) != "kv")
+        others = sorted(
+            str(n)
+            for n in (getattr(self, "registered_pools", None) or {})
+            if str(n) != "kv"
+        )
         if others:
-            raise NotImplementedError(f"kvtier SGLang backend: host pools {others} need the v2 interface, which "
-                                      "kvtier does not implement; use it for plain MHA/MLA KV only")
+            raise NotImplementedError(
+                f"kvtier SGLang backend: host pools {others} need the v2 interface, which "
+                "kvtier does not implement; use it for plain MHA/MLA KV only"
+            )
 
     def _namespace(self, pool) -> Namespace:
         sc = self.storage_config
@@ -144,30 +179,55 @@ class KvtierStorageBase:
             dtype = f"{dtype}/{self.kv_cache_dtype}"
         shard = f"pp={sc.pp_rank}/{sc.pp_size}:cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
         if sc.is_mla_model:
-            layout = (f"sglang-mla:layers={pool.layer_num}:dim={pool.kv_cache_dim}:lora={pool.kv_lora_rank}"
-                      f":rope={pool.qk_rope_head_dim}:host={pool.layout}:{shard}")
+            layout = (
+                f"sglang-mla:layers={pool.layer_num}:dim={pool.kv_cache_dim}:lora={pool.kv_lora_rank}"
+                f":rope={pool.qk_rope_head_dim}:host={pool.layout}:{shard}"
+            )
             if sc.dcp_size > 1:
                 layout += f":dcp={sc.dcp_rank}/{sc.dcp_size}:lps={sc.logical_page_size}:tp={sc.tp_size}"
-            rank, size = 0, 1  # MLA KV is the same on every TP rank: one namespace, one writer
+            rank, size = (
+                0,
+                1,
+            )  # MLA KV is the same on every TP rank: one namespace, one writer
         else:
-            layout = (f"sglang-mha:layers={pool.layer_num}:heads={pool.head_num}:head_dim={pool.head_dim}"
-                      f":v={getattr(pool, 'v_head_dim', pool.head_dim)}:host={pool.layout}:{shard}")
+            layout = (
+                f"sglang-mha:layers={pool.layer_num}:heads={pool.head_num}:head_dim={pool.head_dim}"
+                f":v={getattr(pool, 'v_head_dim', pool.head_dim)}:host={pool.layout}:{shard}"
+            )
             if sc.dp_rank:
                 layout += f":dp={sc.dp_rank}"
             rank, size = sc.tp_rank, sc.tp_size
         ns = self.kvtier_config.namespace
         model = sc.model_name or ns.model_id
-        return Namespace(model, dtype, layout, pool.page_size, rank, size, ns.tenant_salt, revision=ns.revision,
-                         tenant_key_id=self.tenant.key_id)
+        return Namespace(
+            model,
+            dtype,
+            layout,
+            pool.page_size,
+            rank,
+            size,
+            ns.tenant_salt,
+            revision=ns.revision,
+            tenant_key_id=self.tenant.key_id,
+        )
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         if self._closed:  # its loop is gone: a call would wait on it forever
             raise RuntimeError("kvtier SGLang backend: closed")
         if self.namespace is None:
-            raise RuntimeError("kvtier SGLang backend: register_mem_pool_host() must come before any I/O")
+            raise RuntimeError(
+                "kvtier SGLang backend: register_mem_pool_host() must come before any I/O"
+            )
         if isinstance(keys, str):
-            raise ValueError("keys: expected a list of SGLang page hashes, got one string")
-        return [make_key(self.key_prefix, self.namespace.id, page_hash_of(k, self.tenant.keyed)) for k in keys]
+            raise ValueError(
+                "keys: expected a list of SGLang page hashes, got one string"
+            )
+        return [
+            make_key(
+                self.key_prefix, self.namespace.id, page_hash_of(k, self.tenant.keyed)
+            )
+            for k in keys
+        ]
 
     # -- store calls -----------------------------------------------------------------------
 
@@ -185,8 +245,12 @@ class KvtierStorageBase:
         if not full:
             return []
         start = time.perf_counter()
-        ok = self._loop.run(read_staged(self.breaker, self.store, full, views)) or [False] * len(full)
-        self._record("get", self._prefetch_pgs, self._prefetch_bw, len(full), sum(ok), start)
+        ok = self._loop.run(read_staged(self.breaker, self.store, full, views)) or [
+            False
+        ] * len(full)
+        self._record(
+            "get", self._prefetch_pgs, self._prefetch_bw, len(full), sum(ok), start
+        )
         return list(ok)
 
     def _write(self, keys: Sequence[str], pages: list[memoryview]) -> list[bool]:
@@ -195,19 +259,33 @@ class KvtierStorageBase:
             return []
         for k, p in zip(keys, pages):
             if len(p) != self.page_bytes:
-                raise ValueError(f"page for key {k!r} is {len(p)} bytes; this pool's pages are {self.page_bytes}")
+                raise ValueError(
+                    f"page for key {k!r} is {len(p)} bytes; this pool's pages are {self.page_bytes}"
+                )
         start = time.perf_counter()
-        ok = self._loop.run(self._guarded(lambda: self._set(full, pages), [False] * len(full)))
-        self._record("set", self._backup_pgs, self._backup_bw, len(full), sum(ok), start)
+        ok = self._loop.run(
+            self._guarded(lambda: self._set(full, pages), [False] * len(full))
+        )
+        self._record(
+            "set", self._backup_pgs, self._backup_bw, len(full), sum(ok), start
+        )
         return list(ok)
 
     async def _set(self, full: list[str], pages: list[memoryview]) -> list[bool]:
-        if not self._manifest_written:  # docs/formats.md: a namespace's manifest precedes its first page
-            await self.store.put_manifest(self.key_prefix, self.namespace.id, self.namespace.manifest(self.page_bytes))
+        if (
+            not self._manifest_written
+        ):  # docs/formats.md: a namespace's manifest precedes its first page
+            await self.store.put_manifest(
+                self.key_prefix,
+                self.namespace.id,
+                self.namespace.manifest(self.page_bytes),
+            )
             self._manifest_written = True
         return await self.store.batch_set(full, pages)
 
-    def _record(self, op: str, pgs: list, bw: list, pages: int, good: int, start: float) -> None:
+    def _record(
+        self, op: str, pgs: list, bw: list, pages: int, good: int, start: float
+    ) -> None:
         """Count one batch (SGLang calls from its prefetch and backup threads at once)."""
         elapsed = time.perf_counter() - start
         with self._metrics_lock:
@@ -215,20 +293,28 @@ class KvtierStorageBase:
             self.counters[f"{op}_ok"] += good
             pgs.append(pages)
             if good and elapsed > 0:
-                bw.append(good * self.page_bytes / elapsed / 1e9)  # GB/s, as SGLang's histograms expect
+                bw.append(
+                    good * self.page_bytes / elapsed / 1e9
+                )  # GB/s, as SGLang's histograms expect
 
     # -- host pool pages -------------------------------------------------------------------
 
-    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int]:
+    def _page_starts(
+        self, keys: Sequence[str], host_indices: torch.Tensor
+    ) -> list[int]:
         ps = self.mem_pool_host.page_size
         if host_indices.numel() != len(keys) * ps:
-            raise ValueError(f"host_indices has {host_indices.numel()} slots for {len(keys)} keys; "
-                             f"expected {len(keys) * ps} ({ps} per page)")
+            raise ValueError(
+                f"host_indices has {host_indices.numel()} slots for {len(keys)} keys; "
+                f"expected {len(keys) * ps} ({ps} per page)"
+            )
         return host_indices[::ps].tolist()
 
     # -- v1: host indices (SGLang's zero-copy interface) -----------------------------------
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info=None
+    ) -> list[bool]:
         """Read pages into SGLang's host pool, each copied in once it verified (`_read`
         reads into buffers of its own: a read given up on stuck writes none of SGLang's
         pages). A page that misses or fails verification is False and its host slots are
@@ -254,7 +340,9 @@ class KvtierStorageBase:
                 pool.set_from_flat_data_page(start, staged.view(pool.dtype))
         return ok
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info=None
+    ) -> list[bool]:
         pool = self.mem_pool_host
         starts = self._page_starts(keys, host_indices)
         pages = [pool.get_data_page(start, flat=True).contiguous() for start in starts]
@@ -269,32 +357,59 @@ class KvtierStorageBase:
         """How many of `keys`, from the first, the store holds."""
         return self._exists(keys)
 
-    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> torch.Tensor | None:
-        return self.batch_get([key], None if target_location is None else [target_location])[0]
+    def get(
+        self, key: str, target_location: torch.Tensor | None = None, target_sizes=None
+    ) -> torch.Tensor | None:
+        return self.batch_get(
+            [key], None if target_location is None else [target_location]
+        )[0]
 
-    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None,
-                  target_sizes=None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: list[torch.Tensor] | None = None,
+        target_sizes=None,
+    ) -> list[torch.Tensor | None]:
         if target_locations is None:
-            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            target_locations = [
+                self.mem_pool_host.get_dummy_flat_data_page() for _ in keys
+            ]
         if len(target_locations) != len(keys):
-            raise ValueError(f"batch_get: {len(keys)} keys but {len(target_locations)} target locations")
+            raise ValueError(
+                f"batch_get: {len(keys)} keys but {len(target_locations)} target locations"
+            )
         views = []
         for k, t in zip(keys, target_locations):
             v = _bytes_view(t)
             if len(v) != self.page_bytes:
-                raise ValueError(f"target for key {k!r} is {len(v)} bytes; this pool's pages are {self.page_bytes}")
+                raise ValueError(
+                    f"target for key {k!r} is {len(v)} bytes; this pool's pages are {self.page_bytes}"
+                )
             views.append(v)
         ok = self._read(keys, views)
         return [t if good else None for t, good in zip(target_locations, ok)]
 
-    def set(self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: torch.Tensor | None = None,
+        target_location=None,
+        target_sizes=None,
+    ) -> bool:
         return self.batch_set([key], None if value is None else [value])
 
-    def batch_set(self, keys: list[str], values: list[torch.Tensor] | None = None, target_locations=None,
-                  target_sizes=None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: list[torch.Tensor] | None = None,
+        target_locations=None,
+        target_sizes=None,
+    ) -> bool:
         if values is None or len(values) != len(keys):
-            raise ValueError(f"batch_set: {len(keys)} keys need as many page tensors, got "
-                             f"{None if values is None else len(values)}")
+            raise ValueError(
+                f"batch_set: {len(keys)} keys need as many page tensors, got "
+                f"{None if values is None else len(values)}"
+            )
         pages = [v.contiguous() for v in values]
         return all(self._write(keys, [_bytes_view(p) for p in pages]))
 
@@ -317,22 +432,38 @@ class KvtierStorageBase:
         try:
             n = self._loop.run(run())
         except StoreError as exc:
-            log.error("kvtier: clearing namespace %s failed: %s", self.namespace.id, exc)
+            log.error(
+                "kvtier: clearing namespace %s failed: %s", self.namespace.id, exc
+            )
             return False
         log.info("kvtier: cleared %d pages of namespace %s", n, self.namespace.id)
         return True
 
     def kvtier_stats(self) -> dict:
         """Everything kvtier counts: the store's counters, the breaker, this adapter's pages."""
-        return {"namespace": None if self.namespace is None else self.namespace.id, **self.counters,
-                **self.store.stats(), **self.breaker.stats()}
+        return {
+            "namespace": None if self.namespace is None else self.namespace.id,
+            **self.counters,
+            **self.store.stats(),
+            **self.breaker.stats(),
+        }
 
     def get_stats(self):
         """SGLang's StorageMetrics (per-batch pages and GB/s since the last call), or None
         where SGLang's metrics module cannot be imported."""
         with self._metrics_lock:
-            taken = (self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw)
-            self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw = [], [], [], []
+            taken = (
+                self._prefetch_pgs,
+                self._backup_pgs,
+                self._prefetch_bw,
+                self._backup_bw,
+            )
+            self._prefetch_pgs, self._backup_pgs, self._prefetch_bw, self._backup_bw = (
+                [],
+                [],
+                [],
+                [],
+            )
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
         except Exception:
@@ -365,11 +496,16 @@ def _storage_class() -> type:
         try:
             from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
         except Exception as exc:
-            raise ImportError(f"kvtier.integrations.sglang.KvtierStorage subclasses SGLang's HiCacheStorage, "
-                              f"which could not be imported ({type(exc).__name__}: {exc}); run it inside an "
-                              f"SGLang install, or for tests: {INSTALL_HINT}") from exc
-        _CLASS = type("KvtierStorage", (KvtierStorageBase, HiCacheStorage),
-                      {"__module__": __name__, "__doc__": KvtierStorageBase.__doc__})
+            raise ImportError(
+                f"kvtier.integrations.sglang.KvtierStorage subclasses SGLang's HiCacheStorage, "
+                f"which could not be imported ({type(exc).__name__}: {exc}); run it inside an "
+                f"SGLang install, or for tests: {INSTALL_HINT}"
+            ) from exc
+        _CLASS = type(
+            "KvtierStorage",
+            (KvtierStorageBase, HiCacheStorage),
+            {"__module__": __name__, "__doc__": KvtierStorageBase.__doc__},
+        )
     return _CLASS
 
 

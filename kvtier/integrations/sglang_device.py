@@ -35,8 +35,13 @@ import numpy as np
 import torch
 
 VERSION = "0.5.23"
-EXPECTED_STUBS = frozenset({"sglang.srt.configs.deepseek_ocr", "sglang.srt.multimodal.internvl_utils",
-                            "sglang.srt.utils.hf_transformers.common"})
+EXPECTED_STUBS = frozenset(
+    {
+        "sglang.srt.configs.deepseek_ocr",
+        "sglang.srt.multimodal.internvl_utils",
+        "sglang.srt.utils.hf_transformers.common",
+    }
+)
 _MODULES = {
     "memory_pool": "sglang.srt.mem_cache.memory_pool",
     "allocator": "sglang.srt.mem_cache.allocator",
@@ -61,8 +66,14 @@ class _Inert(types.ModuleType):
         if name.startswith(("is_", "use_", "can_")):
             value: Any = lambda *a, **k: False  # noqa: E731
         else:
-            value = type(name, (), {"__init__": lambda self, *a, **k: None,
-                                    "__init_subclass__": classmethod(lambda cls, **k: None)})
+            value = type(
+                name,
+                (),
+                {
+                    "__init__": lambda self, *a, **k: None,
+                    "__init_subclass__": classmethod(lambda cls, **k: None),
+                },
+            )
         object.__setattr__(self, name, value)
         return value
 
@@ -78,7 +89,9 @@ class _Loader(importlib.abc.Loader):
         try:
             self.real.exec_module(module)
         except Exception as exc:  # its own code raised: an inert stub, recorded
-            self.failed[module.__name__] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            self.failed[module.__name__] = (
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            )
             module.__class__ = _Inert
 
 
@@ -105,12 +118,19 @@ def load() -> types.SimpleNamespace:
     if _loaded is not None:
         return _loaded
     if importlib.util.find_spec("sglang") is None:
-        raise Unavailable(f"sglang is not installed (pip install --no-deps sglang=={VERSION})")
+        raise Unavailable(
+            f"sglang is not installed (pip install --no-deps sglang=={VERSION})"
+        )
     from importlib.metadata import version
+
     if version("sglang") != VERSION:
-        raise Unavailable(f"sglang {version('sglang')} is installed; this baseline drives {VERSION}")
+        raise Unavailable(
+            f"sglang {version('sglang')} is installed; this baseline drives {VERSION}"
+        )
     if "sglang" in sys.modules:
-        raise Unavailable("sglang was imported in this process by another loader; run this in its own process")
+        raise Unavailable(
+            "sglang was imported in this process by another loader; run this in its own process"
+        )
     finder = _Finder()
     sys.meta_path.insert(0, finder)
     quiet = [logging.getLogger(n) for n in ("sglang", "vllm")]
@@ -127,8 +147,10 @@ def load() -> types.SimpleNamespace:
     unexpected = {k: v for k, v in finder.failed.items() if k not in EXPECTED_STUBS}
     if unexpected:
         first = sorted(unexpected.items())[:3]
-        raise Unavailable(f"{len(unexpected)} sglang modules failed to import, e.g. "
-                          + "; ".join(f"{k}: {v}" for k, v in first))
+        raise Unavailable(
+            f"{len(unexpected)} sglang modules failed to import, e.g. "
+            + "; ".join(f"{k}: {v}" for k, v in first)
+        )
     _loaded = types.SimpleNamespace(**mods, stubbed=sorted(finder.failed))
     return _loaded
 
@@ -138,30 +160,60 @@ class DeviceCache:
     `page_size` tokens (plus SGLang's own padding page), requests of at most
     `max_context` tokens, `max_running` at once."""
 
-    def __init__(self, size: int, page_size: int, max_running: int, max_context: int) -> None:
+    def __init__(
+        self, size: int, page_size: int, max_running: int, max_context: int
+    ) -> None:
         sg = self.sg = load()
         sa = sg.server_args
-        sa.set_global_server_args_for_scheduler(sa.ServerArgs(model_path="dummy", page_size=page_size))
+        sa.set_global_server_args_for_scheduler(
+            sa.ServerArgs(model_path="dummy", page_size=page_size)
+        )
         dtype = torch.float16
         self.page_size = page_size
-        self.r2t = sg.memory_pool.ReqToTokenPool(size=max_running, max_context_len=max_context, device="cpu",
-                                                 enable_memory_saver=False)
-        self.kv = sg.memory_pool.MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=1,
-                                                  head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False,
-                                                  enable_alt_stream=False)
+        self.r2t = sg.memory_pool.ReqToTokenPool(
+            size=max_running,
+            max_context_len=max_context,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.kv = sg.memory_pool.MHATokenToKVPool(
+            size=size,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=1,
+            head_dim=16,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
         if page_size == 1:
-            self.allocator = sg.allocator.TokenToKVPoolAllocator(size, dtype, "cpu", self.kv, False)
+            self.allocator = sg.allocator.TokenToKVPoolAllocator(
+                size, dtype, "cpu", self.kv, False
+            )
         else:
-            self.allocator = sg.allocator.PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", self.kv, False)
-        params = sg.cache_init_params.CacheInitParams(disable=False, req_to_token_pool=self.r2t,
-                                                      token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+            self.allocator = sg.allocator.PagedTokenToKVPoolAllocator(
+                size, page_size, dtype, "cpu", self.kv, False
+            )
+        params = sg.cache_init_params.CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+        )
         self.cache = sg.radix_cache.RadixCache(params)
 
     def new_request(self, rid: str, prompt: np.ndarray, max_new_tokens: int):
         """An SGLang `Req` for `prompt` (built before the scheduler's cache calls)."""
         sb, sp = self.sg.schedule_batch, self.sg.sampling_params
-        return sb.Req(rid=rid, origin_input_text="", origin_input_ids=_tokens(prompt),
-                      sampling_params=sp.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+        return sb.Req(
+            rid=rid,
+            origin_input_text="",
+            origin_input_ids=_tokens(prompt),
+            sampling_params=sp.SamplingParams(
+                temperature=0, max_new_tokens=max_new_tokens
+            ),
+        )
 
     def schedule(self, req, total: int, reserved: int) -> int:
         """Match and lock the request's prefix, as `PrefillAdder` does: the slots its `total`
@@ -170,7 +222,10 @@ class DeviceCache:
         self.sg.common.match_kv_cache(req, self.cache)
         req.lock = self.cache.lock(req.last_node)
         need = total - req.prefix_len + self.page_size
-        if self.allocator.available_size() + self.cache.evictable_size() < reserved + need:
+        if (
+            self.allocator.available_size() + self.cache.evictable_size()
+            < reserved + need
+        ):
             self.cache.unlock(req.lock)
             req.lock = None
             return 0
@@ -181,8 +236,12 @@ class DeviceCache:
         allocation (evicting when short), each row written with prefix + new slots."""
         alloc = self.sg.allocation
         alloc.alloc_req_slots(self.r2t, reqs, self.cache)
-        prefixes = [self.cache.prefix_device_indices(r) if r.prefix_len else torch.empty(0, dtype=torch.int64)
-                    for r in reqs]
+        prefixes = [
+            self.cache.prefix_device_indices(r)
+            if r.prefix_len
+            else torch.empty(0, dtype=torch.int64)
+            for r in reqs
+        ]
         prefix_lens = [r.prefix_len for r in reqs]
         extend = sum(totals) - sum(prefix_lens)
         if self.page_size == 1:
@@ -190,13 +249,22 @@ class DeviceCache:
         else:
             plens = torch.tensor(prefix_lens, dtype=torch.int64)
             slens = torch.tensor(totals, dtype=torch.int64)
-            last = torch.cat([p[-1:] if len(p) else torch.full((1,), -1, dtype=torch.int64) for p in prefixes])
-            out = alloc.alloc_paged_token_slots_extend(self.cache, plens, plens, slens, slens, last, extend)
+            last = torch.cat(
+                [
+                    p[-1:] if len(p) else torch.full((1,), -1, dtype=torch.int64)
+                    for p in prefixes
+                ]
+            )
+            out = alloc.alloc_paged_token_slots_extend(
+                self.cache, plens, plens, slens, slens, last, extend
+            )
         at = 0
         for r, p, total in zip(reqs, prefixes, totals):
             row = r.kv.req_pool_idx
             self.r2t.write((row, slice(0, r.prefix_len)), p)
-            self.r2t.write((row, slice(r.prefix_len, total)), out[at:at + total - r.prefix_len])
+            self.r2t.write(
+                (row, slice(r.prefix_len, total)), out[at : at + total - r.prefix_len]
+            )
             at += total - r.prefix_len
             r.kv.kv_committed_len = r.kv.kv_allocated_len = total
             r.kv.cache_protected_len = r.prefix_len
@@ -214,10 +282,16 @@ class DeviceCache:
         """Every slot free or in the tree once no request runs, every row free."""
         held = self.allocator.available_size() + self.cache.total_size()
         size = self.allocator.size
-        if held != size or self.cache.protected_size() != 0 or self.r2t.available_size() != self.r2t.size:
-            raise AssertionError(f"SGLang pools: free {self.allocator.available_size()} + tree "
-                                 f"{self.cache.total_size()} != {size}, protected {self.cache.protected_size()}, "
-                                 f"rows free {self.r2t.available_size()} of {self.r2t.size}")
+        if (
+            held != size
+            or self.cache.protected_size() != 0
+            or self.r2t.available_size() != self.r2t.size
+        ):
+            raise AssertionError(
+                f"SGLang pools: free {self.allocator.available_size()} + tree "
+                f"{self.cache.total_size()} != {size}, protected {self.cache.protected_size()}, "
+                f"rows free {self.r2t.available_size()} of {self.r2t.size}"
+            )
 
 
 def _tokens(a: np.ndarray) -> array:

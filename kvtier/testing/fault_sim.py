@@ -50,8 +50,14 @@ def reference_kv(tokens: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
     hs = np.array(hashes, dtype=np.uint64)
     out = []
     for layer in range(LAYERS):
-        parts = [((hs * np.uint64(2 * layer + c + 3) + np.uint64(c * 977)) >> np.uint64(c * 7)) % np.uint64(1 << 23)
-                 for c in range(4)]
+        parts = [
+            (
+                (hs * np.uint64(2 * layer + c + 3) + np.uint64(c * 977))
+                >> np.uint64(c * 7)
+            )
+            % np.uint64(1 << 23)
+            for c in range(4)
+        ]
         vals = torch.tensor(np.stack(parts, 1).astype(np.float32))
         out.append((vals[:, None, 0:2].contiguous(), vals[:, None, 2:4].contiguous()))
     return out
@@ -59,9 +65,11 @@ def reference_kv(tokens: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def settle(cache: TieredCache) -> None:
     """Let the cache's storage loop run until it waits on its SimStore again."""
+
     async def spin():
         for _ in range(40):
             await asyncio.sleep(0)
+
     asyncio.run_coroutine_threadsafe(spin(), cache.controller.storage.loop).result(30)
 
 
@@ -72,21 +80,39 @@ class Setup:
     io: str
     write_policy: str
     prefetch_policy: str
-    evict_headroom: float = 0.0  # the sim's pools are a few pages: 3% would round to none
+    evict_headroom: float = (
+        0.0  # the sim's pools are a few pages: 3% would round to none
+    )
     hash_algo: str = "sha256"  # xxh3_128: 16-byte page hashes, zero padded in the frame
-    sealing: str = "plain"  # mac, aes-gcm: pages sealed under a tenant key (docs/security.md)
-    store_pages: int = 1  # device pages in one store page (store.page_tokens, docs/stores.md)
+    sealing: str = (
+        "plain"  # mac, aes-gcm: pages sealed under a tenant key (docs/security.md)
+    )
+    store_pages: int = (
+        1  # device pages in one store page (store.page_tokens, docs/stores.md)
+    )
 
     @classmethod
     def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
-        return cls(rng.choice([1, 4, 16]), rng.choice(["page_first", "layer_first"]),
-                   "kernel" if allow_kernel and rng.random() < 0.1 else "direct",
-                   rng.choice(["write_through", "write_through", "write_through_selective", "write_back"]),
-                   rng.choice(["best_effort", "wait_complete", "timeout"]),
-                   rng.choice([0.0, 0.25]),  # drawn after the others: they stay what each seed drew
-                   rng.choice(["sha256", "xxh3_128"]),
-                   rng.choice(["plain", "mac", "aes-gcm"]),
-                   rng.choice([1, 1, 2, 4]))
+        return cls(
+            rng.choice([1, 4, 16]),
+            rng.choice(["page_first", "layer_first"]),
+            "kernel" if allow_kernel and rng.random() < 0.1 else "direct",
+            rng.choice(
+                [
+                    "write_through",
+                    "write_through",
+                    "write_through_selective",
+                    "write_back",
+                ]
+            ),
+            rng.choice(["best_effort", "wait_complete", "timeout"]),
+            rng.choice(
+                [0.0, 0.25]
+            ),  # drawn after the others: they stay what each seed drew
+            rng.choice(["sha256", "xxh3_128"]),
+            rng.choice(["plain", "mac", "aes-gcm"]),
+            rng.choice([1, 1, 2, 4]),
+        )
 
 
 @dataclass(eq=False)
@@ -99,9 +125,19 @@ class Req:
 
 
 class FaultSim:
-    def __init__(self, seed: int, setup: Setup, faults: random.Random | None = None, agreement=None) -> None:
-        self.rng = random.Random(seed)  # the engine's choices (the same on every rank: tp_sim.py)
-        self.faults = faults or self.rng  # how copies and store calls end (a rank's own)
+    def __init__(
+        self,
+        seed: int,
+        setup: Setup,
+        faults: random.Random | None = None,
+        agreement=None,
+    ) -> None:
+        self.rng = random.Random(
+            seed
+        )  # the engine's choices (the same on every rank: tp_sim.py)
+        self.faults = (
+            faults or self.rng
+        )  # how copies and store calls end (a rank's own)
         self.setup = setup
         self.clock = 0.0
         self.streams = SimStreams(self.faults)
@@ -110,34 +146,64 @@ class FaultSim:
         pages = 16 if ps == 16 else 24
         self.max_len = min(ps * pages // 2, 96)
         overrides = {
-            "pool": {"size": ps * pages, "num_layers": LAYERS, "page_size": ps, "num_kv_heads": 1, "head_dim": 2,
-                     "dtype": "float32"},
-            "mirror": {"ratio": 1.0, "layout": setup.layout, "io": setup.io},  # small: pages go to the store
-            "controller": {"write_policy": setup.write_policy, "prefetch_policy": setup.prefetch_policy,
-                           "write_threshold": 2, "prefetch_timeout_base_s": 1.0, "evict_headroom": setup.evict_headroom,
-                           "prefetch_timeout_per_1k_tokens_s": 0.0},
+            "pool": {
+                "size": ps * pages,
+                "num_layers": LAYERS,
+                "page_size": ps,
+                "num_kv_heads": 1,
+                "head_dim": 2,
+                "dtype": "float32",
+            },
+            "mirror": {
+                "ratio": 1.0,
+                "layout": setup.layout,
+                "io": setup.io,
+            },  # small: pages go to the store
+            "controller": {
+                "write_policy": setup.write_policy,
+                "prefetch_policy": setup.prefetch_policy,
+                "write_threshold": 2,
+                "prefetch_timeout_base_s": 1.0,
+                "evict_headroom": setup.evict_headroom,
+                "prefetch_timeout_per_1k_tokens_s": 0.0,
+            },
             "store": {"backend": "none", "page_tokens": ps * setup.store_pages},
             "tree": {"hash_algo": setup.hash_algo},
         }
         if setup.sealing != "plain":
-            overrides["namespace"] = {"tenant_key": SIM_TENANT_KEY, "encrypt": setup.sealing == "aes-gcm"}
+            overrides["namespace"] = {
+                "tenant_key": SIM_TENANT_KEY,
+                "encrypt": setup.sealing == "aes-gcm",
+            }
         cfg = load_config(None, overrides, env={})
-        self.cache = TieredCache(cfg, store=self.store, stream_factory=self.streams.factory,
-                                 clock=lambda: self.clock, agreement=agreement)
+        self.cache = TieredCache(
+            cfg,
+            store=self.store,
+            stream_factory=self.streams.factory,
+            clock=lambda: self.clock,
+            agreement=agreement,
+        )
         self.loop = self.cache.controller.storage.loop
-        self.skew = 0.0  # under TP: this rank's scheduler reads its clock later (tp_sim.py)
+        self.skew = (
+            0.0  # under TP: this rank's scheduler reads its clock later (tp_sim.py)
+        )
         self.tp = self.cache.agreement.world_size > 1
         self.skews = random.Random(f"{seed}/{self.cache.agreement.rank}")
         if self.tp:
             self.cache.prefetcher.clock = lambda: self.clock + self.skew
         vocab = 6 if ps == 1 else 50
-        self.bases = [np.array([self.rng.randrange(vocab) for _ in range(self.max_len)]) for _ in range(4)]
+        self.bases = [
+            np.array([self.rng.randrange(vocab) for _ in range(self.max_len)])
+            for _ in range(4)
+        ]
         self.vocab = vocab
         self.waiting: dict[str, Req] = {}
         self.running: dict[str, Req] = {}
         self.next_id = 0
         self.log: list[str] = []
-        self.stray: list[str] = []  # store-page copies into host pages no prefetch owned (parts.py)
+        self.stray: list[
+            str
+        ] = []  # store-page copies into host pages no prefetch owned (parts.py)
         if setup.store_pages > 1:
             watch_copies(self.cache, self.stray)
 
@@ -197,8 +263,13 @@ class FaultSim:
         ps = self.setup.page_size
         base = self.rng.choice(self.bases)
         keep = self.rng.randrange(0, self.max_len // ps + 1) * ps
-        extra = [self.rng.randrange(self.vocab) for _ in range(self.rng.randrange(1, 2 * ps + 2))]
-        tokens = np.concatenate([base[:keep], np.array(extra, dtype=np.int64)])[: self.max_len]
+        extra = [
+            self.rng.randrange(self.vocab)
+            for _ in range(self.rng.randrange(1, 2 * ps + 2))
+        ]
+        tokens = np.concatenate([base[:keep], np.array(extra, dtype=np.int64)])[
+            : self.max_len
+        ]
         rid = f"r{self.next_id}"
         self.next_id += 1
         req = Req(rid, tokens, reference_kv(tokens))
@@ -214,10 +285,14 @@ class FaultSim:
         self.waiting.pop(req.rid, None)
         req.row, req.pos = got.indices, got.indices.numel()
         if got.device_hit + got.host_hit + got.storage_hit != req.pos:
-            raise Violation(f"{req.rid}: hits {got.device_hit}+{got.host_hit}+{got.storage_hit} != {req.pos}")
+            raise Violation(
+                f"{req.rid}: hits {got.device_hit}+{got.host_hit}+{got.storage_hit} != {req.pos}"
+            )
         self.running[req.rid] = req
-        self.note(f"  {req.rid} acquired {req.pos} (device {got.device_hit}, host {got.host_hit}, "
-                  f"store {got.storage_hit})")
+        self.note(
+            f"  {req.rid} acquired {req.pos} (device {got.device_hit}, host {got.host_hit}, "
+            f"store {got.storage_hit})"
+        )
 
     def poll(self) -> None:
         ready = self.cache.poll()
@@ -236,9 +311,14 @@ class FaultSim:
         if not self.running:
             return
         batch = []  # (request, tokens this forward, its new slots)
-        for rid in self.rng.sample(sorted(self.running), self.rng.randint(1, min(3, len(self.running)))):
+        for rid in self.rng.sample(
+            sorted(self.running), self.rng.randint(1, min(3, len(self.running)))
+        ):
             req = self.running[rid]
-            n = min(len(req.tokens) - req.pos, self.rng.randrange(1, 3 * self.setup.page_size + 1))
+            n = min(
+                len(req.tokens) - req.pos,
+                self.rng.randrange(1, 3 * self.setup.page_size + 1),
+            )
             own = self._slots(req, n)
             if own is None:
                 self.note(f"forward {req.rid}: pool exhausted, abort")
@@ -249,31 +329,46 @@ class FaultSim:
             return
         waiter = self.cache.begin_forward([req.rid for req, _, _ in batch])
         waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        self.note("forward " + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch) +
-                  f" loads={len(waiter.loads)}")
-        for layer in range(LAYERS):  # a failed load never stops the forward: failed() names it after
+        self.note(
+            "forward "
+            + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch)
+            + f" loads={len(waiter.loads)}"
+        )
+        for layer in range(
+            LAYERS
+        ):  # a failed load never stops the forward: failed() names it after
             self._land_or_not(list(waiter.loads.values()))
             waiter.wait_layer(layer)
             for req, n, own in batch:
-                if req.rid not in waiter.bad:  # a noted failure: the bytes are garbage, never used
+                if (
+                    req.rid not in waiter.bad
+                ):  # a noted failure: the bytes are garbage, never used
                     self._read_check(req, layer)
                 k, v = req.ref[layer]
-                self.cache.pool.set_kv(layer, own, k[req.pos:req.pos + n], v[req.pos:req.pos + n])
-            if self.rng.random() < 0.15:  # an overlap scheduler: the next step runs during this forward
+                self.cache.pool.set_kv(
+                    layer, own, k[req.pos : req.pos + n], v[req.pos : req.pos + n]
+                )
+            if (
+                self.rng.random() < 0.15
+            ):  # an overlap scheduler: the next step runs during this forward
                 self.note(f"  mid-forward after layer {layer}:")
                 self.poll() if self.rng.random() < 0.6 else self.arrive()
         failed = waiter.failed()
         for req, n, own in batch:
             row = torch.cat([req.row, own])
             if req.rid in failed:
-                self.note(f"  {req.rid}: its load failed ({waiter.bad.get(req.rid, 'after its last layer')}); abort")
+                self.note(
+                    f"  {req.rid}: its load failed ({waiter.bad.get(req.rid, 'after its last layer')}); abort"
+                )
                 req.row = row
                 self._abort(req)
                 continue
             req.row, req.pos = row, req.pos + n
             if req.pos < len(req.tokens) and self.rng.random() < 0.8:
-                canon = self.cache.cache_unfinished(req.rid, req.tokens[:req.pos], req.row)
-                req.row = torch.cat([canon, req.row[canon.numel():]])
+                canon = self.cache.cache_unfinished(
+                    req.rid, req.tokens[: req.pos], req.row
+                )
+                req.row = torch.cat([canon, req.row[canon.numel() :]])
                 self.note(f"  {req.rid} keeps {canon.numel()}")
             elif req.pos == len(req.tokens):
                 del self.running[req.rid]
@@ -297,7 +392,11 @@ class FaultSim:
         f = self.faults
         for job in [j for j in self.streams.pending if j.handle in handles]:
             if f.random() < 0.75:
-                outcome = "ok" if f.random() < 0.8 else f.choice(["fail_before", "fail_after"])
+                outcome = (
+                    "ok"
+                    if f.random() < 0.8
+                    else f.choice(["fail_before", "fail_after"])
+                )
                 self.note(f"  load lands: {outcome}")
                 self.streams.resolve(job, outcome, f)
             else:
@@ -307,14 +406,19 @@ class FaultSim:
         if req.pos == 0:
             return
         k_ref, v_ref = req.ref[layer]
-        slots = req.row[:req.pos]
+        slots = req.row[: req.pos]
         k = self.cache.pool.k_buffer(layer)[slots]
         v = self.cache.pool.v_buffer(layer)[slots]
-        bad = ~((k == k_ref[:req.pos]).all(-1).all(-1) & (v == v_ref[:req.pos]).all(-1).all(-1))
+        bad = ~(
+            (k == k_ref[: req.pos]).all(-1).all(-1)
+            & (v == v_ref[: req.pos]).all(-1).all(-1)
+        )
         if bad.any():
             first = int(torch.nonzero(bad)[0])
-            raise Violation(f"WRONG KV: {req.rid} layer {layer} read {int(bad.sum())} wrong tokens of {req.pos}, "
-                            f"first at token {first} (slot {int(slots[first])})")
+            raise Violation(
+                f"WRONG KV: {req.rid} layer {layer} read {int(bad.sum())} wrong tokens of {req.pos}, "
+                f"first at token {first} (slot {int(slots[first])})"
+            )
 
     def abort(self) -> None:
         pool = sorted(self.running) + sorted(self.waiting)
@@ -325,7 +429,11 @@ class FaultSim:
         self.note(f"abort {rid}")
         self._abort(req)
         if self.rng.random() < 0.3:  # a server retrying the request, under the same id
-            again = self._changed(req) if self.rng.random() < 0.3 else Req(rid, req.tokens, req.ref)
+            again = (
+                self._changed(req)
+                if self.rng.random() < 0.3
+                else Req(rid, req.tokens, req.ref)
+            )
             self.note(f"retry {rid} len={len(again.tokens)}")
             self._acquire(again)
 
@@ -333,9 +441,15 @@ class FaultSim:
         """The request under the same id with its prompt changed: a page on, one off, or its
         last page's tokens other ones."""
         ps, tokens = self.setup.page_size, req.tokens
-        page = np.array([self.rng.randrange(self.vocab) for _ in range(ps)], dtype=np.int64)
+        page = np.array(
+            [self.rng.randrange(self.vocab) for _ in range(ps)], dtype=np.int64
+        )
         how = self.rng.randrange(3) if len(tokens) > ps else 0
-        tokens = [np.concatenate([tokens, page]), tokens[:-ps], np.concatenate([tokens[:-ps], page])][how]
+        tokens = [
+            np.concatenate([tokens, page]),
+            tokens[:-ps],
+            np.concatenate([tokens[:-ps], page]),
+        ][how]
         return Req(req.rid, tokens, reference_kv(tokens))
 
     def _abort(self, req: Req) -> None:
@@ -347,7 +461,9 @@ class FaultSim:
         if not self.streams.pending:
             return
         job = self.faults.choice(self.streams.pending)
-        outcome = self.faults.choice(["ok", "ok", "ok", "ok", "fail_before", "fail_after"])
+        outcome = self.faults.choice(
+            ["ok", "ok", "ok", "ok", "fail_before", "fail_after"]
+        )
         self.note(f"transfer {job.stream}: {outcome}")
         self.streams.resolve(job, outcome, self.faults)
 
@@ -362,8 +478,23 @@ class FaultSim:
         if not call.timed_out and f.random() < 0.2 and self.store.fire_deadline(call):
             self.note(f"store {call.op} x{len(call.keys)}: times out (still running)")
             return
-        outcome = f.choice(["ok", "ok", "ok", "ok", "error", "corrupt", "truncate", "swap", "false_failure", "miss"])
-        self.note(f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}")
+        outcome = f.choice(
+            [
+                "ok",
+                "ok",
+                "ok",
+                "ok",
+                "error",
+                "corrupt",
+                "truncate",
+                "swap",
+                "false_failure",
+                "miss",
+            ]
+        )
+        self.note(
+            f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}"
+        )
         if call.op == "get_into" and outcome != "error":
             self._check_owned(call)
         self.store.resolve(call, outcome, f)
@@ -375,17 +506,22 @@ class FaultSim:
         mirror = self.cache.mirror
         if mirror.config.layout != "page_first":
             return
-        base, end = mirror.data.data_ptr(), mirror.data.data_ptr() + mirror.data.numel() * mirror.data.element_size()
+        base, end = (
+            mirror.data.data_ptr(),
+            mirror.data.data_ptr() + mirror.data.numel() * mirror.data.element_size(),
+        )
         addresses = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in call.args[1]]
         pages = {(a - base) // mirror.page_bytes for a in addresses if base <= a < end}
         ctl = self.cache.controller
         owned = set()
         for op in ctl.prefetch_ops():
             if op.host_pages is not None:
-                owned |= set(op.host_pages[op.inserted:].tolist())
+                owned |= set(op.host_pages[op.inserted :].tolist())
         if not pages <= owned:
-            raise Violation(f"a store read {'that timed out ' if call.timed_out else ''}is about to write host "
-                            f"pages {sorted(pages - owned)} that no prefetch owns any more")
+            raise Violation(
+                f"a store read {'that timed out ' if call.timed_out else ''}is about to write host "
+                f"pages {sorted(pages - owned)} that no prefetch owns any more"
+            )
 
     def flush(self) -> None:
         self.note("flush")
@@ -414,18 +550,24 @@ class FaultSim:
     def _check_live(self) -> None:
         """Once every copy and store call is answered, every waiting request is named ready
         within a few polls: none waits forever."""
+
         def named() -> None:
             for _ in range(20):
                 for rid in self.cache.poll():
                     if rid in self.waiting:
-                        self._acquire(self.waiting[rid])  # may wait again, on a new prefetch
+                        self._acquire(
+                            self.waiting[rid]
+                        )  # may wait again, on a new prefetch
                 if not self.waiting:
                     return
                 self.settle()
                 self.streams.resolve_all(self.streams.auto)
                 self.store.resolve_all(self.store.auto)
                 self.settle()
-            raise Violation(f"waiting requests {sorted(self.waiting)} are never named ready")
+            raise Violation(
+                f"waiting requests {sorted(self.waiting)} are never named ready"
+            )
+
         self._auto(named)
 
     def close(self) -> None:
@@ -436,14 +578,24 @@ class FaultSim:
         self._auto(self.cache.close)
         self.check()
         ctl = self.cache.controller
-        if self.cache.slots.device_free() != self.cache.config.pool.size or \
-                ctl.host_available() != self.cache.mirror.size:
-            raise Violation(f"after close: device free {self.cache.slots.device_free()}/"
-                            f"{self.cache.config.pool.size}, host free {ctl.host_available()}/{self.cache.mirror.size}")
+        if (
+            self.cache.slots.device_free() != self.cache.config.pool.size
+            or ctl.host_available() != self.cache.mirror.size
+        ):
+            raise Violation(
+                f"after close: device free {self.cache.slots.device_free()}/"
+                f"{self.cache.config.pool.size}, host free {ctl.host_available()}/{self.cache.mirror.size}"
+            )
 
 
-def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, out=sys.stdout,
-        setups: list[Setup] | None = None) -> int:
+def run(
+    steps: int,
+    seed: int,
+    episode: int = 400,
+    allow_kernel: bool = False,
+    out=sys.stdout,
+    setups: list[Setup] | None = None,
+) -> int:
     """Run `steps` steps in episodes of `episode` steps; returns the number of violations.
     Each episode draws its setup from its seed, or takes the next of `setups`."""
     master = random.Random(seed)
@@ -473,13 +625,33 @@ def run(steps: int, seed: int, episode: int = 400, allow_kernel: bool = False, o
     return violations
 
 
-def report(out, exc: Exception, ep_seed: int, setup: Setup, step: int, log: list[str], who: str = "",
-           flags: str = "") -> None:
-    print(f"VIOLATION at step {step} of episode seed {ep_seed} ({setup}){' on ' + who if who else ''}", file=out)
-    print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=out)
+def report(
+    out,
+    exc: Exception,
+    ep_seed: int,
+    setup: Setup,
+    step: int,
+    log: list[str],
+    who: str = "",
+    flags: str = "",
+) -> None:
+    print(
+        f"VIOLATION at step {step} of episode seed {ep_seed} ({setup}){' on ' + who if who else ''}",
+        file=out,
+    )
+    print(
+        f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        file=out,
+    )
     if not isinstance(exc, Violation):
-        print("  " + "".join(traceback.format_exception(exc)[-3:]).replace("\n", "\n  "), file=out)
-    print(f"  reproduce: python benchmarks/fault_sim.py --episode-seed {ep_seed} --steps {step + 1}{flags}", file=out)
+        print(
+            "  " + "".join(traceback.format_exception(exc)[-3:]).replace("\n", "\n  "),
+            file=out,
+        )
+    print(
+        f"  reproduce: python benchmarks/fault_sim.py --episode-seed {ep_seed} --steps {step + 1}{flags}",
+        file=out,
+    )
     print("  the last actions:", file=out)
     for line in log[-25:]:
         print(f"    {line}", file=out)

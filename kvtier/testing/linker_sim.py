@@ -66,7 +66,10 @@ class _EarlyPopCore(LinkerCore):
         return super().pop_completed_offload()
 
 
-PLANTED = {"unverified-store-read": _UnverifiedReadCore, "early-offload-completion": _EarlyPopCore}
+PLANTED = {
+    "unverified-store-read": _UnverifiedReadCore,
+    "early-offload-completion": _EarlyPopCore,
+}
 
 
 class LookupStore(SimStore):
@@ -96,8 +99,12 @@ class LinkerSetup:
 
     @classmethod
     def draw(cls, rng: random.Random) -> "LinkerSetup":
-        return cls(rng.choice([1, 4]), rng.choice(["page_first", "layer_first"]), rng.choice([6, 16, 32]),
-                   rng.random() < 0.85)
+        return cls(
+            rng.choice([1, 4]),
+            rng.choice(["page_first", "layer_first"]),
+            rng.choice([6, 16, 32]),
+            rng.random() < 0.85,
+        )
 
 
 def page_keys(pages: list[int]) -> list[str]:
@@ -115,18 +122,40 @@ class LinkerSim:
         self.setup = setup
         ps = setup.page_size
         self.device_pages = 32
-        self.pool = DeviceKVPool(PoolConfig(size=ps * self.device_pages, num_layers=LAYERS, page_size=ps,
-                                            num_kv_heads=1, head_dim=2, dtype="float32"))
+        self.pool = DeviceKVPool(
+            PoolConfig(
+                size=ps * self.device_pages,
+                num_layers=LAYERS,
+                page_size=ps,
+                num_kv_heads=1,
+                head_dim=2,
+                dtype="float32",
+            )
+        )
         self.streams = SimStreams(self.rng)
-        self.store = LookupStore(random.Random(self.rng.random())) if setup.store else None
+        self.store = (
+            LookupStore(random.Random(self.rng.random())) if setup.store else None
+        )
         page_bytes = ps * 4 * LAYERS * 4
-        settings = LinkerSettings(Namespace("sim", "float32", "sim", ps), mirror=MirrorConfig(
-            size_bytes=page_bytes * setup.host_pages, layout=setup.layout), read_wait_s=0.0,
-            breaker=BreakerConfig(failures=3, backoff_s=0.0), lookup_pins=2)  # no wall clock decides
-        self.core = PLANTED.get(plant, LinkerCore)(self.pool, settings, self.store, streams=self.streams.factory)
-        self.free = list(range(1, self.device_pages + 1))  # device pages the "tree" may hand out
+        settings = LinkerSettings(
+            Namespace("sim", "float32", "sim", ps),
+            mirror=MirrorConfig(
+                size_bytes=page_bytes * setup.host_pages, layout=setup.layout
+            ),
+            read_wait_s=0.0,
+            breaker=BreakerConfig(failures=3, backoff_s=0.0),
+            lookup_pins=2,
+        )  # no wall clock decides
+        self.core = PLANTED.get(plant, LinkerCore)(
+            self.pool, settings, self.store, streams=self.streams.factory
+        )
+        self.free = list(
+            range(1, self.device_pages + 1)
+        )  # device pages the "tree" may hand out
         self.scribbled: set[int] = set()
-        self.offloads: list[list[int]] = []  # device pages each pending offload reads, in order
+        self.offloads: list[
+            list[int]
+        ] = []  # device pages each pending offload reads, in order
         self.queued: dict[str, tuple[list[str], list[int]]] = {}
         self.started: list[tuple[int, list[tuple[str, list[str], list[int]]]]] = []
         self.prompts = [[self.rng.randrange(6) for _ in range(8)] for _ in range(3)]
@@ -148,7 +177,10 @@ class LinkerSim:
 
     def read(self, page: int, layer: int) -> torch.Tensor:
         slots = torch.from_numpy(page_slots(np.array([page]), self.setup.page_size))
-        return torch.cat([self.pool.k_buffer(layer)[slots, 0], self.pool.v_buffer(layer)[slots, 0]], dim=1)
+        return torch.cat(
+            [self.pool.k_buffer(layer)[slots, 0], self.pool.v_buffer(layer)[slots, 0]],
+            dim=1,
+        )
 
     def take(self, n: int) -> list[int] | None:
         if len(self.free) < n:
@@ -164,13 +196,19 @@ class LinkerSim:
         for p in pages:
             slots = torch.from_numpy(page_slots(np.array([p]), self.setup.page_size))
             for layer in range(LAYERS):
-                self.pool.set_kv(layer, slots, torch.full((len(slots), 1, 2), SCRIBBLE),
-                                 torch.full((len(slots), 1, 2), SCRIBBLE))
+                self.pool.set_kv(
+                    layer,
+                    slots,
+                    torch.full((len(slots), 1, 2), SCRIBBLE),
+                    torch.full((len(slots), 1, 2), SCRIBBLE),
+                )
             self.scribbled.add(p)
         self.free += pages
 
     def slots(self, pages: list[int]) -> torch.Tensor:
-        return torch.from_numpy(page_slots(np.array(pages, dtype=np.int64), self.setup.page_size))
+        return torch.from_numpy(
+            page_slots(np.array(pages, dtype=np.int64), self.setup.page_size)
+        )
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -184,6 +222,7 @@ class LinkerSim:
         async def spin():
             for _ in range(40):
                 await asyncio.sleep(0)
+
         asyncio.run_coroutine_threadsafe(spin(), self.core.l3.worker.loop).result(30)
 
     def check(self) -> None:
@@ -194,15 +233,25 @@ class LinkerSim:
     def prompt(self) -> list[str]:
         base = self.rng.choice(self.prompts)
         n = self.rng.randrange(1, len(base) + 1)
-        return page_keys(base[:n] + ([self.rng.randrange(6)] if self.rng.random() < 0.3 else []))
+        return page_keys(
+            base[:n] + ([self.rng.randrange(6)] if self.rng.random() < 0.3 else [])
+        )
 
     # -- SGLang's calls ------------------------------------------------------------------------
 
     def step(self) -> None:
         r = self.rng.random()
-        for limit, action in ((0.14, self.compute), (0.26, self.poll), (0.42, self.request), (0.50, self.start),
-                              (0.54, self.cancel), (0.66, self.forward), (0.78, self.resolve_copy),
-                              (0.97, self.resolve_store), (1.0, self.reset)):
+        for limit, action in (
+            (0.14, self.compute),
+            (0.26, self.poll),
+            (0.42, self.request),
+            (0.50, self.start),
+            (0.54, self.cancel),
+            (0.66, self.forward),
+            (0.78, self.resolve_copy),
+            (0.97, self.resolve_store),
+            (1.0, self.reset),
+        ):
             if r < limit:
                 action()
                 break
@@ -249,9 +298,13 @@ class LinkerSim:
     def start(self) -> None:
         index = self.core.start_layer_wise_loading()
         if (index < 0) != (not self.queued):
-            raise Violation(f"start_layer_wise_loading -> {index} with {len(self.queued)} loads queued")
+            raise Violation(
+                f"start_layer_wise_loading -> {index} with {len(self.queued)} loads queued"
+            )
         if index >= 0:
-            self.started.append((index, [(rid, k, p) for rid, (k, p) in self.queued.items()]))
+            self.started.append(
+                (index, [(rid, k, p) for rid, (k, p) in self.queued.items()])
+            )
             self.queued = {}
             self.note(f"start batch {index}")
 
@@ -270,13 +323,21 @@ class LinkerSim:
         if not self.started:
             return
         index, loads = self.started.pop(0)
-        if self.store is not None and self.rng.random() < 0.7:  # its store reads answer first
+        if (
+            self.store is not None and self.rng.random() < 0.7
+        ):  # its store reads answer first
             for call in [c for c in self.store.pending if c.op == "get_into"]:
-                outcome = self.rng.choice(["ok"] * 6 + ["corrupt", "swap", "miss", "error"])
+                outcome = self.rng.choice(
+                    ["ok"] * 6 + ["corrupt", "swap", "miss", "error"]
+                )
                 self.note(f"store get_into x{len(call.keys)}: {outcome}")
                 self.store.resolve(call, outcome, self.rng)
             self.settle()
-        for job in [j for j in self.streams.pending if j.handle is self.core.counter.handles.get(index)]:
+        for job in [
+            j
+            for j in self.streams.pending
+            if j.handle is self.core.counter.handles.get(index)
+        ]:
             outcome = self.rng.choice(["ok", "ok", "ok", "fail_before", "fail_after"])
             self.note(f"load batch {index} copy: {outcome}")
             self.streams.resolve(job, outcome, self.rng)
@@ -294,7 +355,9 @@ class LinkerSim:
         for i, (k, p) in enumerate(zip(keys, pages)):
             for layer in range(LAYERS):
                 if not torch.equal(self.read(p, layer), self.kv(k, layer)):
-                    raise Violation(f"load {rid} finished True but page {i} layer {layer} holds other bytes")
+                    raise Violation(
+                        f"load {rid} finished True but page {i} layer {layer} holds other bytes"
+                    )
 
     def resolve_copy(self) -> None:
         writes = [j for j in self.streams.pending if j.stream == "linker-write"]
@@ -310,25 +373,46 @@ class LinkerSim:
         call = self.rng.choice(self.store.pending)
         if call.timed_out and self.rng.random() < 0.6:
             return
-        if not call.timed_out and self.rng.random() < 0.15 and self.store.fire_deadline(call):
+        if (
+            not call.timed_out
+            and self.rng.random() < 0.15
+            and self.store.fire_deadline(call)
+        ):
             self.note(f"store {call.op} x{len(call.keys)}: times out (still running)")
             return
-        outcome = self.rng.choice(["ok", "ok", "ok", "error", "corrupt", "truncate", "swap", "false_failure",
-                                   "miss"])
-        self.note(f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}")
+        outcome = self.rng.choice(
+            [
+                "ok",
+                "ok",
+                "ok",
+                "error",
+                "corrupt",
+                "truncate",
+                "swap",
+                "false_failure",
+                "miss",
+            ]
+        )
+        self.note(
+            f"store {call.op} x{len(call.keys)}: {outcome}{' (late)' if call.timed_out else ''}"
+        )
         self.store.resolve(call, outcome, self.rng)
 
     def _answer_everything(self) -> None:
         self.settle()
         for _ in range(200):
             if self.store is not None and self.store.pending:
-                self.store.resolve(self.store.pending[0], self.rng.choice(["ok", "error"]), self.rng)
+                self.store.resolve(
+                    self.store.pending[0], self.rng.choice(["ok", "error"]), self.rng
+                )
             elif self.streams.pending:
                 self.streams.resolve(self.streams.pending[0], "ok", self.rng)
             else:
                 return
             self.settle()
-        raise Violation("copies or store calls keep coming after everything was answered")
+        raise Violation(
+            "copies or store calls keep coming after everything was answered"
+        )
 
     def reset(self) -> None:
         """SGLang's reset: the linker quiesces; SGLang then drops what it had pending."""
@@ -345,8 +429,10 @@ class LinkerSim:
         self.offloads, self.started, self.queued = [], [], {}
         alloc = self.core.mirror.allocator
         if alloc.available_size() != alloc.size or self.core.index.pins:
-            raise Violation(f"after reset: host free {alloc.available_size()}/{alloc.size}, "
-                            f"{len(self.core.index.pins)} pins")
+            raise Violation(
+                f"after reset: host free {alloc.available_size()}/{alloc.size}, "
+                f"{len(self.core.index.pins)} pins"
+            )
 
     def close(self) -> None:
         self.reset()
@@ -354,12 +440,27 @@ class LinkerSim:
         self.core.close()
 
 
-def report(out, exc: Exception, ep_seed: int, setup: LinkerSetup, step: int, log: list[str], plant: str | None) -> None:
-    print(f"VIOLATION at step {step} of linker episode seed {ep_seed} ({setup})", file=out)
-    print(f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=out)
+def report(
+    out,
+    exc: Exception,
+    ep_seed: int,
+    setup: LinkerSetup,
+    step: int,
+    log: list[str],
+    plant: str | None,
+) -> None:
+    print(
+        f"VIOLATION at step {step} of linker episode seed {ep_seed} ({setup})", file=out
+    )
+    print(
+        f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        file=out,
+    )
     flags = f" --plant {plant}" if plant else ""
-    print(f"  reproduce: python benchmarks/fault_sim.py --linker --episode-seed {ep_seed} --steps {step + 1}{flags}",
-          file=out)
+    print(
+        f"  reproduce: python benchmarks/fault_sim.py --linker --episode-seed {ep_seed} --steps {step + 1}{flags}",
+        file=out,
+    )
     print("  the last actions:", file=out)
     for line in log[-15:]:
         print(f"    {line}", file=out)
@@ -383,7 +484,9 @@ def run_episode(ep_seed: int, steps: int, plant: str | None = None):
     return None
 
 
-def run(steps: int, seed: int, episode: int = 400, plant: str | None = None, out=sys.stdout) -> int:
+def run(
+    steps: int, seed: int, episode: int = 400, plant: str | None = None, out=sys.stdout
+) -> int:
     master = random.Random(seed)
     done = violations = 0
     while done < steps:
@@ -395,5 +498,8 @@ def run(steps: int, seed: int, episode: int = 400, plant: str | None = None, out
             step, exc, setup, log = failure
             report(out, exc, ep_seed, setup, step, log, plant)
         done += n
-    print(f"linker fault sim: {steps} steps{' with ' + plant if plant else ''}, {violations} violations", file=out)
+    print(
+        f"linker fault sim: {steps} steps{' with ' + plant if plant else ''}, {violations} violations",
+        file=out,
+    )
     return violations

@@ -74,7 +74,9 @@ class SimStreams:
 
     def resolve_all(self, rng: random.Random) -> None:
         while self.pending:
-            self.resolve(self.pending[0], rng.choice(["ok", "ok", "ok", "fail_after"]), rng)
+            self.resolve(
+                self.pending[0], rng.choice(["ok", "ok", "ok", "fail_after"]), rng
+            )
 
 
 class SimStream(TransferStream):
@@ -85,7 +87,11 @@ class SimStream(TransferStream):
         j = Job(self.name, job, handle)
         self.owner.pending.append(j)
         if self.owner.auto is not None:
-            self.owner.resolve(j, self.owner.auto.choice(["ok", "ok", "ok", "fail_before"]), self.owner.auto)
+            self.owner.resolve(
+                j,
+                self.owner.auto.choice(["ok", "ok", "ok", "fail_before"]),
+                self.owner.auto,
+            )
         return handle
 
     def close(self) -> None:
@@ -94,7 +100,11 @@ class SimStream(TransferStream):
     def wait(self, handle: Handle, timeout: float) -> bool:
         """Whoever blocks on a pending job (a drain, write-back eviction) makes it run now."""
         for job in [j for j in self.owner.pending if j.handle is handle]:
-            self.owner.resolve(job, self.owner.rng.choice(["ok", "ok", "ok", "fail_before"]), self.owner.rng)
+            self.owner.resolve(
+                job,
+                self.owner.rng.choice(["ok", "ok", "ok", "fail_before"]),
+                self.owner.rng,
+            )
         return handle.done
 
 
@@ -127,7 +137,9 @@ class SimStore(MemoryStore):
 
     # -- the store's side (its event loop) ----------------------------------------------------
 
-    def _arm_deadline(self, op: str, task: asyncio.Task, fire: Callable[[], None]) -> Callable[[], None]:
+    def _arm_deadline(
+        self, op: str, task: asyncio.Task, fire: Callable[[], None]
+    ) -> Callable[[], None]:
         """A call's deadline is the test's to fire (`fire_deadline`)."""
         self.deadlines[task] = fire
         return lambda: self.deadlines.pop(task, None)
@@ -137,7 +149,11 @@ class SimStore(MemoryStore):
         call = Call(op, keys, args, self.loop.create_future(), asyncio.current_task())
         self.pending.append(call)
         if self.auto is not None:
-            self._answer(call, self.auto.choice(["ok", "ok", "ok", "error", "corrupt"]), self.auto)
+            self._answer(
+                call,
+                self.auto.choice(["ok", "ok", "ok", "error", "corrupt"]),
+                self.auto,
+            )
         return call
 
     async def _exists(self, keys):
@@ -180,6 +196,7 @@ class SimStore(MemoryStore):
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+
         if self.auto is not None:
             apply()  # we are on the loop already
         else:
@@ -209,7 +226,9 @@ class SimStore(MemoryStore):
         (frames,) = call.args
         ok = []
         for key, (header, payload) in zip(call.keys, frames):
-            blob = header + bytes(payload)  # read the caller's page now, as a writer thread would
+            blob = header + bytes(
+                payload
+            )  # read the caller's page now, as a writer thread would
             if outcome == "corrupt" and rng.random() < 0.5:
                 blob = blob[:-1] + bytes([blob[-1] ^ 0x5A])
             self._drop(key)
@@ -226,7 +245,11 @@ class SimStore(MemoryStore):
         others = list(self._pages.values())
         for key, (_, ns, h), view in zip(call.keys, parsed, views):
             blob = self._pages.get(key)
-            if blob is not None and outcome in ("corrupt", "truncate", "swap") and rng.random() < 0.5:
+            if (
+                blob is not None
+                and outcome in ("corrupt", "truncate", "swap")
+                and rng.random() < 0.5
+            ):
                 if outcome == "corrupt":
                     blob = blob[:-1] + bytes([blob[-1] ^ 0x5A])
                 elif outcome == "truncate":
@@ -235,8 +258,14 @@ class SimStore(MemoryStore):
                     blob = rng.choice(others)
             if outcome == "miss" and rng.random() < 0.5:
                 blob = None
-            result = verify_into(blob, ns, h, view, self.codec)  # into the caller's buffer, as a reader thread would
-            out.append(None if result is True and outcome == "false_failure" and rng.random() < 0.5 else result)
+            result = verify_into(
+                blob, ns, h, view, self.codec
+            )  # into the caller's buffer, as a reader thread would
+            out.append(
+                None
+                if result is True and outcome == "false_failure" and rng.random() < 0.5
+                else result
+            )
         return out
 
     def resolve_all(self, rng: random.Random) -> None:
@@ -256,9 +285,12 @@ def watch_copies(cache, stray: list[str]) -> None:
         owned = set()
         for op in ctl.prefetch_ops():
             if op.host_pages is not None:
-                owned |= set(op.host_pages[op.inserted:].tolist())
+                owned |= set(op.host_pages[op.inserted :].tolist())
         if not set(pages.tolist()) <= owned:
-            stray.append(f"a store page's copy is about to write host pages "
-                         f"{sorted(set(pages.tolist()) - owned)} that no prefetch owns any more")
+            stray.append(
+                f"a store page's copy is about to write host pages "
+                f"{sorted(set(pages.tolist()) - owned)} that no prefetch owns any more"
+            )
         write(pages, data)
+
     mirror.write_pages = watched

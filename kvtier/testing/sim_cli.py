@@ -16,31 +16,70 @@ from kvtier.testing.fault_sim import FaultSim, Setup, report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=fault_sim.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=fault_sim.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--episode", type=int, default=400, help="steps between close() and a fresh cache")
-    p.add_argument("--episode-seed", type=int, default=None, help="replay one episode (from a violation report)")
-    p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks, on threads (tp_sim.py)")
-    p.add_argument("--linker", action="store_true", help="SGLang's calls into kvtier's linker (linker_sim.py)")
-    p.add_argument("--plant", choices=sorted(linker_sim.PLANTED), help="--linker with a known bug, to be found")
+    p.add_argument(
+        "--episode",
+        type=int,
+        default=400,
+        help="steps between close() and a fresh cache",
+    )
+    p.add_argument(
+        "--episode-seed",
+        type=int,
+        default=None,
+        help="replay one episode (from a violation report)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, on threads (tp_sim.py)",
+    )
+    p.add_argument(
+        "--linker",
+        action="store_true",
+        help="SGLang's calls into kvtier's linker (linker_sim.py)",
+    )
+    p.add_argument(
+        "--plant",
+        choices=sorted(linker_sim.PLANTED),
+        help="--linker with a known bug, to be found",
+    )
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.CRITICAL)  # the simulator causes failures on purpose
+    logging.basicConfig(
+        level=logging.CRITICAL
+    )  # the simulator causes failures on purpose
     torch.set_num_threads(1)
     if args.linker or args.plant:
         return _linker(args)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
     if args.episode_seed is None:
         if args.ranks > 1:
-            return 1 if tp_sim.run(args.steps, args.seed, args.ranks, args.episode) else 0
-        return 1 if fault_sim.run(args.steps, args.seed, args.episode, allow_kernel) else 0
+            return (
+                1 if tp_sim.run(args.steps, args.seed, args.ranks, args.episode) else 0
+            )
+        return (
+            1 if fault_sim.run(args.steps, args.seed, args.episode, allow_kernel) else 0
+        )
     setup = Setup.draw(random.Random(args.episode_seed), allow_kernel)
     on = f" on {args.ranks} ranks" if args.ranks > 1 else ""
-    failure = tp_sim.run_episode(args.episode_seed, setup, args.steps, args.ranks) if args.ranks > 1 else \
-        _one_rank(args.episode_seed, setup, args.steps)
+    failure = (
+        tp_sim.run_episode(args.episode_seed, setup, args.steps, args.ranks)
+        if args.ranks > 1
+        else _one_rank(args.episode_seed, setup, args.steps)
+    )
     if failure is not None:
         rank, step, exc, log = failure
-        who, flags = (f"rank {rank} of {args.ranks}", f" --ranks {args.ranks}") if args.ranks > 1 else ("", "")
+        who, flags = (
+            (f"rank {rank} of {args.ranks}", f" --ranks {args.ranks}")
+            if args.ranks > 1
+            else ("", "")
+        )
         report(sys.stdout, exc, args.episode_seed, setup, step, log, who, flags)
     print(f"fault sim: {args.steps} steps{on}, {int(failure is not None)} violations")
     return int(failure is not None)
@@ -59,12 +98,18 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int) -> tuple | None:
 
 def _linker(args) -> int:
     if args.episode_seed is None:
-        return 1 if linker_sim.run(args.steps, args.seed, args.episode, args.plant) else 0
+        return (
+            1 if linker_sim.run(args.steps, args.seed, args.episode, args.plant) else 0
+        )
     failure = linker_sim.run_episode(args.episode_seed, args.steps, args.plant)
     if failure is not None:
         step, exc, setup, log = failure
-        linker_sim.report(sys.stdout, exc, args.episode_seed, setup, step, log, args.plant)
-    print(f"linker fault sim: {args.steps} steps, {int(failure is not None)} violations")
+        linker_sim.report(
+            sys.stdout, exc, args.episode_seed, setup, step, log, args.plant
+        )
+    print(
+        f"linker fault sim: {args.steps} steps, {int(failure is not None)} violations"
+    )
     return int(failure is not None)
 
 

@@ -52,8 +52,10 @@ class Rendezvous:
         try:
             self.barrier.wait()
         except threading.BrokenBarrierError:
-            raise Violation(f"ranks diverged: rank {rank} in {self.where[rank]}; the others: "
-                            f"{', '.join(f'rank {r} in {w}' for r, w in enumerate(self.where) if r != rank)}") from None
+            raise Violation(
+                f"ranks diverged: rank {rank} in {self.where[rank]}; the others: "
+                f"{', '.join(f'rank {r} in {w}' for r, w in enumerate(self.where) if r != rank)}"
+            ) from None
 
     def abort(self) -> None:
         self.barrier.abort()
@@ -80,19 +82,23 @@ class ThreadAgreement(Agreement):
         got = self.rendezvous.gather(self._rank, site, (site, vec))
         self.collectives += 1
         if any(g[0] != site or len(g[1]) != len(vec) for g in got):
-            calls = "; ".join(f"rank {r}: {s} of {len(v)}" for r, (s, v) in enumerate(got))
+            calls = "; ".join(
+                f"rank {r}: {s} of {len(v)}" for r, (s, v) in enumerate(got)
+            )
             raise Violation(f"ranks diverged: {calls}")
         return [v for _, v in got]
 
     def agree(self, mins: list[int], maxs: list[int]) -> tuple[list[int], list[int]]:
         vecs = self._all("agree", list(mins) + [-v for v in maxs])
         out = [min(col) for col in zip(*vecs)] if vecs[0] else []
-        return out[: len(mins)], [-v for v in out[len(mins):]]
+        return out[: len(mins)], [-v for v in out[len(mins) :]]
 
     def check(self, decisions: list[int]) -> None:
         vecs = self._all("check", list(decisions))
         if any(v != vecs[0] for v in vecs):
-            raise Violation(f"ranks diverged: poll decided {vecs[0]} on rank 0, {vecs[1:]} on the others")
+            raise Violation(
+                f"ranks diverged: poll decided {vecs[0]} on rank 0, {vecs[1:]} on the others"
+            )
 
 
 def on_ranks(fn, ranks: int) -> list:
@@ -105,7 +111,11 @@ def on_ranks(fn, ranks: int) -> list:
             out[r] = fn(r)
         except Exception as exc:  # noqa: BLE001 - raised below, on the caller's thread
             errors.append(exc)
-    threads = [threading.Thread(target=run, args=(r,), name=f"tp-sim-rank{r}") for r in range(ranks)]
+
+    threads = [
+        threading.Thread(target=run, args=(r,), name=f"tp-sim-rank{r}")
+        for r in range(ranks)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -117,9 +127,16 @@ def on_ranks(fn, ranks: int) -> list:
 
 def replicated(sim: FaultSim) -> dict[str, object]:
     """What every rank must hold alike after a step, part by part."""
-    rows = {rid: (req.pos, req.row.numpy().tobytes()) for rid, req in sorted(sim.running.items())}
-    return {"engine": xxhash.xxh3_64_hexdigest(repr(sim.rng.getstate()).encode()), "waiting": sorted(sim.waiting),
-            "running": rows, **replicated_cache(sim.cache)}
+    rows = {
+        rid: (req.pos, req.row.numpy().tobytes())
+        for rid, req in sorted(sim.running.items())
+    }
+    return {
+        "engine": xxhash.xxh3_64_hexdigest(repr(sim.rng.getstate()).encode()),
+        "waiting": sorted(sim.waiting),
+        "running": rows,
+        **replicated_cache(sim.cache),
+    }
 
 
 def replicated_cache(cache) -> dict[str, object]:
@@ -129,28 +146,56 @@ def replicated_cache(cache) -> dict[str, object]:
     nodes, stack = [], [cache.tree.root]
     while stack:
         node = stack.pop()
-        nodes.append((node.key.tokens.tobytes(), tuple(node.locks), node.last_access,
-                      *(None if v is None else v.tobytes() for v in node.values)))
-        stack.extend(sorted(node.children.values(), key=lambda n: n.key.tokens.tobytes()))
-    prefetches = sorted((rid, p.link.value, p.result) for rid, p in cache.prefetcher.prefetches.items())
-    return {"tree": xxhash.xxh3_64_hexdigest(repr(nodes).encode()), "tree nodes": len(nodes),
-            "device free": cache.slots.device_free(),
-            "host free": ctl.host_available() if cache.mirror is not None else 0,
-            "busy": ctl.busy(), "requests": sorted(cache.requests.ids()), "request pages": cache.requests.pages,
-            "prefetches": prefetches}
+        nodes.append(
+            (
+                node.key.tokens.tobytes(),
+                tuple(node.locks),
+                node.last_access,
+                *(None if v is None else v.tobytes() for v in node.values),
+            )
+        )
+        stack.extend(
+            sorted(node.children.values(), key=lambda n: n.key.tokens.tobytes())
+        )
+    prefetches = sorted(
+        (rid, p.link.value, p.result) for rid, p in cache.prefetcher.prefetches.items()
+    )
+    return {
+        "tree": xxhash.xxh3_64_hexdigest(repr(nodes).encode()),
+        "tree nodes": len(nodes),
+        "device free": cache.slots.device_free(),
+        "host free": ctl.host_available() if cache.mirror is not None else 0,
+        "busy": ctl.busy(),
+        "requests": sorted(cache.requests.ids()),
+        "request pages": cache.requests.pages,
+        "prefetches": prefetches,
+    }
 
 
 def _short(values: list) -> str:
     text = repr(values)
-    return text if len(text) <= 300 else xxhash.xxh3_64_hexdigest(text.encode()) + " (long; they differ)"
+    return (
+        text
+        if len(text) <= 300
+        else xxhash.xxh3_64_hexdigest(text.encode()) + " (long; they differ)"
+    )
 
 
-def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: float = 60.0) -> tuple | None:
+def run_episode(
+    ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: float = 60.0
+) -> tuple | None:
     """One episode on `ranks` ranks; None, or (rank, step, exception, that rank's log) of
     the first failure."""
     rendezvous = Rendezvous(ranks, timeout_s)
-    sims = [FaultSim(ep_seed, setup, faults=random.Random(ep_seed * 1000 + r + 1),
-                     agreement=ThreadAgreement(rendezvous, r)) for r in range(ranks)]
+    sims = [
+        FaultSim(
+            ep_seed,
+            setup,
+            faults=random.Random(ep_seed * 1000 + r + 1),
+            agreement=ThreadAgreement(rendezvous, r),
+        )
+        for r in range(ranks)
+    ]
     failures: list[tuple] = []
 
     def rank_main(r: int) -> None:
@@ -158,11 +203,19 @@ def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: f
         try:
             for step in range(steps):
                 sim.step()
-                states = rendezvous.gather(r, f"the check after step {step}", replicated(sim))
-                differ = [k for k in states[0] if any(s[k] != states[0][k] for s in states)]
+                states = rendezvous.gather(
+                    r, f"the check after step {step}", replicated(sim)
+                )
+                differ = [
+                    k for k in states[0] if any(s[k] != states[0][k] for s in states)
+                ]
                 if differ:
-                    raise Violation(f"ranks diverged after step {step}: " +
-                                    "; ".join(f"{k}: {_short([s[k] for s in states])}" for k in differ))
+                    raise Violation(
+                        f"ranks diverged after step {step}: "
+                        + "; ".join(
+                            f"{k}: {_short([s[k] for s in states])}" for k in differ
+                        )
+                    )
             sim.close()
         except Exception as exc:
             failures.append((r, step, exc, sim.log))
@@ -176,11 +229,15 @@ def run_episode(ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: f
             sim._auto(sim.cache.controller.close)
         except Exception:
             pass
-    first = [f for f in failures if "ranks diverged: rank" not in str(f[2])] or failures  # not a broken barrier
+    first = [
+        f for f in failures if "ranks diverged: rank" not in str(f[2])
+    ] or failures  # not a broken barrier
     return first[0]
 
 
-def run(steps: int, seed: int, ranks: int = 2, episode: int = 400, out=sys.stdout) -> int:
+def run(
+    steps: int, seed: int, ranks: int = 2, episode: int = 400, out=sys.stdout
+) -> int:
     """`steps` steps in episodes of `episode`, on `ranks` ranks; the number of violations."""
     master = random.Random(seed)
     done = violations = 0
@@ -192,7 +249,18 @@ def run(steps: int, seed: int, ranks: int = 2, episode: int = 400, out=sys.stdou
         if failure is not None:
             violations += 1
             rank, step, exc, log = failure
-            report(out, exc, ep_seed, setup, step, log, f"rank {rank} of {ranks}", f" --ranks {ranks}")
+            report(
+                out,
+                exc,
+                ep_seed,
+                setup,
+                step,
+                log,
+                f"rank {rank} of {ranks}",
+                f" --ranks {ranks}",
+            )
         done += n
-    print(f"fault sim: {steps} steps on {ranks} ranks, {violations} violations", file=out)
+    print(
+        f"fault sim: {steps} steps on {ranks} ranks, {violations} violations", file=out
+    )
     return violations

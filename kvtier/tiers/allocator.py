@@ -32,7 +32,14 @@ import torch
 
 from kvtier.numpy_gil import GIL_CHUNK, HIGH
 from kvtier.tiers.indices import (
-    Repeats, as_numpy, check_indices, check_size, concat, page_slots, pages_of, tensor,
+    Repeats,
+    as_numpy,
+    check_indices,
+    check_size,
+    concat,
+    page_slots,
+    pages_of,
+    tensor,
 )
 
 
@@ -61,7 +68,9 @@ def _pages_touched(pages: np.ndarray, page_size: int) -> np.ndarray:
     request's tail), are that page, found in Python (two numpy calls fewer than
     `_distinct`'s). Anything else goes through `_distinct`."""
     n = pages.shape[0]
-    if 0 < n < page_size:  # a request's tail, freed at its finish: a few slots of one page
+    if (
+        0 < n < page_size
+    ):  # a request's tail, freed at its finish: a few slots of one page
         listed = pages.tolist()
         if listed.count(listed[0]) == n:
             return pages[:1].copy()
@@ -87,7 +96,7 @@ def _collapse_runs(units: np.ndarray) -> np.ndarray:
         j = min(n, i + GIL_CHUNK)
         if i:
             keep[i] = units[i] != units[i - 1]
-        np.not_equal(units[i + 1:j], units[i:j - 1], out=keep[i + 1:j])
+        np.not_equal(units[i + 1 : j], units[i : j - 1], out=keep[i + 1 : j])
         parts.append(units[i:j][keep[i:j]])
     return concat(parts)
 
@@ -99,7 +108,7 @@ _ONES = b"\x01" * GIL_CHUNK  # numpy's True, byte by byte
 def _put(flags: np.ndarray, units: np.ndarray, value: bool) -> None:
     """`flags[units] = value` in pieces of GIL_CHUNK (keeping the GIL)."""
     for i in range(0, units.shape[0], GIL_CHUNK):
-        flags[units[i:i + GIL_CHUNK]] = value
+        flags[units[i : i + GIL_CHUNK]] = value
 
 
 class _FreeList:
@@ -156,7 +165,9 @@ class _FreeList:
         if not units.flags.c_contiguous:
             units = concat([units])
         self._check(units, what)
-        if units.size > 1 and self.repeats.any(units):  # one unit (a tail's page) repeats nothing
+        if units.size > 1 and self.repeats.any(
+            units
+        ):  # one unit (a tail's page) repeats nothing
             units = _distinct(units)
         _put(self.held, units, False)
         if self.group is not None:
@@ -171,8 +182,12 @@ class _FreeList:
         if not self.all_held(units):
             bad = self.not_held(units)
             if bad.min() < 1 or bad.max() > self.n:
-                raise ValueError(f"free: {what} {bad[:8].tolist()} out of range 1..{self.n} (0 is padding)")
-            raise ValueError(f"free: {what} {bad[:8].tolist()} are not allocated (double free?)")
+                raise ValueError(
+                    f"free: {what} {bad[:8].tolist()} out of range 1..{self.n} (0 is padding)"
+                )
+            raise ValueError(
+                f"free: {what} {bad[:8].tolist()} are not allocated (double free?)"
+            )
         if self.debug and np.unique(units).size != units.size:
             raise ValueError(f"free: {what} listed twice in one call (double free)")
 
@@ -184,9 +199,9 @@ class _FreeList:
         raises on the lookup; padding 0 is never held."""
         held = self.held
         for i in range(0, units.shape[0], GIL_CHUNK):
-            part = units[i:i + GIL_CHUNK]
+            part = units[i : i + GIL_CHUNK]
             k = part.shape[0]
-            if part.view(np.uint32)[HIGH::2].tobytes() != _ZEROS[:4 * k]:
+            if part.view(np.uint32)[HIGH::2].tobytes() != _ZEROS[: 4 * k]:
                 return False
             try:
                 if held[part].tobytes() != _ONES[:k]:
@@ -270,10 +285,14 @@ class PagedAllocator:
         check_size("size", size)
         self.page_size = check_size("page_size", page_size)
         if size % page_size:
-            raise ValueError(f"size={size}: must be a multiple of page_size={page_size}")
+            raise ValueError(
+                f"size={size}: must be a multiple of page_size={page_size}"
+            )
         self.size = size
         self.num_pages = size // page_size
-        self._free = _FreeList(self.num_pages, _debug_default() if debug is None else debug)
+        self._free = _FreeList(
+            self.num_pages, _debug_default() if debug is None else debug
+        )
 
     def available_size(self) -> int:
         return self._free.available() * self.page_size
@@ -287,7 +306,9 @@ class PagedAllocator:
         """`alloc` for kvtier's own scheduler-thread code: numpy slots, no torch call."""
         check_size("n", n, minimum=0)
         if n % self.page_size:
-            raise ValueError(f"alloc: n={n} must be a multiple of page_size={self.page_size}")
+            raise ValueError(
+                f"alloc: n={n} must be a multiple of page_size={self.page_size}"
+            )
         pages = self._free.take(n // self.page_size)
         return None if pages is None else page_slots(pages, self.page_size)
 
@@ -316,22 +337,28 @@ class PagedAllocator:
             )
         for i, (p, s) in enumerate(zip(prefix_lens, seq_lens)):
             if not 0 <= p <= s:
-                raise ValueError(f"alloc_extend: request {i} has prefix_len={p} > seq_len={s}")
+                raise ValueError(
+                    f"alloc_extend: request {i} has prefix_len={p} > seq_len={s}"
+                )
         need = sum(-(-s // ps) - -(-p // ps) for p, s in zip(prefix_lens, seq_lens))
         pages = self._free.take(need)
         if pages is None:
             return None
         out, cursor = [], 0
         for p, s, last in zip(prefix_lens, seq_lens, last_loc):
-            in_page = min(s, -(-p // ps) * ps) - p  # tokens that fit the partial last page
+            in_page = (
+                min(s, -(-p // ps) * ps) - p
+            )  # tokens that fit the partial last page
             if in_page:
                 out.append(np.arange(last + 1, last + 1 + in_page, dtype=np.int64))
             k = -(-s // ps) - -(-p // ps)
-            out.append(page_slots(pages[cursor:cursor + k], ps)[: s - p - in_page])
+            out.append(page_slots(pages[cursor : cursor + k], ps)[: s - p - in_page])
             cursor += k
         return tensor(concat(out))
 
-    def alloc_decode(self, seq_lens: list[int], last_loc: list[int]) -> torch.Tensor | None:
+    def alloc_decode(
+        self, seq_lens: list[int], last_loc: list[int]
+    ) -> torch.Tensor | None:
         """One slot per request for token seq_len-1 (seq_lens include the new token)."""
         return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_loc)
 
@@ -347,7 +374,9 @@ class PagedAllocator:
         if self.page_size == 1:
             pages = concat([slots])  # `give` drops repeats
         else:
-            pages = _pages_touched(pages_of(slots, self.page_size), self.page_size)  # a fresh array
+            pages = _pages_touched(
+                pages_of(slots, self.page_size), self.page_size
+            )  # a fresh array
         self._free.give(pages, "pages")
 
     def free_group(self):

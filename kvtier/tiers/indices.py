@@ -11,10 +11,14 @@ import torch
 from kvtier.numpy_gil import GIL_CHUNK
 
 
-def check_indices(name: str, indices: object, length: int | None = None) -> torch.Tensor:
+def check_indices(
+    name: str, indices: object, length: int | None = None
+) -> torch.Tensor:
     """Return `indices` if it is a 1-D int64 tensor (of `length`, when given); else ValueError."""
     if not isinstance(indices, torch.Tensor):
-        raise ValueError(f"{name}: expected a 1-D torch.int64 tensor, got {type(indices).__name__}")
+        raise ValueError(
+            f"{name}: expected a 1-D torch.int64 tensor, got {type(indices).__name__}"
+        )
     if indices.dtype != torch.int64 or indices.dim() != 1:
         raise ValueError(
             f"{name}: expected a 1-D torch.int64 tensor, got dtype={indices.dtype} shape={tuple(indices.shape)}"
@@ -50,13 +54,17 @@ def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     offsets within a page, in flat pieces of at most GIL_CHUNK slots, so the GIL is kept."""
     if page_size == 1:
         return concat([pages])
-    out = np.repeat(pages if pages.dtype == np.int64 else pages.astype(np.int64), page_size)
+    out = np.repeat(
+        pages if pages.dtype == np.int64 else pages.astype(np.int64), page_size
+    )
     offsets = _offsets(page_size)
     step, n = offsets.shape[0], out.shape[0]
-    for i in range(0, n, step):  # a piece starts at a page's first slot: `step` is whole pages
+    for i in range(
+        0, n, step
+    ):  # a piece starts at a page's first slot: `step` is whole pages
         j = min(n, i + step)
         np.multiply(out[i:j], page_size, out=out[i:j])
-        np.add(out[i:j], offsets[:j - i], out=out[i:j])
+        np.add(out[i:j], offsets[: j - i], out=out[i:j])
     return out
 
 
@@ -72,7 +80,7 @@ def pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
         return slots
     out = np.empty_like(slots)
     for i in range(0, slots.shape[0], GIL_CHUNK):
-        np.floor_divide(slots[i:i + GIL_CHUNK], page_size, out=out[i:i + GIL_CHUNK])
+        np.floor_divide(slots[i : i + GIL_CHUNK], page_size, out=out[i : i + GIL_CHUNK])
     return out
 
 
@@ -106,9 +114,12 @@ class Repeats:
             self._order = np.arange(k, dtype=np.int32)
         order = self._order
         for i in range(0, k, GIL_CHUNK):
-            seen[units[i:i + GIL_CHUNK]] = order[i:min(k, i + GIL_CHUNK)]
+            seen[units[i : i + GIL_CHUNK]] = order[i : min(k, i + GIL_CHUNK)]
         for i in range(0, k, GIL_CHUNK):
-            if seen[units[i:i + GIL_CHUNK]].tobytes() != order[i:min(k, i + GIL_CHUNK)].tobytes():
+            if (
+                seen[units[i : i + GIL_CHUNK]].tobytes()
+                != order[i : min(k, i + GIL_CHUNK)].tobytes()
+            ):
                 return True
         return False
 
@@ -136,7 +147,9 @@ def check_slots(name: str, indices: object, length: int | None = None) -> np.nda
     of `length` slots when given; else ValueError naming it."""
     if isinstance(indices, np.ndarray):
         if indices.dtype != np.int64 or indices.ndim != 1:
-            raise ValueError(f"{name}: expected 1-D int64 slots, got numpy dtype={indices.dtype} shape={indices.shape}")
+            raise ValueError(
+                f"{name}: expected 1-D int64 slots, got numpy dtype={indices.dtype} shape={indices.shape}"
+            )
         slots = indices
     else:
         slots = as_numpy(check_indices(name, indices))
@@ -145,7 +158,9 @@ def check_slots(name: str, indices: object, length: int | None = None) -> np.nda
     return slots
 
 
-def runs(src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_every: int = 0) -> list[tuple[int, int, int]]:
+def runs(
+    src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_every: int = 0
+) -> list[tuple[int, int, int]]:
     """Merge index pairs into runs `(src_start, dst_start, length)` where both advance by 1.
 
     With `split_every` > 0, a run never crosses a multiple of it in `dst` (page boundaries
@@ -163,14 +178,17 @@ def runs(src: torch.Tensor | np.ndarray, dst: torch.Tensor | np.ndarray, split_e
     starts = [0]
     for i in range(1, n, GIL_CHUNK):  # a break before pair k: k starts a run
         j = min(n, i + GIL_CHUNK)
-        breaks = (s[i:j] - s[i - 1:j - 1] != 1) | (d[i:j] - d[i - 1:j - 1] != 1)
+        breaks = (s[i:j] - s[i - 1 : j - 1] != 1) | (d[i:j] - d[i - 1 : j - 1] != 1)
         if split_every > 0:
             breaks |= d[i:j] % split_every == 0
         starts += (np.flatnonzero(breaks) + i).tolist()
     firsts_s, firsts_d = [], []
     for k in range(0, len(starts), GIL_CHUNK):
-        at = starts[k:k + GIL_CHUNK]
+        at = starts[k : k + GIL_CHUNK]
         firsts_s += s[at].tolist()
         firsts_d += d[at].tolist()
     ends = starts[1:] + [n]
-    return [(a, b, end - start) for a, b, start, end in zip(firsts_s, firsts_d, starts, ends)]
+    return [
+        (a, b, end - start)
+        for a, b, start, end in zip(firsts_s, firsts_d, starts, ends)
+    ]

@@ -17,9 +17,17 @@ import triton.language as tl
 
 @triton.jit
 def _copy_rows_kernel(
-    src, dst, src_idx, dst_idx, n_cols,
-    src_ps, src_page_stride, src_row_stride,
-    dst_ps, dst_page_stride, dst_row_stride,
+    src,
+    dst,
+    src_idx,
+    dst_idx,
+    n_cols,
+    src_ps,
+    src_page_stride,
+    src_row_stride,
+    dst_ps,
+    dst_page_stride,
+    dst_row_stride,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -41,14 +49,25 @@ def _geometry(t: torch.Tensor) -> tuple[int, int, int]:
     return t.shape[1], t.stride(0), t.stride(1)
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+def copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
     """dst[row dst_idx[i]] = src[row src_idx[i]] for every i; rows are the last dim, unit stride."""
     n_cols = src.shape[-1]
-    assert dst.shape[-1] == n_cols and src.stride(-1) == 1 and dst.stride(-1) == 1, "rows must match, unit stride"
+    assert dst.shape[-1] == n_cols and src.stride(-1) == 1 and dst.stride(-1) == 1, (
+        "rows must match, unit stride"
+    )
     if src_idx.numel() == 0:
         return
     block = min(1024, triton.next_power_of_2(n_cols))
     grid = (src_idx.numel(), triton.cdiv(n_cols, block))
     _copy_rows_kernel[grid](
-        src, dst, src_idx, dst_idx, n_cols, *_geometry(src), *_geometry(dst), BLOCK=block
+        src,
+        dst,
+        src_idx,
+        dst_idx,
+        n_cols,
+        *_geometry(src),
+        *_geometry(dst),
+        BLOCK=block,
     )

@@ -18,7 +18,11 @@ import torch
 from kvtier.tiers.indices import check_indices, check_size
 
 Attention = Literal["mha", "mla"]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -38,48 +42,70 @@ class PoolConfig:
     head_dim: int = 64
     v_head_dim: int | None = None
     kv_lora_rank: int = 512
-    rope_dim: int = 64  # 0 where the split of an engine's latent is not known (from_tensors)
+    rope_dim: int = (
+        64  # 0 where the split of an engine's latent is not known (from_tensors)
+    )
     dtype: str = "float16"
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("size", "num_layers", "page_size", "num_kv_heads", "head_dim", "kv_lora_rank"):
+        for name in (
+            "size",
+            "num_layers",
+            "page_size",
+            "num_kv_heads",
+            "head_dim",
+            "kv_lora_rank",
+        ):
             check_size(name, getattr(self, name))
         check_size("rope_dim", self.rope_dim, minimum=0)
         if self.v_head_dim is not None:
             check_size("v_head_dim", self.v_head_dim)
         if self.size % self.page_size:
-            raise ValueError(f"size={self.size}: must be a multiple of page_size={self.page_size}")
+            raise ValueError(
+                f"size={self.size}: must be a multiple of page_size={self.page_size}"
+            )
         if self.attention not in ("mha", "mla"):
-            raise ValueError(f"attention={self.attention!r}: allowed values are mha, mla")
+            raise ValueError(
+                f"attention={self.attention!r}: allowed values are mha, mla"
+            )
         parse_dtype(self.dtype)
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError):
-            raise ValueError(f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)") from None
+            raise ValueError(
+                f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)"
+            ) from None
 
     @property
     def page_layout(self) -> str:
         """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
         if self.attention == "mla":
             return f"mla:layers={self.num_layers}:lora={self.kv_lora_rank}:rope={self.rope_dim}"
-        return (f"mha:layers={self.num_layers}:heads={self.num_kv_heads}:head_dim={self.head_dim}"
-                f":v={self.v_head_dim or self.head_dim}")
+        return (
+            f"mha:layers={self.num_layers}:heads={self.num_kv_heads}:head_dim={self.head_dim}"
+            f":v={self.v_head_dim or self.head_dim}"
+        )
 
     @property
     def part_widths(self) -> tuple[int, ...]:
         """Elements per token per layer of each buffer a layer has (K, V) or (latent,)."""
         if self.attention == "mla":
             return (self.kv_lora_rank + self.rope_dim,)
-        return (self.num_kv_heads * self.head_dim, self.num_kv_heads * (self.v_head_dim or self.head_dim))
+        return (
+            self.num_kv_heads * self.head_dim,
+            self.num_kv_heads * (self.v_head_dim or self.head_dim),
+        )
 
 
 def usable_device(device: str) -> torch.device:
     """`device` as a torch device this torch can allocate on (a one-line error if not)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"pool.device={device!r}: this torch sees no CUDA device "
-                         f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use pool.device: cpu")
+        raise ValueError(
+            f"pool.device={device!r}: this torch sees no CUDA device "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use pool.device: cpu"
+        )
     return dev
 
 
@@ -93,18 +119,32 @@ class DeviceKVPool:
         if c.attention == "mla":
             shapes = [(rows, 1, c.kv_lora_rank + c.rope_dim)]
         else:
-            shapes = [(rows, c.num_kv_heads, c.head_dim), (rows, c.num_kv_heads, c.v_head_dim or c.head_dim)]
+            shapes = [
+                (rows, c.num_kv_heads, c.head_dim),
+                (rows, c.num_kv_heads, c.v_head_dim or c.head_dim),
+            ]
         # One tensor per part for all layers, so a backup copies a slot run of every layer at
         # once; buffers[layer][part] are views of it.
-        parts = [torch.zeros(c.num_layers, *s, dtype=dtype, device=device) for s in shapes]
-        self._setup(c, [[part[layer] for part in parts] for layer in range(c.num_layers)], parts)
+        parts = [
+            torch.zeros(c.num_layers, *s, dtype=dtype, device=device) for s in shapes
+        ]
+        self._setup(
+            c, [[part[layer] for part in parts] for layer in range(c.num_layers)], parts
+        )
 
-    def _setup(self, config: PoolConfig, buffers: list[list[torch.Tensor]],
-               parts: list[torch.Tensor] | None, latent_split: bool = True) -> None:
+    def _setup(
+        self,
+        config: PoolConfig,
+        buffers: list[list[torch.Tensor]],
+        parts: list[torch.Tensor] | None,
+        latent_split: bool = True,
+    ) -> None:
         self.config = c = config
         self.dtype = parse_dtype(c.dtype)
         self.device = usable_device(c.device)
-        self.parts = parts  # the all-layer tensors, or None where each layer is its own tensor
+        self.parts = (
+            parts  # the all-layer tensors, or None where each layer is its own tensor
+        )
         self.buffers = buffers
         self._latent_split = latent_split
         self._rows = [[b.view(b.shape[0], -1) for b in bufs] for bufs in buffers]
@@ -112,8 +152,14 @@ class DeviceKVPool:
         self.bytes_per_token = sum(c.part_widths) * self.dtype.itemsize * c.num_layers
 
     @classmethod
-    def from_tensors(cls, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor] | None = None, *,
-                     page_size: int, kv_lora_rank: int | None = None) -> "DeviceKVPool":
+    def from_tensors(
+        cls,
+        k_buffers: list[torch.Tensor],
+        v_buffers: list[torch.Tensor] | None = None,
+        *,
+        page_size: int,
+        kv_lora_rank: int | None = None,
+    ) -> "DeviceKVPool":
         """A pool over an engine's own per-layer tensors (no copy; the engine keeps writing them).
 
         MHA: `k_buffers[layer]` and `v_buffers[layer]` each `[rows, heads, head_dim]`
@@ -123,12 +169,16 @@ class DeviceKVPool:
         check_size("page_size", page_size)
         k_buffers = list(k_buffers)
         if not k_buffers:
-            raise ValueError("from_tensors: k_buffers is empty; one tensor per layer is needed")
+            raise ValueError(
+                "from_tensors: k_buffers is empty; one tensor per layer is needed"
+            )
         parts_of = [[k] for k in k_buffers]
         if v_buffers is not None:
             v_buffers = list(v_buffers)
             if len(v_buffers) != len(k_buffers):
-                raise ValueError(f"from_tensors: {len(k_buffers)} k_buffers but {len(v_buffers)} v_buffers")
+                raise ValueError(
+                    f"from_tensors: {len(k_buffers)} k_buffers but {len(v_buffers)} v_buffers"
+                )
             parts_of = [[k, v] for k, v in zip(k_buffers, v_buffers)]
         first = parts_of[0]
         for layer, bufs in enumerate(parts_of):
@@ -137,32 +187,64 @@ class DeviceKVPool:
         k0 = first[0]
         rows, heads = k0.shape[0], k0.shape[1]
         if rows <= page_size or (rows - page_size) % page_size:
-            raise ValueError(f"from_tensors: {rows} rows; must be size + page_size with size a positive "
-                             f"multiple of page_size={page_size}")
+            raise ValueError(
+                f"from_tensors: {rows} rows; must be size + page_size with size a positive "
+                f"multiple of page_size={page_size}"
+            )
         if k0.dtype not in DTYPE_NAMES:
-            raise ValueError(f"from_tensors: dtype {k0.dtype}: allowed dtypes are {', '.join(DTYPES)}")
-        common = dict(size=rows - page_size, num_layers=len(k_buffers), page_size=page_size,
-                      dtype=DTYPE_NAMES[k0.dtype], device=str(k0.device))
+            raise ValueError(
+                f"from_tensors: dtype {k0.dtype}: allowed dtypes are {', '.join(DTYPES)}"
+            )
+        common = dict(
+            size=rows - page_size,
+            num_layers=len(k_buffers),
+            page_size=page_size,
+            dtype=DTYPE_NAMES[k0.dtype],
+            device=str(k0.device),
+        )
         if v_buffers is None:
             if heads != 1:
-                raise ValueError(f"from_tensors: k_buffers[0] has shape {tuple(k0.shape)}; an MLA latent is "
-                                 "[rows, 1, kv_lora_rank + rope_dim] (for MHA pass v_buffers)")
+                raise ValueError(
+                    f"from_tensors: k_buffers[0] has shape {tuple(k0.shape)}; an MLA latent is "
+                    "[rows, 1, kv_lora_rank + rope_dim] (for MHA pass v_buffers)"
+                )
             width = k0.shape[2]
-            if kv_lora_rank is not None and not 0 < check_size("kv_lora_rank", kv_lora_rank) <= width:
-                raise ValueError(f"kv_lora_rank={kv_lora_rank}: must be in [1, {width}] (the latent's width)")
+            if (
+                kv_lora_rank is not None
+                and not 0 < check_size("kv_lora_rank", kv_lora_rank) <= width
+            ):
+                raise ValueError(
+                    f"kv_lora_rank={kv_lora_rank}: must be in [1, {width}] (the latent's width)"
+                )
             rank = width if kv_lora_rank is None else kv_lora_rank
-            config = PoolConfig(attention="mla", kv_lora_rank=rank, rope_dim=width - rank, **common)
+            config = PoolConfig(
+                attention="mla", kv_lora_rank=rank, rope_dim=width - rank, **common
+            )
         else:
             if kv_lora_rank is not None:
-                raise ValueError("from_tensors: kv_lora_rank is for MLA (v_buffers=None) only")
+                raise ValueError(
+                    "from_tensors: kv_lora_rank is for MLA (v_buffers=None) only"
+                )
             v0 = first[1]
             if v0.shape[:2] != k0.shape[:2]:
-                raise ValueError(f"from_tensors: v_buffers[0] has shape {tuple(v0.shape)}, k_buffers[0] "
-                                 f"{tuple(k0.shape)}: rows and heads must match")
-            config = PoolConfig(attention="mha", num_kv_heads=heads, head_dim=k0.shape[2],
-                                v_head_dim=None if v0.shape[2] == k0.shape[2] else v0.shape[2], **common)
+                raise ValueError(
+                    f"from_tensors: v_buffers[0] has shape {tuple(v0.shape)}, k_buffers[0] "
+                    f"{tuple(k0.shape)}: rows and heads must match"
+                )
+            config = PoolConfig(
+                attention="mha",
+                num_kv_heads=heads,
+                head_dim=k0.shape[2],
+                v_head_dim=None if v0.shape[2] == k0.shape[2] else v0.shape[2],
+                **common,
+            )
         pool = cls.__new__(cls)
-        pool._setup(config, parts_of, None, latent_split=v_buffers is not None or kv_lora_rank is not None)
+        pool._setup(
+            config,
+            parts_of,
+            None,
+            latent_split=v_buffers is not None or kv_lora_rank is not None,
+        )
         return pool
 
     @property
@@ -176,7 +258,9 @@ class DeviceKVPool:
         """V for MHA; for MLA the first kv_lora_rank channels of the latent (a view)."""
         if self.config.attention == "mla":
             if not self._latent_split:
-                raise ValueError("v_buffer: this MLA pool was made without kv_lora_rank (from_tensors)")
+                raise ValueError(
+                    "v_buffer: this MLA pool was made without kv_lora_rank (from_tensors)"
+                )
             return self.buffers[layer][0][..., : self.config.kv_lora_rank]
         return self.buffers[layer][1]
 
@@ -194,28 +278,50 @@ class DeviceKVPool:
         """3-D `[layers, slots, width]` views, one per part: what all-layer backups copy
         (stacked pools only; a pool over per-layer tensors is copied layer by layer)."""
         if self.parts is None:
-            raise ValueError("all_layer_rows: the layers of this pool are separate tensors (from_tensors)")
+            raise ValueError(
+                "all_layer_rows: the layers of this pool are separate tensors (from_tensors)"
+            )
         return [p.view(p.shape[0], p.shape[1], -1) for p in self.parts]
 
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    def set_kv(
+        self,
+        layer: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+    ) -> None:
         """Write K and V (MHA) or the latent `k` (MLA, `v` must be None) at slots `loc`."""
         check_indices("loc", loc)
         if (v is None) != (self.config.attention == "mla"):
-            raise ValueError(f"set_kv: v is {'required' if v is None else 'not allowed'} for {self.config.attention}")
+            raise ValueError(
+                f"set_kv: v is {'required' if v is None else 'not allowed'} for {self.config.attention}"
+            )
         for buf, value in zip(self.buffers[layer], (k,) if v is None else (k, v)):
             if value.shape[0] != loc.numel():
-                raise ValueError(f"set_kv: {loc.numel()} slots but {value.shape[0]} rows of KV")
+                raise ValueError(
+                    f"set_kv: {loc.numel()} slots but {value.shape[0]} rows of KV"
+                )
             buf[loc] = value.to(self.dtype).view(-1, *buf.shape[1:])
 
 
 def _check_buffer(name: str, buf: object, ref: torch.Tensor) -> None:
     """`buf` must be a contiguous 3-D tensor like `ref` (same shape, dtype, device)."""
     if not isinstance(buf, torch.Tensor):
-        raise ValueError(f"from_tensors: {name} is a {type(buf).__name__}, not a torch.Tensor")
+        raise ValueError(
+            f"from_tensors: {name} is a {type(buf).__name__}, not a torch.Tensor"
+        )
     if buf.dim() != 3:
-        raise ValueError(f"from_tensors: {name} has shape {tuple(buf.shape)}; [rows, heads, dim] is needed")
-    if buf is not ref and (buf.shape != ref.shape or buf.dtype != ref.dtype or buf.device != ref.device):
-        raise ValueError(f"from_tensors: {name} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; layer 0 is "
-                         f"{tuple(ref.shape)} {ref.dtype} on {ref.device}: every layer must match")
+        raise ValueError(
+            f"from_tensors: {name} has shape {tuple(buf.shape)}; [rows, heads, dim] is needed"
+        )
+    if buf is not ref and (
+        buf.shape != ref.shape or buf.dtype != ref.dtype or buf.device != ref.device
+    ):
+        raise ValueError(
+            f"from_tensors: {name} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; layer 0 is "
+            f"{tuple(ref.shape)} {ref.dtype} on {ref.device}: every layer must match"
+        )
     if not buf.is_contiguous():
-        raise ValueError(f"from_tensors: {name} is not contiguous; transfers copy rows of contiguous memory")
+        raise ValueError(
+            f"from_tensors: {name} is not contiguous; transfers copy rows of contiguous memory"
+        )

@@ -11,10 +11,14 @@ from kvtier.tiers.indices import check_indices, check_size
 class ReqToTokenPool:
     """Dense int32 `[size+1, max_context_len]`; row 0 is padding and never handed out."""
 
-    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, size: int, max_context_len: int, device: str | torch.device = "cpu"
+    ) -> None:
         check_size("size", size)
         self.max_context_len = check_size("max_context_len", max_context_len)
-        self.req_to_token = torch.zeros(size + 1, max_context_len, dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(
+            size + 1, max_context_len, dtype=torch.int32, device=device
+        )
         self._rows = TokenAllocator(size)
 
     def available_size(self) -> int:
@@ -31,7 +35,9 @@ class ReqToTokenPool:
         check_indices("values", values)
         end = start + values.numel()
         if not 0 <= start <= end <= self.max_context_len:
-            raise ValueError(f"write: columns [{start}, {end}) outside [0, max_context_len={self.max_context_len})")
+            raise ValueError(
+                f"write: columns [{start}, {end}) outside [0, max_context_len={self.max_context_len})"
+            )
         self.req_to_token[row, start:end] = values.to(torch.int32)
 
     def read(self, row: int, length: int) -> torch.Tensor:

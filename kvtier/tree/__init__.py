@@ -5,10 +5,24 @@ from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import (
-    DeviceEviction, HostEviction, HostInsertResult, InsertResult, KnownHashes, MatchResult,
+    DeviceEviction,
+    HostEviction,
+    HostInsertResult,
+    InsertResult,
+    KnownHashes,
+    MatchResult,
 )
 
 __all__ = [
-    "DeviceEviction", "EvictionPolicy", "HostEviction", "HostInsertResult", "InsertResult", "KnownHashes",
-    "MatchResult", "RadixKey", "RadixTree", "Tier", "TreeNode",
+    "DeviceEviction",
+    "EvictionPolicy",
+    "HostEviction",
+    "HostInsertResult",
+    "InsertResult",
+    "KnownHashes",
+    "MatchResult",
+    "RadixKey",
+    "RadixTree",
+    "Tier",
+    "TreeNode",
 ]

@@ -29,25 +29,42 @@ import numpy as np
 from kvtier.hashing import KeyedHash, page_hashes_of_bytes, token_bytes
 from kvtier.numpy_gil import shared_bytes
 
-MEMO_BYTES = 24 << 20  # what the kept chains may take: their hashes and their tokens' bytes
+MEMO_BYTES = (
+    24 << 20
+)  # what the kept chains may take: their hashes and their tokens' bytes
 HASH_BYTES = 80  # one kept hash: a 32-byte bytes object (~65) and its slot in a tuple
 PER_START = 4  # kept chains with the same start and first pages: the newest ones
-HEAD_TOKENS = 16  # tokens of a chain's first pages that key it (whole pages, one at least)
+HEAD_TOKENS = (
+    16  # tokens of a chain's first pages that key it (whole pages, one at least)
+)
 
 
 class ChainMemo:
     def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._setting: tuple | None = None  # (page size, namespace id, hash function) it holds chains of
-        self._chains: dict[tuple, list[tuple[int, bytes, tuple[bytes, ...]]]] = {}  # start -> kept, newest last
-        self._order: OrderedDict[int, tuple] = OrderedDict()  # kept entry -> its start, oldest first
+        self._setting: tuple | None = (
+            None  # (page size, namespace id, hash function) it holds chains of
+        )
+        self._chains: dict[
+            tuple, list[tuple[int, bytes, tuple[bytes, ...]]]
+        ] = {}  # start -> kept, newest last
+        self._order: OrderedDict[int, tuple] = (
+            OrderedDict()
+        )  # kept entry -> its start, oldest first
         self._next = 0
         self._bytes = 0
         self.taken = self.hashed = 0  # pages taken from the memo, pages hashed
 
-    def page_hashes(self, tokens: np.ndarray, page_size: int, namespace_id: str, extra_key: str | None,
-                    prev: bytes | None, algo: str | KeyedHash) -> list[bytes]:
+    def page_hashes(
+        self,
+        tokens: np.ndarray,
+        page_size: int,
+        namespace_id: str,
+        extra_key: str | None,
+        prev: bytes | None,
+        algo: str | KeyedHash,
+    ) -> list[bytes]:
         """`kvtier.hashing.page_hashes` of the same arguments, taken from kept chains as far
         as they go; the chain made is kept."""
         step = 4 * page_size
@@ -66,24 +83,36 @@ class ChainMemo:
                 out += got
                 at += len(got) * step
                 start = got[-1]
-        rest = page_hashes_of_bytes(data[at:], page_size, namespace_id, extra_key, start, algo)
+        rest = page_hashes_of_bytes(
+            data[at:], page_size, namespace_id, extra_key, start, algo
+        )
         chain = out + rest
         with self._lock:
             self.taken += len(out)
             self.hashed += len(rest)
             if rest and self._setting == setting:
-                self._keep((prev, extra_key, data[:head]), data, tuple(chain))  # all of it if shorter
+                self._keep(
+                    (prev, extra_key, data[:head]), data, tuple(chain)
+                )  # all of it if shorter
         return chain
 
-    def _longest(self, start, extra_key, data: bytes, at: int, head: int, step: int) -> tuple[bytes, ...]:
+    def _longest(
+        self, start, extra_key, data: bytes, at: int, head: int, step: int
+    ) -> tuple[bytes, ...]:
         """The hashes of the most pages of `data[at:]` that one chain kept under `start`
         covers: among those keyed by the same first pages (`head` bytes, or all of a shorter
         chain's), the whole overlap if it matches, else the pages before the first that differs."""
         rest = len(data) - at
-        kept = self._chains.get((start, extra_key, data[at:at + head])) if rest >= head else None
+        kept = (
+            self._chains.get((start, extra_key, data[at : at + head]))
+            if rest >= head
+            else None
+        )
         if not kept:  # a chain shorter than `head` is keyed by all its pages
             for pages in range(min(rest, head - step) // step, 0, -1):
-                kept = self._chains.get((start, extra_key, data[at:at + pages * step]))
+                kept = self._chains.get(
+                    (start, extra_key, data[at : at + pages * step])
+                )
                 if kept:
                     break
         best: tuple[bytes, ...] = ()
@@ -91,7 +120,9 @@ class ChainMemo:
             n = min(len(tokens), rest) // step  # pages both have
             if n <= len(best):
                 continue
-            n = shared_bytes(tokens, 0, data, at, n * step) // step  # the pages before the first that differs
+            n = (
+                shared_bytes(tokens, 0, data, at, n * step) // step
+            )  # the pages before the first that differs
             if n > len(best):
                 best, used = chain[:n], entry
         if best:

@@ -43,12 +43,17 @@ def check_tree(tree) -> list[str]:
                 held[tier].append(value)
             expected = is_evictable_leaf(node, tier)
             if expected != (node.id in tree._leaves[tier]):
-                problems.append(f"{node}: {tier.name} leaf-set membership is {not expected}, predicate says {expected}")
+                problems.append(
+                    f"{node}: {tier.name} leaf-set membership is {not expected}, predicate says {expected}"
+                )
     problems += _check_hashes(tree, nodes)
     live = {n.id for n in nodes}
     for tier in Tier:
         name = tier.name.lower()
-        if evictable[tier] != tree._evictable[tier] or protected[tier] != tree._protected[tier]:
+        if (
+            evictable[tier] != tree._evictable[tier]
+            or protected[tier] != tree._protected[tier]
+        ):
             problems.append(
                 f"{name} sizes: tracked evictable={tree._evictable[tier]} protected={tree._protected[tier]}, "
                 f"recomputed evictable={evictable[tier]} protected={protected[tier]}"
@@ -62,7 +67,9 @@ def check_tree(tree) -> list[str]:
             if np.unique(slots).size != slots.size:
                 problems.append(f"{name}: some slot is held by two tokens of the tree")
             if (slots < ps).any():
-                problems.append(f"{name}: the tree holds padding slots (< page_size={ps})")
+                problems.append(
+                    f"{name}: the tree holds padding slots (< page_size={ps})"
+                )
     return problems
 
 
@@ -72,23 +79,37 @@ def _check_node(node: TreeNode, ps: int, root: TreeNode) -> list[str]:
     if parent is None or parent.children.get(node.key.child_key(ps)) is not node:
         out.append(f"{node}: parent does not list it under its child key")
     if len(node) == 0 or len(node) % ps:
-        out.append(f"{node}: key length {len(node)} is not a positive multiple of page_size={ps}")
+        out.append(
+            f"{node}: key length {len(node)} is not a positive multiple of page_size={ps}"
+        )
     if all(v is None for v in node.values):
         out.append(f"{node}: holds no data on any tier")
     for tier in Tier:
         value = node.values[tier]
         name = tier.name.lower()
-        if value is not None and (not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.size != len(node)):
-            out.append(f"{node}: {name} value is {type(value).__name__} {getattr(value, 'dtype', '')} of "
-                       f"{getattr(value, 'size', '?')} slots for {len(node)} tokens (want int64 numpy)")
+        if value is not None and (
+            not isinstance(value, np.ndarray)
+            or value.dtype != np.int64
+            or value.size != len(node)
+        ):
+            out.append(
+                f"{node}: {name} value is {type(value).__name__} {getattr(value, 'dtype', '')} of "
+                f"{getattr(value, 'size', '?')} slots for {len(node)} tokens (want int64 numpy)"
+            )
         if value is not None and parent is not root and parent.values[tier] is None:
             out.append(f"{node}: on {name} but its parent {parent} is not (a hole)")
         if node.locks[tier] < 0 or (node.locks[tier] and value is None):
-            out.append(f"{node}: {name} lock {node.locks[tier]} on a node {'not ' if value is None else ''}on {name}")
+            out.append(
+                f"{node}: {name} lock {node.locks[tier]} on a node {'not ' if value is None else ''}on {name}"
+            )
         if parent is not root and parent.locks[tier] < node.locks[tier]:
-            out.append(f"{node}: {name} lock {node.locks[tier]} exceeds its parent's {parent.locks[tier]}")
+            out.append(
+                f"{node}: {name} lock {node.locks[tier]} exceeds its parent's {parent.locks[tier]}"
+            )
     if node.hashes is not None and len(node.hashes) != len(node) // ps:
-        out.append(f"{node}: {len(node.hashes)} page hashes for {len(node) // ps} pages")
+        out.append(
+            f"{node}: {len(node.hashes)} page hashes for {len(node) // ps} pages"
+        )
     return out
 
 
@@ -97,16 +118,31 @@ def _check_hashes(tree, nodes: list[TreeNode]) -> list[str]:
     would store or look up pages under another prefix's key."""
     out, last = [], {tree.root.id: None}  # node id -> hash of its last page, recomputed
     for node in nodes:  # parents first
-        fresh = page_hashes(node.key.tokens, tree.page_size, tree.namespace_id, node.key.extra_key,
-                            last[node.parent.id], tree.hash_algo)
+        fresh = page_hashes(
+            node.key.tokens,
+            tree.page_size,
+            tree.namespace_id,
+            node.key.extra_key,
+            last[node.parent.id],
+            tree.hash_algo,
+        )
         last[node.id] = fresh[-1] if fresh else last[node.parent.id]
         known = node.hash_prefix
-        if known is not None and (node.hashes is not None or known != fresh[:len(known)]):
-            out.append(f"{node}: known first page hashes differ from the chain recomputed from the root")
+        if known is not None and (
+            node.hashes is not None or known != fresh[: len(known)]
+        ):
+            out.append(
+                f"{node}: known first page hashes differ from the chain recomputed from the root"
+            )
         if node.hashes is not None and node.hashes != fresh:
-            bad = next(i for i, (a, b) in enumerate(zip(node.hashes, fresh)) if a != b) \
-                if len(node.hashes) == len(fresh) else "count"
-            out.append(f"{node}: kept page hashes differ from the chain recomputed from the root (page {bad})")
+            bad = (
+                next(i for i, (a, b) in enumerate(zip(node.hashes, fresh)) if a != b)
+                if len(node.hashes) == len(fresh)
+                else "count"
+            )
+            out.append(
+                f"{node}: kept page hashes differ from the chain recomputed from the root (page {bad})"
+            )
     return out
 
 
@@ -118,8 +154,12 @@ def render(root: TreeNode, max_lines: int = 200) -> str:
             break
         node, depth = stack.pop()
         head = node.key.tokens[:4].tolist()
-        lines.append(f"{'  ' * depth}{node!r} key={head}{'...' if len(node) > 4 else ''}")
-        stack.extend((c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id))
+        lines.append(
+            f"{'  ' * depth}{node!r} key={head}{'...' if len(node) > 4 else ''}"
+        )
+        stack.extend(
+            (c, depth + 1) for c in sorted(node.children.values(), key=lambda c: -c.id)
+        )
     return "\n".join(lines)
 
 

@@ -19,25 +19,53 @@ class HashPlan:
 
     __slots__ = ("nodes", "parts", "prev", "page_size", "namespace_id", "algo", "memo")
 
-    def __init__(self, nodes: list[TreeNode], parts: list[tuple], prev: bytes | None, page_size: int,
-                 namespace_id: str, algo: str, memo: ChainMemo) -> None:
+    def __init__(
+        self,
+        nodes: list[TreeNode],
+        parts: list[tuple],
+        prev: bytes | None,
+        page_size: int,
+        namespace_id: str,
+        algo: str,
+        memo: ChainMemo,
+    ) -> None:
         self.nodes, self.parts, self.prev = nodes, parts, prev
-        self.page_size, self.namespace_id, self.algo, self.memo = page_size, namespace_id, algo, memo
+        self.page_size, self.namespace_id, self.algo, self.memo = (
+            page_size,
+            namespace_id,
+            algo,
+            memo,
+        )
 
     def __call__(self) -> list[list[bytes]]:
         out, prev, ps, hashes = [], self.prev, self.page_size, self.memo.page_hashes
         for tokens, extra_key, known in self.parts:
             if known:
-                chain = known + hashes(tokens[len(known) * ps:], ps, self.namespace_id, extra_key, known[-1], self.algo)
+                chain = known + hashes(
+                    tokens[len(known) * ps :],
+                    ps,
+                    self.namespace_id,
+                    extra_key,
+                    known[-1],
+                    self.algo,
+                )
             else:
-                chain = hashes(tokens, ps, self.namespace_id, extra_key, prev, self.algo)
+                chain = hashes(
+                    tokens, ps, self.namespace_id, extra_key, prev, self.algo
+                )
             out.append(chain)
             prev = chain[-1]
         return out
 
 
-def plan_chains(node: TreeNode, root: TreeNode, page_size: int, namespace_id: str, algo: str,
-                memo: ChainMemo) -> HashPlan | None:
+def plan_chains(
+    node: TreeNode,
+    root: TreeNode,
+    page_size: int,
+    namespace_id: str,
+    algo: str,
+    memo: ChainMemo,
+) -> HashPlan | None:
     """What computes the chains of `node` and its ancestors not hashed yet, root-down;
     None when `node`'s is known."""
     pending, n = [], node
@@ -48,20 +76,47 @@ def plan_chains(node: TreeNode, root: TreeNode, page_size: int, namespace_id: st
         return None
     pending.reverse()
     prev = n.hashes[-1] if n is not root else None
-    return HashPlan(pending, [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending], prev,
-                    page_size, namespace_id, algo, memo)
+    return HashPlan(
+        pending,
+        [(p.key.tokens, p.key.extra_key, p.hash_prefix) for p in pending],
+        prev,
+        page_size,
+        namespace_id,
+        algo,
+        memo,
+    )
 
 
-def chain_below(anchor: TreeNode, tokens, extra_key: str | None, root: TreeNode, page_size: int,
-                namespace_id: str, algo: str, memo: ChainMemo) -> Callable[[], list[bytes]]:
+def chain_below(
+    anchor: TreeNode,
+    tokens,
+    extra_key: str | None,
+    root: TreeNode,
+    page_size: int,
+    namespace_id: str,
+    algo: str,
+    memo: ChainMemo,
+) -> Callable[[], list[bytes]]:
     """A function that computes the chain of `tokens`' pages as they would hang below
     `anchor`, to run on another thread (with the anchor's own chain, where not known yet)."""
     if anchor is root:
-        return partial(memo.page_hashes, tokens, page_size, namespace_id, extra_key, None, algo)
+        return partial(
+            memo.page_hashes, tokens, page_size, namespace_id, extra_key, None, algo
+        )
     if anchor.hashes is not None:
-        return partial(memo.page_hashes, tokens, page_size, namespace_id, extra_key, anchor.hashes[-1], algo)
+        return partial(
+            memo.page_hashes,
+            tokens,
+            page_size,
+            namespace_id,
+            extra_key,
+            anchor.hashes[-1],
+            algo,
+        )
     plan = plan_chains(anchor, root, page_size, namespace_id, algo, memo)
-    return lambda: memo.page_hashes(tokens, page_size, namespace_id, extra_key, plan()[-1][-1], algo)
+    return lambda: memo.page_hashes(
+        tokens, page_size, namespace_id, extra_key, plan()[-1][-1], algo
+    )
 
 
 def take_known(node: TreeNode, known: list[bytes], page_size: int) -> None:
@@ -82,7 +137,7 @@ def adopt(node: TreeNode, hashes: list[bytes], page_size: int) -> None:
     half, whose pages are the chain's last ones."""
     pages = len(node) // page_size
     if node.hashes is None and len(hashes) >= pages:
-        node.hashes, node.hash_prefix = list(hashes[len(hashes) - pages:]), None
+        node.hashes, node.hash_prefix = list(hashes[len(hashes) - pages :]), None
 
 
 def split_hashes(upper: TreeNode, child: TreeNode, pages: int) -> None:

@@ -61,10 +61,14 @@ class EvictableLeaves:
             while heap:
                 stored, nid, node = heap[0]
                 if nodes.get(nid) is not node or nid in seen:
-                    heapq.heappop(heap)  # left the set since, or a second entry of one taken
+                    heapq.heappop(
+                        heap
+                    )  # left the set since, or a second entry of one taken
                     continue
                 now = key(node)
-                if now != stored:  # touched since it was pushed: its key grew, so it goes later
+                if (
+                    now != stored
+                ):  # touched since it was pushed: its key grew, so it goes later
                     heapq.heapreplace(heap, (now, nid, node))
                     continue
                 heapq.heappop(heap)
@@ -73,7 +77,9 @@ class EvictableLeaves:
                 yield node
         finally:
             for entry in yielded:
-                if nodes.get(entry[1]) is entry[2]:  # skipped, or not taken before the consumer stopped
+                if (
+                    nodes.get(entry[1]) is entry[2]
+                ):  # skipped, or not taken before the consumer stopped
                     heapq.heappush(heap, entry)
 
     def _sorted_order(self) -> Iterator[TreeNode]:
@@ -92,7 +98,9 @@ class EvictableLeaves:
 
     def _compact(self) -> None:
         if len(self.heap) > 2 * len(self.nodes) + 64:
-            self.heap[:] = [(self.key(n), n.id, n) for n in self.nodes.values()]  # in place: a pass may hold it
+            self.heap[:] = [
+                (self.key(n), n.id, n) for n in self.nodes.values()
+            ]  # in place: a pass may hold it
             heapq.heapify(self.heap)
 
     def problems(self, name: str) -> list[str]:
@@ -109,5 +117,7 @@ class EvictableLeaves:
             if nid not in lowest:
                 out.append(f"{name} leaf {node} has no eviction heap entry")
             elif lowest[nid] > self.key(node):
-                out.append(f"{name} leaf {node}: heap key {lowest[nid]} is above its key {self.key(node)}")
+                out.append(
+                    f"{name} leaf {node}: heap key {lowest[nid]} is above its key {self.key(node)}"
+                )
         return out

@@ -23,11 +23,24 @@ class TreeNode:
     """
 
     __slots__ = (
-        "id", "key", "parent", "children", "values", "locks",
-        "hit_count", "last_access", "created", "priority", "hashes", "hash_prefix", "edge",
+        "id",
+        "key",
+        "parent",
+        "children",
+        "values",
+        "locks",
+        "hit_count",
+        "last_access",
+        "created",
+        "priority",
+        "hashes",
+        "hash_prefix",
+        "edge",
     )
 
-    def __init__(self, node_id: int, key: RadixKey, parent: "TreeNode | None", clock: int) -> None:
+    def __init__(
+        self, node_id: int, key: RadixKey, parent: "TreeNode | None", clock: int
+    ) -> None:
         self.id = node_id
         self.key = key
         self.parent = parent
@@ -38,9 +51,15 @@ class TreeNode:
         self.last_access = clock
         self.created = clock
         self.priority = 0
-        self.hashes: list[bytes] | None = None  # the chain of every page, or None until computed
-        self.hash_prefix: list[bytes] | None = None  # while `hashes` is None: those of its first pages, if known
-        self.edge: bytes | None = None  # key.tokens as bytes, made on first compare (matches compare bytes)
+        self.hashes: list[bytes] | None = (
+            None  # the chain of every page, or None until computed
+        )
+        self.hash_prefix: list[bytes] | None = (
+            None  # while `hashes` is None: those of its first pages, if known
+        )
+        self.edge: bytes | None = (
+            None  # key.tokens as bytes, made on first compare (matches compare bytes)
+        )
 
     @property
     def device_value(self) -> torch.Tensor | None:

@@ -22,7 +22,9 @@ class EvictionPolicy(str, Enum):
             return cls(value)
         except ValueError:
             allowed = ", ".join(p.value for p in cls)
-            raise ValueError(f"eviction_policy={value!r}: allowed values are {allowed}") from None
+            raise ValueError(
+                f"eviction_policy={value!r}: allowed values are {allowed}"
+            ) from None
 
 
 PolicyKey = Callable[[TreeNode], tuple]

@@ -23,13 +23,26 @@ import torch
 
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
-from kvtier.tree.hash_plan import ChainMemo, HashPlan, adopt, chain_below, plan_chains, split_hashes, take_known
+from kvtier.tree.hash_plan import (
+    ChainMemo,
+    HashPlan,
+    adopt,
+    chain_below,
+    plan_chains,
+    split_hashes,
+    take_known,
+)
 from kvtier.tree.key import RadixKey, edge_prefix
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy, policy_key
 from kvtier.tree.results import (
-    DeviceEviction, HostEviction, HostInsertResult, InsertResult, KnownHashes, MatchResult,
+    DeviceEviction,
+    HostEviction,
+    HostInsertResult,
+    InsertResult,
+    KnownHashes,
+    MatchResult,
 )
 
 D, H = Tier.DEVICE, Tier.HOST
@@ -56,14 +69,20 @@ class RadixTree:
         namespace_id: str = "",
         hash_algo: str = "sha256",
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        if (
+            isinstance(page_size, bool)
+            or not isinstance(page_size, int)
+            or page_size < 1
+        ):
             raise ValueError(f"page_size={page_size!r}: must be an integer >= 1")
         self.page_size = page_size
         self.policy = EvictionPolicy.parse(eviction_policy)
         self._key = policy_key(self.policy, slru_threshold)
         self.namespace_id = namespace_id
         self.hash_algo = hash_algo
-        self.chains = ChainMemo()  # chains made lately, not hashed again (tree/chain_memo.py)
+        self.chains = (
+            ChainMemo()
+        )  # chains made lately, not hashed again (tree/chain_memo.py)
         # told each time a node's pages appear on or leave a tier, and of resets (KV events:
         # kvtier/events/cache_events.py); None: nobody listens
         self.observer = None
@@ -84,8 +103,13 @@ class RadixTree:
         self.root.locks = [1, 1]
         self._evictable = [0, 0]
         self._protected = [0, 0]
-        grow = self.policy != EvictionPolicy.MRU  # touches raise every other policy's keys
-        self._leaves = [EvictableLeaves(self._key, grow), EvictableLeaves(self._key, grow)]
+        grow = (
+            self.policy != EvictionPolicy.MRU
+        )  # touches raise every other policy's keys
+        self._leaves = [
+            EvictableLeaves(self._key, grow),
+            EvictableLeaves(self._key, grow),
+        ]
 
     # -- sizes -------------------------------------------------------------------------------
 
@@ -108,7 +132,9 @@ class RadixTree:
         counts one hit (hit_count, access clock), however often it is matched.
         """
         if not isinstance(key, RadixKey):
-            raise ValueError(f"match_prefix: key: expected a RadixKey, got {type(key).__name__}")
+            raise ValueError(
+                f"match_prefix: key: expected a RadixKey, got {type(key).__name__}"
+            )
         if touch:
             self.clock += 1
         path = self._walk(key)
@@ -124,18 +150,24 @@ class RadixTree:
             else:
                 host_hit += len(node)
         deepest = path[-1] if path else self.root
-        return MatchResult(_slots(device_values), last_device, deepest, deepest, host_hit)
+        return MatchResult(
+            _slots(device_values), last_device, deepest, deepest, host_hit
+        )
 
     def _walk(self, key: RadixKey) -> list[TreeNode]:
         """Matched nodes root-down; the last one is split so the match ends on its end."""
         node, offset, path = self.root, 0, []
         ps, tokens, extra = self.page_size, key.tokens, key.extra_key
         usable = len(tokens) - len(tokens) % ps
-        data = tokens.tobytes()  # a whole-edge match is one memcmp: bytes.startswith at an offset
+        data = (
+            tokens.tobytes()
+        )  # a whole-edge match is one memcmp: bytes.startswith at an offset
         page_bytes = ps << 3
         while offset < usable:
             start = offset << 3
-            page = data[start:start + page_bytes]  # == child_key_at(tokens, offset, ...)
+            page = data[
+                start : start + page_bytes
+            ]  # == child_key_at(tokens, offset, ...)
             child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 break
@@ -149,8 +181,13 @@ class RadixTree:
                 break
         return path
 
-    def insert(self, key: RadixKey, device_indices: torch.Tensor | np.ndarray, priority: int = 0,
-               hashes: KnownHashes | None = None) -> InsertResult:
+    def insert(
+        self,
+        key: RadixKey,
+        device_indices: torch.Tensor | np.ndarray,
+        priority: int = 0,
+        hashes: KnownHashes | None = None,
+    ) -> InsertResult:
         """Cache `key` -> `device_indices` (copied). See InsertResult for slot ownership.
 
         A host-only node on the path takes the given slots (the KV was just recomputed);
@@ -162,11 +199,18 @@ class RadixTree:
             raise ValueError(f"insert: priority={priority!r}: must be an integer")
         slots = check_slots("device_indices", device_indices, len(key))
         _check_hashes("insert", hashes)
-        prefix_len, node, added = self._insert(self.root, key, slots, D, priority, hashes)
+        prefix_len, node, added = self._insert(
+            self.root, key, slots, D, priority, hashes
+        )
         return InsertResult(prefix_len, node, added)
 
-    def insert_host(self, anchor: TreeNode, key: RadixKey, host_indices: torch.Tensor | np.ndarray,
-                    hashes: KnownHashes | None = None) -> HostInsertResult:
+    def insert_host(
+        self,
+        anchor: TreeNode,
+        key: RadixKey,
+        host_indices: torch.Tensor | np.ndarray,
+        hashes: KnownHashes | None = None,
+    ) -> HostInsertResult:
         """Host-only nodes for `key` (continuing below `anchor`) from slots filled by L3.
 
         `anchor` must be on host (or the root): backed-up nodes form a prefix from the root.
@@ -176,12 +220,21 @@ class RadixTree:
         slots = check_slots("host_indices", host_indices, len(key))
         _check_hashes("insert_host", hashes)
         if anchor is not self.root and not anchor.backed_up:
-            raise ValueError(f"insert_host: anchor {anchor} is not on host; host nodes need a host parent")
+            raise ValueError(
+                f"insert_host: anchor {anchor} is not on host; host nodes need a host parent"
+            )
         prefix_len, node, _ = self._insert(anchor, key, slots, H, None, hashes)
         return HostInsertResult(prefix_len, node)
 
-    def _insert(self, anchor: TreeNode, key: RadixKey, indices: np.ndarray, tier: Tier,
-                priority: int | None, hashes: KnownHashes | None) -> tuple[int, TreeNode, list[TreeNode]]:
+    def _insert(
+        self,
+        anchor: TreeNode,
+        key: RadixKey,
+        indices: np.ndarray,
+        tier: Tier,
+        priority: int | None,
+        hashes: KnownHashes | None,
+    ) -> tuple[int, TreeNode, list[TreeNode]]:
         """Walk `key` below `anchor`: tokens already on `tier` count into the prefix; nodes
         without a `tier` value take `indices`; the rest becomes a new node."""
         self.clock += 1
@@ -190,12 +243,16 @@ class RadixTree:
         data = tokens.tobytes()
         page_bytes = ps << 3
         while offset < end:
-            page = data[offset << 3:(offset << 3) + page_bytes]  # == child_key_at(tokens, offset, ...)
+            page = data[
+                offset << 3 : (offset << 3) + page_bytes
+            ]  # == child_key_at(tokens, offset, ...)
             child = node.children.get(page if extra is None else (extra, page))
             if child is None:
                 child = self._add_child(node, key[offset:], tier, indices[offset:])
                 if hashes is not None:
-                    take_known(child, hashes.leading(offset // ps, len(child) // ps), ps)
+                    take_known(
+                        child, hashes.leading(offset // ps, len(child) // ps), ps
+                    )
                 added.append(child)
                 offset = end
             else:
@@ -203,10 +260,12 @@ class RadixTree:
                 if k < len(child):
                     child = self._split(child, k)
                 if child.values[tier] is not None:
-                    assert prefix_len == offset, f"{child}: on {tier.name} below a node that is not (a hole)"
+                    assert prefix_len == offset, (
+                        f"{child}: on {tier.name} below a node that is not (a hole)"
+                    )
                     prefix_len += k
                 else:
-                    self._set_value(child, tier, concat([indices[offset:offset + k]]))
+                    self._set_value(child, tier, concat([indices[offset : offset + k]]))
                 offset += k
             child.last_access = self.clock
             if priority is not None:
@@ -216,7 +275,9 @@ class RadixTree:
 
     # -- tier moves ---------------------------------------------------------------------------
 
-    def mark_backed_up(self, node: TreeNode, host_indices: torch.Tensor | np.ndarray) -> np.ndarray:
+    def mark_backed_up(
+        self, node: TreeNode, host_indices: torch.Tensor | np.ndarray
+    ) -> np.ndarray:
         """`node`'s KV is now also at `host_indices`; returns the slots the caller must free
         (numpy, like every slot array inside kvtier).
 
@@ -228,15 +289,19 @@ class RadixTree:
         chain, end, n = [], host_indices.size, node
         while end > 0:  # validate first: nothing changes on bad input
             if n is self.root or len(n) > end:
-                raise ValueError(f"mark_backed_up: {end} host slots left over at {n}; not a written node")
+                raise ValueError(
+                    f"mark_backed_up: {end} host slots left over at {n}; not a written node"
+                )
             chain.append((n, end))
             end -= len(n)
             n = n.parent
         if n is not self.root and not n.backed_up:
-            raise ValueError(f"mark_backed_up: parent {n} of {node} is not backed up; back up root-down")
+            raise ValueError(
+                f"mark_backed_up: parent {n} of {node} is not backed up; back up root-down"
+            )
         unused = []
         for n, end in reversed(chain):
-            part = host_indices[end - len(n):end]
+            part = host_indices[end - len(n) : end]
             if n.backed_up:
                 unused.append(part)
             else:
@@ -258,7 +323,9 @@ class RadixTree:
         if node.on_device:
             raise ValueError(f"mark_loaded: {node} is already on device")
         if node.parent is not self.root and not node.parent.on_device:
-            raise ValueError(f"mark_loaded: parent of {node} is not on device; load root-down")
+            raise ValueError(
+                f"mark_loaded: parent of {node} is not on device; load root-down"
+            )
         self._set_value(node, D, concat([slots]))
 
     # -- locks --------------------------------------------------------------------------------
@@ -281,13 +348,23 @@ class RadixTree:
         bad = self._add_locks(node, tier, delta, self.root)
         if bad is None:
             return
-        self._add_locks(node, tier, -delta, bad)  # bad input changes nothing: undo the path below it
-        what = ("lock", "unlock", "protect_host", "release_host")[2 * tier + (delta < 0)]
+        self._add_locks(
+            node, tier, -delta, bad
+        )  # bad input changes nothing: undo the path below it
+        what = ("lock", "unlock", "protect_host", "release_host")[
+            2 * tier + (delta < 0)
+        ]
         if bad.values[tier] is None:
-            raise ValueError(f"{what}: {bad} on the path of {node} is not on {tier.name.lower()}")
-        raise ValueError(f"{what}: {bad} is not locked ({what} without a matching lock)")
+            raise ValueError(
+                f"{what}: {bad} on the path of {node} is not on {tier.name.lower()}"
+            )
+        raise ValueError(
+            f"{what}: {bad} is not locked ({what} without a matching lock)"
+        )
 
-    def _add_locks(self, node: TreeNode, tier: Tier, delta: int, stop: TreeNode) -> TreeNode | None:
+    def _add_locks(
+        self, node: TreeNode, tier: Tier, delta: int, stop: TreeNode
+    ) -> TreeNode | None:
         """Add `delta` to the lock counts from `node` up to `stop` (excluded), in one pass;
         the first node that may not take it (no value on `tier`, or a count going below
         0) is returned, with the nodes below it changed, the rest not.
@@ -318,7 +395,9 @@ class RadixTree:
 
     # -- eviction -----------------------------------------------------------------------------
 
-    def evict_device(self, num_tokens: int, backup_first: bool = False) -> DeviceEviction:
+    def evict_device(
+        self, num_tokens: int, backup_first: bool = False
+    ) -> DeviceEviction:
         """Evict at least `num_tokens` device tokens if that many are evictable.
 
         A backed-up leaf is demoted to host; one that is not is removed, or, with
@@ -327,7 +406,9 @@ class RadixTree:
         check_size("evict_device: num_tokens", num_tokens, minimum=0)
         freed, demoted, removed, needs_backup = [], [], [], []
         evicted = 0
-        with closing(self._leaves[D].order()) as order:  # closed: what it did not take goes back
+        with closing(
+            self._leaves[D].order()
+        ) as order:  # closed: what it did not take goes back
             for node in order:
                 if evicted >= num_tokens:
                     break
@@ -387,15 +468,32 @@ class RadixTree:
         function of the tokens from the root to its end)."""
         adopt(node, hashes, self.page_size)
 
-    def hashing_below(self, anchor: TreeNode, key: RadixKey) -> Callable[[], list[bytes]]:
+    def hashing_below(
+        self, anchor: TreeNode, key: RadixKey
+    ) -> Callable[[], list[bytes]]:
         """A function that computes the hash chain of `key`'s pages as they would hang below
         `anchor` (what a prefetch asks the store for; another thread may run it, as for
         `hashing_of`: the anchor's chain too, where it is not known yet)."""
-        return chain_below(anchor, key.tokens, key.extra_key, self.root, self.page_size, self.namespace_id,
-                           self.hash_algo, self.chains)
+        return chain_below(
+            anchor,
+            key.tokens,
+            key.extra_key,
+            self.root,
+            self.page_size,
+            self.namespace_id,
+            self.hash_algo,
+            self.chains,
+        )
 
     def _hash_plan(self, node: TreeNode) -> HashPlan | None:
-        return plan_chains(node, self.root, self.page_size, self.namespace_id, self.hash_algo, self.chains)
+        return plan_chains(
+            node,
+            self.root,
+            self.page_size,
+            self.namespace_id,
+            self.hash_algo,
+            self.chains,
+        )
 
     # -- structure ----------------------------------------------------------------------------
 
@@ -404,7 +502,9 @@ class RadixTree:
         self._next_id += 1
         return node
 
-    def _add_child(self, parent: TreeNode, key: RadixKey, tier: Tier, indices: np.ndarray) -> TreeNode:
+    def _add_child(
+        self, parent: TreeNode, key: RadixKey, tier: Tier, indices: np.ndarray
+    ) -> TreeNode:
         child = self._new_node(key, parent)
         parent.children[key.child_key(self.page_size)] = child
         self._set_value(child, tier, concat([indices]))
@@ -413,7 +513,9 @@ class RadixTree:
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         """Cut `child`'s edge after `k` tokens; the new upper node is returned and `child`
         (the deeper half) keeps its identity, locks, counts and leaf-set membership."""
-        assert 0 < k < len(child) and k % self.page_size == 0, f"bad split of {child} at {k}"
+        assert 0 < k < len(child) and k % self.page_size == 0, (
+            f"bad split of {child} at {k}"
+        )
         upper = self._new_node(child.key[:k], child.parent)
         upper.values = [None if v is None else v[:k] for v in child.values]
         upper.locks = list(child.locks)
@@ -449,7 +551,9 @@ class RadixTree:
     def _remove(self, node: TreeNode) -> None:
         """Drop an empty leaf. Its parent's membership stays: a child without values never
         kept it from being a leaf (and `_set_value` refreshed it when they went)."""
-        assert not node.children and all(v is None for v in node.values), f"removing {node} which holds data"
+        assert not node.children and all(v is None for v in node.values), (
+            f"removing {node} which holds data"
+        )
         del node.parent.children[node.key.child_key(self.page_size)]
         for leaves in self._leaves:
             leaves.discard(node)
@@ -463,9 +567,13 @@ class RadixTree:
 
     def _check_aligned(self, what: str, key: RadixKey) -> None:
         if not isinstance(key, RadixKey):
-            raise ValueError(f"{what}: key: expected a RadixKey, got {type(key).__name__}")
+            raise ValueError(
+                f"{what}: key: expected a RadixKey, got {type(key).__name__}"
+            )
         if len(key) % self.page_size:
-            raise ValueError(f"{what}: key length {len(key)} is not a multiple of page_size={self.page_size}")
+            raise ValueError(
+                f"{what}: key length {len(key)} is not a multiple of page_size={self.page_size}"
+            )
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -474,7 +582,10 @@ class RadixTree:
         problems = check_tree(self)
         if problems:
             raise AssertionError(
-                "radix tree invariants violated:\n  " + "\n  ".join(problems) + "\n" + self.pretty_print()
+                "radix tree invariants violated:\n  "
+                + "\n  ".join(problems)
+                + "\n"
+                + self.pretty_print()
             )
 
     def pretty_print(self) -> str:
@@ -496,5 +607,6 @@ def _edge_match(child: TreeNode, data: bytes, offset: int, end: int, ps: int) ->
 
 def _check_hashes(what: str, hashes: object) -> None:
     if hashes is not None and not isinstance(hashes, KnownHashes):
-        raise ValueError(f"{what}: hashes: expected KnownHashes or None, got {type(hashes).__name__}")
-
+        raise ValueError(
+            f"{what}: hashes: expected KnownHashes or None, got {type(hashes).__name__}"
+        )

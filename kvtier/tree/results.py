@@ -101,4 +101,4 @@ class KnownHashes:
         """The known hashes of the key's pages [start, start + count) up to the first unknown
         one (empty if page `start` is not known)."""
         i = start - self.first
-        return self.chain[i:i + count] if 0 <= i < len(self.chain) else []
+        return self.chain[i : i + count] if 0 <= i < len(self.chain) else []

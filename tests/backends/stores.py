@@ -16,7 +16,9 @@ from kvtier.hashing import make_key
 
 NS = "0123456789abcdef0123456789abcdef"
 OTHER_NS = "fedcba9876543210fedcba9876543210"
-SEALING = os.environ.get("STORE_TEST_SEALING", "plain")  # plain, mac or aes-gcm: how the suite's stores frame
+SEALING = os.environ.get(
+    "STORE_TEST_SEALING", "plain"
+)  # plain, mac or aes-gcm: how the suite's stores frame
 SEALINGS = ("plain", "mac", "aes-gcm")
 TEST_KEY = "5e" * 32  # a tenant key for tests only
 
@@ -26,18 +28,24 @@ def sealed_harness(h: "Harness", sealing: str | None = None) -> "Harness":
     TEST_KEY (AES-256-GMAC, or AES-256-GCM)."""
     sealing = SEALING if sealing is None else sealing
     if sealing not in SEALINGS:
-        raise ValueError(f"STORE_TEST_SEALING={sealing!r}: allowed {', '.join(SEALINGS)}")
+        raise ValueError(
+            f"STORE_TEST_SEALING={sealing!r}: allowed {', '.join(SEALINGS)}"
+        )
     if sealing == "plain":
         return h
     from kvtier.backends.seal import SealedCodec
     from kvtier.tenant_keys import parse_keys
 
-    codec, make = SealedCodec(parse_keys(TEST_KEY, "test key"), encrypt=sealing == "aes-gcm"), h.make
+    codec, make = (
+        SealedCodec(parse_keys(TEST_KEY, "test key"), encrypt=sealing == "aes-gcm"),
+        h.make,
+    )
 
     def make_sealed():
         store = make()
         store.seal_with(codec)
         return store
+
     h.make = make_sealed
     return h
 
@@ -75,8 +83,15 @@ class Harness:
 
 def memory_harness(_) -> Harness:
     store = MemoryStore(MemoryStoreConfig(capacity_bytes=64 << 20))
-    return Harness("memory", lambda: store, lambda k: store._pages[k],
-                   lambda k, b: store._pages.__setitem__(k, b), persistent=False, overwrites=True, capacity=True)
+    return Harness(
+        "memory",
+        lambda: store,
+        lambda k: store._pages[k],
+        lambda k, b: store._pages.__setitem__(k, b),
+        persistent=False,
+        overwrites=True,
+        capacity=True,
+    )
 
 
 def file_harness(tmp_path) -> Harness:
@@ -86,8 +101,15 @@ def file_harness(tmp_path) -> Harness:
     def raw_put(k: str, b: bytes) -> None:
         first.path(k).write_bytes(b)
 
-    return Harness("file", lambda: FileStore(cfg), lambda k: first.path(k).read_bytes(), raw_put,
-                   persistent=True, overwrites=True, capacity=True)
+    return Harness(
+        "file",
+        lambda: FileStore(cfg),
+        lambda k: first.path(k).read_bytes(),
+        raw_put,
+        persistent=True,
+        overwrites=True,
+        capacity=True,
+    )
 
 
 def redis_harness(url: str, cluster: bool, name: str) -> Harness:
@@ -96,21 +118,44 @@ def redis_harness(url: str, cluster: bool, name: str) -> Harness:
 
     raw = RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
     cfg = RedisStoreConfig(url=url, cluster=cluster)
-    return Harness(name, lambda: RedisStore(cfg), raw.get, raw.set, persistent=True, overwrites=True, capacity=False)
+    return Harness(
+        name,
+        lambda: RedisStore(cfg),
+        raw.get,
+        raw.set,
+        persistent=True,
+        overwrites=True,
+        capacity=False,
+    )
 
 
 def s3_harness(url: str) -> Harness:
     import boto3
 
     bucket = f"kvtier-{uuid.uuid4().hex[:12]}"
-    cfg = S3StoreConfig(bucket=bucket, endpoint_url=url, create_bucket=True, access_key_id="testing",
-                        secret_access_key="testing")
-    client = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-    return Harness("s3", lambda: S3Store(cfg),
-                   lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(),
-                   lambda k, b: client.put_object(Bucket=bucket, Key=k, Body=b),
-                   persistent=True, overwrites=False, capacity=False)
+    cfg = S3StoreConfig(
+        bucket=bucket,
+        endpoint_url=url,
+        create_bucket=True,
+        access_key_id="testing",
+        secret_access_key="testing",
+    )
+    client = boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    return Harness(
+        "s3",
+        lambda: S3Store(cfg),
+        lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(),
+        lambda k, b: client.put_object(Bucket=bucket, Key=k, Body=b),
+        persistent=True,
+        overwrites=False,
+        capacity=False,
+    )
 
 
 @contextlib.contextmanager
@@ -119,7 +164,11 @@ def exact_lfu(raw):
     then counts every access. Its settings come back after."""
     from redis.cluster import RedisCluster
 
-    every = {"target_nodes": RedisCluster.ALL_NODES} if isinstance(raw, RedisCluster) else {}  # a cluster: each node
+    every = (
+        {"target_nodes": RedisCluster.ALL_NODES}
+        if isinstance(raw, RedisCluster)
+        else {}
+    )  # a cluster: each node
     policy = raw.config_get("maxmemory-policy")["maxmemory-policy"]
     factor = raw.config_get("lfu-log-factor")["lfu-log-factor"]
     raw.config_set("maxmemory-policy", "allkeys-lfu", **every)

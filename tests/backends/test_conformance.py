@@ -13,7 +13,14 @@ from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.hashing import split_key
 from kvtier.backends.frame import FrameError
 from tests.backends.stores import (
-    OTHER_NS, SEALING, file_harness, memory_harness, new_key, redis_harness, s3_harness, sealed_harness,
+    OTHER_NS,
+    SEALING,
+    file_harness,
+    memory_harness,
+    new_key,
+    redis_harness,
+    s3_harness,
+    sealed_harness,
 )
 
 STORES = ["memory", "file", "redis", "redis_cluster", "s3"]
@@ -33,7 +40,9 @@ def _harness(request, tmp_path):
     if name == "redis":
         return redis_harness(request.getfixturevalue("redis_server").url, False, name)
     if name == "redis_cluster":
-        return redis_harness(request.getfixturevalue("redis_cluster")[0].url, True, name)
+        return redis_harness(
+            request.getfixturevalue("redis_cluster")[0].url, True, name
+        )
     return s3_harness(request.getfixturevalue("s3_server").url)
 
 
@@ -50,7 +59,10 @@ def page(n: int = 4096, seed: int = 0) -> bytes:
 
 async def test_leading_run_exists(store):
     keys = [new_key() for _ in range(4)]
-    assert await store.batch_set([keys[0], keys[1], keys[3]], [page(), page(), page()]) == [True] * 3
+    assert (
+        await store.batch_set([keys[0], keys[1], keys[3]], [page(), page(), page()])
+        == [True] * 3
+    )
     assert await store.batch_exists(keys) == 2
     assert await store.batch_exists(keys[2:]) == 0
     assert await store.batch_exists(keys[:2]) == 2
@@ -88,7 +100,9 @@ async def test_8_mib_pages(store):
     assert await store.batch_set(keys, big) == [True, True]
     assert await store.batch_get(keys) == big
     buf = bytearray(8 << 20)
-    assert await store.batch_get_into(keys[1:], [buf]) == [True] and bytes(buf) == big[1]
+    assert (
+        await store.batch_get_into(keys[1:], [buf]) == [True] and bytes(buf) == big[1]
+    )
 
 
 async def test_empty_batches(store):
@@ -137,7 +151,9 @@ async def test_a_page_written_by_another_client_later_is_seen(store, harness):
         await other.batch_set(keys[:1], [page(seed=11)])
         assert await store.batch_exists(keys) == 1
         buf = bytearray(4096)
-        assert await store.batch_get_into(keys[:1], [buf]) == [True] and bytes(buf) == page(seed=11)
+        assert await store.batch_get_into(keys[:1], [buf]) == [True] and bytes(
+            buf
+        ) == page(seed=11)
         await other.batch_set(keys[1:], [page(seed=12)])
         assert await store.batch_get(keys) == [page(seed=11), page(seed=12)]
     finally:
@@ -145,7 +161,9 @@ async def test_a_page_written_by_another_client_later_is_seen(store, harness):
             await other.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_namespace", "other_hash", "garbage"])
+@pytest.mark.parametrize(
+    "damage", ["flip", "truncate", "foreign_namespace", "other_hash", "garbage"]
+)
 async def test_damaged_page_is_a_miss(store, harness, damage):
     k = new_key()
     payload = page(seed=6)
@@ -174,19 +192,28 @@ async def test_damaged_page_is_a_miss(store, harness, damage):
 async def test_capacity_is_enforced_lru(kind, used_by, tmp_path):
     """A read, or a touch (the page just left the host mirror), makes a page the newest."""
     cap = 3 * (4096 + frame.HEADER_SIZE)
-    store = MemoryStore(MemoryStoreConfig(capacity_bytes=cap)) if kind == "memory" else \
-        FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=cap))
+    store = (
+        MemoryStore(MemoryStoreConfig(capacity_bytes=cap))
+        if kind == "memory"
+        else FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=cap))
+    )
     keys = [new_key() for _ in range(4)]
     await store.batch_set(keys[:3], [page()] * 3)
     if used_by == "get":
-        await store.batch_get([keys[0]])  # keys[0] is now most recent; keys[1] is the LRU page
+        await store.batch_get(
+            [keys[0]]
+        )  # keys[0] is now most recent; keys[1] is the LRU page
     else:
         store.touch([keys[0], new_key()])  # a key the store does not hold is ignored
     await store.batch_set([keys[3]], [page()])
     assert [await store.batch_exists([k]) for k in keys] == [1, 0, 1, 1]
     assert store.stats()["evictions"] == 1 and store.used_bytes <= cap
     if kind == "file":
-        files = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".kvtier")]
+        files = [
+            p
+            for p in tmp_path.rglob("*")
+            if p.is_file() and not p.name.startswith(".kvtier")
+        ]
         assert len(files) == 3 and sum(p.stat().st_size for p in files) <= cap
     await store.close()
 
@@ -200,7 +227,9 @@ async def test_scan_check_and_manifest(store, harness):
     seen = {}
     async for batch in store.scan(batch=2):
         seen.update({p.key: p for p in batch if split_key(p.key)[1] == ns})
-    assert set(seen) == set(keys) and all(p.size == store.codec.frame_size(4096) for p in seen.values())
+    assert set(seen) == set(keys) and all(
+        p.size == store.codec.frame_size(4096) for p in seen.values()
+    )
     if harness.name in ("file", "s3"):
         assert all(p.mtime is not None for p in seen.values())
     blob = bytearray(harness.raw_get(keys[2]))
@@ -208,8 +237,16 @@ async def test_scan_check_and_manifest(store, harness):
     harness.raw_put(keys[2], bytes(blob))
     gets = store.stats()["gets"]
     verdicts = await store.check(keys + [new_key(ns)])
-    assert verdicts[:2] + verdicts[3:] == [None, None, None, None, "missing"] and isinstance(verdicts[2], FrameError)
-    assert str(verdicts[2]).startswith({"plain": "checksum", "mac": "MAC", "aes-gcm": "AES-GCM tag"}[SEALING])
+    assert verdicts[:2] + verdicts[3:] == [
+        None,
+        None,
+        None,
+        None,
+        "missing",
+    ] and isinstance(verdicts[2], FrameError)
+    assert str(verdicts[2]).startswith(
+        {"plain": "checksum", "mac": "MAC", "aes-gcm": "AES-GCM tag"}[SEALING]
+    )
     assert store.stats()["gets"] == gets
     assert await store.get_manifest("kvtier/test", ns) is None
     await store.put_manifest("kvtier/test", ns, {"format": 1, "model_id": "m"})
@@ -218,8 +255,17 @@ async def test_scan_check_and_manifest(store, harness):
         assert all("manifest" not in p.key for p in batch)  # never listed as a page
 
 
-@pytest.mark.parametrize("damage", ["none", "flip_first", "flip_last", "one_byte_short", "one_byte_more",
-                                    "header_only"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "none",
+        "flip_first",
+        "flip_last",
+        "one_byte_short",
+        "one_byte_more",
+        "header_only",
+    ],
+)
 async def test_file_store_pages_bigger_than_a_hash_chunk(tmp_path, damage):
     """Pages over 1 MiB are written in chunks hashed in cache, and read back with their
     checksum made on a hashing thread: the same frame, and every kind of damage anywhere
@@ -233,7 +279,9 @@ async def test_file_store_pages_bigger_than_a_hash_chunk(tmp_path, damage):
     assert await store.batch_set([k], [payload]) == [True]
     blob = bytearray(harness.raw_get(k))
     _, ns, h = split_key(k)
-    assert bytes(blob) == frame.encode(ns, h, payload)  # byte for byte the one-shot frame
+    assert bytes(blob) == frame.encode(
+        ns, h, payload
+    )  # byte for byte the one-shot frame
     if damage == "flip_first":
         blob[frame.HEADER_SIZE + 5] ^= 0x80
     elif damage == "flip_last":
@@ -243,7 +291,7 @@ async def test_file_store_pages_bigger_than_a_hash_chunk(tmp_path, damage):
     elif damage == "one_byte_more":
         blob += b"\0"
     elif damage == "header_only":
-        blob = blob[:frame.HEADER_SIZE]
+        blob = blob[: frame.HEADER_SIZE]
     harness.raw_put(k, bytes(blob))
     buf = bytearray(size)
     assert await store.batch_get_into([k], [buf]) == [damage == "none"]

@@ -18,7 +18,10 @@ from tests.servers import RedisServer, free_port
 
 async def test_redis_killed_mid_batch_then_restarted(tmp_path):
     server = RedisServer(tmp_path).start()
-    store = RedisStore(RedisStoreConfig(url=server.url, socket_timeout_s=2.0, connect_timeout_s=1.0), timeout_s=3.0)
+    store = RedisStore(
+        RedisStoreConfig(url=server.url, socket_timeout_s=2.0, connect_timeout_s=1.0),
+        timeout_s=3.0,
+    )
     try:
         keys = [new_key() for _ in range(48)]
         pages = [os.urandom(1 << 20) for _ in keys]
@@ -35,7 +38,9 @@ async def test_redis_killed_mid_batch_then_restarted(tmp_path):
         await killer
         assert time.monotonic() - start < 3.0 + 2.0
         assert isinstance(err.value, (StoreUnavailable, StoreTimeout))
-        assert not isinstance(err.value.__cause__, StoreError)  # the client's error is chained
+        assert not isinstance(
+            err.value.__cause__, StoreError
+        )  # the client's error is chained
 
         server.start()  # same port: the store reconnects by itself
         assert await store.batch_set(keys[:2], pages[:2]) == [True, True]
@@ -47,8 +52,16 @@ async def test_redis_killed_mid_batch_then_restarted(tmp_path):
 
 async def test_s3_endpoint_down_is_mapped_within_timeout():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens here
-    store = S3Store(S3StoreConfig(endpoint_url=url, max_attempts=1, connect_timeout_s=0.5,
-                                  access_key_id="x", secret_access_key="y"), timeout_s=2.0)
+    store = S3Store(
+        S3StoreConfig(
+            endpoint_url=url,
+            max_attempts=1,
+            connect_timeout_s=0.5,
+            access_key_id="x",
+            secret_access_key="y",
+        ),
+        timeout_s=2.0,
+    )
     start = time.monotonic()
     with pytest.raises(StoreUnavailable, match="cannot reach"):
         await store.batch_get([new_key()])
@@ -66,11 +79,21 @@ async def test_a_put_to_a_hung_s3_endpoint_lets_go_of_the_page_after_the_store_t
     from kvtier.bench.servers import BlackHole
 
     hole = BlackHole()
-    store = S3Store(S3StoreConfig(endpoint_url=f"http://127.0.0.1:{hole.port}", max_attempts=1,
-                                  connect_timeout_s=120.0, read_timeout_s=120.0,
-                                  access_key_id="x", secret_access_key="y"), timeout_s=0.3)
+    store = S3Store(
+        S3StoreConfig(
+            endpoint_url=f"http://127.0.0.1:{hole.port}",
+            max_attempts=1,
+            connect_timeout_s=120.0,
+            read_timeout_s=120.0,
+            access_key_id="x",
+            secret_access_key="y",
+        ),
+        timeout_s=0.3,
+    )
     try:
-        assert await write_lets_go_in_time(store)  # without the fix: held for the 120 s read timeout
+        assert await write_lets_go_in_time(
+            store
+        )  # without the fix: held for the 120 s read timeout
     finally:
         hole.stop()  # the endpoint hangs up: any put still blocked ends now
         await store.close()
@@ -84,8 +107,12 @@ async def test_stalled_store_times_out(redis_server):
     sock.bind(("127.0.0.1", 0))
     sock.listen(8)
     port = sock.getsockname()[1]
-    store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{port}/0", socket_timeout_s=30,
-                                        connect_timeout_s=30), timeout_s=0.5)
+    store = RedisStore(
+        RedisStoreConfig(
+            url=f"redis://127.0.0.1:{port}/0", socket_timeout_s=30, connect_timeout_s=30
+        ),
+        timeout_s=0.5,
+    )
     try:
         start = time.monotonic()
         with pytest.raises(StoreTimeout, match="timeout_s=0.5"):
@@ -106,7 +133,9 @@ async def test_no_client_error_escapes_unmapped(tmp_path):
     with pytest.raises(StoreError) as err:
         await store.batch_set([k], [b"x" * 16])
     assert isinstance(err.value.__cause__, OSError)
-    assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))  # no half page left
+    assert not any(
+        p.name.startswith(".tmp-") for p in tmp_path.rglob("*")
+    )  # no half page left
     assert await store.batch_exists([k]) == 0  # a failed write is never visible
 
 
@@ -128,19 +157,27 @@ def _small_disk(root, monkeypatch, size: int) -> int:
     return size
 
 
-async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_storing(tmp_path, monkeypatch):
+async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_storing(
+    tmp_path, monkeypatch
+):
     """A file store whose disk fills up first (other files share it, or capacity_bytes is
     above the disk's size) goes on as an LRU cache as big as the disk, instead of refusing
     every write from then on. The disk (`_small_disk`) holds 20 pages."""
     page = 8192
     disk = _small_disk(tmp_path, monkeypatch, 20 * (page + frame.HEADER_SIZE))
-    store = FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1))
+    store = FileStore(
+        FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1)
+    )
     try:
         keys = [new_key() for _ in range(60)]
         pages = [os.urandom(page) for _ in keys]
         for i in range(0, len(keys), 6):
-            assert await store.batch_set(keys[i:i + 6], pages[i:i + 6]) == [True] * 6
-        assert await store.batch_get(keys[-12:]) == pages[-12:]  # the newest are all kept
+            assert (
+                await store.batch_set(keys[i : i + 6], pages[i : i + 6]) == [True] * 6
+            )
+        assert (
+            await store.batch_get(keys[-12:]) == pages[-12:]
+        )  # the newest are all kept
         assert await store.batch_get(keys[:6]) == [None] * 6  # the oldest made room
         stats = store.stats()
         assert stats["disk_full_evictions"] >= 40 and stats["set_failures"] == 0
@@ -149,19 +186,28 @@ async def test_a_disk_that_fills_before_the_capacity_evicts_lru_pages_and_keeps_
         await store.close()
 
 
-async def test_a_page_rewritten_by_the_batch_that_fills_the_disk_is_not_its_victim(tmp_path, monkeypatch):
+async def test_a_page_rewritten_by_the_batch_that_fills_the_disk_is_not_its_victim(
+    tmp_path, monkeypatch
+):
     """The oldest page is written again in a batch whose last page finds the disk full:
     room is made from other pages, so the rewritten one (the newest now) stays readable."""
     page = 8192
     _small_disk(tmp_path, monkeypatch, 20 * (page + frame.HEADER_SIZE))
-    store = FileStore(FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1))
+    store = FileStore(
+        FileStoreConfig(root=str(tmp_path), capacity_bytes=1 << 30, max_concurrency=1)
+    )
     try:
         keys = [new_key() for _ in range(19)]
         pages = [os.urandom(page) for _ in keys]
-        for k, p in zip(keys, pages):  # one at a time: keys[0] is the least recently used
+        for k, p in zip(
+            keys, pages
+        ):  # one at a time: keys[0] is the least recently used
             assert await store.batch_set([k], [p]) == [True]
         fresh = [new_key(), new_key()]
-        batch = [keys[0], *fresh]  # keys[0] and fresh[0] fit; fresh[1] finds the disk full
+        batch = [
+            keys[0],
+            *fresh,
+        ]  # keys[0] and fresh[0] fit; fresh[1] finds the disk full
         data = [pages[0], os.urandom(page), os.urandom(page)]
         assert await store.batch_set(batch, data) == [True] * 3
         assert store.stats()["disk_full_evictions"] >= 1
@@ -175,7 +221,9 @@ class _AnswersOnlyHeld(MemoryStore):
     MGET-like call over its hits may): shorter lists than the keys."""
 
     async def _get_into(self, keys, parsed, views):
-        return [r for r in await super()._get_into(keys, parsed, views) if r is not None]
+        return [
+            r for r in await super()._get_into(keys, parsed, views) if r is not None
+        ]
 
     async def _get(self, keys):
         return [b for b in await super()._get(keys) if b is not None]
@@ -193,17 +241,23 @@ async def test_a_store_that_answers_fewer_keys_than_asked_is_a_store_error():
     with pytest.raises(StoreError, match=r"batch_set: 1 answers for 3 keys"):
         await store.batch_set(keys, [bytes([i]) * 64 for i in range(3)])
     assert store.stats()["set_failures"] == 3
-    assert await MemoryStore.batch_set(store, keys[1:2], [bytes(64)]) == [True]  # one held, not the first
+    assert await MemoryStore.batch_set(store, keys[1:2], [bytes(64)]) == [
+        True
+    ]  # one held, not the first
     with pytest.raises(StoreError, match=r"batch_get_into: 2 answers for 3 keys"):
         await store.batch_get_into(keys, [bytearray(64) for _ in keys])
     with pytest.raises(StoreError, match=r"batch_get: 2 answers for 3 keys"):
         await store.batch_get(keys)
-    with pytest.raises(StoreError, match=r"check: 2 answers for 3 keys"):  # verify would prune an intact page
+    with pytest.raises(
+        StoreError, match=r"check: 2 answers for 3 keys"
+    ):  # verify would prune an intact page
         await store.check(keys)
 
     class _HeldOnly(MemoryStore):
         async def _exists(self, keys):
-            return [True] * (len(keys) + 2)  # more answers than keys: a longer run than there are keys
+            return [True] * (
+                len(keys) + 2
+            )  # more answers than keys: a longer run than there are keys
 
     with pytest.raises(StoreError, match=r"batch_exists: 5 answers for 3 keys"):
         await _HeldOnly().batch_exists(keys)
@@ -213,7 +267,9 @@ async def test_a_scan_maps_its_errors_like_any_store_call(s3_server):
     """scan() iterated the store's own generator outside the store's call wrapper: an
     error escaped unmapped (botocore's NoSuchBucket here, where every other call raises a
     StoreError) and no timeout applied to it. It is one store call per batch."""
-    store = S3Store(S3StoreConfig(bucket="no-such-bucket", endpoint_url=s3_server.url), timeout_s=5)
+    store = S3Store(
+        S3StoreConfig(bucket="no-such-bucket", endpoint_url=s3_server.url), timeout_s=5
+    )
     try:
         with pytest.raises(StoreError):
             async for _ in store.scan():

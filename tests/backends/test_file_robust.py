@@ -22,7 +22,10 @@ def _key(i: int, first: int | None = None) -> str:
 
 
 def store_at(tmp_path, **cfg) -> FileStore:
-    return FileStore(FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1, **cfg), timeout_s=10)
+    return FileStore(
+        FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1, **cfg),
+        timeout_s=10,
+    )
 
 
 async def filled(tmp_path, n=10, **cfg) -> FileStore:
@@ -56,12 +59,16 @@ async def test_verify_reads_at_most_a_pages_declared_size(tmp_path):
         f.seek(64 << 20)
         f.write(b"x")  # a sparse 64 MiB tail past the declared payload
     got = await store.check([_key(1), _key(2), _key(3)])
-    assert got[0] and got[1] and got[2] is None  # bad, bad, good: each said, none read whole
+    assert (
+        got[0] and got[1] and got[2] is None
+    )  # bad, bad, good: each said, none read whole
     assert "trailing" in str(got[1]) or "payload" in str(got[1])
     await store.close()
 
 
-def test_verify_reads_no_more_than_the_stores_page_limit_whatever_a_header_declares(tmp_path):
+def test_verify_reads_no_more_than_the_stores_page_limit_whatever_a_header_declares(
+    tmp_path,
+):
     """A header is anyone's to write: one declaring a 1 GiB payload (a sparse file, no disk)
     made `check` (tierctl store verify, batch_get) read and join all of it, >2 GiB of memory
     whatever `max_page_bytes` said; tens of GiB would kill the process. A header declaring
@@ -76,17 +83,25 @@ def test_verify_reads_no_more_than_the_stores_page_limit_whatever_a_header_decla
     h = bytes([7]) * 32
     page = root / "kvtier" / NS / h.hex()[:2] / h.hex()[2:4] / h.hex()
     page.parent.mkdir(parents=True)
-    header = struct.pack("<4sHH16sB32sQQ7x", MAGIC, 1, 0, bytes.fromhex(NS), 32, h, 1 << 30, 0)
+    header = struct.pack(
+        "<4sHH16sB32sQQ7x", MAGIC, 1, 0, bytes.fromhex(NS), 32, h, 1 << 30, 0
+    )
     with open(page, "wb") as f:
         f.write(header)
         f.truncate(len(header) + (1 << 30))
-    code = ("import asyncio, resource, sys\n"
-            "from kvtier.backends.file import FileStore, FileStoreConfig\n"
-            "store = FileStore(FileStoreConfig(root=sys.argv[1], max_page_bytes=1 << 20))\n"
-            "[why] = asyncio.run(store.check([sys.argv[2]]))\n"
-            "print(type(why).__name__, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n")
-    out = subprocess.run([sys.executable, "-c", code, str(root), make_key("kvtier", NS, h)],
-                         capture_output=True, text=True, timeout=120)
+    code = (
+        "import asyncio, resource, sys\n"
+        "from kvtier.backends.file import FileStore, FileStoreConfig\n"
+        "store = FileStore(FileStoreConfig(root=sys.argv[1], max_page_bytes=1 << 20))\n"
+        "[why] = asyncio.run(store.check([sys.argv[2]]))\n"
+        "print(type(why).__name__, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root), make_key("kvtier", NS, h)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     verdict, peak_mib = out.stdout.split()
     assert verdict == "FrameError" and int(peak_mib) < 512
@@ -117,7 +132,9 @@ async def test_a_wrong_usage_count_is_recounted_before_anything_is_evicted(tmp_p
     await store.close()
 
 
-async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root(tmp_path):
+async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root(
+    tmp_path,
+):
     """main: writes followed the symlink (133 page files outside the root)."""
     store = store_at(tmp_path)
     outside = tmp_path / "outside"
@@ -132,45 +149,64 @@ async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root
     await store.close()
 
 
-
 async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_path):
     """Its siblings were found whole and remembered; a new leaf directory that is a
     symlink still takes no write and serves no page."""
     store = store_at(tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
-    assert await store.batch_set([_key(7, first=0xAA)], [PAGE]) == [True]  # makes <ns>/aa and aa/07
-    assert await store.batch_set([_key(6, first=0xAA)], [PAGE]) == [True]  # <ns>/aa is there: checked once
-    (outside / store.path(_key(8, first=0xAA)).name).write_bytes(PAGE)  # a page waiting out there
+    assert await store.batch_set([_key(7, first=0xAA)], [PAGE]) == [
+        True
+    ]  # makes <ns>/aa and aa/07
+    assert await store.batch_set([_key(6, first=0xAA)], [PAGE]) == [
+        True
+    ]  # <ns>/aa is there: checked once
+    (outside / store.path(_key(8, first=0xAA)).name).write_bytes(
+        PAGE
+    )  # a page waiting out there
     leaf = store.path(_key(8, first=0xAA)).parent  # <root>/kvtier/<ns>/aa/08
     os.symlink(outside, leaf)
     assert await store.batch_exists([_key(8, first=0xAA)]) == 0
-    assert await store.batch_set([_key(8, first=0xAA), _key(9, first=0xAA)], [PAGE, PAGE]) == [False, True]
-    assert sorted(p.name for p in outside.iterdir()) == [store.path(_key(8, first=0xAA)).name]
+    assert await store.batch_set(
+        [_key(8, first=0xAA), _key(9, first=0xAA)], [PAGE, PAGE]
+    ) == [False, True]
+    assert sorted(p.name for p in outside.iterdir()) == [
+        store.path(_key(8, first=0xAA)).name
+    ]
     assert await store.batch_exists([_key(i, first=0xAA) for i in (6, 7, 9)]) == 3
     await store.close()
 
 
-
-async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_no_page(tmp_path):
+async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_no_page(
+    tmp_path,
+):
     """A parent walked before is walked again for each new directory under it: renamed
     away and replaced by a symlink, it is refused."""
     store = store_at(tmp_path)
     outside = tmp_path / "outside"
     (outside / "04").mkdir(parents=True)
-    (outside / "04" / store.path(_key(4, first=0xAA)).name).write_bytes(PAGE)  # a page waiting out there
+    (outside / "04" / store.path(_key(4, first=0xAA)).name).write_bytes(
+        PAGE
+    )  # a page waiting out there
     assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
-    assert await store.batch_set([_key(2, first=0xAA)], [PAGE]) == [True]  # <ns>/aa seen: a checked parent
+    assert await store.batch_set([_key(2, first=0xAA)], [PAGE]) == [
+        True
+    ]  # <ns>/aa seen: a checked parent
     fanout = store.path(_key(1, first=0xAA)).parent.parent
     fanout.rename(tmp_path / "moved")
     os.symlink(outside, fanout)
-    assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [False, True]
+    assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [
+        False,
+        True,
+    ]
     assert await store.batch_exists([_key(4, first=0xAA)]) == 0
     assert sorted(p.name for p in outside.iterdir()) == ["04"]
     await store.close()
 
 
-async def test_an_ancestor_swapped_for_a_symlink_to_the_same_directory_takes_no_write(tmp_path):
+async def test_an_ancestor_swapped_for_a_symlink_to_the_same_directory_takes_no_write(
+    tmp_path,
+):
     """Review: the namespace directory renamed out of the root and a symlink to it put in
     its place. A check of the page directory's parent identity (device, inode) passed, as
     the parent is the same directory still: a write landed outside the root."""
@@ -181,14 +217,20 @@ async def test_an_ancestor_swapped_for_a_symlink_to_the_same_directory_takes_no_
     moved = tmp_path / "moved"
     namespace.rename(moved)
     os.symlink(moved, namespace)
-    with pytest.raises(StoreError, match="refused"):  # every page is under it: the batch fails whole
+    with pytest.raises(
+        StoreError, match="refused"
+    ):  # every page is under it: the batch fails whole
         await store.batch_set([_key(3, first=0xAA)], [PAGE])
     assert sorted(p.name for p in (moved / "aa").iterdir()) == ["01", "02"]
-    assert await store.batch_exists([_key(1, first=0xAA)]) == 1  # found whole before the swap (docs/stores.md)
+    assert (
+        await store.batch_exists([_key(1, first=0xAA)]) == 1
+    )  # found whole before the swap (docs/stores.md)
     await store.close()
 
 
-async def test_an_ancestor_swapped_for_a_symlink_to_an_empty_directory_takes_no_write(tmp_path):
+async def test_an_ancestor_swapped_for_a_symlink_to_an_empty_directory_takes_no_write(
+    tmp_path,
+):
     """Review: with the namespace directory a symlink to an empty directory, the checked
     parent was not found, the directory counted as not there yet, and the write made it
     (and the page) through the symlink."""
@@ -207,7 +249,9 @@ async def test_an_ancestor_swapped_for_a_symlink_to_an_empty_directory_takes_no_
     await store.close()
 
 
-async def test_a_page_directory_absent_at_an_exists_check_is_walked_again_when_written(tmp_path):
+async def test_a_page_directory_absent_at_an_exists_check_is_walked_again_when_written(
+    tmp_path,
+):
     """Review: `realpath` of a directory not there yet is the path itself; remembered as
     inside, it took a write once it had become a symlink out of the root."""
     store = store_at(tmp_path)
@@ -216,7 +260,10 @@ async def test_a_page_directory_absent_at_an_exists_check_is_walked_again_when_w
     assert await store.batch_set([_key(1, first=0xAA)], [PAGE]) == [True]
     assert await store.batch_exists([_key(8, first=0xAA)]) == 0  # aa/08 is not there
     os.symlink(outside, store.path(_key(8, first=0xAA)).parent)
-    assert await store.batch_set([_key(8, first=0xAA), _key(9)], [PAGE, PAGE]) == [False, True]
+    assert await store.batch_set([_key(8, first=0xAA), _key(9)], [PAGE, PAGE]) == [
+        False,
+        True,
+    ]
     assert not any(outside.iterdir())
     await store.close()
 
@@ -251,7 +298,9 @@ async def test_a_page_file_that_is_a_symlink_is_not_read(tmp_path):
     await store.close()
 
 
-async def test_a_page_directory_that_cannot_be_looked_at_is_a_miss_not_an_error(tmp_path):
+async def test_a_page_directory_that_cannot_be_looked_at_is_a_miss_not_an_error(
+    tmp_path,
+):
     """A file where a checked parent was: its pages are misses and refused writes; the call
     itself does not fail (the breaker would count it)."""
     store = store_at(tmp_path)
@@ -261,10 +310,16 @@ async def test_a_page_directory_that_cannot_be_looked_at_is_a_miss_not_an_error(
     shutil.rmtree(fanout)
     fanout.write_bytes(b"not a directory")
     assert await store.batch_exists([_key(3, first=0xAA)]) == 0
-    assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [False, True]
+    assert await store.batch_set([_key(3, first=0xAA), _key(5)], [PAGE, PAGE]) == [
+        False,
+        True,
+    ]
     await store.close()
 
-async def test_an_exists_check_looks_at_no_directory_past_the_first_absent_page(tmp_path):
+
+async def test_an_exists_check_looks_at_no_directory_past_the_first_absent_page(
+    tmp_path,
+):
     """A prompt's new pages are absent: the leading run ends at the first, and the pages
     after it cost no directory check (a syscall each in a fresh store)."""
     store = store_at(tmp_path)
@@ -276,6 +331,7 @@ async def test_an_exists_check_looks_at_no_directory_past_the_first_absent_page(
     assert await store.batch_exists(present + [_key(i) for i in range(10, 60)]) == 3
     assert looked == [os.path.dirname(store._file(_key(10)))]
     await store.close()
+
 
 def test_a_root_that_is_a_file_is_one_clear_line(tmp_path):
     """main: 'File exists'."""
@@ -296,7 +352,9 @@ async def test_opening_a_root_that_another_process_churns(tmp_path):
     stop = threading.Event()
 
     def churn():
-        while not stop.is_set():  # every page gone, then all back: opens meet both halves
+        while (
+            not stop.is_set()
+        ):  # every page gone, then all back: opens meet both halves
             for p in paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
@@ -333,8 +391,13 @@ async def test_verify_of_a_sealed_store_reads_a_pages_declared_size(tmp_path, en
     await store.close()
 
 
-@pytest.mark.parametrize("content", ["[" * 100_000, "[1]", '{"tenant_key_id": [1], "tenant": {}, "model_id": "m"}'])
-def test_a_hostile_manifest_reads_as_none_and_the_store_tools_go_on(tmp_path, content, capsys):
+@pytest.mark.parametrize(
+    "content",
+    ["[" * 100_000, "[1]", '{"tenant_key_id": [1], "tenant": {}, "model_id": "m"}'],
+)
+def test_a_hostile_manifest_reads_as_none_and_the_store_tools_go_on(
+    tmp_path, content, capsys
+):
     """Anyone who can write the store can write a namespace's manifest.json. A deeply
     nested one raised RecursionError out of get_manifest, which the storage worker reads
     before backups: every backup of that namespace failed for good, and `store.required`

@@ -27,8 +27,12 @@ def _key(i: int) -> str:
 
 
 def _page_files(root) -> list[str]:
-    return [os.path.join(d, n) for d, _, files in os.walk(root) for n in files
-            if not n.startswith(".") and len(n) == 64]
+    return [
+        os.path.join(d, n)
+        for d, _, files in os.walk(root)
+        for n in files
+        if not n.startswith(".") and len(n) == 64
+    ]
 
 
 async def test_a_stuck_read_is_abandoned_and_close_returns(tmp_path, monkeypatch):
@@ -44,12 +48,20 @@ async def test_a_stuck_read_is_abandoned_and_close_returns(tmp_path, monkeypatch
         buf = bytearray(len(page))
         with pytest.raises(StoreTimeout) as err:
             await store.batch_get_into([_key(1)], [memoryview(buf)])
-        outcome = await asyncio.wait_for(err.value.settled, 10)  # bounded: on main, never
+        outcome = await asyncio.wait_for(
+            err.value.settled, 10
+        )  # bounded: on main, never
         assert isinstance(outcome, StoreAbandoned)
-        assert store.stats()["io_threads_abandoned"] == 1 and store.stats()["pages_abandoned"] == 1
+        assert (
+            store.stats()["io_threads_abandoned"] == 1
+            and store.stats()["pages_abandoned"] == 1
+        )
         # the pool has a fresh thread; the hung page is never asked for again
         good = bytearray(len(page))
-        assert await store.batch_get_into([_key(2)], [memoryview(good)]) == [True] and bytes(good) == page
+        assert (
+            await store.batch_get_into([_key(2)], [memoryview(good)]) == [True]
+            and bytes(good) == page
+        )
         assert await store.batch_exists([_key(1), _key(2)]) == 0
         started = time.monotonic()
         await asyncio.wait_for(store.close(), 10)
@@ -80,13 +92,21 @@ async def test_fifos_in_the_store_are_misses_and_leave_the_io_threads_alone(tmp_
             assert await store.batch_get_into([key], [bytearray(len(page))]) == [False]
         assert await store.batch_get([keys[6]]) == [page]
         good = bytearray(len(page))
-        assert await store.batch_get_into([keys[7]], [good]) == [True] and bytes(good) == page
-        assert store.stats()["io_threads_abandoned"] == 0 and store.stats()["timeouts"] == 0
+        assert (
+            await store.batch_get_into([keys[7]], [good]) == [True]
+            and bytes(good) == page
+        )
+        assert (
+            store.stats()["io_threads_abandoned"] == 0
+            and store.stats()["timeouts"] == 0
+        )
     finally:
         await store.close()
 
 
-async def test_a_write_abandoned_stuck_never_publishes_the_page_it_resumes(tmp_path, monkeypatch):
+async def test_a_write_abandoned_stuck_never_publishes_the_page_it_resumes(
+    tmp_path, monkeypatch
+):
     """A page write stuck opening its temp file (a hung mount) is abandoned;
     its caller then reuses the buffer. When the mount comes back the thread went on: it
     framed the buffer as it was now, with a valid checksum, and renamed it over the key, so
@@ -96,11 +116,17 @@ async def test_a_write_abandoned_stuck_never_publishes_the_page_it_resumes(tmp_p
 
     from kvtier.backends import file_io
 
-    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1), timeout_s=0.3)
-    assert await store.batch_set([_key(9)], [bytes(64)]) == [True]  # the fan-out directories exist
+    store = FileStore(
+        FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1), timeout_s=0.3
+    )
+    assert await store.batch_set([_key(9)], [bytes(64)]) == [
+        True
+    ]  # the fan-out directories exist
     final = str(store.path(_key(1)))
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    nxt = next(copy.copy(file_io._TEMP_IDS))  # the name the next write's temp file takes
+    nxt = next(
+        copy.copy(file_io._TEMP_IDS)
+    )  # the name the next write's temp file takes
     temp = f"{os.path.dirname(final)}/{file_io.TMP}{file_io._OWNER}{file_io._RUN}{nxt}"
     mount = HungMount(monkeypatch)
     mount.hang(temp)
@@ -108,7 +134,9 @@ async def test_a_write_abandoned_stuck_never_publishes_the_page_it_resumes(tmp_p
     try:
         with pytest.raises(StoreTimeout) as err:
             await store.batch_set([_key(1)], [page])
-        await asyncio.wait_for(err.value.settled, 10)  # abandoned: the buffer is the caller's again
+        await asyncio.wait_for(
+            err.value.settled, 10
+        )  # abandoned: the buffer is the caller's again
         page[:] = b"\x77" * 1024  # reused for other KV
         mount.come_back()  # the stuck open returns, and its thread ends
         assert not os.path.lexists(temp) and not os.path.lexists(final)
@@ -117,12 +145,16 @@ async def test_a_write_abandoned_stuck_never_publishes_the_page_it_resumes(tmp_p
         await store.close()
     reader = FileStore(FileStoreConfig(root=str(tmp_path / "l3")), timeout_s=5)
     try:
-        assert await reader.batch_get([_key(1)]) == [None]  # a miss, never the reused buffer's bytes
+        assert await reader.batch_get([_key(1)]) == [
+            None
+        ]  # a miss, never the reused buffer's bytes
     finally:
         await reader.close()
 
 
-def test_replay_verify_on_a_hung_store_completes_reports_it_down_and_closes(tmp_path, monkeypatch, capsys):
+def test_replay_verify_on_a_hung_store_completes_reports_it_down_and_closes(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("KVTIER_STORE_TIMEOUT_S", "1")
     assert main(["replay", "--requests", "12", "--json"]) == 0  # fills the store
@@ -152,4 +184,6 @@ def test_replay_verify_on_a_hung_store_completes_reports_it_down_and_closes(tmp_
     assert out["store"]["breaker_trips"] >= 1 and out["store"]["timeouts"] >= 1
     [(quarantined, began, ended)] = closes
     assert quarantined > 0  # the pages the stuck read was filling are never reused
-    assert ended - began <= 2 * 1.0 + 1  # close() within twice the store timeout (plus slack)
+    assert (
+        ended - began <= 2 * 1.0 + 1
+    )  # close() within twice the store timeout (plus slack)

@@ -10,7 +10,11 @@ from tests.backends.stores import exact_lfu, new_key, write_lets_go_in_time
 
 
 async def test_nx_keeps_the_first_page_and_ttl_is_set(redis_server):
-    store = RedisStore(RedisStoreConfig(url=redis_server.url, overwrite=False, ttl_s=600, write_threads=2))
+    store = RedisStore(
+        RedisStoreConfig(
+            url=redis_server.url, overwrite=False, ttl_s=600, write_threads=2
+        )
+    )
     raw = redis.Redis.from_url(redis_server.url)
     try:
         keys = [new_key() for _ in range(5)]
@@ -30,7 +34,9 @@ async def test_an_error_reply_is_a_page_not_stored(redis_server):
     raw = redis.Redis.from_url(redis_server.url)
     try:
         keys = [new_key() for _ in range(3)]
-        raw.config_set("maxmemory", 1)  # every write is refused: an OOM error reply per SET
+        raw.config_set(
+            "maxmemory", 1
+        )  # every write is refused: an OOM error reply per SET
         try:
             assert await store.batch_set(keys, [b"a" * 4096] * 3) == [False] * 3
         finally:
@@ -50,22 +56,38 @@ async def test_a_write_to_a_hung_server_lets_go_of_the_pages_after_the_store_tim
     from kvtier.bench.servers import BlackHole
 
     hole = BlackHole()
-    store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{hole.port}/0", socket_timeout_s=120.0,
-                                        connect_timeout_s=120.0), timeout_s=0.3)
+    store = RedisStore(
+        RedisStoreConfig(
+            url=f"redis://127.0.0.1:{hole.port}/0",
+            socket_timeout_s=120.0,
+            connect_timeout_s=120.0,
+        ),
+        timeout_s=0.3,
+    )
     try:
-        assert await write_lets_go_in_time(store)  # without the fix: held for the 120 s socket timeout
+        assert await write_lets_go_in_time(
+            store
+        )  # without the fix: held for the 120 s socket timeout
     finally:
         hole.stop()  # the server hangs up: any writer still blocked ends now
         await store.close()
 
 
-async def test_small_pages_go_out_together_and_a_big_one_between_them_stays_whole(redis_server):
+async def test_small_pages_go_out_together_and_a_big_one_between_them_stays_whole(
+    redis_server,
+):
     """The write thread batches small SETs into one send and sends a big page alone; TTL and
     NX options follow every payload, whatever the batch boundaries."""
-    store = RedisStore(RedisStoreConfig(url=redis_server.url, overwrite=False, ttl_s=600, write_threads=1))
+    store = RedisStore(
+        RedisStoreConfig(
+            url=redis_server.url, overwrite=False, ttl_s=600, write_threads=1
+        )
+    )
     raw = redis.Redis.from_url(redis_server.url)
     try:
-        pages = [i.to_bytes(2, "little") * 2048 for i in range(300)]  # 300 small SETs: over one send's parts
+        pages = [
+            i.to_bytes(2, "little") * 2048 for i in range(300)
+        ]  # 300 small SETs: over one send's parts
         pages[150] = b"\x07" * (3 << 20)  # bigger than one send's bytes
         keys = [new_key() for _ in pages]
         assert await store.batch_set(keys, pages) == [True] * len(pages)
@@ -86,7 +108,10 @@ def test_a_page_that_cannot_be_hashed_fails_its_write_without_hanging_it(redis_s
     try:
         gone = memoryview(bytearray(4096))
         gone.release()
-        frames = [Frame("0" * 32, b"\x01" * 32, memoryview(b"a" * 4096)), Frame("0" * 32, b"\x02" * 32, gone)]
+        frames = [
+            Frame("0" * 32, b"\x01" * 32, memoryview(b"a" * 4096)),
+            Frame("0" * 32, b"\x02" * 32, gone),
+        ]
         with pytest.raises(ValueError):
             store._send_sets([new_key(), new_key()], frames)
         assert store._send_sets([new_key()], frames[:1]) == [True]
@@ -119,10 +144,14 @@ async def test_touch_counts_as_an_access_for_redis_eviction(request, kind):
     try:
         with exact_lfu(raw):
             touched, left = [new_key() for _ in range(3)], [new_key() for _ in range(3)]
-            assert await store.batch_set(touched + left, [b"p" * 4096] * 6) == [True] * 6
+            assert (
+                await store.batch_set(touched + left, [b"p" * 4096] * 6) == [True] * 6
+            )
             before = {k: raw.object("freq", k) for k in touched + left}
             store.touch(touched[:2])
-            store.touch(touched[2:])  # given while the first batch is in flight: sent after it
+            store.touch(
+                touched[2:]
+            )  # given while the first batch is in flight: sent after it
             await store._toucher
             assert all(raw.object("freq", k) > before[k] for k in touched)
             assert all(raw.object("freq", k) == before[k] for k in left)
@@ -153,7 +182,9 @@ async def test_a_touch_the_server_never_answers_is_counted_not_raised_and_close_
     from kvtier.bench.servers import BlackHole
 
     hole = BlackHole()
-    store = RedisStore(RedisStoreConfig(url=f"redis://127.0.0.1:{hole.port}/0"), timeout_s=0.3)
+    store = RedisStore(
+        RedisStoreConfig(url=f"redis://127.0.0.1:{hole.port}/0"), timeout_s=0.3
+    )
     try:
         store.touch([new_key()])
         await store._toucher  # times out inside: nothing raised

@@ -30,12 +30,25 @@ def test_sealed_frame_layout_is_the_documented_one(encrypt):
     header, body = c.seal(NS, H, payload)
     blob = header + bytes(body)
     assert len(header) == seal.HEADER_SIZE == 128 and len(blob) == c.frame_size(4096)
-    magic, version, mode, ns, hlen, h, length, key_id, nonce = struct.unpack_from("<4sHH16sB32sQ8s12s3x", blob)
+    magic, version, mode, ns, hlen, h, length, key_id, nonce = struct.unpack_from(
+        "<4sHH16sB32sQ8s12s3x", blob
+    )
     key = c.keys.current
-    assert (magic, version, ns, hlen, h, length, key_id) == (b"KVTP", 2, bytes.fromhex(NS), 32, H, 4096, key.key_id)
-    write_key = hashlib.blake2b(blob[:88], key=key.aead_key if encrypt else key.mac_key,
-                                digest_size=32).digest()  # a key per write, from the whole sealed part
-    if not encrypt:  # GMAC (AES-256-GCM without plaintext) of the payload; body = payload
+    assert (magic, version, ns, hlen, h, length, key_id) == (
+        b"KVTP",
+        2,
+        bytes.fromhex(NS),
+        32,
+        H,
+        4096,
+        key.key_id,
+    )
+    write_key = hashlib.blake2b(
+        blob[:88], key=key.aead_key if encrypt else key.mac_key, digest_size=32
+    ).digest()  # a key per write, from the whole sealed part
+    if (
+        not encrypt
+    ):  # GMAC (AES-256-GCM without plaintext) of the payload; body = payload
         assert mode == 1 and bytes(body) == payload and blob[104:128] == bytes(24)
         assert AESGCM(write_key).encrypt(nonce, b"", payload) == blob[88:104]
     else:  # AES-256-GCM, the sealed part as associated data; ciphertext ‖ tag
@@ -46,7 +59,9 @@ def test_sealed_frame_layout_is_the_documented_one(encrypt):
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
-@pytest.mark.parametrize("offset", [0, 4, 6, 8, 24, 25, 57, 65, 73, 86, 88, 103, 104, 119, 124, 140, -1])
+@pytest.mark.parametrize(
+    "offset", [0, 4, 6, 8, 24, 25, 57, 65, 73, 86, 88, 103, 104, 119, 124, 140, -1]
+)
 def test_any_byte_changed_in_the_sealed_part_or_the_body_is_a_miss(encrypt, offset):
     c = codec(encrypt=encrypt)
     header, body = c.seal(NS, H, os.urandom(4096))
@@ -61,12 +76,16 @@ def test_any_byte_changed_in_the_sealed_part_or_the_body_is_a_miss(encrypt, offs
 def test_plain_frames_other_keys_and_truncation_are_misses_not_errors():
     c, payload = codec(), os.urandom(4096)
     with pytest.raises(seal.NotSealed):
-        c.decode(frame.encode(NS, H, payload), NS, H)  # the downgrade: a plain frame with a good xxh3
+        c.decode(
+            frame.encode(NS, H, payload), NS, H
+        )  # the downgrade: a plain frame with a good xxh3
     header, body = codec(OLD).seal(NS, H, payload)
     with pytest.raises(seal.ForeignKey, match="sealed with key"):
         c.decode(header + bytes(body), NS, H)
     with pytest.raises(FrameError, match="frame sealed with a tenant key"):
-        frame.decode(header + bytes(body), NS, H)  # a store without a key reads none of them
+        frame.decode(
+            header + bytes(body), NS, H
+        )  # a store without a key reads none of them
     header, body = c.seal(NS, H, payload)
     for blob in (header[:60], header + bytes(body)[:-1], header + bytes(body) + b"\0"):
         with pytest.raises(FrameError):
@@ -83,8 +102,15 @@ def test_a_key_ring_seals_with_its_first_key_and_reads_with_all():
     ring = codec(f"{NEW},\n{OLD}")
     assert bytes(ring.decode(old_header + bytes(old_body), NS, H)) == payload
     header, _ = ring.seal(NS, H, payload)
-    assert seal.key_id_of(header) == ring.keys.current.key_id == parse_keys(NEW, "t").current.key_id
-    assert ring.keys.ids == [parse_keys(NEW, "t").current.key_id.hex(), parse_keys(OLD, "t").current.key_id.hex()]
+    assert (
+        seal.key_id_of(header)
+        == ring.keys.current.key_id
+        == parse_keys(NEW, "t").current.key_id
+    )
+    assert ring.keys.ids == [
+        parse_keys(NEW, "t").current.key_id.hex(),
+        parse_keys(OLD, "t").current.key_id.hex(),
+    ]
 
 
 async def test_a_store_object_serves_one_tenant():
@@ -102,27 +128,65 @@ def test_keyed_page_hashes_follow_the_spec_and_unkeyed_ones_are_unchanged():
     chain = page_hashes(toks, 16, NS, None, None, keyed)
     prev, want = b"kvtier/page-hash-chain/v1", []
     for i in range(4):
-        data = (b"pv" + struct.pack("<I", len(prev)) + prev + b"ns" + struct.pack("<I", 32) + NS.encode()
-                + b"ek" + struct.pack("<I", 1) + b"\0" + b"tk" + struct.pack("<I", 64)
-                + toks[16 * i:16 * i + 16].astype("<u4").tobytes())
+        data = (
+            b"pv"
+            + struct.pack("<I", len(prev))
+            + prev
+            + b"ns"
+            + struct.pack("<I", 32)
+            + NS.encode()
+            + b"ek"
+            + struct.pack("<I", 1)
+            + b"\0"
+            + b"tk"
+            + struct.pack("<I", 64)
+            + toks[16 * i : 16 * i + 16].astype("<u4").tobytes()
+        )
         prev = hashlib.blake2b(data, digest_size=32, key=key.hash_key).digest()
         want.append(prev)
     assert chain == want and chain != page_hashes(toks, 16, NS)
     other = parse_keys(OLD, "t").current
-    assert page_hashes(toks, 16, NS, None, None, KeyedHash(other.hash_key, "sha256", "x")) != chain
-    assert len(page_hashes(toks, 16, NS, None, None, KeyedHash(key.hash_key, "xxh3_128", "x"))[0]) == 16
+    assert (
+        page_hashes(toks, 16, NS, None, None, KeyedHash(other.hash_key, "sha256", "x"))
+        != chain
+    )
+    assert (
+        len(
+            page_hashes(
+                toks, 16, NS, None, None, KeyedHash(key.hash_key, "xxh3_128", "x")
+            )[0]
+        )
+        == 16
+    )
     assert "02" * 8 not in repr(keyed) and key.key_id.hex() in repr(keyed)
     ns = Namespace("m", "float16", "mha", 16)
-    assert ns.id == Namespace("m", "float16", "mha", 16, tenant_key_id=None).id  # ids without a key unchanged
+    assert (
+        ns.id == Namespace("m", "float16", "mha", 16, tenant_key_id=None).id
+    )  # ids without a key unchanged
     keyed_ns = Namespace("m", "float16", "mha", 16, tenant_key_id=key.key_id.hex())
-    assert keyed_ns.id != ns.id and keyed_ns.manifest(1)["tenant_key_id"] == key.key_id.hex()
+    assert (
+        keyed_ns.id != ns.id
+        and keyed_ns.manifest(1)["tenant_key_id"] == key.key_id.hex()
+    )
     assert "tenant_key_id" not in ns.manifest(1)
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
-@pytest.mark.parametrize("damage", ["none", "flip_first", "flip_last", "one_byte_short", "one_byte_more",
-                                    "header_only", "empty"])
-async def test_the_file_stores_piecewise_sealed_read_misses_every_damage(tmp_path, encrypt, damage):
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "none",
+        "flip_first",
+        "flip_last",
+        "one_byte_short",
+        "one_byte_more",
+        "header_only",
+        "empty",
+    ],
+)
+async def test_the_file_stores_piecewise_sealed_read_misses_every_damage(
+    tmp_path, encrypt, damage
+):
     """The file store reads a sealed page header first, then the body into the caller's
     buffer (authenticated) or its thread's scratch buffer (encrypted)."""
     from kvtier.backends.file import FileStore, FileStoreConfig
@@ -134,19 +198,29 @@ async def test_the_file_stores_piecewise_sealed_read_misses_every_damage(tmp_pat
     assert await store.batch_set([k], [payload]) == [True]
     path = store.path(k)
     blob = bytearray(path.read_bytes())
-    blob = {"flip_first": lambda b: b[:128] + bytes([b[128] ^ 1]) + b[129:],
-            "flip_last": lambda b: b[:-1] + bytes([b[-1] ^ 1]), "one_byte_short": lambda b: b[:-1],
-            "one_byte_more": lambda b: b + b"\0", "header_only": lambda b: b[:128], "empty": lambda b: b""
-            }.get(damage, lambda b: b)(blob)
+    blob = {
+        "flip_first": lambda b: b[:128] + bytes([b[128] ^ 1]) + b[129:],
+        "flip_last": lambda b: b[:-1] + bytes([b[-1] ^ 1]),
+        "one_byte_short": lambda b: b[:-1],
+        "one_byte_more": lambda b: b + b"\0",
+        "header_only": lambda b: b[:128],
+        "empty": lambda b: b"",
+    }.get(damage, lambda b: b)(blob)
     path.write_bytes(bytes(blob))
     buf = bytearray(len(payload))
     assert await store.batch_get_into([k], [buf]) == [damage == "none"]
-    assert (bytes(buf) == payload) if damage == "none" else store.stats()["frame_failures"] == 1
+    assert (
+        (bytes(buf) == payload)
+        if damage == "none"
+        else store.stats()["frame_failures"] == 1
+    )
     await store.close()
 
 
 @pytest.mark.parametrize("written_encrypted", [False, True])
-async def test_the_file_store_reads_pages_of_the_other_mode(tmp_path, written_encrypted):
+async def test_the_file_store_reads_pages_of_the_other_mode(
+    tmp_path, written_encrypted
+):
     """`encrypt` switched on (or off) with the same key: the pages sealed before still
     read, though the file store lays out its read for its own mode."""
     from kvtier.backends.file import FileStore, FileStoreConfig

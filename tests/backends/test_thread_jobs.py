@@ -51,7 +51,9 @@ async def test_a_failed_job_ends_the_call_only_after_the_other_jobs_return(pool)
     try:
         await asyncio.wait([failed])
         await _spin(call)
-        assert not call.done(), "the call ended while a job still held the caller's buffer"
+        assert not call.done(), (
+            "the call ended while a job still held the caller's buffer"
+        )
     finally:
         release.set()
     with pytest.raises(ConnectionResetError):
@@ -59,7 +61,9 @@ async def test_a_failed_job_ends_the_call_only_after_the_other_jobs_return(pool)
     assert returned == [True]
 
 
-async def test_a_cancelled_call_waits_for_its_jobs_and_leaves_no_error_unretrieved(pool, caplog):
+async def test_a_cancelled_call_waits_for_its_jobs_and_leaves_no_error_unretrieved(
+    pool, caplog
+):
     loop = asyncio.get_running_loop()
     release, returned = threading.Event(), []
 
@@ -109,7 +113,9 @@ def _framed_files(tmp_path, sizes: list[int]):
     return out
 
 
-def test_file_reads_hashed_on_a_hashing_thread_keep_each_page_its_own_checksum(tmp_path):
+def test_file_reads_hashed_on_a_hashing_thread_keep_each_page_its_own_checksum(
+    tmp_path,
+):
     """Big pages are hashed on a hashing thread, one digest per page in read order: a page
     that failed in between (cut short after its chunks went to the hasher, damaged, gone)
     must not shift the digests of those after it."""
@@ -118,7 +124,9 @@ def test_file_reads_hashed_on_a_hashing_thread_keep_each_page_its_own_checksum(t
 
     big, small = file_io._READ_CHUNK + 3 * 4096, 4096  # a big page spans two chunks
     files = _framed_files(tmp_path, [big, big, big, big, big, small, big])
-    with open(files[1][0], "r+b") as f:  # cut short: its chunks were hashed, then it failed
+    with open(
+        files[1][0], "r+b"
+    ) as f:  # cut short: its chunks were hashed, then it failed
         f.truncate(len(open(files[1][0], "rb").read()) - 1)
     flipped = bytearray(open(files[3][0], "rb").read())
     flipped[-1] ^= 1
@@ -126,14 +134,21 @@ def test_file_reads_hashed_on_a_hashing_thread_keep_each_page_its_own_checksum(t
     (tmp_path / "page-4").unlink()
     bufs = [bytearray(len(p)) for *_, p in files]
     with ThreadPoolExecutor(1) as hashers:
-        got = file_io.read_pages_into(hashers, [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)])
+        got = file_io.read_pages_into(
+            hashers,
+            [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)],
+        )
     assert [got[0], got[2], got[5], got[6]] == [True] * 4
     assert isinstance(got[1], FrameError) and isinstance(got[3], FrameError)
     assert isinstance(got[4], FileNotFoundError)
-    assert [bytes(b) for i, b in enumerate(bufs) if got[i] is True] == [p for i, (*_, p) in enumerate(files) if got[i] is True]
+    assert [bytes(b) for i, b in enumerate(bufs) if got[i] is True] == [
+        p for i, (*_, p) in enumerate(files) if got[i] is True
+    ]
 
 
-def test_a_file_read_job_that_raises_leaves_no_hashing_task_waiting(tmp_path, monkeypatch):
+def test_a_file_read_job_that_raises_leaves_no_hashing_task_waiting(
+    tmp_path, monkeypatch
+):
     """A read that raises past the per-page OSError handling (here a buffer that cannot be
     written) still ends the job's hashing: the hashing thread is free again, not parked
     for ever on chunks that will never come (it would hold a pool thread, and the
@@ -149,14 +164,23 @@ def test_a_file_read_job_that_raises_leaves_no_hashing_task_waiting(tmp_path, mo
 
     monkeypatch.setattr(file_io, "_Hashing", Recorded)
     files = _framed_files(tmp_path, [file_io._HASH_AWAY, file_io._HASH_AWAY])
-    items = [(files[0][0], files[0][1], files[0][2], memoryview(bytearray(file_io._HASH_AWAY))),
-             (files[1][0], files[1][1], files[1][2], memoryview(bytes(file_io._HASH_AWAY)))]  # read-only
+    items = [
+        (
+            files[0][0],
+            files[0][1],
+            files[0][2],
+            memoryview(bytearray(file_io._HASH_AWAY)),
+        ),
+        (files[1][0], files[1][1], files[1][2], memoryview(bytes(file_io._HASH_AWAY))),
+    ]  # read-only
     hashers = ThreadPoolExecutor(1)
     try:
         with pytest.raises(BufferError):
             file_io.read_pages_into(hashers, items)
         assert len(started) == 1 and started[0]._digests.done()
     finally:
-        for hashing in started:  # a failed run must not leave the thread parked past the test
+        for (
+            hashing
+        ) in started:  # a failed run must not leave the thread parked past the test
             hashing.close()
         hashers.shutdown(wait=True)

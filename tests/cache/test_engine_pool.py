@@ -17,9 +17,13 @@ def engine_tensors(attention: str):
     `[rows, 1, rank + rope]` (MLA), rows = size + page_size, zeroed."""
     rows = PAGES * PS + PS
     if attention == "mla":
-        return [torch.zeros(rows, 1, 12, dtype=torch.bfloat16) for _ in range(LAYERS)], None
-    return ([torch.zeros(rows, 2, 8, dtype=torch.float16) for _ in range(LAYERS)],
-            [torch.zeros(rows, 2, 4, dtype=torch.float16) for _ in range(LAYERS)])
+        return [
+            torch.zeros(rows, 1, 12, dtype=torch.bfloat16) for _ in range(LAYERS)
+        ], None
+    return (
+        [torch.zeros(rows, 2, 8, dtype=torch.float16) for _ in range(LAYERS)],
+        [torch.zeros(rows, 2, 4, dtype=torch.float16) for _ in range(LAYERS)],
+    )
 
 
 class EngineAllocator:
@@ -37,28 +41,47 @@ class EngineAllocator:
         if pages > len(self.free):
             return None
         taken, self.free = self.free[:pages], self.free[pages:]
-        return (np.asarray(taken, dtype=np.int64)[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+        return (
+            np.asarray(taken, dtype=np.int64)[:, None] * self.page_size
+            + np.arange(self.page_size)
+        ).reshape(-1)
 
     def free_slots(self, slots) -> None:
         pages = sorted(set((np.asarray(slots) // self.page_size).tolist()))
         if set(pages) & set(self.free):
-            raise ValueError(f"free_slots: pages {pages} are not allocated (double free?)")
+            raise ValueError(
+                f"free_slots: pages {pages} are not allocated (double free?)"
+            )
         self.free += pages
 
     def free_group(self):
         from contextlib import nullcontext
+
         return nullcontext()
 
     def unallocated(self, slots):
         slots = np.asarray(slots)
         pages = slots // self.page_size
-        return slots[np.isin(pages, self.free) | (pages < 1) | (pages > self.size // self.page_size)]
+        return slots[
+            np.isin(pages, self.free)
+            | (pages < 1)
+            | (pages > self.size // self.page_size)
+        ]
 
 
 def make(pool, allocator=None):
-    cfg = load_config(None, {"mirror": {"ratio": 1.0, "layout": "page_first"},
-                             "controller": {"write_policy": "write_through", "prefetch_policy": "wait_complete"},
-                             "store": {"backend": "none"}}, env={})
+    cfg = load_config(
+        None,
+        {
+            "mirror": {"ratio": 1.0, "layout": "page_first"},
+            "controller": {
+                "write_policy": "write_through",
+                "prefetch_policy": "wait_complete",
+            },
+            "store": {"backend": "none"},
+        },
+        env={},
+    )
     store = MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 24))
     return TieredCache(cfg, store=store, pool=pool, device_allocator=allocator)
 
@@ -72,8 +95,16 @@ def fill_random(parts, slots, seed):
     g = torch.Generator().manual_seed(seed)
     for layer in parts:
         for t in layer:
-            raw = torch.randint(0, 256, (slots.numel(), *t.shape[1:], t.element_size()), generator=g, dtype=torch.uint8)
-            t.view(torch.uint8).view(t.shape[0], *t.shape[1:], t.element_size())[slots] = raw
+            raw = torch.randint(
+                0,
+                256,
+                (slots.numel(), *t.shape[1:], t.element_size()),
+                generator=g,
+                dtype=torch.uint8,
+            )
+            t.view(torch.uint8).view(t.shape[0], *t.shape[1:], t.element_size())[
+                slots
+            ] = raw
 
 
 def acquire(cache, tokens, rid):
@@ -93,28 +124,40 @@ def read_bytes(parts, slots):
 
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 @pytest.mark.parametrize("own_allocator", [False, True])
-def test_every_page_reads_back_bit_exact_after_device_host_store_device(attention, own_allocator):
+def test_every_page_reads_back_bit_exact_after_device_host_store_device(
+    attention, own_allocator
+):
     k, v = engine_tensors(attention)
-    pool = DeviceKVPool.from_tensors(k, v, page_size=PS, kv_lora_rank=8 if attention == "mla" else None)
+    pool = DeviceKVPool.from_tensors(
+        k, v, page_size=PS, kv_lora_rank=8 if attention == "mla" else None
+    )
     allocator = EngineAllocator(PAGES * PS, PS) if own_allocator else None
     cache = make(pool, allocator)
     assert cache.pool is pool and cache.config.pool == pool.config
     parts = layer_parts(k, v)
-    tokens = np.arange(1000, 1000 + 10 * PS + 2)  # 10 whole pages and 2 tokens of an 11th
+    tokens = np.arange(
+        1000, 1000 + 10 * PS + 2
+    )  # 10 whole pages and 2 tokens of an 11th
     got = acquire(cache, tokens, "a")  # the store is asked first: it holds nothing yet
     assert got.indices.numel() == 0
     mine = cache.alloc(len(tokens))
-    assert mine.numel() == 11 * PS  # whole pages: the request owns the tail of the last one
-    fill_random(parts, mine[:len(tokens)], seed=1)
-    want = read_bytes(parts, mine[:10 * PS])  # what the cache keeps: the whole pages
+    assert (
+        mine.numel() == 11 * PS
+    )  # whole pages: the request owns the tail of the last one
+    fill_random(parts, mine[: len(tokens)], seed=1)
+    want = read_bytes(parts, mine[: 10 * PS])  # what the cache keeps: the whole pages
     cache.cache_finished("a", tokens, mine)
     cache.drain()  # written through to host, backed up to the store
     assert cache.stats()["counters"]["l3_write_pages"] == 10
     cache.flush()  # device and host dropped: only the store holds the pages
     for layer in parts:
         for t in layer:
-            t.view(torch.uint8).fill_(0xAB)  # nothing left on device to read by accident
-    got = acquire(cache, tokens, "b")  # a prefetch from the store, then a load to device
+            t.view(torch.uint8).fill_(
+                0xAB
+            )  # nothing left on device to read by accident
+    got = acquire(
+        cache, tokens, "b"
+    )  # a prefetch from the store, then a load to device
     assert got.storage_hit == 10 * PS and got.indices.numel() == 10 * PS
     waiter = cache.begin_forward(["b"])
     for layer in range(LAYERS):
@@ -129,11 +172,16 @@ def test_every_page_reads_back_bit_exact_after_device_host_store_device(attentio
     cache.tree.sanity_check()
     cache.close()
     if own_allocator:
-        assert allocator.available_size() == PAGES * PS  # every slot back in the engine's allocator
+        assert (
+            allocator.available_size() == PAGES * PS
+        )  # every slot back in the engine's allocator
 
 
 def test_an_allocator_of_another_geometry_is_refused():
     k, v = engine_tensors("mha")
     pool = DeviceKVPool.from_tensors(k, v, page_size=PS)
-    with pytest.raises(ValueError, match=r"device_allocator: size 32, page_size 4; the pool has size 64, page_size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"device_allocator: size 32, page_size 4; the pool has size 64, page_size 4",
+    ):
         make(pool, EngineAllocator(32, PS))

@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from tests.controller.helpers import (
-    CorruptingStore, FailingStore, StallingStore, acquire, compute, fill, forward, make_cache, read, read_back,
-    same_kv, settle,
+    CorruptingStore,
+    FailingStore,
+    StallingStore,
+    acquire,
+    compute,
+    fill,
+    forward,
+    make_cache,
+    read,
+    read_back,
+    same_kv,
+    settle,
 )
 from kvtier.tree import Tier
 
@@ -29,10 +39,16 @@ def test_write_through_demote_load_back_is_bitwise(layout):
     assert node.backed_up and cache.stats()["counters"]["writes"] == 1
     assert cache.evict(16) == 16
     m = cache.match_prefix(A, count=False)
-    assert m.device_indices.numel() == 0 and m.host_hit_length == 16 and m.last_host_node is node
+    assert (
+        m.device_indices.numel() == 0
+        and m.host_hit_length == 16
+        and m.last_host_node is node
+    )
     got, got_kv = read_back(cache, A, "r")
     assert (got.device_hit, got.host_hit) == (0, 16) and same_kv(got_kv, kv)
-    assert same_kv(read(cache, cache.match_prefix(A, count=False).device_indices), kv)  # published on finish
+    assert same_kv(
+        read(cache, cache.match_prefix(A, count=False).device_indices), kv
+    )  # published on finish
     settle(cache)
     check(cache)
     cache.close()
@@ -49,7 +65,9 @@ def test_host_eviction_then_prefetch_from_store_is_bitwise(store, tmp_path):
     check(cache)
     assert not cache.acquire(A, "r1").ready  # the store may hold it: the request waits
     got, got_kv = read_back(cache, A, "r1")
-    assert (got.device_hit, got.host_hit, got.storage_hit) == (0, 0, 16) and same_kv(got_kv, kv)
+    assert (got.device_hit, got.host_hit, got.storage_hit) == (0, 0, 16) and same_kv(
+        got_kv, kv
+    )
     c = cache.stats()["counters"]
     assert c["storage_hit_tokens"] == 16 and c["l3_read_pages"] == 4
     settle(cache)
@@ -69,7 +87,9 @@ def test_prefetch_continues_beyond_a_host_prefix():
     assert got.storage_hit == 16
     cache.evict(16)
     assert cache.match_prefix(B, count=False).host_hit_length == 16
-    got, got_kv = read_back(cache, B, "b")  # the prefetch continues below the host node: pages 5..8
+    got, got_kv = read_back(
+        cache, B, "b"
+    )  # the prefetch continues below the host node: pages 5..8
     assert (got.host_hit, got.storage_hit) == (16, 16) and same_kv(got_kv, kv)
     settle(cache)
     check(cache)
@@ -82,7 +102,9 @@ def test_write_through_selective_waits_for_hits():
     node = cache.match_prefix(A, count=False).last_device_node
     read_back(cache, A, "hit-1")
     settle(cache)
-    assert not node.backed_up and node.hit_count == 1  # one request, one hit (it matches twice)
+    assert (
+        not node.backed_up and node.hit_count == 1
+    )  # one request, one hit (it matches twice)
     read_back(cache, A, "hit-2")  # hit 2: now worth a host copy
     settle(cache)
     assert node.backed_up
@@ -105,9 +127,16 @@ def test_write_back_backs_up_only_on_eviction():
 
 def test_timeout_policy_stops_with_a_prefix_and_returns_host_slots():
     store = StallingStore(fast_reads=1, stall_s=1.0)
-    cache = make_cache(prefetch_policy="timeout", prefetch_timeout_base_s=0.3, prefetch_timeout_per_1k_tokens_s=0.0,
-                       max_inflight_prefetch_bytes=2 * 2 * 2 * 8 * 4 * 4, store_obj=store)
-    assert cache.controller.storage.chunk == 2  # 2 pages per read: the second read stalls
+    cache = make_cache(
+        prefetch_policy="timeout",
+        prefetch_timeout_base_s=0.3,
+        prefetch_timeout_per_1k_tokens_s=0.0,
+        max_inflight_prefetch_bytes=2 * 2 * 2 * 8 * 4 * 4,
+        store_obj=store,
+    )
+    assert (
+        cache.controller.storage.chunk == 2
+    )  # 2 pages per read: the second read stalls
     B = np.arange(300, 332)
     compute(cache, B, seed=6)
     settle(cache)
@@ -115,14 +144,21 @@ def test_timeout_policy_stops_with_a_prefix_and_returns_host_slots():
     free_before = cache.controller.host_available()
     got = acquire(cache, B, "t")
     assert got.storage_hit == 8  # the first chunk landed before the deadline
-    assert cache.stats()["counters"]["prefetch_timed_out"] == 0  # not finished yet: counted at the end
+    assert (
+        cache.stats()["counters"]["prefetch_timed_out"] == 0
+    )  # not finished yet: counted at the end
     forward(cache)
     cache.abort("t")
     settle(cache)
     assert cache.stats()["counters"]["prefetch_timed_out"] == 1
     on_host = cache.match_prefix(B, count=False).host_hit_length
-    assert on_host in (8, 16)  # the chunk in flight at the stop may still land; no chunk after it
-    assert cache.controller.host_available() == free_before - on_host  # the unused pages came back
+    assert on_host in (
+        8,
+        16,
+    )  # the chunk in flight at the stop may still land; no chunk after it
+    assert (
+        cache.controller.host_available() == free_before - on_host
+    )  # the unused pages came back
     check(cache)
     cache.close()
 
@@ -136,7 +172,9 @@ def test_best_effort_takes_what_landed_and_the_rest_arrives_later():
     assert not cache.acquire(A, "b").ready
     assert cache.poll() == ["b"]  # best effort: ready at the next poll with what landed
     got = cache.acquire(A, "b")
-    assert got.ready and got.indices.numel() == 0  # nothing landed yet: the request recomputes
+    assert (
+        got.ready and got.indices.numel() == 0
+    )  # nothing landed yet: the request recomputes
     cache.abort("b")
     settle(cache)
     check(cache)
@@ -145,7 +183,9 @@ def test_best_effort_takes_what_landed_and_the_rest_arrives_later():
 
 @pytest.mark.parametrize("store_cls", ["failing", "corrupting"])
 def test_faulty_store_pages_are_misses_and_slots_return(store_cls):
-    store = FailingStore() if store_cls == "failing" else CorruptingStore(bad_key_index=2)
+    store = (
+        FailingStore() if store_cls == "failing" else CorruptingStore(bad_key_index=2)
+    )
     cache = make_cache(store_obj=store)
     kv = compute(cache, A, seed=8)
     settle(cache)
@@ -160,7 +200,9 @@ def test_faulty_store_pages_are_misses_and_slots_return(store_cls):
     assert cache.controller.host_available() == cache.mirror.size
     stats = cache.stats()
     if store_cls == "failing":
-        assert stats["counters"]["prefetch_errors"] == 1 and stats["store"]["errors"] == 1
+        assert (
+            stats["counters"]["prefetch_errors"] == 1 and stats["store"]["errors"] == 1
+        )
     else:
         assert stats["store"]["frame_failures"] == 1
     settle(cache)
@@ -223,15 +265,20 @@ def test_stats_and_prometheus_metrics():
     settle(cache)
     read_back(cache, A, "again")
     s = cache.stats()
-    assert s["counters"]["device_hit_tokens"] == 16 and s["counters"]["lookup_tokens"] == 32
-    assert s["counters"]["miss_tokens"] == 16 and s["tiers"]["host"]["evictable_tokens"] == 16
+    assert (
+        s["counters"]["device_hit_tokens"] == 16
+        and s["counters"]["lookup_tokens"] == 32
+    )
+    assert (
+        s["counters"]["miss_tokens"] == 16
+        and s["tiers"]["host"]["evictable_tokens"] == 16
+    )
     text = generate_latest(cache.metrics_registry()).decode()
     assert "kvtier_device_hit_tokens_total 16.0" in text
     assert 'kvtier_write_latency_seconds_bucket{le="+Inf"} 1.0' in text
     assert "kvtier_store_l3" not in text and "kvtier_host_evictable_tokens 16.0" in text
     check(cache)
     cache.close()
-
 
 
 def test_held_and_waiting_requests_show_in_stats_with_their_age():
@@ -252,11 +299,19 @@ def test_held_and_waiting_requests_show_in_stats_with_their_age():
     assert q["requests_waiting"] == 1 and q["oldest_waiting_s"] >= 0.02
     assert q["requests_held"] == 1 and q["oldest_held_s"] >= 0.02
     text = generate_latest(cache.metrics_registry()).decode()
-    assert "kvtier_queue_requests_waiting 1.0" in text and "kvtier_queue_requests_held 1.0" in text
+    assert (
+        "kvtier_queue_requests_waiting 1.0" in text
+        and "kvtier_queue_requests_held 1.0" in text
+    )
     cache.cache_finished("h", A[:0], held.indices)
     cache.abort("w")
     q = cache.stats()["queues"]
-    assert (q["requests_waiting"], q["oldest_waiting_s"], q["requests_held"], q["oldest_held_s"]) == (0, 0.0, 0, 0.0)
+    assert (
+        q["requests_waiting"],
+        q["oldest_waiting_s"],
+        q["requests_held"],
+        q["oldest_held_s"],
+    ) == (0, 0.0, 0, 0.0)
     check(cache)
     cache.close()
 
@@ -267,8 +322,14 @@ def test_start_log_line_names_every_component(caplog):
     with caplog.at_level(logging.INFO, logger="kvtier.cache"):
         cache = make_cache()
     line = caplog.text
-    for part in ("tree page_size=4 eviction=lru", "pool mha 2 layers 64 slots", "mirror page_first 128 slots",
-                 "write=write_through prefetch=wait_complete threads on CPUs any", "store memory", "namespace "):
+    for part in (
+        "tree page_size=4 eviction=lru",
+        "pool mha 2 layers 64 slots",
+        "mirror page_first 128 slots",
+        "write=write_through prefetch=wait_complete threads on CPUs any",
+        "store memory",
+        "namespace ",
+    ):
         assert part in line
     check(cache)
     cache.close()
@@ -278,7 +339,9 @@ def test_child_under_a_half_split_during_its_write_is_written_after_it():
     cache = make_cache()
     compute(cache, A, seed=13)  # one 16-token node; its write is queued, not applied
     other = np.concatenate([A[:4], np.arange(900, 908)])
-    compute(cache, other, seed=14)  # splits the node after 4 tokens; the new child hangs under the upper half
+    compute(
+        cache, other, seed=14
+    )  # splits the node after 4 tokens; the new child hangs under the upper half
     child = cache.match_prefix(other, count=False).last_device_node
     assert not child.backed_up and not child.parent.backed_up
     settle(cache)
@@ -296,26 +359,38 @@ def test_a_chain_under_a_half_split_during_its_write_is_kept_through_eviction():
     cache = make_cache(pool_size=128)
     compute(cache, A, seed=13)  # one 16-token node; its write is queued, not applied
     tokens, computed = A[:4], []
-    for turn in range(3):  # each turn extends the last: child, grandchild, great-grandchild
+    for turn in range(
+        3
+    ):  # each turn extends the last: child, grandchild, great-grandchild
         tokens = np.concatenate([tokens, np.arange(900 + 8 * turn, 908 + 8 * turn)])
         computed.append(compute(cache, tokens, seed=14 + turn))
     chain, n = [], cache.match_prefix(tokens, count=False).last_device_node
     while n is not cache.tree.root:
         chain.append(n)
         n = n.parent
-    assert len(chain) == 4 and not any(n.backed_up for n in chain)  # three turns + the split half
+    assert len(chain) == 4 and not any(
+        n.backed_up for n in chain
+    )  # three turns + the split half
     assert all(n.id in cache.writes.writing for n in chain[:3])  # on their way, locked
     cache.evict(10_000)  # device pressure before any write has landed
     settle(cache)
     assert all(n.backed_up for n in chain), [str(n) for n in chain if not n.backed_up]
     cache.evict(10_000)
     got, kv = read_back(cache, tokens, "again")
-    assert got.indices.numel() == len(tokens) and got.device_hit == 0  # all of it, from host
-    turns = [(torch.cat([c[layer][0] for c in computed]), torch.cat([c[layer][1] for c in computed]))
-             for layer in range(cache.pool.num_layers)]
-    assert same_kv([(k[4:], v[4:]) for k, v in kv], turns)  # bitwise what the turns computed
+    assert (
+        got.indices.numel() == len(tokens) and got.device_hit == 0
+    )  # all of it, from host
+    turns = [
+        (
+            torch.cat([c[layer][0] for c in computed]),
+            torch.cat([c[layer][1] for c in computed]),
+        )
+        for layer in range(cache.pool.num_layers)
+    ]
+    assert same_kv(
+        [(k[4:], v[4:]) for k, v in kv], turns
+    )  # bitwise what the turns computed
     check(cache)
-
 
 
 def _named_ready(cache, rid: str, polls: int = 2000) -> bool:
@@ -335,7 +410,9 @@ def test_a_request_id_used_again_after_an_abort_is_named_ready():
     kvs = compute(cache, A, seed=1)
     settle(cache)
     cache.flush()  # device and host dropped: the store keeps A
-    assert not cache.acquire(A, "r").ready  # a prefetch starts; without a poll it cannot end
+    assert not cache.acquire(
+        A, "r"
+    ).ready  # a prefetch starts; without a poll it cannot end
     cache.abort("r")
     assert not cache.acquire(A, "r").ready
     assert _named_ready(cache, "r")
@@ -345,7 +422,6 @@ def test_a_request_id_used_again_after_an_abort_is_named_ready():
     cache.cache_finished("r", A, got.indices)
     check(cache)
     cache.close()
-
 
 
 def test_a_flush_refused_or_done_never_strands_a_waiting_request():
@@ -362,7 +438,9 @@ def test_a_flush_refused_or_done_never_strands_a_waiting_request():
     held = acquire(cache, A, "holder")
     assert held.device_hit == 16  # it holds A's prefix on device
     assert not cache.acquire(B, "b").ready
-    with pytest.raises(ValueError, match="flush: 16 device tokens are locked by requests"):
+    with pytest.raises(
+        ValueError, match="flush: 16 device tokens are locked by requests"
+    ):
         cache.flush()
     assert _named_ready(cache, "b")
     got = acquire(cache, B, "b")
@@ -398,14 +476,19 @@ def test_a_prefetch_is_not_taken_by_an_acquire_with_other_tokens():
     assert _named_ready(cache, "r")
     other = np.concatenate([A[:8], np.arange(900, 908)])
     got = cache.acquire(other, "r")
-    assert got.ready and got.indices.numel() == 8  # A's first 2 pages, which the prefetch brought
+    assert (
+        got.ready and got.indices.numel() == 8
+    )  # A's first 2 pages, which the prefetch brought
     mine = cache.alloc(8)
     forward(cache, "r")
     fill(cache, mine, seed=2)
     cache.cache_finished("r", other, torch.cat([got.indices, mine]))
     settle(cache)
     node = cache.match_prefix(other).last_device_node
-    assert cache.tree.page_hashes(node)[-1] == page_hashes(other, 4, cache.namespace.id)[-1]
+    assert (
+        cache.tree.page_hashes(node)[-1]
+        == page_hashes(other, 4, cache.namespace.id)[-1]
+    )
     check(cache)
     cache.close()
 
@@ -418,10 +501,14 @@ def test_prompt_pages_hashed_for_the_prefetch_are_not_hashed_again(same_prompt):
     that does not start with the hashed prompt gets none and is hashed from the root."""
     cache = make_cache()
     prompt = np.arange(300, 316)
-    got = acquire(cache, prompt, "r")  # the store holds nothing: a prefetch asked, found 0
+    got = acquire(
+        cache, prompt, "r"
+    )  # the store holds nothing: a prefetch asked, found 0
     new = cache.alloc(24)
     forward(cache, "r")
-    finished = np.concatenate([prompt if same_prompt else prompt + 1, np.arange(900, 908)])
+    finished = np.concatenate(
+        [prompt if same_prompt else prompt + 1, np.arange(900, 908)]
+    )
     cache.cache_finished("r", finished, torch.cat([got.indices, new]))
     node = cache.match_prefix(finished, count=False).last_device_node
     assert cache.stats()["counters"]["prefetches"] == 1
@@ -433,7 +520,9 @@ def test_prompt_pages_hashed_for_the_prefetch_are_not_hashed_again(same_prompt):
         assert node.hash_prefix is None
     cache.tree.sanity_check()  # before any backup hashed the rest
     settle(cache)
-    assert node.hashes is not None and len(node.hashes) == 6 and node.hash_prefix is None
+    assert (
+        node.hashes is not None and len(node.hashes) == 6 and node.hash_prefix is None
+    )
     check(cache)
     cache.close()
 
@@ -445,17 +534,23 @@ def test_an_allocation_that_finds_a_tier_short_evicts_the_headroom_beyond_it(hea
     stays is still served bitwise."""
     cache = make_cache(pool_size=128, ratio=1.0, evict_headroom=headroom)
     extra = int(128 * headroom)  # 16 tokens = 4 pages, on device and on host alike
-    prompts = [np.arange(1000 * i, 1000 * i + 16) for i in range(8)]  # 8 nodes of 4 pages fill both tiers
+    prompts = [
+        np.arange(1000 * i, 1000 * i + 16) for i in range(8)
+    ]  # 8 nodes of 4 pages fill both tiers
     kvs = [compute(cache, p, seed=i) for i, p in enumerate(prompts)]
     settle(cache)
     assert cache.slots.device_free() == 0
     assert cache.controller.host_available() == 0
 
-    compute(cache, np.arange(9000, 9016), seed=9)  # 4 new pages: both tiers short by 16 tokens
+    compute(
+        cache, np.arange(9000, 9016), seed=9
+    )  # 4 new pages: both tiers short by 16 tokens
     settle(cache)
     assert cache.slots.device_free() == extra
     assert cache.controller.host_available() == extra
-    assert cache.stats()["counters"]["device_evicted_tokens"] == 16 + extra  # whole nodes, oldest first
+    assert (
+        cache.stats()["counters"]["device_evicted_tokens"] == 16 + extra
+    )  # whole nodes, oldest first
     assert cache.stats()["counters"]["host_evicted_tokens"] == 16 + extra
 
     got, kv = read_back(cache, prompts[7], "newest")
@@ -466,7 +561,10 @@ def test_an_allocation_that_finds_a_tier_short_evicts_the_headroom_beyond_it(hea
 
 
 def test_evict_headroom_out_of_range_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"evict_headroom=0\.9: must be a fraction of the tier in \[0, 0\.5\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"evict_headroom=0\.9: must be a fraction of the tier in \[0, 0\.5\]",
+    ):
         make_cache(evict_headroom=0.9)
 
 
@@ -474,16 +572,27 @@ def test_a_request_s_own_slots_bad_sizes_and_indices_are_refused_naming_them():
     cache = make_cache()
     free = cache.slots.device_free()
     for bad in (-1, "8", 8.0):
-        with pytest.raises(ValueError, match=f"alloc: n={bad!r}: must be an integer >= 0"):
+        with pytest.raises(
+            ValueError, match=f"alloc: n={bad!r}: must be an integer >= 0"
+        ):
             cache.alloc(bad)
-    with pytest.raises(ValueError, match="free: indices: expected a 1-D torch.int64 tensor, got list"):
+    with pytest.raises(
+        ValueError, match="free: indices: expected a 1-D torch.int64 tensor, got list"
+    ):
         cache.free([4, 5, 6, 7])
     mine = cache.alloc(np.int64(6))  # sizes computed from arrays are numpy integers
-    assert mine.numel() == 8 and cache.slots.device_free() == free - 8  # the 6 and the rest of their page
+    assert (
+        mine.numel() == 8 and cache.slots.device_free() == free - 8
+    )  # the 6 and the rest of their page
     cache.free(mine)
     assert cache.slots.device_free() == free
-    with pytest.raises(ValueError, match=r"free: pages \[\d+, \d+\] are not allocated \(double free\?\)"):
-        cache.free(mine)  # twice: the accounting (free + requests) would have balanced it
+    with pytest.raises(
+        ValueError,
+        match=r"free: pages \[\d+, \d+\] are not allocated \(double free\?\)",
+    ):
+        cache.free(
+            mine
+        )  # twice: the accounting (free + requests) would have balanced it
     check(cache)
     cache.close()
 
@@ -496,7 +605,12 @@ def test_a_closed_cache_refuses_requests_and_closes_once(tmp_path):
     compute(cache, A, seed=1)
     cache.close()
     cache.close()
-    for call in (lambda: cache.acquire(A, "late"), cache.poll, lambda: cache.alloc(4), lambda: cache.evict(4)):
+    for call in (
+        lambda: cache.acquire(A, "late"),
+        cache.poll,
+        lambda: cache.alloc(4),
+        lambda: cache.evict(4),
+    ):
         with pytest.raises(RuntimeError, match="this TieredCache is closed"):
             call()
     assert len(cache.requests) == 0
@@ -506,13 +620,14 @@ def test_begin_forward_refuses_one_string_for_its_request_ids():
     """`begin_forward("r1")` would look up "r" and "1", find no load and let the forward
     read r1's prefix before it landed."""
     cache = make_cache()
-    with pytest.raises(ValueError, match="begin_forward: request_ids='r1': expected a list of request ids"):
+    with pytest.raises(
+        ValueError,
+        match="begin_forward: request_ids='r1': expected a list of request ids",
+    ):
         cache.begin_forward("r1")
     assert cache.begin_forward(["r1"]).loads == {}  # not held: nothing to wait for
     check(cache)
     cache.close()
-
-
 
 
 def test_wait_layer_refuses_a_layer_outside_the_pool():
@@ -527,7 +642,10 @@ def test_wait_layer_refuses_a_layer_outside_the_pool():
     assert got.ready and got.host_hit == 16  # its load is in flight
     waiter = cache.begin_forward(["b"])
     for layer in (-1, 2, 1.0, True, "0"):
-        with pytest.raises(ValueError, match=rf"wait_layer: layer={re.escape(repr(layer))}: must be an integer in \[0, 2\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"wait_layer: layer={re.escape(repr(layer))}: must be an integer in \[0, 2\)",
+        ):
             waiter.wait_layer(layer)
     for layer in (np.int64(0), 1):
         waiter.wait_layer(layer)
@@ -536,8 +654,16 @@ def test_wait_layer_refuses_a_layer_outside_the_pool():
     cache.close()
 
 
-@pytest.mark.parametrize("field, value", [("extra_key", 7), ("extra_key", b"lora"), ("extra_key", "\udcff"),
-                                          ("request_id", None), ("request_id", 7)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("extra_key", 7),
+        ("extra_key", b"lora"),
+        ("extra_key", "\udcff"),
+        ("request_id", None),
+        ("request_id", 7),
+    ],
+)
 def test_acquire_refuses_an_extra_key_or_request_id_of_another_type(field, value):
     """An extra key that is not a str matched in the tree, then failed to hash on the
     storage thread (its prefetch, and every backup of the request's pages, logged a
@@ -568,20 +694,40 @@ def test_finishing_with_tokens_other_than_the_handed_prefix_changes_nothing():
     other = np.concatenate([A[:8], np.arange(900, 908), [7, 7, 7, 7]])
     for args, kwargs, message in [
         ((other, row), {}, "do not start with the 16 tokens it was handed KV for"),
-        ((np.concatenate([A, [7, 7, 7, 7]]), row), {"extra_key": "lora-1"}, "extra_key='lora-1'"),
-        ((np.concatenate([A, [7, 7, 7, 7]]), row[:-1]), {}, "kv_indices: expected 20 indices .*, got 19"),
-        ((A, row), {}, r"expected 16 indices \(one per token, up to 16 with the tail of the last page\), got 20"),
-        ((np.concatenate([A, [7, 7, 7, 7]]), row), {"priority": "high"}, "priority='high': must be an integer"),
+        (
+            (np.concatenate([A, [7, 7, 7, 7]]), row),
+            {"extra_key": "lora-1"},
+            "extra_key='lora-1'",
+        ),
+        (
+            (np.concatenate([A, [7, 7, 7, 7]]), row[:-1]),
+            {},
+            "kv_indices: expected 20 indices .*, got 19",
+        ),
+        (
+            (A, row),
+            {},
+            r"expected 16 indices \(one per token, up to 16 with the tail of the last page\), got 20",
+        ),
+        (
+            (np.concatenate([A, [7, 7, 7, 7]]), row),
+            {"priority": "high"},
+            "priority='high': must be an integer",
+        ),
     ]:
         with pytest.raises(ValueError, match=message):
             cache.cache_finished("b", *args, **kwargs)
         check(cache)
-    assert "b" in cache.requests and cache.match_prefix(other, count=False).device_indices.numel() == 8
-    cache.cache_finished("b", np.concatenate([A, [7, 7, 7, 7]]), row, priority=np.int64(3))
+    assert (
+        "b" in cache.requests
+        and cache.match_prefix(other, count=False).device_indices.numel() == 8
+    )
+    cache.cache_finished(
+        "b", np.concatenate([A, [7, 7, 7, 7]]), row, priority=np.int64(3)
+    )
     assert same_kv(read_back(cache, A, "again")[1], kvs)
     check(cache)
     cache.close()
-
 
 
 def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
@@ -604,8 +750,14 @@ def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
     forward(cache, "b")
     for row, message in [
         (torch.cat([got.indices, stale]), r"kv_indices \[\d+, .*\] are not allocated"),
-        (torch.cat([got.indices, torch.tensor([0, 1, 2, 3])]), r"kv_indices \[0, 1, 2, 3\] are not allocated"),
-        (torch.cat([spare, mine]), r"kv_indices\[0:16\] are not the slots its prefix was loaded into"),
+        (
+            torch.cat([got.indices, torch.tensor([0, 1, 2, 3])]),
+            r"kv_indices \[0, 1, 2, 3\] are not allocated",
+        ),
+        (
+            torch.cat([spare, mine]),
+            r"kv_indices\[0:16\] are not the slots its prefix was loaded into",
+        ),
     ]:
         with pytest.raises(ValueError, match=message):
             cache.cache_finished("b", tokens, row)
@@ -618,7 +770,6 @@ def test_finishing_with_slots_the_request_does_not_own_changes_nothing():
     cache.close()
 
 
-
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_finish_whose_row_lists_a_slot_twice_changes_nothing(page_size):
     """Two tokens' KV in one slot: the tree kept the row as given, so one of those tokens
@@ -629,7 +780,9 @@ def test_a_finish_whose_row_lists_a_slot_twice_changes_nothing(page_size):
     cache = make_cache(pool_size=128, page_size=page_size)
     kvs = compute(cache, A, seed=1)
     settle(cache)
-    cache.evict(128)  # A is on host only now: the next request loads it into slots it owns
+    cache.evict(
+        128
+    )  # A is on host only now: the next request loads it into slots it owns
     tokens = np.concatenate([A, A + 1])
     got = acquire(cache, tokens, "b")
     assert got.host_hit == 16
@@ -637,9 +790,13 @@ def test_a_finish_whose_row_lists_a_slot_twice_changes_nothing(page_size):
     forward(cache, "b")
     fill(cache, mine, seed=2)
     loaded = got.indices[-1:]
-    for row, slot in [(torch.cat([got.indices, mine[:15], mine[3:4]]), mine[3]),
-                      (torch.cat([got.indices, loaded, mine[1:]]), loaded[0])]:
-        with pytest.raises(ValueError, match=rf"kv_indices lists slots \[{int(slot)}\] more than once"):
+    for row, slot in [
+        (torch.cat([got.indices, mine[:15], mine[3:4]]), mine[3]),
+        (torch.cat([got.indices, loaded, mine[1:]]), loaded[0]),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"kv_indices lists slots \[{int(slot)}\] more than once"
+        ):
             cache.cache_finished("b", tokens, row)
         assert "b" in cache.requests
         check(cache)
@@ -662,7 +819,9 @@ def test_a_tree_slot_in_a_finishs_own_part_is_never_handed_out_twice():
     assert got.device_hit == 16
     mine = cache.alloc(16)
     forward(cache, "b")
-    cache.cache_finished("b", tokens, torch.cat([got.indices, mine[:15], got.indices[:1]]))
+    cache.cache_finished(
+        "b", tokens, torch.cat([got.indices, mine[:15], got.indices[:1]])
+    )
     cache.free(mine[15:16])
     cache.drain()
     cache.evict(64)
@@ -683,8 +842,10 @@ def test_an_abort_with_a_row_the_request_does_not_own_changes_nothing():
     mine = cache.alloc(16)
     stale = cache.alloc(4)
     cache.free(stale)
-    for row, message in [(torch.cat([got.indices, mine[:-4], stale]), "are not allocated"),
-                         (got.indices[:-1], "covers at least the 16 it was handed")]:
+    for row, message in [
+        (torch.cat([got.indices, mine[:-4], stale]), "are not allocated"),
+        (got.indices[:-1], "covers at least the 16 it was handed"),
+    ]:
         with pytest.raises(ValueError, match=message):
             cache.abort("b", row)
         assert "b" in cache.requests
@@ -699,18 +860,30 @@ def test_write_back_never_waits_for_a_backup_to_free_the_headroom():
     """Under write_back, evicting a node that is not backed up means waiting for its write.
     A demand that backed-up nodes can meet never waits just to free the headroom."""
     cache = make_cache(pool_size=128, write_policy="write_back", evict_headroom=0.125)
-    prompts = [np.arange(1000 * i, 1000 * i + 16) for i in range(8)]  # 8 nodes of 4 pages fill the pool
+    prompts = [
+        np.arange(1000 * i, 1000 * i + 16) for i in range(8)
+    ]  # 8 nodes of 4 pages fill the pool
     for i, p in enumerate(prompts):
         compute(cache, p, seed=i)
-    cache.evict(16)  # nothing backed up: every leaf is written (waited for), the oldest demoted
+    cache.evict(
+        16
+    )  # nothing backed up: every leaf is written (waited for), the oldest demoted
     fresh = np.arange(9000, 9016)
     compute(cache, fresh, seed=8)  # not backed up: write_back writes on eviction only
-    held = {f"held-{i}": acquire(cache, prompts[i], f"held-{i}") for i in range(2, 8)}  # locked: not evictable
+    held = {
+        f"held-{i}": acquire(cache, prompts[i], f"held-{i}") for i in range(2, 8)
+    }  # locked: not evictable
     writes = cache.stats()["counters"]["writes"]
 
-    compute(cache, np.arange(9100, 9116), seed=9)  # short by 16: prompts[1], backed up, covers it
-    assert cache.stats()["counters"]["writes"] == writes, "a write was waited for only to free the headroom"
-    assert cache.slots.device_free() == 0  # the headroom would have needed `fresh` written
+    compute(
+        cache, np.arange(9100, 9116), seed=9
+    )  # short by 16: prompts[1], backed up, covers it
+    assert cache.stats()["counters"]["writes"] == writes, (
+        "a write was waited for only to free the headroom"
+    )
+    assert (
+        cache.slots.device_free() == 0
+    )  # the headroom would have needed `fresh` written
     m = cache.match_prefix(fresh, count=False)
     assert m.device_slots.size == 16 and not m.last_device_node.backed_up
     for i, (rid, got) in enumerate(held.items(), start=2):
@@ -731,8 +904,12 @@ def test_pages_that_leave_host_become_the_newest_in_the_store(tmp_path):
     from kvtier.backends import frame
     from kvtier.backends.file import FileStore, FileStoreConfig
 
-    page_file = 4 * 2 * 2 * 2 * 4 * 4 + frame.HEADER_SIZE  # 4 tokens x layers x K,V x heads x dim x fp32
-    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3"), capacity_bytes=8 * page_file))
+    page_file = (
+        4 * 2 * 2 * 2 * 4 * 4 + frame.HEADER_SIZE
+    )  # 4 tokens x layers x K,V x heads x dim x fp32
+    store = FileStore(
+        FileStoreConfig(root=str(tmp_path / "l3"), capacity_bytes=8 * page_file)
+    )
     cache = make_cache(pool_size=32, ratio=1.0, store_obj=store)
     B, C = np.arange(200, 216), np.arange(300, 316)
     kv_a = compute(cache, A, seed=1)
@@ -741,9 +918,13 @@ def test_pages_that_leave_host_become_the_newest_in_the_store(tmp_path):
     settle(cache)
     compute(cache, C, seed=3)
     settle(cache)
-    assert cache.match_prefix(A, count=False).host_hit_length == 0  # A lives on in the store only
+    assert (
+        cache.match_prefix(A, count=False).host_hit_length == 0
+    )  # A lives on in the store only
     assert store.stats()["evictions"] == 4
-    cache.evict(16)  # device room: B goes to host only, so host can make room for A's pages
+    cache.evict(
+        16
+    )  # device room: B goes to host only, so host can make room for A's pages
     got, got_kv = read_back(cache, A, "again")
     assert got.storage_hit == 16 and same_kv(got_kv, kv_a)
     settle(cache)
@@ -774,20 +955,33 @@ def test_pages_that_leave_host_are_touched_in_redis(redis_server):
             compute(cache, B, seed=2)
             settle(cache)
             before = {k: raw.object("freq", k) for k in raw.scan_iter(match="*/*/*")}
-            assert len([k for k in before if b"manifest" not in k]) == 8  # A's 4 pages and B's
-            compute(cache, C, seed=3)  # A goes to host, then leaves it; B stays on device
+            assert (
+                len([k for k in before if b"manifest" not in k]) == 8
+            )  # A's 4 pages and B's
+            compute(
+                cache, C, seed=3
+            )  # A goes to host, then leaves it; B stays on device
             settle(cache)
             assert cache.match_prefix(A, count=False).host_hit_length == 0
-            for _ in range(1000):  # the touch goes out in the background on the storage thread
+            for _ in range(
+                1000
+            ):  # the touch goes out in the background on the storage thread
                 if store.touched >= 4:
                     break
                 time.sleep(0.01)
             gained = sorted(k for k, f in before.items() if raw.object("freq", k) > f)
             assert len(gained) == 4 and store.touched == 4
-            cache.evict(16)  # device room: B goes to host only, so host can make room for A's pages
-            got, _ = read_back(cache, A, "again")  # the touched pages are A's: read back from Redis
+            cache.evict(
+                16
+            )  # device room: B goes to host only, so host can make room for A's pages
+            got, _ = read_back(
+                cache, A, "again"
+            )  # the touched pages are A's: read back from Redis
             assert got.storage_hit == 16
-            assert sorted(k for k, f in before.items() if raw.object("freq", k) > f + 1) == gained
+            assert (
+                sorted(k for k, f in before.items() if raw.object("freq", k) > f + 1)
+                == gained
+            )
             settle(cache)
             check(cache)
     finally:
@@ -810,7 +1004,9 @@ def test_the_second_acquire_reads_the_tokens_it_is_given_not_the_first_ones():
     while "r" not in cache.poll():
         cache.wait_progress(0.01)
     got = cache.acquire(tokens, "r")
-    assert got.ready and got.indices.numel() == 0, "the first acquire's tokens were matched"
+    assert got.ready and got.indices.numel() == 0, (
+        "the first acquire's tokens were matched"
+    )
     cache.abort("r")
     settle(cache)
     cache.flush()  # the prefetch hung the pages on host: from the store again
@@ -828,7 +1024,9 @@ def test_the_second_acquire_reads_the_tokens_it_is_given_not_the_first_ones():
 
 
 @pytest.mark.parametrize("ending", ["finish", "abort"])
-def test_a_row_the_engine_fills_again_after_a_finish_or_abort_frees_the_slots_it_held(ending):
+def test_a_row_the_engine_fills_again_after_a_finish_or_abort_frees_the_slots_it_held(
+    ending,
+):
     """Review: at page size 1 the free list kept the slots it was given, a view of the
     engine's row (an int64 CPU tensor, as kvtier hands out); the engine filling that row
     for its next request rewrote them. A finish whose slots were all duplicates (two
@@ -839,18 +1037,24 @@ def test_a_row_the_engine_fills_again_after_a_finish_or_abort_frees_the_slots_it
     assert acquire(cache, prompt, "a").indices.numel() == 0
     row_a = cache.alloc(len(prompt))
     if ending == "finish":
-        assert acquire(cache, prompt, "b").indices.numel() == 0  # computed again, side by side
+        assert (
+            acquire(cache, prompt, "b").indices.numel() == 0
+        )  # computed again, side by side
     else:
         acquire(cache, np.arange(200, 208), "b")
     row_b = cache.alloc(len(prompt)).clone()  # the engine's own row for b
     forward(cache, "a", "b")
     cache.cache_finished("a", prompt, row_a)
     own = row_b.tolist()
-    if ending == "finish":  # the tree holds the prompt already: b's slots are all duplicates
+    if (
+        ending == "finish"
+    ):  # the tree holds the prompt already: b's slots are all duplicates
         cache.cache_finished("b", prompt, row_b)
     else:
         cache.abort("b", row_b)
-    row_b.fill_(int(row_a[0]))  # the engine's next request reuses the row: a slot the tree holds
+    row_b.fill_(
+        int(row_a[0])
+    )  # the engine's next request reuses the row: a slot the tree holds
     taken = []
     while (more := cache.alloc(1)) is not None:
         taken += more.tolist()
@@ -894,11 +1098,18 @@ def test_a_load_a_forward_gave_up_on_is_refused_at_finish_even_if_it_lands_later
     fill(cache, own, seed=6)  # outputs computed from KV that was not there
     assert waiter.failed() == ["r2"]
     while streams.pending:
-        streams.resolve(streams.pending[0], "ok", None)  # the copy lands after the forward
-    with pytest.raises(TransferError, match="'r2': its host->device load failed \\(a forward gave up waiting"):
+        streams.resolve(
+            streams.pending[0], "ok", None
+        )  # the copy lands after the forward
+    with pytest.raises(
+        TransferError,
+        match="'r2': its host->device load failed \\(a forward gave up waiting",
+    ):
         cache.cache_finished("r2", longer, torch.cat([got.indices, own]))
     again = cache.acquire(longer, "r3")
-    assert again.ready and again.indices.numel() == 8  # the first 8 only: nothing of r2 was kept
+    assert (
+        again.ready and again.indices.numel() == 8
+    )  # the first 8 only: nothing of r2 was kept
     while streams.pending:  # its load from host
         streams.resolve(streams.pending[0], "ok", None)
     forward(cache, "r3")
@@ -917,7 +1128,10 @@ def test_a_closed_cache_refuses_finishes_and_the_request_is_let_go_by_abort():
     got = acquire(cache, A, "b")
     row = torch.cat([got.indices, cache.alloc(16 - got.indices.numel())])
     cache.close()
-    for call in (lambda: cache.cache_finished("b", A, row), lambda: cache.cache_unfinished("b", A, row)):
+    for call in (
+        lambda: cache.cache_finished("b", A, row),
+        lambda: cache.cache_unfinished("b", A, row),
+    ):
         with pytest.raises(RuntimeError, match="this TieredCache is closed"):
             call()
     assert not cache.busy() and cache.controller.queue_sizes()["writes"] == 0

@@ -8,7 +8,15 @@ import numpy as np
 import torch
 
 from kvtier.tree import chain_memo
-from tests.controller.helpers import acquire, fill, forward, make_cache, read_back, same_kv, settle
+from tests.controller.helpers import (
+    acquire,
+    fill,
+    forward,
+    make_cache,
+    read_back,
+    same_kv,
+    settle,
+)
 
 
 def test_no_page_is_hashed_on_the_scheduler_thread(monkeypatch):
@@ -26,7 +34,9 @@ def test_no_page_is_hashed_on_the_scheduler_thread(monkeypatch):
     new = cache.alloc(16 - got.indices.numel())
     forward(cache, "r1")
     kv = fill(cache, new, seed=1)
-    cache.cache_finished("r1", np.concatenate([prompt, output]), torch.cat([got.indices, new]))
+    cache.cache_finished(
+        "r1", np.concatenate([prompt, output]), torch.cat([got.indices, new])
+    )
     settle(cache)
     assert cache.stats()["counters"]["l3_write_pages"] == 4
     assert where and threading.main_thread() not in where, [t.name for t in where]

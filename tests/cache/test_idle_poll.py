@@ -14,7 +14,16 @@ import torch
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.cache.completions import LAZY_POLLS
 from kvtier.testing.parts import SimStreams
-from tests.controller.helpers import acquire, compute, fill, forward, make_cache, read_back, same_kv, settle
+from tests.controller.helpers import (
+    acquire,
+    compute,
+    fill,
+    forward,
+    make_cache,
+    read_back,
+    same_kv,
+    settle,
+)
 
 
 class GatedStore(MemoryStore):
@@ -30,7 +39,6 @@ class GatedStore(MemoryStore):
         while not self.gate.is_set():
             await asyncio.sleep(0.001)
         return await super()._exists(keys)
-
 
 
 class SetGatedStore(MemoryStore):
@@ -54,6 +62,7 @@ def _until(condition, what: str) -> None:
         assert time.monotonic() < deadline, f"{what} never happened"
         time.sleep(0.001)
 
+
 def _counters(cache):
     c = cache.stats_obj.counters
     return c.polls, c.polls_idle
@@ -70,7 +79,9 @@ def test_polls_with_nothing_moved_are_idle_and_the_next_move_is_applied():
     cache.flush()  # from the store again: a prefetch, polls that apply it, a load
     got, back = read_back(cache, np.arange(100, 116), "r")
     assert got.storage_hit == 16 and same_kv(back, kv)
-    assert _counters(cache)[1] - idle < _counters(cache)[0] - polls  # the moves were read
+    assert (
+        _counters(cache)[1] - idle < _counters(cache)[0] - polls
+    )  # the moves were read
     settle(cache)
     cache.tree.sanity_check()
     cache.check_accounting()
@@ -85,7 +96,9 @@ def test_an_abort_while_nothing_moves_stops_the_prefetch_at_the_next_poll():
     compute(cache, np.arange(100, 116), seed=1)
     settle(cache)
     cache.flush()
-    assert not cache.acquire(np.arange(100, 116), "r").ready  # its prefetch waits on the store
+    assert not cache.acquire(
+        np.arange(100, 116), "r"
+    ).ready  # its prefetch waits on the store
     assert store.asked.wait(5)
     cache.poll()
     polls, idle = _counters(cache)
@@ -114,7 +127,9 @@ def test_a_new_prefetch_alone_leaves_the_next_poll_idle_until_its_store_answers(
     cache.flush()
     polls, idle = _counters(cache)
     assert not cache.acquire(np.arange(100, 116), "r").ready
-    assert store.asked.wait(5)  # the storage thread is inside batch_exists: nothing moved
+    assert store.asked.wait(
+        5
+    )  # the storage thread is inside batch_exists: nothing moved
     assert cache.poll() == []
     assert _counters(cache) == (polls + 1, idle + 1)
     op = cache.prefetcher.prefetches["r"].op
@@ -130,7 +145,9 @@ def test_a_new_prefetch_alone_leaves_the_next_poll_idle_until_its_store_answers(
     cache.close()
 
 
-def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(monkeypatch):
+def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(
+    monkeypatch,
+):
     """Applying a landed prefetch raises once (a bug): it is released, and ends at a later
     poll although its store op had already ended (no background move follows)."""
     cache = make_cache()
@@ -159,7 +176,9 @@ def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(monk
     assert not calls
     ready += cache.poll()  # applies the whole op at once: the insert raises
     assert calls and cache.stats()["counters"]["apply_errors"] == 1
-    for _ in range(3):  # nothing moves any more: only a poll that reads it again ends it
+    for _ in range(
+        3
+    ):  # nothing moves any more: only a poll that reads it again ends it
         ready += cache.poll()
     assert ready == ["r"]
     got = cache.acquire(np.arange(100, 116), "r")
@@ -172,7 +191,9 @@ def test_a_completion_whose_apply_raised_is_read_again_though_nothing_moves(monk
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
-    assert kv  # computed once, read back never: the test is about the poll, not the bytes
+    assert (
+        kv
+    )  # computed once, read back never: the test is about the poll, not the bytes
 
 
 def _landed_write(cache, streams, tokens):
@@ -197,7 +218,9 @@ def test_a_landed_write_waits_at_most_lazy_polls_polls_to_be_applied():
     assert cache.tree.protected_size() == 16  # still locked by its write
     cache.poll()
     assert c.writes == writes + 1 and cache.tree.protected_size() == 0
-    assert cache.match_prefix(np.arange(100, 116), count=False).last_device_node.backed_up
+    assert cache.match_prefix(
+        np.arange(100, 116), count=False
+    ).last_device_node.backed_up
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
@@ -221,7 +244,9 @@ def test_an_allocation_short_of_room_makes_the_next_poll_apply_landed_writes(sho
         assert cache.evict(16) == 0
     cache.poll()
     assert c.writes == writes + 1 and cache.tree.protected_size() == 0
-    mine = cache.alloc(size - cache.page_size)  # every page but the padding one: evicted now
+    mine = cache.alloc(
+        size - cache.page_size
+    )  # every page but the padding one: evicted now
     assert mine is not None
     cache.free(mine)
     cache.tree.sanity_check()
@@ -243,15 +268,21 @@ def test_a_load_short_of_device_room_makes_the_next_poll_apply_landed_writes():
         cache.poll()
     assert c.writes == 1  # A is on device and host
     cache.evict(16)  # now on host only
-    for i in range(cache.config.pool.size // 16):  # the device fills with writes that land, unapplied
+    for i in range(
+        cache.config.pool.size // 16
+    ):  # the device fills with writes that land, unapplied
         _landed_write(cache, streams, np.arange(1000 * (i + 2), 1000 * (i + 2) + 16))
     writes = c.writes
-    assert cache.slots.device_free() == 0 and cache.room() == 0  # every device page is a write's
+    assert (
+        cache.slots.device_free() == 0 and cache.room() == 0
+    )  # every device page is a write's
     got = cache.acquire(np.concatenate([a, [7, 7, 7, 7]]), "r")
     assert got.ready and got.host_hit == 0  # no room to load A: recomputed, a miss
     cache.abort("r")
     cache.poll()
-    assert c.writes > writes and cache.room() > 0  # applied: their pages may be evicted again
+    assert (
+        c.writes > writes and cache.room() > 0
+    )  # applied: their pages may be evicted again
     got = cache.acquire(a, "again")
     assert got.ready and got.host_hit == 16  # room now: its load starts
     for job in list(streams.pending):
@@ -273,7 +304,9 @@ def test_a_backups_end_wakes_no_napping_scheduler_and_a_prefetchs_move_does():
     tokens = np.arange(100, 116)
     kv = compute(cache, tokens, seed=1)
     cache.controller.wait_writes()
-    for _ in range(LAZY_POLLS + 1):  # the landed write is applied: its backup goes to the store
+    for _ in range(
+        LAZY_POLLS + 1
+    ):  # the landed write is applied: its backup goes to the store
         cache.poll()
     assert store.asked.wait(30)
     moved = storage.backups_moved

@@ -5,9 +5,22 @@ import sys
 
 import kvtier
 
-PUBLIC = ["Acquired", "DeviceAllocator", "DeviceKVPool", "KvtierConfig", "KvtierConfigError", "KvtierError",
-          "LayerWaiter", "PoolConfig", "StoreError", "StoreTimeout", "StoreUnavailable", "TieredCache",
-          "TransferError", "load_config"]
+PUBLIC = [
+    "Acquired",
+    "DeviceAllocator",
+    "DeviceKVPool",
+    "KvtierConfig",
+    "KvtierConfigError",
+    "KvtierError",
+    "LayerWaiter",
+    "PoolConfig",
+    "StoreError",
+    "StoreTimeout",
+    "StoreUnavailable",
+    "TieredCache",
+    "TransferError",
+    "load_config",
+]
 
 
 def test_the_public_names_are_pinned_and_each_resolves():
@@ -28,7 +41,13 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 def test_import_kvtier_alone_does_not_import_torch():
-    code = ("import sys, kvtier; assert 'torch' not in sys.modules; "
-            "from kvtier import TieredCache, load_config, TransferError; print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"  # TieredCache needs it; the bare package does not
+    code = (
+        "import sys, kvtier; assert 'torch' not in sys.modules; "
+        "from kvtier import TieredCache, load_config, TransferError; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert (
+        out.stdout.strip() == "True"
+    )  # TieredCache needs it; the bare package does not

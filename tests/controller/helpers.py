@@ -12,28 +12,58 @@ from kvtier.cache import TieredCache
 from kvtier.config import load_config
 
 
-def make_cache(tmp_path=None, store: str = "memory", pool_size: int = 64, page_size: int = 4, ratio: float = 2.0,
-               layout: str = "page_first", write_policy: str = "write_through", prefetch_policy: str = "wait_complete",
-               store_obj=None, tp_group=None, stream_factory=None, agreement=None, clock=None,
-               page_tokens: int | None = None, **controller) -> TieredCache:
+def make_cache(
+    tmp_path=None,
+    store: str = "memory",
+    pool_size: int = 64,
+    page_size: int = 4,
+    ratio: float = 2.0,
+    layout: str = "page_first",
+    write_policy: str = "write_through",
+    prefetch_policy: str = "wait_complete",
+    store_obj=None,
+    tp_group=None,
+    stream_factory=None,
+    agreement=None,
+    clock=None,
+    page_tokens: int | None = None,
+    **controller,
+) -> TieredCache:
     store_section = {"backend": store, "page_tokens": page_tokens}
     if store == "file":
         store_section["root"] = str(tmp_path / "l3")
     overrides = {
-        "pool": {"size": pool_size, "num_layers": 2, "page_size": page_size, "num_kv_heads": 2, "head_dim": 4,
-                 "dtype": "float32"},
+        "pool": {
+            "size": pool_size,
+            "num_layers": 2,
+            "page_size": page_size,
+            "num_kv_heads": 2,
+            "head_dim": 4,
+            "dtype": "float32",
+        },
         "mirror": {"ratio": ratio, "layout": layout},
-        "controller": {"write_policy": write_policy, "prefetch_policy": prefetch_policy, **controller},
+        "controller": {
+            "write_policy": write_policy,
+            "prefetch_policy": prefetch_policy,
+            **controller,
+        },
         "store": store_section,
     }
     extra = {} if stream_factory is None else {"stream_factory": stream_factory}
     if clock is not None:
         extra["clock"] = clock
-    return TieredCache(load_config(None, overrides, env={}), tp_group=tp_group, store=store_obj, agreement=agreement,
-                       **extra)
+    return TieredCache(
+        load_config(None, overrides, env={}),
+        tp_group=tp_group,
+        store=store_obj,
+        agreement=agreement,
+        **extra,
+    )
 
 
-def fill(cache: TieredCache, slots: torch.Tensor, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fill(
+    cache: TieredCache, slots: torch.Tensor, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Write deterministic KV at `slots` (what a forward would do); return it per layer."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -45,13 +75,19 @@ def fill(cache: TieredCache, slots: torch.Tensor, seed: int) -> list[tuple[torch
     return out
 
 
-def read(cache: TieredCache, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(cache.pool.k_buffer(l)[slots].clone(), cache.pool.v_buffer(l)[slots].clone())
-            for l in range(cache.pool.num_layers)]
+def read(
+    cache: TieredCache, slots: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
+        (cache.pool.k_buffer(l)[slots].clone(), cache.pool.v_buffer(l)[slots].clone())
+        for l in range(cache.pool.num_layers)
+    ]
 
 
 def same_kv(a, b) -> bool:
-    return all(torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a, b))
+    return all(
+        torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a, b)
+    )
 
 
 def settle(cache: TieredCache) -> None:
@@ -150,5 +186,7 @@ def read_back(cache, tokens, rid):
     got = acquire(cache, tokens, rid)
     forward(cache)
     kv = read(cache, got.indices)
-    cache.cache_finished(rid, tokens[:got.indices.numel()], got.indices)  # nothing computed
+    cache.cache_finished(
+        rid, tokens[: got.indices.numel()], got.indices
+    )  # nothing computed
     return got, kv

@@ -21,9 +21,15 @@ def test_estimate_skip_and_probe():
     s.observe_read(10, 0.010 + 10 * 0.002)  # 10 ms round trip, 2 ms a page
     assert s.expected_s(10, 1) == pytest.approx(0.030)
     assert s.worth_loading(10, 1, 160)  # no prefill rate reported: never skip
-    s.set_prefill_rate(160 / 0.020)  # the 160 tokens take 20 ms to compute: loading (30 ms) is slower
-    assert s.worth_loading(10, 1, 160)  # ... but the first such prefetch probes the store
-    assert not s.worth_loading(10, 1, 160) and s.skipped == 1 and s.skipped_tokens == 160
+    s.set_prefill_rate(
+        160 / 0.020
+    )  # the 160 tokens take 20 ms to compute: loading (30 ms) is slower
+    assert s.worth_loading(
+        10, 1, 160
+    )  # ... but the first such prefetch probes the store
+    assert (
+        not s.worth_loading(10, 1, 160) and s.skipped == 1 and s.skipped_tokens == 160
+    )
     assert s.worth_loading(1, 1, 160)  # one page: 12 ms < 20 ms
     now[0] = 5.0
     assert s.worth_loading(10, 1, 160) and s.probes == 2  # one probe per interval
@@ -35,12 +41,19 @@ def test_estimate_skip_and_probe():
         s.set_prefill_rate(0)
 
 
-
-@pytest.mark.parametrize("tokens, seconds, field", [
-    (-160, 0.1, "tokens=-160"), (160.0, 0.1, "tokens=160.0"), (True, 0.1, "tokens=True"),
-    (160, -0.1, "seconds=-0.1"), (160, float("inf"), "seconds=inf"), (160, float("nan"), "seconds=nan"),
-    (160, "0.1", "seconds='0.1'"), (160, 5e-324, "seconds=5e-324"),
-])
+@pytest.mark.parametrize(
+    "tokens, seconds, field",
+    [
+        (-160, 0.1, "tokens=-160"),
+        (160.0, 0.1, "tokens=160.0"),
+        (True, 0.1, "tokens=True"),
+        (160, -0.1, "seconds=-0.1"),
+        (160, float("inf"), "seconds=inf"),
+        (160, float("nan"), "seconds=nan"),
+        (160, "0.1", "seconds='0.1'"),
+        (160, 5e-324, "seconds=5e-324"),
+    ],
+)
 def test_bad_prefill_report_refused_and_rate_kept(tokens, seconds, field):
     """A report the engine got wrong is refused, naming it, and the rate stays what it was:
     `seconds=inf` averaged in a rate of 0, and the storage thread's next estimate divided
@@ -59,8 +72,22 @@ def test_bad_prefill_report_refused_without_a_store():
     from kvtier.cache import TieredCache
     from kvtier.config import load_config
 
-    cache = TieredCache(load_config(None, {"store": {"backend": "none"}, "pool": {"size": 256, "num_layers": 1, "page_size": 16,
-                                                                      "num_kv_heads": 1, "head_dim": 8}}, env={}))
+    cache = TieredCache(
+        load_config(
+            None,
+            {
+                "store": {"backend": "none"},
+                "pool": {
+                    "size": 256,
+                    "num_layers": 1,
+                    "page_size": 16,
+                    "num_kv_heads": 1,
+                    "head_dim": 8,
+                },
+            },
+            env={},
+        )
+    )
     try:
         with pytest.raises(ValueError, match="seconds=inf"):
             cache.report_prefill(160, float("inf"))
@@ -88,15 +115,30 @@ def _replay(store, model, prefill_rate):
     from kvtier.cli.replay import with_weights
     from kvtier.config import load_config
 
-    cfg = load_config(None, {
-        "pool": {"size": 1024, "num_layers": 4, "page_size": 16, "num_kv_heads": 2, "head_dim": 32,
-                 "dtype": "float32"},
-        "mirror": {"ratio": 1.0},
-        "controller": {"prefetch_policy": "wait_complete", "store_probe_backoff_s": 3600.0},
-    }, env={})
+    cfg = load_config(
+        None,
+        {
+            "pool": {
+                "size": 1024,
+                "num_layers": 4,
+                "page_size": 16,
+                "num_kv_heads": 2,
+                "head_dim": 32,
+                "dtype": "float32",
+            },
+            "mirror": {"ratio": 1.0},
+            "controller": {
+                "prefetch_policy": "wait_complete",
+                "store_probe_backoff_s": 3600.0,
+            },
+        },
+        env={},
+    )
     cache = TieredCache(with_weights(cfg, model), store=store)
     cache.set_prefill_rate(prefill_rate)
-    results = Engine(cache, model).run(generate("multiturn", 16, model.config.vocab, 0), keep_logits=True)
+    results = Engine(cache, model).run(
+        generate("multiturn", 16, model.config.vocab, 0), keep_logits=True
+    )
     stats = cache.stats()
     cache.drain()
     cache.check_accounting()
@@ -118,12 +160,19 @@ def test_a_store_slower_than_prefill_is_skipped_and_results_stay_exact():
     for r in results:
         verify(model, r)
     c, st = stats["counters"], stats["store"]
-    assert c["prefetch_skipped_slow"] > 0 and st["prefetch_skipped_slow"] == c["prefetch_skipped_slow"]
-    assert st["prefetch_skipped_slow_tokens"] > 0  # tokens the store held, recomputed instead
+    assert (
+        c["prefetch_skipped_slow"] > 0
+        and st["prefetch_skipped_slow"] == c["prefetch_skipped_slow"]
+    )
+    assert (
+        st["prefetch_skipped_slow_tokens"] > 0
+    )  # tokens the store held, recomputed instead
     assert st["store_call_ms"] >= 40 and st["prefill_tokens_per_s"] == 1e9
 
     # the same, with no prefill rate: nothing is skipped, the store is read
     results, stats = _replay(store, model, None)
     assert [r.error for r in results if r.error] == []
-    assert stats["counters"]["prefetch_skipped_slow"] == 0 and stats["counters"]["l3_read_pages"] > 0
-
+    assert (
+        stats["counters"]["prefetch_skipped_slow"] == 0
+        and stats["counters"]["l3_read_pages"] > 0
+    )

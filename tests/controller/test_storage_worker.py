@@ -15,20 +15,29 @@ def test_ops_submitted_together_wake_the_storage_loop_once():
     from kvtier.tiers.mirror import HostMirror, MirrorConfig
     from kvtier.tiers.pool import DeviceKVPool, PoolConfig
 
-    pool = DeviceKVPool(PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8))
+    pool = DeviceKVPool(
+        PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8)
+    )
     mirror = HostMirror(pool, MirrorConfig(ratio=1.0))
     store = MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 24))
     worker = StorageWorker(store, mirror, 1 << 20)
     wakeups = []
     hold = threading.Event()
-    worker.loop.call_soon_threadsafe(hold.wait)  # the loop is busy while the step submits
+    worker.loop.call_soon_threadsafe(
+        hold.wait
+    )  # the loop is busy while the step submits
     wake = worker._waker.wake
     worker._waker.wake = lambda: (wakeups.append(1), wake())[1]
     key = key_maker("t", "0" * 32)
-    ops = [BackupOp([key(bytes([i]) * 32)], torch.tensor([i + 1]), tag=None) for i in range(10)]
+    ops = [
+        BackupOp([key(bytes([i]) * 32)], torch.tensor([i + 1]), tag=None)
+        for i in range(10)
+    ]
     for op in ops:
         worker.submit_backup(op)
-    waiting = [PrefetchOp(f"r{i}", [], tokens=0, wake=asyncio.Event()) for i in range(5)]
+    waiting = [
+        PrefetchOp(f"r{i}", [], tokens=0, wake=asyncio.Event()) for i in range(5)
+    ]
     for op in waiting:  # grants made in the same poll ride along
         worker.wake(op)
     hold.set()
@@ -53,20 +62,26 @@ def test_waker_runs_on_the_loop_thread_and_never_blocks():
     w = waker_mod.Waker(loop, lambda: ran.append(threading.current_thread().name))
     thread = threading.Thread(target=loop.run_forever, name="loop", daemon=True)
     thread.start()
-    loop.call_soon_threadsafe(hold.wait)  # the loop reads nothing while we fill its pipe
+    loop.call_soon_threadsafe(
+        hold.wait
+    )  # the loop reads nothing while we fill its pipe
     for _ in range(200_000):
         w.wake()
     hold.set()
     w.wake()
     done = threading.Event()
-    loop.call_soon_threadsafe(lambda: loop.call_soon(done.set))  # after the wake-ups were read
+    loop.call_soon_threadsafe(
+        lambda: loop.call_soon(done.set)
+    )  # after the wake-ups were read
     assert done.wait(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     w.close(loop)
     loop.close()
     assert ran and set(ran) == {"loop"}
-    if sys.platform.startswith("linux"):  # the GIL-holding libc write, not a GIL-releasing send
+    if sys.platform.startswith(
+        "linux"
+    ):  # the GIL-holding libc write, not a GIL-releasing send
         assert waker_mod._gil_holding_write() is not waker_mod._os_write
 
 
@@ -93,7 +108,9 @@ def test_a_closed_waker_writes_nowhere(tmp_path):
         os.close(other)
 
 
-def test_a_store_failing_every_backup_logs_the_first_and_every_100th(tmp_path, monkeypatch, caplog):
+def test_a_store_failing_every_backup_logs_the_first_and_every_100th(
+    tmp_path, monkeypatch, caplog
+):
     """A full disk fails every backup: the storage thread logs the first failure and then
     every 100th with the running count (the counters keep them all), not a line each."""
     import errno
@@ -112,13 +129,22 @@ def test_a_store_failing_every_backup_logs_the_first_and_every_100th(tmp_path, m
     def no_room(fd, frame):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(file_io, "_write_page", no_room)  # a disk with no room and nothing to evict
-    pool = DeviceKVPool(PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8))
+    monkeypatch.setattr(
+        file_io, "_write_page", no_room
+    )  # a disk with no room and nothing to evict
+    pool = DeviceKVPool(
+        PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8)
+    )
     mirror = HostMirror(pool, MirrorConfig(ratio=1.0))
     store = FileStore(FileStoreConfig(root=str(tmp_path)))
-    worker = StorageWorker(store, mirror, 1 << 20, breaker=BreakerConfig(failures=10_000))  # never down
+    worker = StorageWorker(
+        store, mirror, 1 << 20, breaker=BreakerConfig(failures=10_000)
+    )  # never down
     key = key_maker("t", "0" * 32)
-    ops = [BackupOp([key(i.to_bytes(32, "little"))], torch.tensor([1]), tag=None) for i in range(150)]
+    ops = [
+        BackupOp([key(i.to_bytes(32, "little"))], torch.tensor([1]), tag=None)
+        for i in range(150)
+    ]
     with caplog.at_level(logging.WARNING, logger="kvtier.controller.storage"):
         for op in ops:
             worker.submit_backup(op)
@@ -150,8 +176,12 @@ def test_drain_waits_for_a_running_op_and_gives_up_at_its_timeout():
                 await asyncio.sleep(0.001)
             return await super()._set(keys, frames)
 
-    pool = DeviceKVPool(PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8))
-    worker = StorageWorker(Gated(MemoryStoreConfig()), HostMirror(pool, MirrorConfig(ratio=1.0)), 1 << 20)
+    pool = DeviceKVPool(
+        PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=1, head_dim=8)
+    )
+    worker = StorageWorker(
+        Gated(MemoryStoreConfig()), HostMirror(pool, MirrorConfig(ratio=1.0)), 1 << 20
+    )
     op = BackupOp([key_maker("t", "0" * 32)(b"\x01" * 32)], torch.tensor([1]), tag=None)
     worker.submit_backup(op)
     worker.drain(0.05)

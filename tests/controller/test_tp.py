@@ -18,9 +18,24 @@ def run_ranks(tmp_path, *extra, timeout=240):
     for rank in range(2):
         out = tmp_path / f"rank{rank}.json"
         outs.append(out)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.controller.tp_worker", str(rank), "2", str(port),
-                                       str(out), *extra], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.controller.tp_worker",
+                    str(rank),
+                    "2",
+                    str(port),
+                    str(out),
+                    *extra,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     codes, logs = [], []
     for p in procs:
         try:
@@ -39,9 +54,16 @@ def test_two_ranks_agree_on_every_decision(tmp_path):
     assert codes == [0, 0], logs
     results = [json.loads(o.read_text()) for o in outs]
     assert results[0]["decisions"] == results[1]["decisions"]
-    assert results[0]["collectives"] == results[1]["collectives"] > 100  # one per poll, on both ranks
-    assert results[0]["stats"]["storage_hit_tokens"] == results[1]["stats"]["storage_hit_tokens"]
-    assert sum(d[1] for d in results[0]["decisions"]) > 0  # host hits happened (store hits depend on timing)
+    assert (
+        results[0]["collectives"] == results[1]["collectives"] > 100
+    )  # one per poll, on both ranks
+    assert (
+        results[0]["stats"]["storage_hit_tokens"]
+        == results[1]["stats"]["storage_hit_tokens"]
+    )
+    assert (
+        sum(d[1] for d in results[0]["decisions"]) > 0
+    )  # host hits happened (store hits depend on timing)
 
 
 def test_diverging_rank_is_caught_and_exits(tmp_path):
@@ -62,7 +84,9 @@ def test_a_load_failing_on_one_rank_fails_its_request_on_every_rank(tmp_path):
     assert r1["stats"]["load_failures"] > 0 and r0["stats"]["load_failures"] == 0
     failed = sum(d[4] for d in r0["decisions"])
     assert failed > 0 and failed <= r1["stats"]["load_failures"]
-    assert sum(d[1] for d in r0["decisions"]) > failed  # requests that loaded and went on
+    assert (
+        sum(d[1] for d in r0["decisions"]) > failed
+    )  # requests that loaded and went on
 
 
 def test_a_load_failing_late_on_one_rank_is_refused_on_every_rank(tmp_path):
@@ -74,7 +98,11 @@ def test_a_load_failing_late_on_one_rank_is_refused_on_every_rank(tmp_path):
     assert r0["decisions"] == r1["decisions"]
     assert r0["collectives"] == r1["collectives"]
     refused = sum(d[5] for d in r0["decisions"])
-    assert refused > 0 and r1["stats"]["load_failures"] > 0 and r0["stats"]["load_failures"] == 0
+    assert (
+        refused > 0
+        and r1["stats"]["load_failures"] > 0
+        and r0["stats"]["load_failures"] == 0
+    )
 
 
 def test_prefetch_deadlines_passing_at_each_rank_s_own_moment_are_agreed(tmp_path):
@@ -89,4 +117,6 @@ def test_prefetch_deadlines_passing_at_each_rank_s_own_moment_are_agreed(tmp_pat
     r0, r1 = (json.loads(o.read_text()) for o in outs)
     assert r0["decisions"] == r1["decisions"]
     assert r0["collectives"] == r1["collectives"]
-    assert r0["stats"]["prefetch_timed_out"] + r1["stats"]["prefetch_timed_out"] > 0  # deadlines did pass
+    assert (
+        r0["stats"]["prefetch_timed_out"] + r1["stats"]["prefetch_timed_out"] > 0
+    )  # deadlines did pass

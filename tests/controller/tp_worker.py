@@ -33,53 +33,93 @@ class FailingLoads(CpuTransferStream):
     nothing), or `late`: after every layer has landed and the forward has asked failed()."""
 
     def __init__(self, name: str, late: bool) -> None:
-        super().__init__(name, help_waiters=not late)  # a late failure needs the job off the forward's thread
+        super().__init__(
+            name, help_waiters=not late
+        )  # a late failure needs the job off the forward's thread
         self.jobs, self.late = 0, late
 
     def submit(self, job, handle):
         self.jobs += 1
         if self.jobs % 2 == 0 and not self.late:
+
             def job(h):
                 h.layer_done(0)
                 raise TransferError("test: this rank's copy failed after layer 0")
         elif self.jobs % 2 == 0:
+
             def job(h, copy=job):
                 copy(h)  # every layer lands and is signalled
                 AFTER_FORWARD.wait(30)
-                raise TransferError("test: this rank's copy failed after its last layer")
+                raise TransferError(
+                    "test: this rank's copy failed after its last layer"
+                )
+
         return super().submit(job, handle)
 
 
 def main() -> None:
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rank, world, port, out = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+    )
     mode = sys.argv[5] if len(sys.argv) > 5 else ""
     diverge = mode == "diverge"
     streams = {}
     if mode in ("fail_loads", "fail_late") and rank == 1:
-        streams["stream_factory"] = lambda name, device: FailingLoads(name, mode == "fail_late") \
-            if name == "load" else make_stream(name, device)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    if diverge and rank == 1:  # a bug on purpose: this rank reports a different decision
+        streams["stream_factory"] = lambda name, device: (
+            FailingLoads(name, mode == "fail_late")
+            if name == "load"
+            else make_stream(name, device)
+        )
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    if (
+        diverge and rank == 1
+    ):  # a bug on purpose: this rank reports a different decision
         check = Agreement.check
-        Agreement.check = lambda self, decisions: check(self, [d + 1 for d in decisions])
+        Agreement.check = lambda self, decisions: check(
+            self, [d + 1 for d in decisions]
+        )
     # each rank's store answers at its own pace: local completion timing differs
     store = StallingStore(fast_reads=0, stall_s=0.002 * (rank + 1))
     policy = {"prefetch_policy": "best_effort"}
     if mode == "timeout":
-        policy = {"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.004,
-                  "prefetch_timeout_per_1k_tokens_s": 0.001}
-    cache = make_cache(pool_size=64, ratio=1.5, store_obj=store, tp_group=dist.group.WORLD, consensus_check=diverge,
-                       **policy, **streams)
+        policy = {
+            "prefetch_policy": "timeout",
+            "prefetch_timeout_base_s": 0.004,
+            "prefetch_timeout_per_1k_tokens_s": 0.001,
+        }
+    cache = make_cache(
+        pool_size=64,
+        ratio=1.5,
+        store_obj=store,
+        tp_group=dist.group.WORLD,
+        consensus_check=diverge,
+        **policy,
+        **streams,
+    )
     rng = random.Random(7)  # the scheduler's stream: identical on every rank
     jitter = random.Random(100 + rank)  # local timing: different per rank
     prefixes = [np.array([rng.randrange(40) for _ in range(8)]) for _ in range(4)]
     decisions = []
     for step in range(120):
-        tokens = np.concatenate([rng.choice(prefixes), [rng.randrange(40) for _ in range(rng.randrange(1, 9))]])
+        tokens = np.concatenate(
+            [
+                rng.choice(prefixes),
+                [rng.randrange(40) for _ in range(rng.randrange(1, 9))],
+            ]
+        )
         rid = f"r{step}"
         got = cache.acquire(tokens, rid)
-        while not got.ready:  # readiness comes from agreed numbers: every rank leaves together
-            time.sleep(jitter.random() * (0.001 if mode == "timeout" else 0.012))  # timeout: many polls
+        while (
+            not got.ready
+        ):  # readiness comes from agreed numbers: every rank leaves together
+            time.sleep(
+                jitter.random() * (0.001 if mode == "timeout" else 0.012)
+            )  # timeout: many polls
             if rid in cache.poll():
                 got = cache.acquire(tokens, rid)
         cached = got.indices.numel()
@@ -99,7 +139,16 @@ def main() -> None:
             except TransferError:  # agreed on every rank: none inserted it
                 refused = True
         AFTER_FORWARD.clear()
-        decisions.append([got.device_hit, got.host_hit, got.storage_hit, cached, int(failed), int(refused)])
+        decisions.append(
+            [
+                got.device_hit,
+                got.host_hit,
+                got.storage_hit,
+                cached,
+                int(failed),
+                int(refused),
+            ]
+        )
         time.sleep(jitter.random() * 0.003)
         cache.poll()
         if step % 40 == 39:
@@ -108,8 +157,14 @@ def main() -> None:
         cache.check_accounting()
     cache.close()
     with open(out, "w") as f:
-        json.dump({"decisions": decisions, "collectives": cache.agreement.collectives,
-                   "stats": cache.stats()["counters"]}, f)
+        json.dump(
+            {
+                "decisions": decisions,
+                "collectives": cache.agreement.collectives,
+                "stats": cache.stats()["counters"],
+            },
+            f,
+        )
     dist.destroy_process_group()
 
 

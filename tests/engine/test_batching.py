@@ -8,7 +8,12 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.cli.replay import with_weights
 from kvtier.config import load_config
-from kvtier.engine.engine import Engine, infinite_hit_rate, set_torch_threads, torch_threads
+from kvtier.engine.engine import (
+    Engine,
+    infinite_hit_rate,
+    set_torch_threads,
+    torch_threads,
+)
 from kvtier.engine.model import ModelConfig, TinyTransformer
 from kvtier.engine.sessions import Histories
 from kvtier.engine.workloads import Turn, generate
@@ -16,7 +21,9 @@ from kvtier.engine.workloads import Turn, generate
 
 def default_cache(tmp_path) -> tuple[TieredCache, TinyTransformer]:
     model = TinyTransformer(ModelConfig(seed=0))
-    config = load_config("default", {"store": {"backend": "file", "root": str(tmp_path / "l3")}}, env={})
+    config = load_config(
+        "default", {"store": {"backend": "file", "root": str(tmp_path / "l3")}}, env={}
+    )
     return TieredCache(with_weights(config, model)), model
 
 
@@ -56,12 +63,17 @@ def test_stepping_requests_that_keep_no_history(tmp_path):
     whole conversation (it is not prepended twice)."""
     cache, model = default_cache(tmp_path)
     engine = Engine(cache, model)
-    tickets = [engine.submit(Turn(f"anon-{i}", 0, tuple(range(1, 40 + i)), 3), remember=False) for i in range(6)]
+    tickets = [
+        engine.submit(Turn(f"anon-{i}", 0, tuple(range(1, 40 + i)), 3), remember=False)
+        for i in range(6)
+    ]
     first = engine.submit(Turn("chat", 0, (5, 6, 7), 2))
     done = {}
     while engine.pending():
         done.update({r.ticket: r for r in engine.step()})
-    assert sorted(done) == sorted(tickets + [first]) and all(r.error is None for r in done.values())
+    assert sorted(done) == sorted(tickets + [first]) and all(
+        r.error is None for r in done.values()
+    )
     assert len(engine.histories) == 1
     history = done[first].prompt + done[first].output
     again = engine.submit(Turn("chat", 1, tuple(history + [9]), 2))
@@ -79,7 +91,11 @@ def test_the_engine_sets_its_torch_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     try:
-        assert torch_threads()[0] == 1 and set_torch_threads() == 1 and torch.get_num_threads() == 1
+        assert (
+            torch_threads()[0] == 1
+            and set_torch_threads() == 1
+            and torch.get_num_threads() == 1
+        )
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         assert torch_threads() == (2, "OMP_NUM_THREADS")
     finally:

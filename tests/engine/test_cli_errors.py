@@ -28,21 +28,56 @@ def one_line(argv, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("argv,env,message", [
-    (["replay", "--seed", "-1"], {}, "--seed -1: must be an integer >= 0"),  # main: numpy's words, no flag
-    (["bench"], {}, "bench: name a benchmark: transfer, stores, tree, cache or vllm_tier"),  # main: "required: name, rest"
-    (["store", "purge", "--namespace", "nothex"], {}, "'nothex': a namespace id is 32 lowercase hex digits"),
-    (["replay", "--requests", "1"], {"KVTIER_POOL_DEVICE": "gpu"}, "device='gpu': allowed: cpu, cuda or cuda:N"),
-    (["store", "ls", "--config", "redis"], {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
-     "redis.scan: ConnectionError"),  # main: a traceback
-    (["stats", "--config", "redis"], {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
-     "redis.scan: ConnectionError"),  # main: a traceback
-    (["replay", "--plot", "/nonexistent/dir/hits.png"], {}, "--plot '/nonexistent/dir/hits.png': cannot write there"),
-    (["bench", "cache", "--page-size", "2", "--store-page-tokens", "3"], {},
-     "--store-page-tokens 3: must be a positive multiple of --page-size 2"),
-    (["bench", "cache", "--page-size", "2", "--store-page-tokens", "0"], {},
-     "--store-page-tokens 0: must be a positive multiple of --page-size 2"),
-])
+@pytest.mark.parametrize(
+    "argv,env,message",
+    [
+        (
+            ["replay", "--seed", "-1"],
+            {},
+            "--seed -1: must be an integer >= 0",
+        ),  # main: numpy's words, no flag
+        (
+            ["bench"],
+            {},
+            "bench: name a benchmark: transfer, stores, tree, cache or vllm_tier",
+        ),  # main: "required: name, rest"
+        (
+            ["store", "purge", "--namespace", "nothex"],
+            {},
+            "'nothex': a namespace id is 32 lowercase hex digits",
+        ),
+        (
+            ["replay", "--requests", "1"],
+            {"KVTIER_POOL_DEVICE": "gpu"},
+            "device='gpu': allowed: cpu, cuda or cuda:N",
+        ),
+        (
+            ["store", "ls", "--config", "redis"],
+            {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
+            "redis.scan: ConnectionError",
+        ),  # main: a traceback
+        (
+            ["stats", "--config", "redis"],
+            {"KVTIER_STORE_URL": "redis://127.0.0.1:1", "KVTIER_STORE_TIMEOUT_S": "1"},
+            "redis.scan: ConnectionError",
+        ),  # main: a traceback
+        (
+            ["replay", "--plot", "/nonexistent/dir/hits.png"],
+            {},
+            "--plot '/nonexistent/dir/hits.png': cannot write there",
+        ),
+        (
+            ["bench", "cache", "--page-size", "2", "--store-page-tokens", "3"],
+            {},
+            "--store-page-tokens 3: must be a positive multiple of --page-size 2",
+        ),
+        (
+            ["bench", "cache", "--page-size", "2", "--store-page-tokens", "0"],
+            {},
+            "--store-page-tokens 0: must be a positive multiple of --page-size 2",
+        ),
+    ],
+)
 def test_one_line_errors(argv, env, message, capsys, cache_home, monkeypatch):
     if "--plot" in argv:
         pytest.importorskip("matplotlib")
@@ -57,23 +92,37 @@ def test_a_cuda_pool_on_a_cpu_only_torch_is_one_line(capsys, cache_home, monkeyp
     if torch.cuda.is_available():
         pytest.skip("this torch has CUDA")
     monkeypatch.setenv("KVTIER_POOL_DEVICE", "cuda")
-    assert "pool.device='cuda': this torch sees no CUDA device" in one_line(["replay", "--requests", "1"], capsys)
+    assert "pool.device='cuda': this torch sees no CUDA device" in one_line(
+        ["replay", "--requests", "1"], capsys
+    )
 
 
 def test_bad_traces_are_refused_by_line(tmp_path, capsys, cache_home):
     gz = tmp_path / "t.jsonl.gz"
-    gz.write_bytes(gzip.compress(b'{"session": "s", "prompt": [1, 2], "output_len": 2}\n'))
-    assert f"{gz}:1: not UTF-8 text" in one_line(["replay", "--trace", str(gz)], capsys)  # main: no file named
+    gz.write_bytes(
+        gzip.compress(b'{"session": "s", "prompt": [1, 2], "output_len": 2}\n')
+    )
+    assert f"{gz}:1: not UTF-8 text" in one_line(
+        ["replay", "--trace", str(gz)], capsys
+    )  # main: no file named
     bools = tmp_path / "b.jsonl"
-    bools.write_text(json.dumps({"session": "s", "prompt": [True, False], "output_len": 2}) + "\n")
-    assert "JSON true/false are not token ids" in one_line(["replay", "--trace", str(bools)], capsys)  # main: ran
+    bools.write_text(
+        json.dumps({"session": "s", "prompt": [True, False], "output_len": 2}) + "\n"
+    )
+    assert "JSON true/false are not token ids" in one_line(
+        ["replay", "--trace", str(bools)], capsys
+    )  # main: ran
 
 
 def test_config_into_a_closed_pipe_is_quiet():
     """main: `tierctl config | head -1` ended in a BrokenPipeError traceback (here the reader
     has closed the pipe before anything is written)."""
-    out = subprocess.run(f"{sys.executable} -m kvtier.cli.main config | (exec 0<&-; sleep 3)", shell=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        f"{sys.executable} -m kvtier.cli.main config | (exec 0<&-; sleep 3)",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
 
 
@@ -123,12 +172,25 @@ def test_the_manifest_comes_back_when_the_store_lost_it(cache_home, monkeypatch)
     assert manifest.exists()
 
 
-@pytest.mark.parametrize("yaml_text,env,field", [
-    ('store: {backend: redis, url: "redis://x:1/0", password: 12345}\n', {}, "store.password: expected a string"),
-    ("store: {backend: s3, bucket: b, secret_access_key: [sekrit, b]}\n", {}, "store.secret_access_key: expected"),
-    ("store: {backend: redis}\n", {"KVTIER_STORE_URL": "sekrit"}, "url=(not shown"),
-])
-def test_a_malformed_secret_is_refused_without_its_value(yaml_text, env, field, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "yaml_text,env,field",
+    [
+        (
+            'store: {backend: redis, url: "redis://x:1/0", password: 12345}\n',
+            {},
+            "store.password: expected a string",
+        ),
+        (
+            "store: {backend: s3, bucket: b, secret_access_key: [sekrit, b]}\n",
+            {},
+            "store.secret_access_key: expected",
+        ),
+        ("store: {backend: redis}\n", {"KVTIER_STORE_URL": "sekrit"}, "url=(not shown"),
+    ],
+)
+def test_a_malformed_secret_is_refused_without_its_value(
+    yaml_text, env, field, tmp_path, capsys, monkeypatch
+):
     """main: the error quoted the value (a numeric password, a list secret key, a URL with no ':')."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml_text)
@@ -142,7 +204,12 @@ def test_a_quoted_yaml_boolean_is_refused(tmp_path, capsys, monkeypatch):
     """main: `fsync: "no"` (a string in YAML) was taken as false; the environment's strings still are."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text('store: {backend: file, fsync: "no"}\n')
-    assert "store.fsync='no': expected true or false (quoted, it is a string in YAML)" in \
-        one_line(["config", "--config", str(cfg)], capsys)
+    assert (
+        "store.fsync='no': expected true or false (quoted, it is a string in YAML)"
+        in one_line(["config", "--config", str(cfg)], capsys)
+    )
     monkeypatch.setenv("KVTIER_STORE_FSYNC", "no")
-    assert main(["config"]) == 0 and "store.fsync = False  (env KVTIER_STORE_FSYNC)" in capsys.readouterr().out
+    assert (
+        main(["config"]) == 0
+        and "store.fsync = False  (env KVTIER_STORE_FSYNC)" in capsys.readouterr().out
+    )

@@ -9,19 +9,31 @@ from kvtier.engine.engine import Engine, verify
 from kvtier.engine.model import TinyTransformer
 from kvtier.engine.workloads import generate, load_trace, write_trace
 
-GEOMETRY = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32", "page_size": 16}
+GEOMETRY = {
+    "num_layers": 4,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "dtype": "float32",
+    "page_size": 16,
+}
 
 
 def small_cache(store: dict, pool: int = 1536) -> TieredCache:
     # A mirror the size of the pool holds little besides copies of device pages: whether any
     # prefix is served from it then depends on when the store's writes finish (a slow store
     # once left none). 1.5x keeps host-only prefixes around at any store speed.
-    return TieredCache(load_config(None, {
-        "pool": {"size": pool, **GEOMETRY},
-        "mirror": {"ratio": 1.5},
-        "controller": {"prefetch_policy": "wait_complete"},
-        "store": store,
-    }, env={}))
+    return TieredCache(
+        load_config(
+            None,
+            {
+                "pool": {"size": pool, **GEOMETRY},
+                "mirror": {"ratio": 1.5},
+                "controller": {"prefetch_policy": "wait_complete"},
+                "store": store,
+            },
+            env={},
+        )
+    )
 
 
 def store_section(name, tmp_path, request):
@@ -32,8 +44,14 @@ def store_section(name, tmp_path, request):
     if name == "redis":
         return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
     s3 = request.getfixturevalue("s3_server")
-    return {"backend": "s3", "endpoint_url": s3.url, "bucket": f"oracle-{tmp_path.name[-12:].lower()}",
-            "create_bucket": True, "access_key_id": "t", "secret_access_key": "t"}
+    return {
+        "backend": "s3",
+        "endpoint_url": s3.url,
+        "bucket": f"oracle-{tmp_path.name[-12:].lower()}",
+        "create_bucket": True,
+        "access_key_id": "t",
+        "secret_access_key": "t",
+    }
 
 
 @pytest.mark.parametrize("store", ["memory", "file", "redis", "s3"])
@@ -59,7 +77,9 @@ def test_verify_catches_wrong_kv():
     model = TinyTransformer()
     cache = small_cache({"backend": "memory"}, pool=4096)
     engine = Engine(cache, model)
-    turns = generate("docqa", 4, model.config.vocab, seed=2)  # turns 0 and 3 share a document
+    turns = generate(
+        "docqa", 4, model.config.vocab, seed=2
+    )  # turns 0 and 3 share a document
     engine.run(turns[:1])
     m = cache.match_prefix(list(turns[3].prompt))
     cache.pool.k_buffer(0)[m.device_indices[:16]] += 1.0  # wrong bytes in a cached page
@@ -76,18 +96,25 @@ def test_trace_round_trip_and_bad_traces(tmp_path):
     write_trace(turns, path)
     assert load_trace(path, 512) == turns
     bad = tmp_path / "bad.jsonl"
-    for line, message in [('{"prompt": [1, 999]}', "token ids in \\[0, 512\\)"),
-                          ('{"prompt": [1], "output_len": 0}', "output_len=0"),
-                          ('{"prompt": [1], "extra": 1}', "unknown field 'extra'"),
-                          ("not json", "not JSON")]:
+    for line, message in [
+        ('{"prompt": [1, 999]}', "token ids in \\[0, 512\\)"),
+        ('{"prompt": [1], "output_len": 0}', "output_len=0"),
+        ('{"prompt": [1], "extra": 1}', "unknown field 'extra'"),
+        ("not json", "not JSON"),
+    ]:
         bad.write_text(line + "\n")
         with pytest.raises(ValueError, match=message):
             load_trace(bad, 512)
 
 
 def test_pool_geometry_mismatch_is_refused():
-    cache = TieredCache(load_config(None, {"pool": {"size": 256, "num_layers": 2}, "store": {"backend": "none"}},
-                                    env={}))
+    cache = TieredCache(
+        load_config(
+            None,
+            {"pool": {"size": 256, "num_layers": 2}, "store": {"backend": "none"}},
+            env={},
+        )
+    )
     with pytest.raises(ValueError, match="does not fit the reference model"):
         Engine(cache, TinyTransformer())
     cache.close()

@@ -30,8 +30,14 @@ def serving(cache_home):
 
     def start(token=None, max_body=1 << 20, client_timeout=10.0, **kwargs):
         server = Server(default_config(), **kwargs)
-        listener = Listener(build_app(server, token, max_body), "127.0.0.1", 0,
-                            Limits(max_body=max_body, client_timeout=client_timeout, log_level="warning")).start()
+        listener = Listener(
+            build_app(server, token, max_body),
+            "127.0.0.1",
+            0,
+            Limits(
+                max_body=max_body, client_timeout=client_timeout, log_level="warning"
+            ),
+        ).start()
         started.append((listener, server))
         return listener, server
 
@@ -41,9 +47,15 @@ def serving(cache_home):
         server.close()
 
 
-def post(conn: http.client.HTTPConnection, path: str, body, headers=None) -> tuple[int, dict]:
-    conn.request("POST", path, body=json.dumps(body) if not isinstance(body, bytes) else body,
-                 headers={"Content-Type": "application/json", **(headers or {})})
+def post(
+    conn: http.client.HTTPConnection, path: str, body, headers=None
+) -> tuple[int, dict]:
+    conn.request(
+        "POST",
+        path,
+        body=json.dumps(body) if not isinstance(body, bytes) else body,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     resp = conn.getresponse()
     return resp.status, json.loads(resp.read() or b"{}")
 
@@ -54,7 +66,9 @@ def connect(listener, timeout=60) -> http.client.HTTPConnection:
 
 def rss_bytes() -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+        return (
+            next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+        )
 
 
 def test_5000_sessionless_requests_keep_memory_bounded(serving):
@@ -68,13 +82,21 @@ def test_5000_sessionless_requests_keep_memory_bounded(serving):
     def client(n: int) -> None:
         conn = connect(listener)
         for _ in range(n):
-            code, body = post(conn, "/generate", {"prompt": shared + [rng.randrange(512) for _ in range(16)],
-                                                  "max_new_tokens": 1})
+            code, body = post(
+                conn,
+                "/generate",
+                {
+                    "prompt": shared + [rng.randrange(512) for _ in range(16)],
+                    "max_new_tokens": 1,
+                },
+            )
             assert code == 200, body
         conn.close()
 
     def burst(total: int) -> None:
-        threads = [threading.Thread(target=client, args=(total // 8,)) for _ in range(8)]
+        threads = [
+            threading.Thread(target=client, args=(total // 8,)) for _ in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -109,7 +131,13 @@ def test_200_concurrent_clients_all_get_answers_and_share_batches(serving):
         try:
             conn = connect(listener, timeout=300)
             go.wait(60)
-            answers.append(post(conn, "/generate", {"prompt": [1 + i % 500, 2, 3, 4], "max_new_tokens": 2}))
+            answers.append(
+                post(
+                    conn,
+                    "/generate",
+                    {"prompt": [1 + i % 500, 2, 3, 4], "max_new_tokens": 2},
+                )
+            )
             conn.close()
         except Exception as exc:  # noqa: BLE001 - every failure is reported below
             errors.append(repr(exc))
@@ -119,7 +147,9 @@ def test_200_concurrent_clients_all_get_answers_and_share_batches(serving):
         t.start()
     for t in threads:
         t.join(300)
-    assert not errors and len(answers) == 200 and all(code == 200 for code, _ in answers), errors[:3]
+    assert (
+        not errors and len(answers) == 200 and all(code == 200 for code, _ in answers)
+    ), errors[:3]
     stats = json.loads(urllib_get(listener, "/stats"))
     assert stats["server"]["served"] == 200
     server.cache.check_accounting()
@@ -143,15 +173,22 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes) -> bool:
     return False
 
 
-@pytest.mark.parametrize("head", [b"POST /generate HTTP/1.1\r\nHost: x\r\n",  # headers never end
-                                  b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n"])  # nor the body
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /generate HTTP/1.1\r\nHost: x\r\n",  # headers never end
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n",
+    ],
+)  # nor the body
 def test_a_slow_client_is_dropped_within_the_client_timeout(serving, head):
     """On main a connection trickling a byte every 5 s was still held after 46 s."""
     listener, _ = serving(client_timeout=1.0)
     sock = socket.create_connection(("127.0.0.1", listener.port))
     try:
         sock.sendall(head)
-        assert _closed_within(sock, 20.0, b"X" * 1000), "a trickling client was never dropped"
+        assert _closed_within(sock, 20.0, b"X" * 1000), (
+            "a trickling client was never dropped"
+        )
     finally:
         sock.close()
     conn = connect(listener)  # the server goes on serving
@@ -163,27 +200,41 @@ def test_hostile_bodies_and_headers_get_a_4xx(serving):
     auth = {"Authorization": "Bearer s3cret"}
     conn = connect(listener)
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    code, body = post(conn, "/generate", deep, auth)  # over the body cap: refused unread
+    code, body = post(
+        conn, "/generate", deep, auth
+    )  # over the body cap: refused unread
     assert code == 413 and "at most 4096" in body["error"]
     conn = connect(listener)
-    code, body = post(conn, "/generate", b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", auth)
-    assert code == 400 and "nests 1001 levels deep; at most 8" in body["error"]  # main: 500 RecursionError
+    code, body = post(
+        conn, "/generate", b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", auth
+    )
+    assert (
+        code == 400 and "nests 1001 levels deep; at most 8" in body["error"]
+    )  # main: 500 RecursionError
     for bad in ["Bearer s3cr\u00e9t", "Basic czNjcmV0", "Bearer", "bearer s3cret"]:
         conn = connect(listener)
         conn.putrequest("GET", "/stats")
-        conn.putheader("Authorization", bad.encode("latin-1"))  # main: non-ASCII got no answer at all
+        conn.putheader(
+            "Authorization", bad.encode("latin-1")
+        )  # main: non-ASCII got no answer at all
         conn.endheaders()
         resp = conn.getresponse()
         assert resp.status == 401 and "token" in json.loads(resp.read())["error"]
     # Content-Length -1 is no length: refused before any body is read (main read it all)
     sock = socket.create_connection(("127.0.0.1", listener.port), timeout=30)
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: -1\r\n\r\n"
-                 + b"[" * 65536)
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: -1\r\n\r\n"
+        + b"[" * 65536
+    )
     assert sock.recv(4096).startswith(b"HTTP/1.1 400")
     sock.close()
     conn = connect(listener)
-    assert post(conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 1}, auth)[0] == 200
-    assert json_depth(b'{"a": "[[[[", "b": [[1]]}') == 3  # brackets in strings do not count
+    assert (
+        post(conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 1}, auth)[0] == 200
+    )
+    assert (
+        json_depth(b'{"a": "[[[[", "b": [[1]]}') == 3
+    )  # brackets in strings do not count
 
 
 def test_a_body_of_escaped_quotes_is_measured_in_linear_time():
@@ -201,9 +252,15 @@ unclosed = quote + (backslash + quote) * 200_000
 for body in (unclosed, unclosed + backslash, b'{"s": ' + unclosed + quote + b'}'):
     print(json_depth(body))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0", "0", "1"]  # an unclosed string runs to the end of the body
+    assert out.stdout.split() == [
+        "0",
+        "0",
+        "1",
+    ]  # an unclosed string runs to the end of the body
     assert json_depth(b'{"a": "x\\"]]", "b": [[1, "\\\\"]]}') == 3
 
 
@@ -211,7 +268,10 @@ def test_an_idle_server_applies_finished_writes(serving):
     """On main /stats showed writes and backups in flight until the next request came."""
     listener, server = serving()
     conn = connect(listener)
-    assert post(conn, "/generate", {"prompt": list(range(1, 200)), "max_new_tokens": 2})[0] == 200
+    assert (
+        post(conn, "/generate", {"prompt": list(range(1, 200)), "max_new_tokens": 2})[0]
+        == 200
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         q = json.loads(urllib_get(listener, "/stats"))["queues"]
@@ -225,12 +285,18 @@ def test_an_idle_server_applies_finished_writes(serving):
 def test_sessions_are_bounded_and_counted(serving):
     listener, server = serving(sessions=2)
     conn = connect(listener)
-    first = post(conn, "/generate", {"prompt": [5, 6, 7], "max_new_tokens": 2, "session": "a"})[1]
-    again = post(conn, "/generate", {"prompt": [8], "max_new_tokens": 1, "session": "a"})[1]
+    first = post(
+        conn, "/generate", {"prompt": [5, 6, 7], "max_new_tokens": 2, "session": "a"}
+    )[1]
+    again = post(
+        conn, "/generate", {"prompt": [8], "max_new_tokens": 1, "session": "a"}
+    )[1]
     assert again["history_tokens"] == 5 and again["prompt_tokens"] == 6
     # a client resending the whole conversation is not given its history twice
     whole = [5, 6, 7, *first["output"], 8, *again["output"], 9]
-    resent = post(conn, "/generate", {"prompt": whole, "max_new_tokens": 1, "session": "a"})[1]
+    resent = post(
+        conn, "/generate", {"prompt": whole, "max_new_tokens": 1, "session": "a"}
+    )[1]
     assert resent["history_tokens"] == 0 and resent["prompt_tokens"] == len(whole)
     for s in ("b", "c"):
         post(conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 1, "session": s})
@@ -242,7 +308,10 @@ def test_stats_url_sends_the_token(serving, capsys, monkeypatch):
     """On main `tierctl stats --url` had no --token and ignored KVTIER_SERVE_TOKEN: a 401."""
     listener, _ = serving(token="s3cret")
     assert main(["stats", "--url", listener.url, "--json"]) == 2
-    assert "HTTP 401 (send its token: --token or KVTIER_SERVE_TOKEN)" in capsys.readouterr().err
+    assert (
+        "HTTP 401 (send its token: --token or KVTIER_SERVE_TOKEN)"
+        in capsys.readouterr().err
+    )
     assert main(["stats", "--url", listener.url, "--token", "s3cret", "--json"]) == 0
     assert "tiers" in json.loads(capsys.readouterr().out)
     monkeypatch.setenv("KVTIER_SERVE_TOKEN", "s3cret")
@@ -250,10 +319,14 @@ def test_stats_url_sends_the_token(serving, capsys, monkeypatch):
 
 
 def test_loopback_hosts_bind(cache_home, capsys):
-    assert _is_loopback("::1") and _is_loopback("127.0.0.2") and _is_loopback("localhost")
+    assert (
+        _is_loopback("::1") and _is_loopback("127.0.0.2") and _is_loopback("localhost")
+    )
     assert not _is_loopback("0.0.0.0") and not _is_loopback("example.com")
     if not socket.has_ipv6 or not os.path.exists("/proc/net/if_inet6"):
         pytest.skip("no IPv6 on this machine")
-    listener = Listener(build_app(object()), "::1", 0)  # main: listed as loopback, could not bind
+    listener = Listener(
+        build_app(object()), "::1", 0
+    )  # main: listed as loopback, could not bind
     assert listener.url.startswith("http://[::1]:")
     listener.sock.close()

@@ -11,17 +11,37 @@ import pytest
 
 
 def replay(url: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvtier.cli.main", "replay", "--config", "redis", "--requests", "16",
-           "--verify", "--json", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "KVTIER_STORE_URL": url, **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.cli.main",
+        "replay",
+        "--config",
+        "redis",
+        "--requests",
+        "16",
+        "--verify",
+        "--json",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "KVTIER_STORE_URL": url, **(env or {})},
+    )
 
 
 def summary(proc: subprocess.Popen) -> dict:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (out[-3000:], err[-3000:])
     s = json.loads(out)
-    assert s["verify_failures"] == [] and s["verified_requests"] == 16 and s["failed_requests"] == 0
+    assert (
+        s["verify_failures"] == []
+        and s["verified_requests"] == 16
+        and s["failed_requests"] == 0
+    )
     return s
 
 
@@ -34,16 +54,38 @@ def url(redis_server):
 
 
 def test_two_servers_share_a_redis_store_and_tenants_stay_apart(url):
-    first, second = replay(url), replay(url)  # two processes writing the same pages at once
+    first, second = (
+        replay(url),
+        replay(url),
+    )  # two processes writing the same pages at once
     a, b = summary(first), summary(second)
     assert a["bytes"]["host_to_store"] > 0 and b["bytes"]["host_to_store"] > 0
-    third = summary(replay(url))  # a new server: what the others computed is a store hit
+    third = summary(
+        replay(url)
+    )  # a new server: what the others computed is a store hit
     assert third["hit_tokens"]["storage"] > 0
-    verify = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "store", "verify", "--config", "redis",
-                             "--json"], capture_output=True, text=True, env={**os.environ, "KVTIER_STORE_URL": url})
+    verify = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli.main",
+            "store",
+            "verify",
+            "--config",
+            "redis",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVTIER_STORE_URL": url},
+    )
     v = json.loads(verify.stdout)
-    assert verify.returncode == 0 and v["bad"] == 0 and v["good"] > 0  # no torn or mixed page
+    assert (
+        verify.returncode == 0 and v["bad"] == 0 and v["good"] > 0
+    )  # no torn or mixed page
     salted = summary(replay(url, env={"KVTIER_NAMESPACE_TENANT_SALT": "tenant-b"}))
-    assert salted["hit_tokens"]["storage"] == 0 and salted["bytes"]["store_to_host"] == 0
+    assert (
+        salted["hit_tokens"]["storage"] == 0 and salted["bytes"]["store_to_host"] == 0
+    )
     other = summary(replay(url, env={"KVTIER_NAMESPACE_MODEL_ID": "another-model"}))
     assert other["hit_tokens"]["storage"] == 0 and other["bytes"]["store_to_host"] == 0

@@ -45,9 +45,15 @@ def reframe(root: Path, how: str) -> int:
     for i, f in enumerate(files):
         ns, h = f.parents[2].name, bytes.fromhex(f.name)
         other = blobs[(i + 1) % len(blobs)]
-        hs = seal.HEADER_SIZE if seal.key_id_of(other) is not None else frame.HEADER_SIZE
+        hs = (
+            seal.HEADER_SIZE if seal.key_id_of(other) is not None else frame.HEADER_SIZE
+        )
         body = other[hs:]
-        f.write_bytes(frame.encode(ns, h, body) if how == "plain" else blobs[i][:seal.HEADER_SIZE] + body)
+        f.write_bytes(
+            frame.encode(ns, h, body)
+            if how == "plain"
+            else blobs[i][: seal.HEADER_SIZE] + body
+        )
     return len(files)
 
 
@@ -61,8 +67,12 @@ def test_without_a_key_reframed_pages_are_served(cache_home, capsys):
     assert code == 1 and s["hit_tokens"]["storage"] > 0 and s["verify_failures"]
 
 
-@pytest.mark.parametrize("how,encrypt", [("plain", False), ("plain", True), ("sealed", False)])
-def test_with_a_key_every_reframed_page_is_a_miss(cache_home, capsys, monkeypatch, how, encrypt):
+@pytest.mark.parametrize(
+    "how,encrypt", [("plain", False), ("plain", True), ("sealed", False)]
+)
+def test_with_a_key_every_reframed_page_is_a_miss(
+    cache_home, capsys, monkeypatch, how, encrypt
+):
     monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
     monkeypatch.setenv("KVTIER_NAMESPACE_ENCRYPT", str(encrypt).lower())
     assert replay(capsys, "--requests", "12")[0] == 0
@@ -73,12 +83,20 @@ def test_with_a_key_every_reframed_page_is_a_miss(cache_home, capsys, monkeypatc
     assert (v["good"], v["bad"], v["foreign"]) == (0, n, 0)
     code, s = replay(capsys, "--requests", "12", "--verify")
     assert code == 0 and s["verified_requests"] == 12 and s["verify_failures"] == []
-    assert s["hit_tokens"]["storage"] == 0 and s["store"]["frame_failures"] > 0 and s["store"]["hits"] == 0
+    assert (
+        s["hit_tokens"]["storage"] == 0
+        and s["store"]["frame_failures"] > 0
+        and s["store"]["hits"] == 0
+    )
 
 
 def first_prompts(requests: int) -> list[np.ndarray]:
     """The prompts an attacker guesses: each session's first turn (no history before it)."""
-    return [np.array(t.prompt) for t in generate("multiturn", requests, 512, 0) if t.turn == 0]
+    return [
+        np.array(t.prompt)
+        for t in generate("multiturn", requests, 512, 0)
+        if t.turn == 0
+    ]
 
 
 def found(root: Path, hash_algo) -> int:
@@ -86,22 +104,34 @@ def found(root: Path, hash_algo) -> int:
     made by `hash_algo` under the namespace id the listing shows."""
     listed = {(f.parents[2].name, f.name) for f in page_files(root)}
     [ns] = {ns for ns, _ in listed}
-    return sum((ns, h.hex()) in listed for p in first_prompts(20) for h in page_hashes(p, 16, ns, None, None, hash_algo))
+    return sum(
+        (ns, h.hex()) in listed
+        for p in first_prompts(20)
+        for h in page_hashes(p, 16, ns, None, None, hash_algo)
+    )
 
 
-def test_a_key_listing_does_not_tell_which_prompts_were_cached(cache_home, capsys, monkeypatch):
+def test_a_key_listing_does_not_tell_which_prompts_were_cached(
+    cache_home, capsys, monkeypatch
+):
     assert replay(capsys, "--requests", "20")[0] == 0
-    assert found(cache_home, "sha256") >= 12  # no key: the prompt's pages are there to be found
+    assert (
+        found(cache_home, "sha256") >= 12
+    )  # no key: the prompt's pages are there to be found
     for p in page_files(cache_home):
         p.unlink()
     monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
     assert replay(capsys, "--requests", "20")[0] == 0
     assert len(page_files(cache_home)) > 20
     assert found(cache_home, "sha256") == 0 and found(cache_home, "xxh3_128") == 0
-    assert found(cache_home, parse_keys(KEY_A, "test").current.page_hash("sha256")) >= 12  # with the key: all there
+    assert (
+        found(cache_home, parse_keys(KEY_A, "test").current.page_hash("sha256")) >= 12
+    )  # with the key: all there
 
 
-def test_another_tenants_key_reads_nothing_and_no_key_reads_nothing(cache_home, capsys, monkeypatch):
+def test_another_tenants_key_reads_nothing_and_no_key_reads_nothing(
+    cache_home, capsys, monkeypatch
+):
     """Two tenants of one store (same model, same salt): B's key gets 0 hits from A's pages
     and no error; without a key, A's pages are all misses too (crypto-shredding)."""
     monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
@@ -115,26 +145,42 @@ def test_another_tenants_key_reads_nothing_and_no_key_reads_nothing(cache_home, 
             monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", key)
         code, s = replay(capsys, "--requests", "12", "--verify")
         assert code == 0 and s["verify_failures"] == [] and s["failed_requests"] == 0
-        assert s["hit_tokens"]["storage"] == 0 and s["store"]["hits"] == 0 and s["store"]["errors"] == 0
+        assert (
+            s["hit_tokens"]["storage"] == 0
+            and s["store"]["hits"] == 0
+            and s["store"]["errors"] == 0
+        )
 
 
-def test_after_a_rotation_the_retired_key_forges_nothing(cache_home, capsys, monkeypatch):
+def test_after_a_rotation_the_retired_key_forges_nothing(
+    cache_home, capsys, monkeypatch
+):
     """docs/security.md, "Rotating a key": the old key stays listed after the new one so that
     `store verify` and `purge` recognise its pages. The cache read with the whole ring, so
     whoever still held the retired key (a leaked one, the reason to rotate) sealed another
     page's payload under each page of the new namespace and was served. The cache reads
     with the current key only: every such page is a miss."""
-    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", f"{KEY_B},{KEY_A}")  # B is current, A retired
+    monkeypatch.setenv(
+        "KVTIER_NAMESPACE_TENANT_KEY", f"{KEY_B},{KEY_A}"
+    )  # B is current, A retired
     assert replay(capsys, "--requests", "12")[0] == 0
     files = page_files(cache_home)
     assert files
     retired = seal.SealedCodec(parse_keys(KEY_A, "a"))
     blobs = [f.read_bytes() for f in files]
     current = seal.SealedCodec(parse_keys(KEY_B, "b"))
-    for i, f in enumerate(files):  # what the holder of A does: another page's payload, sealed with A
+    for i, f in enumerate(
+        files
+    ):  # what the holder of A does: another page's payload, sealed with A
         ns, h = f.parents[2].name, bytes.fromhex(f.name)
         nxt = files[(i + 1) % len(files)]
-        payload = bytes(current.decode(blobs[(i + 1) % len(files)], nxt.parents[2].name, bytes.fromhex(nxt.name)))
+        payload = bytes(
+            current.decode(
+                blobs[(i + 1) % len(files)],
+                nxt.parents[2].name,
+                bytes.fromhex(nxt.name),
+            )
+        )
         header, body = retired.seal(ns, h, payload)
         f.write_bytes(header + bytes(body))
     code, s = replay(capsys, "--requests", "12", "--verify")
@@ -142,7 +188,9 @@ def test_after_a_rotation_the_retired_key_forges_nothing(cache_home, capsys, mon
     assert s["hit_tokens"]["storage"] == 0 and s["store"]["hits"] == 0
 
 
-def test_verify_counts_a_page_of_another_key_in_a_namespace_of_ours_bad(tmp_path, capsys, monkeypatch):
+def test_verify_counts_a_page_of_another_key_in_a_namespace_of_ours_bad(
+    tmp_path, capsys, monkeypatch
+):
     """A namespace whose manifest names our key is checked strictly: every page must
     authenticate. A co-writer's frame that merely named another key id was counted
     `foreign` (not checked, never pruned); it is bad, and `--prune` deletes it."""
@@ -156,8 +204,15 @@ def test_verify_counts_a_page_of_another_key_in_a_namespace_of_ours_bad(tmp_path
     async def write():
         me = FileStore(FileStoreConfig(root=str(root)))
         me.seal_with(seal.SealedCodec(parse_keys(KEY_A, "a")))
-        await me.put_manifest("kvtier", ns, {"format": 1, "namespace": ns,
-                                             "tenant_key_id": parse_keys(KEY_A, "a").current.key_id.hex()})
+        await me.put_manifest(
+            "kvtier",
+            ns,
+            {
+                "format": 1,
+                "namespace": ns,
+                "tenant_key_id": parse_keys(KEY_A, "a").current.key_id.hex(),
+            },
+        )
         await me.batch_set([ours], [b"\1" * 256])
         other = FileStore(FileStoreConfig(root=str(root)))
         other.seal_with(seal.SealedCodec(parse_keys(KEY_B, "b")))
@@ -169,14 +224,18 @@ def test_verify_counts_a_page_of_another_key_in_a_namespace_of_ours_bad(tmp_path
     config = tmp_path / "c.yaml"
     config.write_text(f"store:\n  backend: file\n  root: {root}\n")
     monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
-    assert main(["store", "verify", "--json", "--prune", "--config", str(config)]) == 0  # pruned
+    assert (
+        main(["store", "verify", "--json", "--prune", "--config", str(config)]) == 0
+    )  # pruned
     v = json.loads(capsys.readouterr().out)
     assert (v["good"], v["bad"], v["foreign"], v["pruned"]) == (1, 1, 0, 1)
     assert [p["key"] for p in v["bad_pages"]] == [theirs]
 
 
 @pytest.mark.parametrize("tenant_key_id", [None, "list"])
-def test_verify_prunes_no_sealed_page_for_what_a_manifest_says(tmp_path, capsys, monkeypatch, tenant_key_id):
+def test_verify_prunes_no_sealed_page_for_what_a_manifest_says(
+    tmp_path, capsys, monkeypatch, tenant_key_id
+):
     """A manifest is anyone's to write. One naming no key (or its key id as a list, which
     reads as none) made verify check the namespace as plain: every intact sealed page was
     bad, and --prune deleted them all. Such a namespace is checked page by page."""
@@ -192,15 +251,23 @@ def test_verify_prunes_no_sealed_page_for_what_a_manifest_says(tmp_path, capsys,
     async def write():
         s = FileStore(FileStoreConfig(root=str(root)))
         s.seal_with(seal.SealedCodec(ring))
-        await s.put_manifest("kvtier", ns, {"format": 1, "namespace": ns, "tenant_key_id": ring.current.key_id.hex()})
-        assert await s.batch_set(keys, [bytes([i]) * 256 for i in range(3)]) == [True] * 3
+        await s.put_manifest(
+            "kvtier",
+            ns,
+            {"format": 1, "namespace": ns, "tenant_key_id": ring.current.key_id.hex()},
+        )
+        assert (
+            await s.batch_set(keys, [bytes([i]) * 256 for i in range(3)]) == [True] * 3
+        )
         await s.close()
 
     asyncio.run(write())
     manifest = {"format": 1, "namespace": ns}
     if tenant_key_id == "list":
         manifest["tenant_key_id"] = [ring.current.key_id.hex()]
-    root.joinpath(*manifest_key("kvtier", ns).split("/")).write_text(json.dumps(manifest))
+    root.joinpath(*manifest_key("kvtier", ns).split("/")).write_text(
+        json.dumps(manifest)
+    )
     config = tmp_path / "c.yaml"
     config.write_text(f"store:\n  backend: file\n  root: {root}\n")
     monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
@@ -226,11 +293,21 @@ async def test_store_level_other_key_and_no_key_miss_every_page(tmp_path):
     for other in (b, plain):
         assert await other.batch_exists(keys) == 8  # listed, but
         assert await other.batch_get(keys) == [None] * 8
-        assert await other.batch_get_into(keys, [bytearray(4096) for _ in keys]) == [False] * 8
+        assert (
+            await other.batch_get_into(keys, [bytearray(4096) for _ in keys])
+            == [False] * 8
+        )
         st = other.stats()
-        assert (st["hits"], st["misses"], st["frame_failures"], st["errors"]) == (0, 16, 16, 0)
+        assert (st["hits"], st["misses"], st["frame_failures"], st["errors"]) == (
+            0,
+            16,
+            16,
+            0,
+        )
     stored = [(tmp_path / "l3").joinpath(*_split(k)).read_bytes() for k in keys]
-    assert not any(p in s for p, s in zip(pages, stored))  # encrypted: the KV bytes are not in the store
+    assert not any(
+        p in s for p, s in zip(pages, stored)
+    )  # encrypted: the KV bytes are not in the store
     for s in (a, b, plain):
         await s.close()
 
@@ -240,8 +317,12 @@ def _split(key: str) -> list[str]:
     return [prefix, ns, h[:2], h[2:4], h]
 
 
-def test_purge_tenant_works_from_the_key_when_the_manifest_is_gone(cache_home, capsys, monkeypatch, tmp_path):
-    assert replay(capsys, "--requests", "10")[0] == 0  # a tenant without a key shares the store
+def test_purge_tenant_works_from_the_key_when_the_manifest_is_gone(
+    cache_home, capsys, monkeypatch, tmp_path
+):
+    assert (
+        replay(capsys, "--requests", "10")[0] == 0
+    )  # a tenant without a key shares the store
     plain = set(page_files(cache_home))
     monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
     assert replay(capsys, "--requests", "10")[0] == 0
@@ -252,8 +333,14 @@ def test_purge_tenant_works_from_the_key_when_the_manifest_is_gone(cache_home, c
             m.unlink()
     assert main(["store", "verify", "--json"]) == 0
     v = json.loads(capsys.readouterr().out)
-    assert (v["good"], v["bad"], v["orphaned"]) == (len(plain) + len(keyed), 0, len(keyed))
-    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_B)  # another tenant's key: its pages are not checked
+    assert (v["good"], v["bad"], v["orphaned"]) == (
+        len(plain) + len(keyed),
+        0,
+        len(keyed),
+    )
+    monkeypatch.setenv(
+        "KVTIER_NAMESPACE_TENANT_KEY", KEY_B
+    )  # another tenant's key: its pages are not checked
     assert main(["store", "verify", "--json"]) == 0
     v = json.loads(capsys.readouterr().out)
     assert (v["good"], v["bad"], v["foreign"]) == (len(plain), 0, len(keyed))

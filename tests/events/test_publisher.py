@@ -17,7 +17,12 @@ from kvtier.errors import KvtierConfigError
 from kvtier.events.config import EventsConfig
 from kvtier.events.publisher import ZmqPublisher
 from kvtier.events.subscriber import Subscriber
-from kvtier.events.wire import all_blocks_cleared, block_removed, block_stored, wire_hash
+from kvtier.events.wire import (
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+    wire_hash,
+)
 
 
 @pytest.fixture
@@ -36,17 +41,23 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:
 
 
 def connected(ipc, rcvhwm: int = 1000, **cfg):
-    pub = ZmqPublisher(EventsConfig(endpoint=ipc[0], replay_endpoint=ipc[1], topic="kv@pod@m", **cfg))
+    pub = ZmqPublisher(
+        EventsConfig(endpoint=ipc[0], replay_endpoint=ipc[1], topic="kv@pod@m", **cfg)
+    )
     sub = Subscriber(ipc[0], ipc[1], topic="kv@pod@m", rcvhwm=rcvhwm)
-    wait_for(lambda: pub.stats()["subscriptions"] >= 1, "the subscription")  # no slow-joiner loss
+    wait_for(
+        lambda: pub.stats()["subscriptions"] >= 1, "the subscription"
+    )  # no slow-joiner loss
     return pub, sub
 
 
 H = [bytes([i]) * 32 for i in range(1, 5)]
 BATCHES = [
     [block_stored(H[:2], None, list(range(32)), 16, "GPU")],
-    [block_stored(H[2:3], H[1], list(range(32, 48)), 16, "CPU"), block_stored(H[:3], None, list(range(48)), 16,
-                                                                               "STORAGE")],
+    [
+        block_stored(H[2:3], H[1], list(range(32, 48)), 16, "CPU"),
+        block_stored(H[:3], None, list(range(48)), 16, "STORAGE"),
+    ],
     [block_removed(H[:1], "GPU"), all_blocks_cleared()],
 ]
 
@@ -56,9 +67,14 @@ def vllm_batch_type():
         from vllm.distributed.kv_events import KVEventBatch
     except ImportError as exc:
         from tests.servers import IN_CI
+
         if IN_CI:
-            pytest.fail(f"vLLM's kv_events does not import ({exc}); .ci/run must install vllm==0.33.0")
-        pytest.skip(f"vLLM is not installed ({exc}): pip install --no-deps vllm==0.33.0")
+            pytest.fail(
+                f"vLLM's kv_events does not import ({exc}); .ci/run must install vllm==0.33.0"
+            )
+        pytest.skip(
+            f"vLLM is not installed ({exc}): pip install --no-deps vllm==0.33.0"
+        )
     return KVEventBatch
 
 
@@ -76,16 +92,41 @@ def test_live_frames_decode_as_vllm_kv_event_batches(ipc):
     dec = msgspec.msgpack.Decoder(type=KVEventBatch)
     typed = [dec.decode(m.payload) for m in got]
     assert [[type(e).__name__ for e in b.events] for b in typed] == [
-        ["BlockStored"], ["BlockStored", "BlockStored"], ["BlockRemoved", "AllBlocksCleared"]]
+        ["BlockStored"],
+        ["BlockStored", "BlockStored"],
+        ["BlockRemoved", "AllBlocksCleared"],
+    ]
     first = typed[0].events[0]
-    assert first.block_hashes == [wire_hash(H[0]), wire_hash(H[1])] and first.parent_block_hash is None
-    assert first.token_ids == list(range(32)) and first.block_size == 16 and first.medium == "GPU"
+    assert (
+        first.block_hashes == [wire_hash(H[0]), wire_hash(H[1])]
+        and first.parent_block_hash is None
+    )
+    assert (
+        first.token_ids == list(range(32))
+        and first.block_size == 16
+        and first.medium == "GPU"
+    )
     assert first.lora_id is None and first.lora_name is None
-    assert typed[1].events[0].parent_block_hash == wire_hash(H[1]) and typed[1].events[1].medium == "STORAGE"
-    assert [b.ts for b in typed] == [0.0, 1.0, 2.0] and {b.data_parallel_rank for b in typed} == {0}
-    raw = msgspec.msgpack.decode(got[0].payload)  # the map layout: every required key present, even null
-    assert list(raw[1][0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                               "medium", "lora_name"]
+    assert (
+        typed[1].events[0].parent_block_hash == wire_hash(H[1])
+        and typed[1].events[1].medium == "STORAGE"
+    )
+    assert [b.ts for b in typed] == [0.0, 1.0, 2.0] and {
+        b.data_parallel_rank for b in typed
+    } == {0}
+    raw = msgspec.msgpack.decode(
+        got[0].payload
+    )  # the map layout: every required key present, even null
+    assert list(raw[1][0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
 
 
 class PStored(msgspec.Struct, array_like=True, tag="BlockStored"):
@@ -125,10 +166,17 @@ def test_array_format_decodes_positionally(ipc):
         sub.close()
     typed = [msgspec.msgpack.Decoder(type=PBatch).decode(m.payload) for m in got]
     assert [[type(e).__name__ for e in b.events] for b in typed] == [
-        ["PStored"], ["PStored", "PStored"], ["PRemoved", "PCleared"]]
-    assert typed[1].events[0] == PStored([wire_hash(H[2])], wire_hash(H[1]), list(range(32, 48)), 16, None, "CPU")
-    assert msgspec.msgpack.decode(got[2].payload)[1] == [["BlockRemoved", [wire_hash(H[0])], "GPU"],
-                                                         ["AllBlocksCleared"]]
+        ["PStored"],
+        ["PStored", "PStored"],
+        ["PRemoved", "PCleared"],
+    ]
+    assert typed[1].events[0] == PStored(
+        [wire_hash(H[2])], wire_hash(H[1]), list(range(32, 48)), 16, None, "CPU"
+    )
+    assert msgspec.msgpack.decode(got[2].payload)[1] == [
+        ["BlockRemoved", [wire_hash(H[0])], "GPU"],
+        ["AllBlocksCleared"],
+    ]
 
 
 def test_replay_from_a_seq_returns_exactly_the_missed_batches(ipc):
@@ -144,7 +192,9 @@ def test_replay_from_a_seq_returns_exactly_the_missed_batches(ipc):
         pub.close()
         sub.close()
     assert [m.seq for m in missed] == list(range(4, 10))
-    assert [m.payload for m in missed] == [m.payload for m in live[4:]]  # the same bytes, not re-encoded
+    assert [m.payload for m in missed] == [
+        m.payload for m in live[4:]
+    ]  # the same bytes, not re-encoded
     assert [m.seq for m in everything] == list(range(10)) and beyond == []
 
 
@@ -172,9 +222,14 @@ def test_a_full_queue_refuses_and_counts(ipc):
 
 
 def test_events_section_errors_name_the_field():
-    with pytest.raises(KvtierConfigError, match=r"events: endpoint='localhost:5557': expected a ZMQ endpoint"):
+    with pytest.raises(
+        KvtierConfigError,
+        match=r"events: endpoint='localhost:5557': expected a ZMQ endpoint",
+    ):
         load_config(None, {"events": {"endpoint": "localhost:5557"}})
-    with pytest.raises(KvtierConfigError, match=r"events.buffer_steps='x': expected an integer"):
+    with pytest.raises(
+        KvtierConfigError, match=r"events.buffer_steps='x': expected an integer"
+    ):
         load_config(None, {"events": {"buffer_steps": "x"}})
     with pytest.raises(KvtierConfigError, match=r"events.topc: unknown key"):
         load_config(None, {"events": {"topc": "kv"}})
@@ -185,11 +240,15 @@ def test_a_subscriber_that_stops_reading_is_bounded_by_hwm_and_counted(ipc):
     """It never makes publish block or the publisher thread stall: batches it cannot take are
     not sent live (counted, logged) and stay replayable, every one."""
     pub, sub = connected(ipc, rcvhwm=1, hwm=1)
-    big = list(range(8192))  # ~24 KiB a batch: the socket buffers fill after a few dozen
+    big = list(
+        range(8192)
+    )  # ~24 KiB a batch: the socket buffers fill after a few dozen
     try:
         for _ in range(300):
             assert pub.publish([block_stored(H[:1], None, big, 16, "GPU")])
-        wait_for(lambda: pub.stats()["batches"] == 300, "the publisher to take every batch")
+        wait_for(
+            lambda: pub.stats()["batches"] == 300, "the publisher to take every batch"
+        )
         assert pub.stats()["skipped_hwm"] > 0
         assert [m.seq for m in sub.replay(0, timeout_ms=20000)] == list(range(300))
     finally:

@@ -19,8 +19,14 @@ import sys
 import types
 
 VERSION = "0.5.23"
-STUBBABLE = frozenset({"sglang.benchmark.datasets.mmmu", "sglang.srt.configs.deepseek_ocr",
-                       "sglang.srt.multimodal.internvl_utils", "sglang.srt.utils.hf_transformers.common"})
+STUBBABLE = frozenset(
+    {
+        "sglang.benchmark.datasets.mmmu",
+        "sglang.srt.configs.deepseek_ocr",
+        "sglang.srt.multimodal.internvl_utils",
+        "sglang.srt.utils.hf_transformers.common",
+    }
+)
 MODULES = {
     "fx": "sglang.test.kits.unified_radix_cache.fixtures",
     "cfg": "sglang.test.kits.unified_radix_cache.config",
@@ -48,8 +54,14 @@ class _Stub(types.ModuleType):
         if name.startswith(("is_", "use_", "can_")):
             value = lambda *a, **k: False  # noqa: E731
         else:
-            value = type(name, (), {"__init__": lambda self, *a, **k: None,
-                                    "__init_subclass__": classmethod(lambda cls, **k: None)})
+            value = type(
+                name,
+                (),
+                {
+                    "__init__": lambda self, *a, **k: None,
+                    "__init_subclass__": classmethod(lambda cls, **k: None),
+                },
+            )
         object.__setattr__(self, name, value)
         return value
 
@@ -88,7 +100,11 @@ _FINDER: _Finder | None = None
 def _forget() -> None:
     for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
         del sys.modules[name]
-    for name in [n for n in sys.modules if n.startswith("kvtier.integrations.sglang_linker.shell")]:
+    for name in [
+        n
+        for n in sys.modules
+        if n.startswith("kvtier.integrations.sglang_linker.shell")
+    ]:
         del sys.modules[name]
 
 
@@ -97,9 +113,12 @@ def load() -> types.SimpleNamespace:
     global _FINDER
     _forget()  # another loader's sglang modules (bare packages) must not be reused
     if importlib.util.find_spec("sglang") is None:
-        raise Missing(f"SGLang is not installed: pip install --no-deps sglang=={VERSION} (and the pure-Python "
-                      "imports .ci/run installs)")
+        raise Missing(
+            f"SGLang is not installed: pip install --no-deps sglang=={VERSION} (and the pure-Python "
+            "imports .ci/run installs)"
+        )
     from importlib.metadata import version
+
     if version("sglang") != VERSION:
         raise Missing(f"these tests pin SGLang {VERSION}; found {version('sglang')}")
     _FINDER = _Finder()
@@ -108,15 +127,22 @@ def load() -> types.SimpleNamespace:
         mods = {k: importlib.import_module(v) for k, v in MODULES.items()}
     except ImportError as exc:
         unload()
-        raise Missing(f"an SGLang import failed ({exc}); .ci/run lists the packages SGLang needs here") from exc
+        raise Missing(
+            f"an SGLang import failed ({exc}); .ci/run lists the packages SGLang needs here"
+        ) from exc
     bad = sorted(set(_FINDER.stubbed) - STUBBABLE)
     needed = sorted(set(_FINDER.stubbed) & set(MODULES.values()))
     if bad or needed:
         reasons = {k: _FINDER.stubbed[k] for k in bad or needed}
         unload()
-        raise AssertionError(f"SGLang modules failed to import and were stubbed: {reasons}")
-    mods["fx"].get_device = lambda *a, **k: "cpu"  # 0.5.23's get_device() raises without an accelerator
+        raise AssertionError(
+            f"SGLang modules failed to import and were stubbed: {reasons}"
+        )
+    mods["fx"].get_device = lambda *a, **k: (
+        "cpu"
+    )  # 0.5.23's get_device() raises without an accelerator
     from kvtier.integrations.sglang_linker import shell
+
     mods["shell"] = shell
     mods["stubbed"] = frozenset(_FINDER.stubbed)
     return types.SimpleNamespace(**mods)

@@ -19,11 +19,19 @@ import torch
 import torch.distributed as dist
 
 from tests.integrations import sglang_linker_runtime as rt
-from tests.integrations.sglang_linker_server import TOKENS, Server, assert_same, page_files, write_yaml
+from tests.integrations.sglang_linker_server import (
+    TOKENS,
+    Server,
+    assert_same,
+    page_files,
+    write_yaml,
+)
 
 
 def main(rank: int, world: int, port: int, workdir: Path, scenario: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     group = dist.new_group(list(range(world)), backend="gloo")
     sg = rt.load()
     mine = workdir / f"rank{rank}"
@@ -46,12 +54,20 @@ def main(rank: int, world: int, port: int, workdir: Path, scenario: str) -> None
     result = second.match(req, TOKENS + [1])
     local = second.linker.stats()["counters"]["store_hit_pages"]
     n, slots, failed = second.load(req, result)
-    same = not failed and (assert_same(second.read(slots), [w[:n] for w in want]) is None)
+    same = not failed and (
+        assert_same(second.read(slots), [w[:n] for w in want]) is None
+    )
     second.allocator.free(slots)
     second.check()
-    out = {"rank": rank, "local_lookup_pages": local, "host_hit_length": result.host_hit_length, "loaded": n,
-           "failed": [r.rid for r in failed], "bytes_equal": bool(same),
-           "load_failures": second.linker.stats()["counters"]["load_failures"]}
+    out = {
+        "rank": rank,
+        "local_lookup_pages": local,
+        "host_hit_length": result.host_hit_length,
+        "loaded": n,
+        "failed": [r.rid for r in failed],
+        "bytes_equal": bool(same),
+        "load_failures": second.linker.stats()["counters"]["load_failures"],
+    }
     second.close()
     (workdir / f"out{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -59,4 +75,10 @@ def main(rank: int, world: int, port: int, workdir: Path, scenario: str) -> None
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5])
+    main(
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        Path(sys.argv[4]),
+        sys.argv[5],
+    )

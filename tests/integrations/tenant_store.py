@@ -32,11 +32,21 @@ def list_store(section: dict, namespace_id: str, prefix: str = "kvtier") -> List
     async def run() -> Listing:
         store = build_store(cfg.backend, cfg.options, cfg.timeout_s)
         try:
-            keys = [p.key async for batch in store.scan() for p in batch if f"/{namespace_id}/" in p.key]
+            keys = [
+                p.key
+                async for batch in store.scan()
+                for p in batch
+                if f"/{namespace_id}/" in p.key
+            ]
             checked = await store.check(keys)
-            return Listing(keys, checked.count(None), await store.get_manifest(prefix, namespace_id))
+            return Listing(
+                keys,
+                checked.count(None),
+                await store.get_manifest(prefix, namespace_id),
+            )
         finally:
             await store.close()
+
     return asyncio.run(run())
 
 
@@ -45,7 +55,9 @@ def reframe_plain(page: Path, donor: Path) -> None:
     page's own namespace and hash, its xxh3 checksum computed for the new payload."""
     ns, h = page.parents[2].name, bytes.fromhex(page.name)
     blob = donor.read_bytes()
-    body = blob[seal.HEADER_SIZE if seal.key_id_of(blob) is not None else frame.HEADER_SIZE:]
+    body = blob[
+        seal.HEADER_SIZE if seal.key_id_of(blob) is not None else frame.HEADER_SIZE :
+    ]
     page.write_bytes(frame.encode(ns, h, body))
 
 

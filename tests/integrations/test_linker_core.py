@@ -16,22 +16,39 @@ from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig
 
 PS, LAYERS = 4, 2
-PAGE_BYTES = PS * 4 * LAYERS * 4  # K and V of one head of 2 float32 per token, per layer
+PAGE_BYTES = (
+    PS * 4 * LAYERS * 4
+)  # K and V of one head of 2 float32 per token, per layer
 
 
 def make(tmp_path, host_pages: int, **settings) -> tuple[DeviceKVPool, LinkerCore]:
-    pool = DeviceKVPool(PoolConfig(size=PS * 16, num_layers=LAYERS, page_size=PS, num_kv_heads=1, head_dim=2,
-                                   dtype="float32"))
-    s = LinkerSettings(Namespace("m", "float32", "sglang-linker-mla", PS, 0, 1),
-                       mirror=MirrorConfig(size_bytes=PAGE_BYTES * host_pages, layout="page_first"), **settings)
-    return pool, LinkerCore(pool, s, FileStore(FileStoreConfig(root=str(tmp_path / "l3")), timeout_s=5.0))
+    pool = DeviceKVPool(
+        PoolConfig(
+            size=PS * 16,
+            num_layers=LAYERS,
+            page_size=PS,
+            num_kv_heads=1,
+            head_dim=2,
+            dtype="float32",
+        )
+    )
+    s = LinkerSettings(
+        Namespace("m", "float32", "sglang-linker-mla", PS, 0, 1),
+        mirror=MirrorConfig(size_bytes=PAGE_BYTES * host_pages, layout="page_first"),
+        **settings,
+    )
+    return pool, LinkerCore(
+        pool, s, FileStore(FileStoreConfig(root=str(tmp_path / "l3")), timeout_s=5.0)
+    )
 
 
 def put(pool: DeviceKVPool, page: int, value: float) -> torch.Tensor:
     """Device page `page` holds `value` everywhere (what a forward left); its slots."""
     slots = torch.arange(page * PS, (page + 1) * PS)
     for layer in range(LAYERS):
-        pool.set_kv(layer, slots, torch.full((PS, 1, 2), value), torch.full((PS, 1, 2), value))
+        pool.set_kv(
+            layer, slots, torch.full((PS, 1, 2), value), torch.full((PS, 1, 2), value)
+        )
     return slots
 
 
@@ -48,7 +65,9 @@ def stored(core: LinkerCore) -> None:
     core._reap()
 
 
-def load(core: LinkerCore, pool: DeviceKVPool, key: str, page: int) -> list[float] | None:
+def load(
+    core: LinkerCore, pool: DeviceKVPool, key: str, page: int
+) -> list[float] | None:
     """SGLang's load of one looked-up page into device page `page`: its KV, or None."""
     slots = torch.arange(page * PS, (page + 1) * PS)
     core.load("r", [key], slots)
@@ -57,7 +76,9 @@ def load(core: LinkerCore, pool: DeviceKVPool, key: str, page: int) -> list[floa
     return pool.k_buffer(0)[slots].flatten().unique().tolist()
 
 
-def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_page(tmp_path):
+def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_page(
+    tmp_path,
+):
     """A key's store read published it on host while an offload of the same key was in
     flight. Popping the offload gave its host page back (the key keeps the read's page)
     but still sent that page to the store write; the next offload took the page, and the
@@ -68,7 +89,9 @@ def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_p
     copied(core)
     core.pop_completed_offload()
     stored(core)
-    core.offload([x, y, z], torch.cat([put(pool, 2, 5.0), put(pool, 3, 5.0), put(pool, 4, 5.0)]))
+    core.offload(
+        [x, y, z], torch.cat([put(pool, 2, 5.0), put(pool, 3, 5.0), put(pool, 4, 5.0)])
+    )
     copied(core)
     core.pop_completed_offload()
     stored(core)
@@ -85,7 +108,9 @@ def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_p
     busy = asyncio.run_coroutine_threadsafe(hold(), core.l3.worker.loop)
     freed = int(core.offloads[0].host_pages[0])
     core.pop_completed_offload()  # its page goes back free
-    core.offload([page_keys([9])[0]], put(pool, 8, 9.0))  # the next offload takes it first
+    core.offload(
+        [page_keys([9])[0]], put(pool, 8, 9.0)
+    )  # the next offload takes it first
     copied(core)
     assert int(core.offloads[0].host_pages[0]) == freed
     gate.set()
@@ -99,7 +124,9 @@ def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_p
     reader.close()
 
 
-def test_ranks_that_do_not_write_forget_an_unreadable_page_once_it_is_offloaded_again(tmp_path):
+def test_ranks_that_do_not_write_forget_an_unreadable_page_once_it_is_offloaded_again(
+    tmp_path,
+):
     """MLA under tensor parallelism: every rank remembers a store page that failed
     verification and stops its lookups before it; only a store write made it forget, and
     only rank 0 writes. Once rank 0 stored a good copy again, rank 1 kept stopping there:
@@ -122,7 +149,10 @@ def test_ranks_that_do_not_write_forget_an_unreadable_page_once_it_is_offloaded_
     blob[-1] ^= 0xFF  # the page rots
     path.write_bytes(bytes(blob))
     assert [core.lookup("r", [key]) for _, core in ranks] == [1, 1]
-    assert [load(core, pool, key, 5) for pool, core in ranks] == [None, None]  # a miss on every rank
+    assert [load(core, pool, key, 5) for pool, core in ranks] == [
+        None,
+        None,
+    ]  # a miss on every rank
     offload_everywhere(key, 1, 2.0)  # recomputed: rank 0 stores a good copy
     offload_everywhere(other, 2, 3.0)
     assert [core.lookup("r", [key]) for _, core in ranks] == [1, 1]

@@ -20,11 +20,21 @@ PS, LAYERS, PAGES = 4, 2, 3
 
 
 def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path, monkeypatch):
-    pool = DeviceKVPool(PoolConfig(size=PS * 8, num_layers=LAYERS, page_size=PS, num_kv_heads=1, head_dim=2,
-                                   dtype="float32"))
+    pool = DeviceKVPool(
+        PoolConfig(
+            size=PS * 8,
+            num_layers=LAYERS,
+            page_size=PS,
+            num_kv_heads=1,
+            head_dim=2,
+            dtype="float32",
+        )
+    )
     page_bytes = PS * 4 * LAYERS * 4
-    settings = LinkerSettings(Namespace("m", "float32", "t", PS),
-                              mirror=MirrorConfig(size_bytes=page_bytes * 8, layout="page_first"))
+    settings = LinkerSettings(
+        Namespace("m", "float32", "t", PS),
+        mirror=MirrorConfig(size_bytes=page_bytes * 8, layout="page_first"),
+    )
     cfg = FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=1)
     keys = page_keys([1, 2, 3])
     writer = FileStore(cfg, timeout_s=0.3)
@@ -43,7 +53,9 @@ def test_an_abandoned_store_read_quarantines_its_host_pages(tmp_path, monkeypatc
     core = LinkerCore(pool, settings, FileStore(cfg, timeout_s=0.3))
     try:
         assert core.load("r1", keys, torch.arange(PS, PS + PAGES * PS))
-        assert core.cancel_queued_load("r1")  # SGLang's release_request while the read hangs
+        assert core.cancel_queued_load(
+            "r1"
+        )  # SGLang's release_request while the read hangs
         core.quiesce()  # waits for the read to settle: abandoned after timeout + grace
         host = core.stats()["host"]
         assert host["pages_quarantined"] == PAGES

@@ -41,15 +41,26 @@ def _store_section(kind: str, request, tmp_path) -> dict:
     if kind == "redis":
         return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
     if kind == "redis_cluster":
-        return {"backend": "redis", "url": request.getfixturevalue("redis_cluster")[0].url, "cluster": True}
+        return {
+            "backend": "redis",
+            "url": request.getfixturevalue("redis_cluster")[0].url,
+            "cluster": True,
+        }
     if kind == "s3":
-        return {"backend": "s3", "bucket": f"kvtier-{uuid.uuid4().hex[:12]}", "create_bucket": True,
-                "endpoint_url": request.getfixturevalue("s3_server").url,
-                "access_key_id": "testing", "secret_access_key": "testing"}
+        return {
+            "backend": "s3",
+            "bucket": f"kvtier-{uuid.uuid4().hex[:12]}",
+            "create_bucket": True,
+            "endpoint_url": request.getfixturevalue("s3_server").url,
+            "access_key_id": "testing",
+            "secret_access_key": "testing",
+        }
     raise AssertionError(kind)
 
 
-def write_yaml(tmp_path, store: dict, controller: dict | None = None, **namespace) -> str:
+def write_yaml(
+    tmp_path, store: dict, controller: dict | None = None, **namespace
+) -> str:
     path = tmp_path / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
     doc = {"store": {"timeout_s": 5.0, **store}}
     if namespace:
@@ -60,12 +71,36 @@ def write_yaml(tmp_path, store: dict, controller: dict | None = None, **namespac
     return str(path)
 
 
-def attach(sg, pool, yaml_path, *, mla=False, tp_rank=0, tp_size=1, model="meta-llama/Llama-3.1-8B", **extra):
+def attach(
+    sg,
+    pool,
+    yaml_path,
+    *,
+    mla=False,
+    tp_rank=0,
+    tp_size=1,
+    model="meta-llama/Llama-3.1-8B",
+    **extra,
+):
     """What SGLang's cache controller does: the factory's `dynamic` backend, then the pool."""
-    cfg = rt.storage_config(sg, model=model, mla=mla, tp_rank=tp_rank, tp_size=tp_size, extra={
-        "backend_name": "kvtier", "module_path": "kvtier.integrations.sglang", "class_name": "KvtierStorage",
-        "kvtier_config": yaml_path, "interface_v1": 1, **extra})
-    backend = sg.backend_factory.StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    cfg = rt.storage_config(
+        sg,
+        model=model,
+        mla=mla,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        extra={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KvtierStorage",
+            "kvtier_config": yaml_path,
+            "interface_v1": 1,
+            **extra,
+        },
+    )
+    backend = sg.backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", cfg, pool
+    )
     backend.register_mem_pool_host(pool)
     return backend
 
@@ -75,25 +110,37 @@ def make_pool(sg, kind: str, layout: str, **kw):
 
 
 def page_keys(n: int) -> list[str]:
-    return [os.urandom(32).hex() for _ in range(n)]  # SGLang's page hashes are sha256 hex
+    return [
+        os.urandom(32).hex() for _ in range(n)
+    ]  # SGLang's page hashes are sha256 hex
 
 
 def fill(pool, n: int, seed: int) -> torch.Tensor:
     """Host slots for n pages, each page random bytes (as a forward would have left them)."""
     idx = pool.alloc(n * pool.page_size)
     g = torch.Generator().manual_seed(seed)
-    for start in idx[::pool.page_size].tolist():
+    for start in idx[:: pool.page_size].tolist():
         page = pool.get_dummy_flat_data_page()
         page.view(torch.uint8 if page.element_size() == 1 else torch.int16).copy_(
-            torch.randint(0, 255, page.shape, generator=g).to(page.dtype) if page.element_size() == 1
-            else torch.randint(-30000, 30000, page.shape, dtype=torch.int16, generator=g))
+            torch.randint(0, 255, page.shape, generator=g).to(page.dtype)
+            if page.element_size() == 1
+            else torch.randint(
+                -30000, 30000, page.shape, dtype=torch.int16, generator=g
+            )
+        )
         pool.set_from_flat_data_page(start, page)
     return idx
 
 
 def page_bytes(pool, idx: torch.Tensor) -> list[bytes]:
-    return [pool.get_data_page(s, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
-            for s in idx[::pool.page_size].tolist()]
+    return [
+        pool.get_data_page(s, flat=True)
+        .contiguous()
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+        for s in idx[:: pool.page_size].tolist()
+    ]
 
 
 def corrupt(kind: str, backend, key: str, request) -> None:
@@ -109,17 +156,28 @@ def corrupt(kind: str, backend, key: str, request) -> None:
     if kind in ("redis", "redis_cluster"):
         import redis
         from redis.cluster import RedisCluster
+
         url = store.config.url
-        client = RedisCluster.from_url(url) if kind == "redis_cluster" else redis.Redis.from_url(url)
+        client = (
+            RedisCluster.from_url(url)
+            if kind == "redis_cluster"
+            else redis.Redis.from_url(url)
+        )
         blob = bytearray(client.get(full))
         blob[-1] ^= 0xFF
         client.set(full, bytes(blob))
         client.close()
         return
     import boto3
+
     cfg = store.config
-    client = boto3.client("s3", endpoint_url=cfg.endpoint_url, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     obj_key = cfg.prefix + full
     blob = bytearray(client.get_object(Bucket=cfg.bucket, Key=obj_key)["Body"].read())
     blob[-1] ^= 0xFF
@@ -130,9 +188,18 @@ def corrupt(kind: str, backend, key: str, request) -> None:
 
 
 @pytest.mark.parametrize("store_kind", STORES)
-@pytest.mark.parametrize("attn,layout", [("mha", "page_first"), ("mha", "layer_first"),
-                                         ("mla", "page_first"), ("mla", "layer_first")])
-def test_v1_round_trip_is_bitwise_and_a_corrupt_page_is_false(sg, store_kind, attn, layout, request, tmp_path):
+@pytest.mark.parametrize(
+    "attn,layout",
+    [
+        ("mha", "page_first"),
+        ("mha", "layer_first"),
+        ("mla", "page_first"),
+        ("mla", "layer_first"),
+    ],
+)
+def test_v1_round_trip_is_bitwise_and_a_corrupt_page_is_false(
+    sg, store_kind, attn, layout, request, tmp_path
+):
     path = write_yaml(tmp_path, _store_section(store_kind, request, tmp_path))
     mla = attn == "mla"
     writer_pool = make_pool(sg, attn, layout)
@@ -171,7 +238,7 @@ def test_legacy_get_set_round_trip(sg, store_kind, attn, layout, request, tmp_pa
     keys = page_keys(3)
     src = fill(pool, 3, seed=2)
     # SGLang's _generic_page_set: flat pages from get_data_page, then batch_set
-    pages = [pool.get_data_page(s) for s in src[::pool.page_size].tolist()]
+    pages = [pool.get_data_page(s) for s in src[:: pool.page_size].tolist()]
     assert backend.batch_set(keys, pages) is True
     assert backend.set(keys[0], pages[0]) is True  # a page stored twice is still True
     assert backend.exists(keys[1]) and backend.batch_exists(keys + page_keys(1)) == 3
@@ -179,7 +246,9 @@ def test_legacy_get_set_round_trip(sg, store_kind, attn, layout, request, tmp_pa
     targets = [pool.get_dummy_flat_data_page() for _ in keys]
     got = backend.batch_get(keys, targets)
     assert all(g is t for g, t in zip(got, targets))
-    assert [t.view(torch.uint8).numpy().tobytes() for t in targets] == page_bytes(pool, src)
+    assert [t.view(torch.uint8).numpy().tobytes() for t in targets] == page_bytes(
+        pool, src
+    )
     single = backend.get(keys[2], pool.get_dummy_flat_data_page())
     assert torch.equal(single.view(torch.uint8), targets[2].view(torch.uint8))
     assert backend.get(page_keys(1)[0], pool.get_dummy_flat_data_page()) is None
@@ -222,8 +291,12 @@ def test_kv_dtype_layout_and_tp_rank_separate_pages(sg, tmp_path):
 
     # fp8 KV lives in uint8 host pools: SGLang's --kv-cache-dtype tells e4m3 from e5m2
     written(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e4m3")
-    assert visible(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e4m3") == 2
-    assert visible(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e5m2") == 0
+    assert (
+        visible(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e4m3") == 2
+    )
+    assert (
+        visible(rt.make_mha_pool(sg, dtype=torch.uint8), kv_cache_dtype="fp8_e5m2") == 0
+    )
 
     # MLA KV is the same on every TP rank: rank 1 reads what rank 0 wrote
     written(rt.make_mla_pool(sg), mla=True, tp_rank=0, tp_size=2)
@@ -246,9 +319,13 @@ def test_tenant_salt_separates_and_clear_removes_only_its_namespace(sg, tmp_path
     b.close()
 
 
-@pytest.mark.parametrize("store_kind,encrypt", [("file", False), ("redis", True), ("redis_cluster", False),
-                                                ("s3", True)])
-def test_tenant_key_seals_pages_and_keeps_sglangs_hashes_out_of_the_keys(sg, store_kind, encrypt, request, tmp_path):
+@pytest.mark.parametrize(
+    "store_kind,encrypt",
+    [("file", False), ("redis", True), ("redis_cluster", False), ("s3", True)],
+)
+def test_tenant_key_seals_pages_and_keeps_sglangs_hashes_out_of_the_keys(
+    sg, store_kind, encrypt, request, tmp_path
+):
     """docs/security.md: with a tenant key the store keys are keyed hashes of SGLang's (which
     anyone can compute from the tokens), pages are sealed (a flipped byte is False), and
     another tenant's key, or none, finds nothing."""
@@ -261,13 +338,20 @@ def test_tenant_key_seals_pages_and_keeps_sglangs_hashes_out_of_the_keys(sg, sto
     assert a.batch_set_v1(keys, src) == [True] * 4
     assert not any(k in full for k, full in zip(keys, a._keys(keys)))
     dst = pool.alloc(4 * pool.page_size)
-    assert a.batch_get_v1(keys, dst) == [True] * 4 and page_bytes(pool, dst) == page_bytes(pool, src)
+    assert a.batch_get_v1(keys, dst) == [True] * 4 and page_bytes(
+        pool, dst
+    ) == page_bytes(pool, src)
     for other in ({"tenant_key": "b2" * 32}, {}):
         b = attach(sg, rt.make_mha_pool(sg), write_yaml(tmp_path, section, **other))
         assert b.batch_exists(keys) == 0
         b.close()
     corrupt(store_kind, a, keys[1], request)
-    assert a.batch_get_v1(keys, pool.alloc(4 * pool.page_size)) == [True, False, True, True]
+    assert a.batch_get_v1(keys, pool.alloc(4 * pool.page_size)) == [
+        True,
+        False,
+        True,
+        True,
+    ]
     assert a.kvtier_stats()["frame_failures"] == 1
     a.close()
 
@@ -277,8 +361,15 @@ def test_tenant_key_seals_pages_and_keeps_sglangs_hashes_out_of_the_keys(sg, sto
 
 def test_unreachable_store_is_a_miss_then_skipped_by_the_breaker(sg, tmp_path):
     port = free_port()  # nothing listens: every call is refused
-    path = write_yaml(tmp_path, {"backend": "redis", "url": f"redis://127.0.0.1:{port}/0",
-                                 "connect_timeout_s": 0.5, "socket_timeout_s": 0.5})
+    path = write_yaml(
+        tmp_path,
+        {
+            "backend": "redis",
+            "url": f"redis://127.0.0.1:{port}/0",
+            "connect_timeout_s": 0.5,
+            "socket_timeout_s": 0.5,
+        },
+    )
     pool = rt.make_mha_pool(sg)
     backend = attach(sg, pool, path)
     keys = page_keys(2)
@@ -296,7 +387,9 @@ def test_unreachable_store_is_a_miss_then_skipped_by_the_breaker(sg, tmp_path):
     backend.close()
 
 
-def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path, monkeypatch):
+def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(
+    sg, tmp_path, monkeypatch
+):
     """A hung mount (tests/hung.py). `batch_get_v1` gives up on the read and answers False;
     SGLang frees that page's host slots and puts other KV there. When the mount came back
     the abandoned thread went on reading, into SGLang's page (MLA `page_first` pages were
@@ -304,8 +397,15 @@ def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path
     copied in only once they verified."""
     from tests.hung import HungMount
 
-    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3,
-                                 "max_concurrency": 1})
+    path = write_yaml(
+        tmp_path,
+        {
+            "backend": "file",
+            "root": str(tmp_path / "l3"),
+            "timeout_s": 0.3,
+            "max_concurrency": 1,
+        },
+    )
     pool = make_pool(sg, "mla", "page_first")
     backend = attach(sg, pool, path, mla=True)
     key = page_keys(1)
@@ -315,12 +415,16 @@ def test_a_read_given_up_on_stuck_writes_no_host_page_sglang_reuses(sg, tmp_path
     mount.hang(backend.store.path(backend._keys(key)[0]))
     target = pool.alloc(pool.page_size)
     try:
-        assert backend.batch_get_v1(key, target) == [False]  # given up on: the store is down
+        assert backend.batch_get_v1(key, target) == [
+            False
+        ]  # given up on: the store is down
         pool.free(target)  # SGLang frees a False page's slots and hands them out again
         while int((again := pool.alloc(pool.page_size))[0]) != int(target[0]):
             pass
         page = pool.get_dummy_flat_data_page()
-        page.view(torch.uint8).fill_(0x77)  # other KV, written there by a backup of another node
+        page.view(torch.uint8).fill_(
+            0x77
+        )  # other KV, written there by a backup of another node
         pool.set_from_flat_data_page(int(again[0]), page)
         expected = page_bytes(pool, again)
         mount.come_back()  # the stuck read goes on, and its thread ends
@@ -370,8 +474,13 @@ def test_bad_extra_config_names_the_field(sg, tmp_path):
     none_path = write_yaml(tmp_path, {"backend": "none"})
     with pytest.raises(KvtierConfigError, match="store.backend='none'"):
         attach(sg, pool, none_path)
-    paged = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 64})
-    with pytest.raises(KvtierConfigError, match="store.page_tokens=64: SGLang's storage backend stores one engine"):
+    paged = write_yaml(
+        tmp_path, {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 64}
+    )
+    with pytest.raises(
+        KvtierConfigError,
+        match="store.page_tokens=64: SGLang's storage backend stores one engine",
+    ):
         attach(sg, pool, paged)
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
     with pytest.raises(KvtierConfigError, match="kv_cache_dtype"):
@@ -384,24 +493,49 @@ def test_bad_extra_config_names_the_field(sg, tmp_path):
     backend.close()
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
-                    reason="needs Linux and two CPUs this process may use (it keeps one for kvtier)")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+    reason="needs Linux and two CPUs this process may use (it keeps one for kvtier)",
+)
 def test_controller_cpus_keeps_the_store_threads_off_the_callers_cores(sg, tmp_path):
     mine = {max(os.sched_getaffinity(0))}
     before = os.sched_getaffinity(0)
-    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")}, controller={"cpus": str(*mine)})
+    path = write_yaml(
+        tmp_path,
+        {"backend": "file", "root": str(tmp_path / "l3")},
+        controller={"cpus": str(*mine)},
+    )
     pool = rt.make_mha_pool(sg)
     backend = attach(sg, pool, path)
     keys, src = page_keys(2), fill(pool, 2, seed=5)
-    assert backend.batch_set_v1(keys, src) == [True, True]  # the file store's I/O threads start now
-    ours = [t for t in threading.enumerate() if t.name.startswith(("kvtier-sglang-store", "kvtier-file"))]
-    assert sorted({t.name.split("_")[0] for t in ours}) == ["kvtier-file", "kvtier-sglang-store"]
-    assert {t.name: os.sched_getaffinity(t.native_id) for t in ours} == {t.name: mine for t in ours}
+    assert backend.batch_set_v1(keys, src) == [
+        True,
+        True,
+    ]  # the file store's I/O threads start now
+    ours = [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("kvtier-sglang-store", "kvtier-file"))
+    ]
+    assert sorted({t.name.split("_")[0] for t in ours}) == [
+        "kvtier-file",
+        "kvtier-sglang-store",
+    ]
+    assert {t.name: os.sched_getaffinity(t.native_id) for t in ours} == {
+        t.name: mine for t in ours
+    }
     assert os.sched_getaffinity(0) == before  # SGLang's calling thread is not moved
     backend.close()
     with pytest.raises(KvtierConfigError, match="controller.cpus='4096'"):
-        attach(sg, pool, write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")},
-                                    controller={"cpus": "4096"}))
+        attach(
+            sg,
+            pool,
+            write_yaml(
+                tmp_path,
+                {"backend": "file", "root": str(tmp_path / "l3")},
+                controller={"cpus": "4096"},
+            ),
+        )
 
 
 def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
@@ -420,6 +554,9 @@ def test_module_imports_without_sglang():
     code = (
         "import sys; sys.modules['sglang'] = None\n"
         "import kvtier.integrations.sglang as m\n"
-        "try:\n    m.KvtierStorage\nexcept ImportError as e:\n    print('ERR', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        "try:\n    m.KvtierStorage\nexcept ImportError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert "ERR" in out and "pip install --no-deps sglang==0.5.23" in out

@@ -36,7 +36,13 @@ print(json.dumps(out))
 
 def _child(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def _skip_or_fail(why: str) -> None:
@@ -65,15 +71,31 @@ def test_sglang_cache_serves_the_trace_and_hits_what_a_bare_tree_hits_when_nothi
 
 @pytest.mark.parametrize("page", [1, 16])
 def test_bench_cache_measures_against_sglang(page):
-    r = _child("from kvtier.bench.cache import main; import sys; main(sys.argv[1:])", "--sessions", "8",
-               "--turns", "2", "--rounds", "1", "--page-size", str(page))
+    r = _child(
+        "from kvtier.bench.cache import main; import sys; main(sys.argv[1:])",
+        "--sessions",
+        "8",
+        "--turns",
+        "2",
+        "--rounds",
+        "1",
+        "--page-size",
+        str(page),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     if "SGLang: " in r.stdout:
         _skip_or_fail(next(x for x in lines if "SGLang: " in x))
-    assert re.fullmatch(r"scheduler ratio round by round \(each against the baseline of its own round\): "
-                        r"\d+\.\d{2}x", lines[-3]), lines[-3]  # one round
-    assert re.fullmatch(r"device only: kvtier \d+\.\d{2}x SGLang device-only", lines[-2]), lines[-2]
-    assert re.fullmatch(r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x SGLang device-only",
-                        lines[-1]), lines[-1]
+    assert re.fullmatch(
+        r"scheduler ratio round by round \(each against the baseline of its own round\): "
+        r"\d+\.\d{2}x",
+        lines[-3],
+    ), lines[-3]  # one round
+    assert re.fullmatch(
+        r"device only: kvtier \d+\.\d{2}x SGLang device-only", lines[-2]
+    ), lines[-2]
+    assert re.fullmatch(
+        r"cache: hit rate \d\.\d{3}x bound, scheduler \d+\.\d{2}x SGLang device-only",
+        lines[-1],
+    ), lines[-1]
     assert f", page {page}," in lines[0]

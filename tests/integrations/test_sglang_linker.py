@@ -27,8 +27,22 @@ from kvtier.errors import KvtierConfigError
 from kvtier.hashing import make_key
 from kvtier.integrations.sglang import page_hash_of
 from tests.integrations import sglang_linker_runtime as rt
-from tests.integrations.sglang_linker_server import TOKENS, Server, assert_same, engine_keys, page_files, write_yaml
-from tests.integrations.tenant_store import KEY_A, KEY_A_ID, KEY_B, leaks_key, list_store, reframe_plain
+from tests.integrations.sglang_linker_server import (
+    TOKENS,
+    Server,
+    assert_same,
+    engine_keys,
+    page_files,
+    write_yaml,
+)
+from tests.integrations.tenant_store import (
+    KEY_A,
+    KEY_A_ID,
+    KEY_B,
+    leaks_key,
+    list_store,
+    reframe_plain,
+)
 from tests.servers import IN_CI
 
 STORES = ["file", "redis", "s3"]
@@ -54,9 +68,14 @@ def store_section(kind: str, request, tmp_path) -> dict:
     if kind == "redis":
         return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
     if kind == "s3":
-        return {"backend": "s3", "bucket": f"kvtier-{uuid.uuid4().hex[:12]}", "create_bucket": True,
-                "endpoint_url": request.getfixturevalue("s3_server").url,
-                "access_key_id": "testing", "secret_access_key": "testing"}
+        return {
+            "backend": "s3",
+            "bucket": f"kvtier-{uuid.uuid4().hex[:12]}",
+            "create_bucket": True,
+            "endpoint_url": request.getfixturevalue("s3_server").url,
+            "access_key_id": "testing",
+            "secret_access_key": "testing",
+        }
     raise AssertionError(kind)
 
 
@@ -66,10 +85,13 @@ def scraped(linker) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvtier.integrations.sglang_linker import LinkerCollector
+
     registry = CollectorRegistry()
     registry.register(LinkerCollector(linker))
     text = generate_latest(registry).decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+    }
 
 
 def round_trip(server: Server, tokens: list[int], want: list[torch.Tensor]):
@@ -90,14 +112,22 @@ def round_trip(server: Server, tokens: list[int], want: list[torch.Tensor]):
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_host_round_trip(sg, tmp_path, request, page_size, mla):
-    server = Server(sg, write_yaml(tmp_path, {"backend": "none"}), page_size=page_size, mla=mla)
+    server = Server(
+        sg, write_yaml(tmp_path, {"backend": "none"}), page_size=page_size, mla=mla
+    )
     tokens = list(range(100, 100 + 4 * max(page_size, 4)))
     want = server.compute(tokens, seed=1)
     server.evict_all()
     round_trip(server, tokens, want)
     stats = server.linker.stats()["counters"]
-    assert stats["host_hit_pages"] == len(tokens) // page_size and stats["load_failures"] == 0
-    assert scraped(server.linker)["kvtier_linker_host_hit_pages_total"] == len(tokens) // page_size
+    assert (
+        stats["host_hit_pages"] == len(tokens) // page_size
+        and stats["load_failures"] == 0
+    )
+    assert (
+        scraped(server.linker)["kvtier_linker_host_hit_pages_total"]
+        == len(tokens) // page_size
+    )
     server.check()
     server.close()
 
@@ -116,7 +146,10 @@ def test_store_round_trip(sg, tmp_path, request, kind):
     second = Server(sg, path)
     round_trip(second, TOKENS, want)  # host tier empty: from the store
     c = second.linker.stats()["counters"]
-    assert c["store_hit_pages"] == len(TOKENS) // 4 and c["l3_read_pages"] == len(TOKENS) // 4
+    assert (
+        c["store_hit_pages"] == len(TOKENS) // 4
+        and c["l3_read_pages"] == len(TOKENS) // 4
+    )
     # the pages read are host pages now: a second load needs no store
     second.evict_all()
     round_trip(second, TOKENS, want)
@@ -128,7 +161,9 @@ def test_store_round_trip(sg, tmp_path, request, kind):
 # -- a store page that does not verify, a dead store --------------------------------------
 
 
-def loads_prefix(server: Server, tokens: list[int], pages: int, want: list[torch.Tensor]) -> None:
+def loads_prefix(
+    server: Server, tokens: list[int], pages: int, want: list[torch.Tensor]
+) -> None:
     """A request on `tokens`: lookup finds `pages` pages, and they load byte for byte."""
     req = server.request(tokens + [7])
     result = server.match(req, tokens + [7])
@@ -162,15 +197,25 @@ def test_bad_store_page_fails_the_load_closed(sg, tmp_path, request, damage):
     before = [b.clone() for b in second.buffers()]
     req = second.request(TOKENS + [7])
     result = second.match(req, TOKENS + [7])
-    assert result.host_hit_length == len(TOKENS)  # the store holds all 8 pages by their keys
+    assert result.host_hit_length == len(
+        TOKENS
+    )  # the store holds all 8 pages by their keys
     n, slots, failed = second.load(req, result)
-    assert failed == [req] and req.skip_radix_cache_insert and req.discard_output_reason is not None
+    assert (
+        failed == [req]
+        and req.skip_radix_cache_insert
+        and req.discard_output_reason is not None
+    )
     for b, was in zip(second.buffers(), before):
-        assert torch.equal(b.view(torch.uint8), was.view(torch.uint8))  # not one byte written
+        assert torch.equal(
+            b.view(torch.uint8), was.view(torch.uint8)
+        )  # not one byte written
     second.allocator.free(slots)
     assert second.linker.stats()["counters"]["l3_read_failures"] == 1
     second.check()
-    loads_prefix(second, TOKENS, 5, want)  # the next request on it: a shorter lookup, right bytes
+    loads_prefix(
+        second, TOKENS, 5, want
+    )  # the next request on it: a shorter lookup, right bytes
     second.close()
 
 
@@ -179,7 +224,9 @@ def test_missing_store_page_gives_a_shorter_lookup(sg, tmp_path, request):
     first = Server(sg, path)
     want = first.compute(TOKENS, seed=4)
     first.close()
-    page_files(sg, first, tmp_path / "l3", TOKENS)[3].unlink()  # before the store indexes its files
+    page_files(sg, first, tmp_path / "l3", TOKENS)[
+        3
+    ].unlink()  # before the store indexes its files
     second = Server(sg, path)
     loads_prefix(second, TOKENS, 3, want)
     second.close()
@@ -191,22 +238,36 @@ def test_dead_store_gives_host_only_lookups(sg, tmp_path):
     lookups answer from the host tier alone, without a store call."""
     hole = BlackHole()  # accepts connections, never answers
     try:
-        path = write_yaml(tmp_path, {"backend": "redis", "url": f"redis://127.0.0.1:{hole.port}/0",
-                                     "timeout_s": 0.3, "connect_timeout_s": 5.0, "socket_timeout_s": 5.0},
-                          controller={"store_down_after_failures": 2, "store_probe_backoff_s": 3600})
+        path = write_yaml(
+            tmp_path,
+            {
+                "backend": "redis",
+                "url": f"redis://127.0.0.1:{hole.port}/0",
+                "timeout_s": 0.3,
+                "connect_timeout_s": 5.0,
+                "socket_timeout_s": 5.0,
+            },
+            controller={"store_down_after_failures": 2, "store_probe_backoff_s": 3600},
+        )
         server = Server(sg, path)
         on_host = list(range(500, 516))
-        want = server.compute(on_host, seed=5)  # offloaded to host; its store write times out
+        want = server.compute(
+            on_host, seed=5
+        )  # offloaded to host; its store write times out
         server.evict_all()
         store = server.linker.core.store
         for i in range(4):
-            tokens = on_host + list(range(600 + 16 * i, 616 + 16 * i))  # 4 host pages, 4 nowhere
+            tokens = on_host + list(
+                range(600 + 16 * i, 616 + 16 * i)
+            )  # 4 host pages, 4 nowhere
             req = server.request(tokens)
             result = server.match(req, tokens)
             assert result.host_hit_length == len(on_host)
         stats = server.linker.stats()
         assert stats["store"]["store_down"] is True
-        assert stats["counters"]["lookup_store_skipped"] >= 2  # the last lookups did not call it
+        assert (
+            stats["counters"]["lookup_store_skipped"] >= 2
+        )  # the last lookups did not call it
         assert store.stats()["exists_calls"] <= 2 and store.stats()["timeouts"] >= 1
         n, slots, failed = server.load(req, result)
         assert failed == [] and n == len(on_host)
@@ -233,15 +294,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_ranks(tmp_path, scenario: str, timeout: float = 300) -> list[dict]:
     from tests.servers import free_port
+
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.integrations.sglang_linker_tp_worker", str(rank), "2",
-                               str(port), str(tmp_path), scenario], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.integrations.sglang_linker_tp_worker",
+                str(rank),
+                "2",
+                str(port),
+                str(tmp_path),
+                scenario,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace")[-3000:])
+            logs.append(
+                p.communicate(timeout=timeout)[0].decode(errors="replace")[-3000:]
+            )
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -257,7 +337,9 @@ def test_two_ranks_whose_stores_differ_restore_the_same_length(sg, tmp_path):
     r0, r1 = run_ranks(tmp_path, "short")
     assert (r0["local_lookup_pages"], r1["local_lookup_pages"]) == (8, 5)
     assert r0["host_hit_length"] == r1["host_hit_length"] == 20
-    assert r0["loaded"] == r1["loaded"] == 20 and r0["bytes_equal"] and r1["bytes_equal"]
+    assert (
+        r0["loaded"] == r1["loaded"] == 20 and r0["bytes_equal"] and r1["bytes_equal"]
+    )
 
 
 def test_a_load_failing_on_one_rank_fails_on_both(sg, tmp_path):
@@ -272,11 +354,19 @@ def test_a_load_failing_on_one_rank_fails_on_both(sg, tmp_path):
 def test_the_module_imports_without_sglang():
     """`import kvtier.integrations.sglang_linker` needs no SGLang; `KvtierLinker` then
     fails naming the install."""
-    code = ("import sys; sys.modules['sglang'] = None\n"
-            "import kvtier.integrations.sglang_linker as m\n"
-            "try:\n    m.KvtierLinker\nexcept ImportError as exc:\n    print(exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                         capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "import kvtier.integrations.sglang_linker as m\n"
+        "try:\n    m.KvtierLinker\nexcept ImportError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "pip install --no-deps sglang==0.5.23" in out.stdout
 
@@ -296,17 +386,28 @@ def test_cancel_and_reset_free_what_they_hold(sg, tmp_path, request):
     req = server.request(TOKENS + [7])
     result = server.match(req, TOKENS + [7])
     server.r2t.alloc([req])
-    n, _ = server.cache.init_load_back(sg.bpc.InitLoadBackParams(
-        best_match_node=result.best_match_node, host_hit_length=result.host_hit_length, req=req))
+    n, _ = server.cache.init_load_back(
+        sg.bpc.InitLoadBackParams(
+            best_match_node=result.best_match_node,
+            host_hit_length=result.host_hit_length,
+            req=req,
+        )
+    )
     assert n == len(TOKENS) and server.linker.stats()["queues"]["loads_queued"] == 1
     slots = server.cache.linker.private_load_indices[req.rid]
     server.cache.linker.release_request(req.rid)  # what SGLang's abort does
     server.allocator.free(slots)
     stats = server.linker.stats()
-    assert stats["queues"]["loads_queued"] == 0 and stats["counters"]["loads_cancelled"] == 1
+    assert (
+        stats["queues"]["loads_queued"] == 0
+        and stats["counters"]["loads_cancelled"] == 1
+    )
     server.linker.core.quiesce()  # the cancelled read settles; its pages go back
     host = server.linker.stats()["host"]
-    assert host["pages_pinned"] == 0 and host["pages_free"] + host["pages_published"] == host["pages_total"]
+    assert (
+        host["pages_pinned"] == 0
+        and host["pages_free"] + host["pages_published"] == host["pages_total"]
+    )
     server.check()
     server.cache.reset()
     host = server.linker.stats()["host"]
@@ -318,8 +419,12 @@ def test_cancel_and_reset_free_what_they_hold(sg, tmp_path, request):
 # -- a tenant key (docs/security.md) --------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,encrypt", [("file", False), ("redis", True), ("s3", False)])
-def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(sg, tmp_path, request, caplog, kind, encrypt):
+@pytest.mark.parametrize(
+    "kind,encrypt", [("file", False), ("redis", True), ("s3", False)]
+)
+def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(
+    sg, tmp_path, request, caplog, kind, encrypt
+):
     """With a tenant key the namespace carries its id, pages come back from the sealed
     store byte for byte, the store's keys are keyed hashes (none holds SGLang's page hash,
     which anyone can compute from the tokens), another key or none finds nothing, and no
@@ -327,40 +432,62 @@ def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(sg, tmp_path, re
     caplog.set_level(logging.DEBUG)
     section = store_section(kind, request, tmp_path)
     salt = uuid.uuid4().hex  # this test's pages only, whatever a shared store holds
-    path = write_yaml(tmp_path, section, namespace={"tenant_salt": salt, "tenant_key": KEY_A, "encrypt": encrypt})
+    path = write_yaml(
+        tmp_path,
+        section,
+        namespace={"tenant_salt": salt, "tenant_key": KEY_A, "encrypt": encrypt},
+    )
     first = Server(sg, path)
     ns = first.linker.core.settings.namespace
     assert ns.tenant_key_id == KEY_A_ID
     want = first.compute(TOKENS, seed=11)
     first.close()
     second = Server(sg, path)
-    round_trip(second, TOKENS, want)  # host tier empty: every page from the store, authenticated
+    round_trip(
+        second, TOKENS, want
+    )  # host tier empty: every page from the store, authenticated
     assert second.linker.stats()["counters"]["store_hit_pages"] == len(TOKENS) // 4
     engine = engine_keys(sg, second, TOKENS)
     seen = list_store(section, ns.id)
     unkeyed = {make_key("kvtier", ns.id, page_hash_of(k)) for k in engine}
     assert len(seen.keys) == len(engine) and not unkeyed & set(seen.keys)
     assert not any(k in key for k in engine for key in seen.keys)
-    assert seen.plain == 0 and seen.manifest["tenant_key_id"] == KEY_A_ID  # every frame sealed
+    assert (
+        seen.plain == 0 and seen.manifest["tenant_key_id"] == KEY_A_ID
+    )  # every frame sealed
     for other in ({"tenant_salt": salt, "tenant_key": KEY_B}, {"tenant_salt": salt}):
         stranger = Server(sg, write_yaml(tmp_path, section, namespace=other))
-        assert stranger.match(stranger.request(TOKENS + [7]), TOKENS + [7]).host_hit_length == 0
+        assert (
+            stranger.match(stranger.request(TOKENS + [7]), TOKENS + [7]).host_hit_length
+            == 0
+        )
         stranger.close()
-    shown = " ".join([repr(second.linker.core.settings), repr(second.linker.core.store.codec),
-                      str(second.linker.stats()), caplog.text])
+    shown = " ".join(
+        [
+            repr(second.linker.core.settings),
+            repr(second.linker.core.store.codec),
+            str(second.linker.stats()),
+            caplog.text,
+        ]
+    )
     assert KEY_A_ID in repr(second.linker.core.settings) and not leaks_key(shown)
     second.check()
     second.close()
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
-def test_tenant_key_a_reframed_store_page_fails_the_load_closed(sg, tmp_path, request, encrypt):
+def test_tenant_key_a_reframed_store_page_fails_the_load_closed(
+    sg, tmp_path, request, encrypt
+):
     """Who can write the store re-frames page 5 of 8 with page 2's payload under a fresh
     plain xxh3 checksum (which a store without a key serves): with a key the load fails
     before any byte reaches the device pool, and the next request loads the 5 pages before
     it byte for byte."""
-    path = write_yaml(tmp_path, store_section("file", request, tmp_path),
-                      namespace={"tenant_key": KEY_A, "encrypt": encrypt})
+    path = write_yaml(
+        tmp_path,
+        store_section("file", request, tmp_path),
+        namespace={"tenant_key": KEY_A, "encrypt": encrypt},
+    )
     first = Server(sg, path)
     want = first.compute(TOKENS, seed=12)
     first.close()

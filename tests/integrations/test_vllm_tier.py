@@ -14,7 +14,14 @@ import pytest
 
 from kvtier.errors import KvtierConfigError, StoreUnavailable
 from tests.integrations import vllm_runtime as rt
-from tests.integrations.tenant_store import KEY_A, KEY_A_ID, KEY_B, leaks_key, list_store, reframe_plain
+from tests.integrations.tenant_store import (
+    KEY_A,
+    KEY_A_ID,
+    KEY_B,
+    leaks_key,
+    list_store,
+    reframe_plain,
+)
 
 STORES = ["file", "redis", "s3"]
 
@@ -30,19 +37,28 @@ def store_section(kind: str, request, tmp_path) -> dict:
     if kind == "redis":
         return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
     if kind == "s3":
-        return {"backend": "s3", "bucket": f"kvtier-{uuid.uuid4().hex[:12]}", "create_bucket": True,
-                "endpoint_url": request.getfixturevalue("s3_server").url,
-                "access_key_id": "testing", "secret_access_key": "testing"}
+        return {
+            "backend": "s3",
+            "bucket": f"kvtier-{uuid.uuid4().hex[:12]}",
+            "create_bucket": True,
+            "endpoint_url": request.getfixturevalue("s3_server").url,
+            "access_key_id": "testing",
+            "secret_access_key": "testing",
+        }
     raise AssertionError(kind)
 
 
 def conf(store: dict, **controller) -> dict:
-    return {"store": {"timeout_s": 5.0, **store}, "controller": controller,
-            "namespace": {"tenant_salt": uuid.uuid4().hex}}  # each test its own pages, whatever the store holds
+    return {
+        "store": {"timeout_s": 5.0, **store},
+        "controller": controller,
+        "namespace": {"tenant_salt": uuid.uuid4().hex},
+    }  # each test its own pages, whatever the store holds
 
 
 def new_keys(n: int) -> list[bytes]:
     from vllm.v1.kv_offload.base import make_offload_key
+
     return [make_offload_key(os.urandom(32), 0) for _ in range(n)]
 
 
@@ -53,10 +69,13 @@ def rigs():
     def make(*args, **kw) -> rt.Rig:
         made.append(rt.Rig(*args, **kw))
         return made[-1]
+
     yield make
     for r in made:
         r.close()
-        assert rt.shm_segments(r.engine_id) == [], "the shared primary region outlived the manager"
+        assert rt.shm_segments(r.engine_id) == [], (
+            "the shared primary region outlived the manager"
+        )
 
 
 def names(seen: dict) -> list[list[str]]:
@@ -64,7 +83,9 @@ def names(seen: dict) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("kind", STORES)
-def test_cascade_then_promotion_gives_back_the_same_bytes(kind, request, tmp_path, rigs):
+def test_cascade_then_promotion_gives_back_the_same_bytes(
+    kind, request, tmp_path, rigs
+):
     from vllm.v1.kv_offload.base import Medium
 
     cfg = conf(store_section(kind, request, tmp_path))
@@ -73,7 +94,9 @@ def test_cascade_then_promotion_gives_back_the_same_bytes(kind, request, tmp_pat
     written = writer.store(keys)
     assert writer.tier.counters["store_ok"] == 4
     stored = [e for e in writer.events if e.medium is Medium.STORAGE and not e.removed]
-    assert [k for e in stored for k in e.keys] == keys  # take_events: what reached the store, in order
+    assert [
+        k for e in stored for k in e.keys
+    ] == keys  # take_events: what reached the store, in order
 
     # the same engine after a reset: the primary is empty, the tier knows its keys
     writer.mgr.reset_cache()
@@ -116,7 +139,9 @@ def test_a_block_the_store_evicted_is_stored_again_when_vllm_cascades_it(rigs):
     was gone from the store for good. Every cascaded row is written."""
     from vllm.v1.kv_offload.base import Medium
 
-    rig = rigs({"store": {"backend": "memory", "capacity_bytes": 2 * (80 + 4096)}}, chunks=8)
+    rig = rigs(
+        {"store": {"backend": "memory", "capacity_bytes": 2 * (80 + 4096)}}, chunks=8
+    )
     tier = rig.tier
     k1, k2, k3 = new_keys(3)
     for i, key in enumerate((k1, k2, k3)):
@@ -128,16 +153,25 @@ def test_a_block_the_store_evicted_is_stored_again_when_vllm_cascades_it(rigs):
     assert not held(k1)
     rig.mgr.reset_cache()
     rig.mgr.on_reset_flushed()
-    written = rig.store([k1], "recompute")  # vLLM computed k1 again: primary, then the cascade
+    written = rig.store(
+        [k1], "recompute"
+    )  # vLLM computed k1 again: primary, then the cascade
     assert held(k1)
-    assert k1 in [k for e in rig.events if e.medium is Medium.STORAGE and not e.removed for k in e.keys]
+    assert k1 in [
+        k
+        for e in rig.events
+        if e.medium is Medium.STORAGE and not e.removed
+        for k in e.keys
+    ]
     rig.mgr.reset_cache()
     rig.mgr.on_reset_flushed()
     seen, got = rig.load([k1], "reader")
     assert got == written
 
 
-def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path, rigs, monkeypatch):
+def test_while_the_store_is_skipped_promotions_announce_no_row_removed(
+    tmp_path, rigs, monkeypatch
+):
     """Once a hung read opened the breaker, promotions of rows the store holds intact were
     skipped, and the tier took the skip for rows gone: it sent `BlockRemoved` (STORAGE) to
     routers. A call that failed as a whole (breaker, timeout, error) fails the job (vLLM
@@ -146,8 +180,13 @@ def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path,
 
     from tests.hung import HungMount
 
-    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3},
-                    store_probe_backoff_s=60.0), chunks=4)
+    rig = rigs(
+        conf(
+            {"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3},
+            store_probe_backoff_s=60.0,
+        ),
+        chunks=4,
+    )
     tier = rig.tier
     hung, k2, k3 = new_keys(3)
     rig.store([hung, k2, k3])
@@ -160,13 +199,18 @@ def test_while_the_store_is_skipped_promotions_announce_no_row_removed(tmp_path,
         assert tier.breaker.down
         rig.events.clear()
         seen, _ = rig.load([k2, k3], "r2")
-        assert [s[-1].name for s in seen.values()] == ["MISS", "MISS"]  # not promoted: recomputed
+        assert [s[-1].name for s in seen.values()] == [
+            "MISS",
+            "MISS",
+        ]  # not promoted: recomputed
         assert not [e for e in rig.events if e.medium is Medium.STORAGE and e.removed]
     finally:
         mount.release()
 
 
-def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, rigs, monkeypatch):
+def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(
+    tmp_path, rigs, monkeypatch
+):
     """A hung mount (tests/hung.py). The promotion's read is given up on and reported
     failed; vLLM frees its primary row and stores other KV there. When the mount came back,
     the abandoned thread went on reading into that row: vLLM then served the other key's
@@ -176,7 +220,10 @@ def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, 
 
     from tests.hung import HungMount
 
-    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3}), chunks=2)
+    rig = rigs(
+        conf({"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3}),
+        chunks=2,
+    )
     tier = rig.tier
     [key] = new_keys(1)
     rig.store([key])
@@ -188,7 +235,9 @@ def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, 
         rig.mgr.on_reset_flushed()  # the primary tier is empty: the block lives in the store only
         ctx = ReqContext(req_id="reader")
         rig.mgr.on_new_request(ctx)
-        assert rig.mgr.lookup(key, ctx) is LookupResult.HIT_PENDING  # a promotion into a primary row
+        assert (
+            rig.mgr.lookup(key, ctx) is LookupResult.HIT_PENDING
+        )  # a promotion into a primary row
         rig.step()
         tier.drain_jobs()  # the read times out and is abandoned: the job failed
         rig.step()
@@ -197,7 +246,9 @@ def test_a_promotion_read_given_up_on_stuck_writes_no_row_vllm_reuses(tmp_path, 
         rig.settle()
         others = new_keys(2)
         written = rig.store(others, "writer2")  # every primary row holds other KV now
-        with open(path, "r+b") as f:  # the page's bytes when the mount comes back: anything
+        with open(
+            path, "r+b"
+        ) as f:  # the page's bytes when the mount comes back: anything
             f.seek(200)
             f.write(b"\xab" * 256)
         mount.come_back()  # the stuck read goes on, and its thread ends
@@ -216,15 +267,24 @@ def corrupt(kind: str, request, tier, key_full: str, section: dict) -> None:
         path.write_bytes(bytes(blob))
     elif kind == "redis":
         import redis
+
         raw = redis.Redis.from_url(section["url"])
         blob = bytearray(raw.get(key_full))
         blob[-1] ^= 0xFF
         raw.set(key_full, bytes(blob))
     else:
         import boto3
-        client = boto3.client("s3", endpoint_url=section["endpoint_url"], region_name="us-east-1",
-                              aws_access_key_id="testing", aws_secret_access_key="testing")
-        blob = bytearray(client.get_object(Bucket=section["bucket"], Key=key_full)["Body"].read())
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=section["endpoint_url"],
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        blob = bytearray(
+            client.get_object(Bucket=section["bucket"], Key=key_full)["Body"].read()
+        )
         blob[-1] ^= 0xFF
         client.put_object(Bucket=section["bucket"], Key=key_full, Body=bytes(blob))
 
@@ -240,7 +300,13 @@ def test_a_corrupted_stored_block_is_a_miss(kind, request, tmp_path, rigs):
     written = rigs(cfg).store(keys)
     reader = rigs(cfg)
     t = reader.tier
-    corrupt(kind, request, t, make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1])), section)
+    corrupt(
+        kind,
+        request,
+        t,
+        make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1])),
+        section,
+    )
     seen, got = reader.load(keys)
     # the probe finds all three; the promotion verifies two: the bad one ends a MISS
     assert names(seen)[0][-1] == "HIT" and names(seen)[2][-1] == "HIT"
@@ -258,15 +324,26 @@ def test_a_black_hole_store_does_not_stall_lookup(rigs):
 
     hole = BlackHole()
     try:
-        rig = rigs(conf({"backend": "redis", "url": f"redis://127.0.0.1:{hole.port}/0", "timeout_s": 0.3},
-                        store_down_after_failures=2, store_probe_backoff_s=60.0))
+        rig = rigs(
+            conf(
+                {
+                    "backend": "redis",
+                    "url": f"redis://127.0.0.1:{hole.port}/0",
+                    "timeout_s": 0.3,
+                },
+                store_down_after_failures=2,
+                store_probe_backoff_s=60.0,
+            )
+        )
         keys = new_keys(2)
         ctx = ReqContext(req_id="r")
         rig.mgr.on_new_request(ctx)
         assert [rig.mgr.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
         rig.step()  # the probe goes out
         assert rig.tier.index.in_flight == 1  # unanswered: the hole holds it
-        assert [rig.mgr.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2  # returned without it
+        assert [rig.mgr.lookup(k, ctx) for k in keys] == [
+            LookupResult.RETRY
+        ] * 2  # returned without it
         rig.tier.drain_jobs()  # the probe times out (0.3 s)
         assert [rig.mgr.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2
         rig.mgr.on_request_finished(ctx)
@@ -291,8 +368,19 @@ def test_bad_tier_config_names_the_key(tmp_path):
         rt.Rig(None)
     with pytest.raises(KvtierConfigError, match=r"store.backend='none'"):
         rt.Rig({"namespace": {"model_id": "m"}})
-    with pytest.raises(KvtierConfigError, match=r"store.page_tokens=64: secondary tier .* stores one engine page"):
-        rt.Rig({"store": {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 64}})
+    with pytest.raises(
+        KvtierConfigError,
+        match=r"store.page_tokens=64: secondary tier .* stores one engine page",
+    ):
+        rt.Rig(
+            {
+                "store": {
+                    "backend": "file",
+                    "root": str(tmp_path / "l3"),
+                    "page_tokens": 64,
+                }
+            }
+        )
 
 
 def test_namespace_separates_tenants_and_models(tmp_path, rigs):
@@ -300,7 +388,10 @@ def test_namespace_separates_tenants_and_models(tmp_path, rigs):
     a = rigs({"store": section}, tenant="a")
     b = rigs({"store": section}, tenant="b")
     assert a.tier.namespace.id != b.tier.namespace.id
-    assert a.tier.namespace.model_id == "tiny-llama" and a.tier.namespace.dtype == "float16"
+    assert (
+        a.tier.namespace.model_id == "tiny-llama"
+        and a.tier.namespace.dtype == "float16"
+    )
     keys = new_keys(2)
     a.store(keys)
     seen, got = b.load(keys)
@@ -310,14 +401,24 @@ def test_namespace_separates_tenants_and_models(tmp_path, rigs):
 def test_module_imports_without_vllm(tmp_path):
     """`import kvtier.integrations.vllm` works without vLLM; KvtierTier names the install."""
     blocker = tmp_path / "sitecustomize.py"
-    blocker.write_text("import sys\nclass B:\n    def find_spec(self, name, path=None, target=None):\n"
-                       "        if name == 'vllm' or name.startswith('vllm.'):\n"
-                       "            raise ModuleNotFoundError(\"No module named 'vllm'\")\n"
-                       "sys.meta_path.insert(0, B())\n")
+    blocker.write_text(
+        "import sys\nclass B:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ModuleNotFoundError(\"No module named 'vllm'\")\n"
+        "sys.meta_path.insert(0, B())\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
-    code = ("import kvtier.integrations.vllm as v\n"
-            "try:\n    v.KvtierTier\nexcept ImportError as e:\n    print('ERR', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    code = (
+        "import kvtier.integrations.vllm as v\n"
+        "try:\n    v.KvtierTier\nexcept ImportError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "ERR" in out.stdout and "pip install --no-deps vllm==0.33.0" in out.stdout
 
@@ -336,7 +437,9 @@ class BuggyStore(MemoryStore):
 def test_a_job_whose_store_call_raises_a_bug_fails_its_keys_and_never_hangs(rigs):
     rig = rigs({"store": {"backend": "tests.integrations.test_vllm_tier:BuggyStore"}})
     keys = new_keys(3)
-    rig.store(keys)  # settles: the job ended (vLLM's manager would wait forever on a lost one)
+    rig.store(
+        keys
+    )  # settles: the job ended (vLLM's manager would wait forever on a lost one)
     assert rig.tier.counters["store_ok"] == 0 and not rig.tier.has_pending_work()
     rig.mgr.reset_cache()  # vLLM asserts no job is left
     rig.mgr.on_reset_flushed()
@@ -354,12 +457,16 @@ def test_a_store_that_cannot_be_built_leaves_no_thread_and_no_region():
     import threading
 
     def leftovers():
-        return ({t.name for t in threading.enumerate() if t.name == "kvtier-vllm-store"},
-                set(glob.glob("/dev/shm/vllm_offload_kvtiertest*")))
+        return (
+            {t.name for t in threading.enumerate() if t.name == "kvtier-vllm-store"},
+            set(glob.glob("/dev/shm/vllm_offload_kvtiertest*")),
+        )
 
     before = leftovers()
     with pytest.raises(StoreUnavailable, match="unbuildable"):
-        rt.Rig({"store": {"backend": "tests.integrations.test_vllm_tier:UnbuildableStore"}})
+        rt.Rig(
+            {"store": {"backend": "tests.integrations.test_vllm_tier:UnbuildableStore"}}
+        )
     assert leftovers() == before
 
 
@@ -370,8 +477,12 @@ def keyed(cfg: dict, **namespace) -> dict:
     return {**cfg, "namespace": {**cfg["namespace"], **namespace}}
 
 
-@pytest.mark.parametrize("kind,encrypt", [("file", False), ("redis", True), ("s3", False)])
-def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(kind, encrypt, request, tmp_path, rigs, caplog):
+@pytest.mark.parametrize(
+    "kind,encrypt", [("file", False), ("redis", True), ("s3", False)]
+)
+def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(
+    kind, encrypt, request, tmp_path, rigs, caplog
+):
     """With a tenant key the namespace carries its id, a new engine promotes the sealed
     rows byte for byte, the store's keys are keyed hashes (none holds a vLLM block hash,
     which anyone can compute from the tokens), the KV events keep vLLM's own keys, another
@@ -388,7 +499,12 @@ def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(kind, encrypt, r
     keys = new_keys(4)
     writer = rigs(cfg)
     written = writer.store(keys)
-    assert [k for e in writer.events if e.medium is Medium.STORAGE and not e.removed for k in e.keys] == keys
+    assert [
+        k
+        for e in writer.events
+        if e.medium is Medium.STORAGE and not e.removed
+        for k in e.keys
+    ] == keys
     t = writer.tier
     assert t.namespace.tenant_key_id == KEY_A_ID
     reader = rigs(cfg)
@@ -398,11 +514,15 @@ def test_tenant_key_round_trips_and_its_store_keys_tell_nothing(kind, encrypt, r
     unkeyed = {make_key(t.key_prefix, t.namespace.id, page_hash_of(k)) for k in keys}
     assert len(seen.keys) == len(keys) and not unkeyed & set(seen.keys)
     assert not any(k[:-4].hex() in key for k in keys for key in seen.keys)
-    assert seen.plain == 0 and seen.manifest["tenant_key_id"] == KEY_A_ID  # every frame sealed
+    assert (
+        seen.plain == 0 and seen.manifest["tenant_key_id"] == KEY_A_ID
+    )  # every frame sealed
     for other in (keyed(base, tenant_key=KEY_B), base):
         seen, got = rigs(other).load(keys)
         assert names(seen) == [["RETRY", "MISS"]] * 4 and got == {}
-    shown = " ".join([repr(t.tenant), repr(t.store.codec), str(t.kvtier_stats()), caplog.text])
+    shown = " ".join(
+        [repr(t.tenant), repr(t.store.codec), str(t.kvtier_stats()), caplog.text]
+    )
     assert KEY_A_ID in repr(t.tenant) and not leaks_key(shown)
 
 
@@ -411,7 +531,11 @@ def test_tenant_key_a_reframed_block_is_a_miss(encrypt, tmp_path, rigs):
     """Who can write the store re-frames row 1 with row 2's payload under a fresh plain
     xxh3 checksum (which a store without a key serves): with a key its promotion is a MISS,
     and the other rows come back byte for byte."""
-    cfg = keyed(conf({"backend": "file", "root": str(tmp_path / "l3")}), tenant_key=KEY_A, encrypt=encrypt)
+    cfg = keyed(
+        conf({"backend": "file", "root": str(tmp_path / "l3")}),
+        tenant_key=KEY_A,
+        encrypt=encrypt,
+    )
     keys = new_keys(3)
     written = rigs(cfg).store(keys)
     reader = rigs(cfg)

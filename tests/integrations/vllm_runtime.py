@@ -26,7 +26,9 @@ def need_vllm():
     """Skip (outside CI) or fail (in CI) without vLLM 0.33.0."""
     problem = None
     if importlib.util.find_spec("vllm") is None:
-        problem = f"vLLM is not installed: {INSTALL_HINT} (and the imports .ci/run lists)"
+        problem = (
+            f"vLLM is not installed: {INSTALL_HINT} (and the imports .ci/run lists)"
+        )
     elif version("vllm") != VLLM_VERSION:
         problem = f"these tests pin vLLM {VLLM_VERSION}; found {version('vllm')}"
     else:
@@ -47,35 +49,75 @@ def shm_segments(engine_id: str) -> list[str]:
 class Rig:
     """A real TieringOffloadingManager with KvtierTier as its one secondary tier."""
 
-    def __init__(self, kvtier_config, chunks: int = 8, row_bytes: int = 4096, events: bool = True,
-                 **tier_keys) -> None:
-        from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                               OffloadingModelConfig, OffloadingParallelConfig)
+    def __init__(
+        self,
+        kvtier_config,
+        chunks: int = 8,
+        row_bytes: int = 4096,
+        events: bool = True,
+        **tier_keys,
+    ) -> None:
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
         from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
         self.engine_id = f"kvtiertest{uuid.uuid4().hex[:12]}"
-        tier = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "kvtier_config": kvtier_config,
-                **tier_keys}
+        tier = {
+            "type": "KvtierTier",
+            "module_path": "kvtier.integrations.vllm",
+            "kvtier_config": kvtier_config,
+            **tier_keys,
+        }
         config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.self_attn.attn",),
-                                          group_id=0),),
-            worker_kv_bytes_per_block=row_bytes, enable_kv_cache_events=events,
-            extra_config={"cpu_bytes_to_use": chunks * row_bytes, "block_size": 16, "secondary_tiers": [tier]},
-            engine_id=self.engine_id, model=OffloadingModelConfig(name="tiny-llama", dtype="float16"),
+            groups=(
+                OffloadingGroupConfig(
+                    tokens_per_block=16,
+                    layer_names=("model.layers.0.self_attn.attn",),
+                    group_id=0,
+                ),
+            ),
+            worker_kv_bytes_per_block=row_bytes,
+            enable_kv_cache_events=events,
+            extra_config={
+                "cpu_bytes_to_use": chunks * row_bytes,
+                "block_size": 16,
+                "secondary_tiers": [tier],
+            },
+            engine_id=self.engine_id,
+            model=OffloadingModelConfig(name="tiny-llama", dtype="float16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                              data_parallel_index=0, data_parallel_size=1,
-                                              data_parallel_rank_local=None, is_parallelism_agnostic=False))
+            parallel=OffloadingParallelConfig(
+                rank=0,
+                world_size=1,
+                tp_size=1,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                data_parallel_index=0,
+                data_parallel_size=1,
+                data_parallel_rank_local=None,
+                is_parallelism_agnostic=False,
+            ),
+        )
         self.spec = TieringOffloadingSpec(config)
         self.mgr = self.spec.get_manager()
         self.tier = self.mgr.secondary_tiers[0]
-        self.rows = np.asarray(self.mgr.primary_tier.get_kv_memoryview())  # (chunks, row bytes), zero-copy
+        self.rows = np.asarray(
+            self.mgr.primary_tier.get_kv_memoryview()
+        )  # (chunks, row bytes), zero-copy
         self.events: list = []  # taken by the last `store`, and by the `load`s since
 
     def step(self) -> list:
         from vllm.v1.kv_offload.base import ScheduleEndContext
 
-        self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        self.mgr.on_schedule_end(
+            ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        )
         return list(self.mgr.take_events())
 
     def settle(self) -> list:
@@ -98,7 +140,9 @@ class Rig:
         out = self.mgr.prepare_store(keys, ctx)
         written = {}
         for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids):
-            self.rows[cid][:] = np.frombuffer(os.urandom(self.rows.shape[1]), dtype=np.uint8)
+            self.rows[cid][:] = np.frombuffer(
+                os.urandom(self.rows.shape[1]), dtype=np.uint8
+            )
             written[key] = self.rows[cid].tobytes()
         self.mgr.complete_store(keys, ctx, success=True)
         self.events = self.settle()

@@ -4,7 +4,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.tiers.allocator import PagedAllocator, TokenAllocator, _distinct, _pages_touched
+from kvtier.tiers.allocator import (
+    PagedAllocator,
+    TokenAllocator,
+    _distinct,
+    _pages_touched,
+)
 from kvtier.tiers.indices import concat, page_slots, pages_of
 
 
@@ -139,8 +144,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         held = {s for g in self.held_pages for s in g}
         assert all(s >= self.page_size for s in got) and not held & set(got)
         for k in range(0, len(got), self.page_size):
-            page = got[k:k + self.page_size]
-            assert page == list(range(page[0], page[0] + self.page_size)) and page[0] % self.page_size == 0
+            page = got[k : k + self.page_size]
+            assert (
+                page == list(range(page[0], page[0] + self.page_size))
+                and page[0] % self.page_size == 0
+            )
         self.held_pages.append(got)
 
     @precondition(lambda self: self.held_pages)
@@ -167,23 +175,34 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
-TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestAllocatorMachine.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None
+)
 
 
 def test_paged_free_counts_each_page_once_in_any_order():
     """Slots of one page side by side (the usual row) or scattered: each page freed once."""
     a = PagedAllocator(64, 4, debug=True)
     x = a.alloc(16)  # pages 1..4
-    scattered = torch.cat([x[4:8], x[12:14], x[4:6], x[0:1], x[13:16], x[0:4]])  # pages 2, 4, 2, 1, 4, 1
+    scattered = torch.cat(
+        [x[4:8], x[12:14], x[4:6], x[0:1], x[13:16], x[0:4]]
+    )  # pages 2, 4, 2, 1, 4, 1
     a.free(scattered)
-    assert a.available_size() == 64 - 16 + 3 * 4  # pages 1, 2, 4 back; page 3 still held
+    assert (
+        a.available_size() == 64 - 16 + 3 * 4
+    )  # pages 1, 2, 4 back; page 3 still held
     with pytest.raises(ValueError, match="not allocated"):
         a.free(x[0:4])  # page 1 went back once already
-    assert sorted(set((a.alloc(60) // 4).tolist())) == [p for p in range(1, 17) if p != 3]
+    assert sorted(set((a.alloc(60) // 4).tolist())) == [
+        p for p in range(1, 17) if p != 3
+    ]
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.integers(0, 40), max_size=1300), page_size=st.sampled_from([1, 3, 16, 600]))
+@given(
+    values=st.lists(st.integers(0, 40), max_size=1300),
+    page_size=st.sampled_from([1, 3, 16, 600]),
+)
 def test_gil_keeping_helpers_equal_numpy_across_chunk_boundaries(values, page_size):
     """page_slots, pages_of, concat and _distinct work in pieces of GIL_CHUNK elements (numpy
     gives up the GIL past 500); at any length they equal the one-call numpy versions."""
@@ -192,17 +211,28 @@ def test_gil_keeping_helpers_equal_numpy_across_chunk_boundaries(values, page_si
     assert np.array_equal(page_slots(units, page_size), slots)
     assert np.array_equal(pages_of(slots, page_size), slots // page_size)
     joined = concat([units, units[::2], units[:0]])
-    assert np.array_equal(joined, np.concatenate([units, units[::2]])) and joined.flags.writeable
+    assert (
+        np.array_equal(joined, np.concatenate([units, units[::2]]))
+        and joined.flags.writeable
+    )
     runs = np.repeat(units, 3)  # runs of equal values straddle every chunk boundary
     for case in (units, runs, np.sort(runs)):
         out = _distinct(case)
-        assert sorted(out.tolist()) == sorted(set(case.tolist())) and out.size == len(set(case.tolist()))
+        assert sorted(out.tolist()) == sorted(set(case.tolist())) and out.size == len(
+            set(case.tolist())
+        )
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.integers(0, 60), max_size=120), page_size=st.sampled_from([1, 4, 16]),
-       swap=st.integers(0, 10_000), cut=st.integers(0, 3))
-def test_pages_touched_equals_the_distinct_pages_of_the_slots(values, page_size, swap, cut):
+@given(
+    values=st.lists(st.integers(0, 60), max_size=120),
+    page_size=st.sampled_from([1, 4, 16]),
+    swap=st.integers(0, 10_000),
+    cut=st.integers(0, 3),
+)
+def test_pages_touched_equals_the_distinct_pages_of_the_slots(
+    values, page_size, swap, cut
+):
     """Whole pages each once take the short path; a page listed twice, a slot of another
     page inside a run, or a ragged end must not: every case frees each page it touches,
     exactly once."""
@@ -212,26 +242,46 @@ def test_pages_touched_equals_the_distinct_pages_of_the_slots(values, page_size,
     if mixed.size:  # one slot is of a page no run starts with
         mixed[swap % mixed.size] = 1000 * page_size + swap % page_size
     distinct = (np.unique(units)[:, None] * page_size + np.arange(page_size)).ravel()
-    tails = (whole[cut:cut + page_size - 1], whole[:max(page_size - 1 - cut, 1)])  # under a page: one or two
-    for slots in (whole, mixed, distinct, distinct[cut:], np.random.default_rng(swap).permutation(distinct), *tails):
+    tails = (
+        whole[cut : cut + page_size - 1],
+        whole[: max(page_size - 1 - cut, 1)],
+    )  # under a page: one or two
+    for slots in (
+        whole,
+        mixed,
+        distinct,
+        distinct[cut:],
+        np.random.default_rng(swap).permutation(distinct),
+        *tails,
+    ):
         got = _pages_touched(pages_of(slots, page_size), page_size)
         want = set((slots // page_size).tolist())
         assert sorted(got.tolist()) == sorted(want) and got.size == len(want)
 
 
-@pytest.mark.parametrize("pages", [40, 1200])  # sorted back by Python (<= 500 pages), or taken in line
-def test_released_pages_come_back_each_once_sorted_when_few_in_release_order_when_many(pages):
+@pytest.mark.parametrize(
+    "pages", [40, 1200]
+)  # sorted back by Python (<= 500 pages), or taken in line
+def test_released_pages_come_back_each_once_sorted_when_few_in_release_order_when_many(
+    pages,
+):
     a = PagedAllocator(pages * 4, 4, debug=True)
     held = a.alloc(pages * 4).reshape(-1, 4)
     order = np.random.default_rng(pages).permutation(pages)
     for chunk in np.array_split(order, 7):  # released out of order, in several frees
         a.free(held[torch.from_numpy(chunk)].reshape(-1))
     assert a.available_size() == pages * 4
-    again = (a.alloc(pages * 4 - 8) // 4).tolist()[::4] + (a.alloc(8) // 4).tolist()[::4]  # one taken in half
+    again = (a.alloc(pages * 4 - 8) // 4).tolist()[::4] + (a.alloc(8) // 4).tolist()[
+        ::4
+    ]  # one taken in half
     if pages <= 500:
-        assert again == list(range(1, pages + 1)), "a few pages come back as one ascending run"
+        assert again == list(range(1, pages + 1)), (
+            "a few pages come back as one ascending run"
+        )
     else:  # no numpy sort on the scheduler thread: they come back in the order they were freed,
-        freed = (order + 1).tolist()  # but for the last two, few enough to be sorted back in
+        freed = (
+            order + 1
+        ).tolist()  # but for the last two, few enough to be sorted back in
         assert again == freed[:-2] + sorted(freed[-2:])
     assert a.available_size() == 0 and a.alloc(4) is None
 
@@ -244,13 +294,20 @@ def test_a_double_free_is_refused_outside_debug_mode_too(debug):
     a = PagedAllocator(64, 4, debug=debug)
     x = a.alloc(8)
     a.free(x)
-    for bad, message in [(x, r"pages \[1, 2\] are not allocated \(double free\?\)"),
-                         (torch.tensor([0, 1, 2, 3]), r"pages \[0\] out of range 1..16 \(0 is padding\)"),
-                         (torch.tensor([68, 69]), r"pages \[17\] out of range")]:
+    for bad, message in [
+        (x, r"pages \[1, 2\] are not allocated \(double free\?\)"),
+        (
+            torch.tensor([0, 1, 2, 3]),
+            r"pages \[0\] out of range 1..16 \(0 is padding\)",
+        ),
+        (torch.tensor([68, 69]), r"pages \[17\] out of range"),
+    ]:
         with pytest.raises(ValueError, match=message):
             a.free(bad)
     assert a.available_size() == 64
-    assert len(set((a.alloc(64) // 4).tolist())) == 16  # every page once: none was queued twice
+    assert (
+        len(set((a.alloc(64) // 4).tolist())) == 16
+    )  # every page once: none was queued twice
     t = TokenAllocator(8, debug=debug)
     got = t.alloc(3)
     t.free(got)
@@ -266,10 +323,14 @@ def test_a_tail_of_a_page_frees_that_page_once_and_a_second_free_is_refused():
     x = a.alloc_slots(32)
     a.free_slots(x[16:23])  # 7 slots of the second page
     assert a.available_size() == 48
-    with pytest.raises(ValueError, match=r"pages \[2\] are not allocated \(double free\?\)"):
+    with pytest.raises(
+        ValueError, match=r"pages \[2\] are not allocated \(double free\?\)"
+    ):
         a.free_slots(x[20:25])
     with pytest.raises(ValueError, match="not allocated"):
-        a.free_slots(x[14:18])  # under a page, across two: page 2 is free already, so neither goes
+        a.free_slots(
+            x[14:18]
+        )  # under a page, across two: page 2 is free already, so neither goes
     assert a.available_size() == 48
     a.free_slots(x[3:9])
     assert a.available_size() == 64
@@ -290,11 +351,18 @@ def test_alloc_pages_and_free_pages_by_number():
     a = PagedAllocator(32, 4, debug=True)
     pages = a.alloc_pages(3)
     assert pages.tolist() == [1, 2, 3] and a.available_size() == 32 - 12
-    assert a.alloc_pages(6) is None and a.available_size() == 32 - 12  # short: no side effect
+    assert (
+        a.alloc_pages(6) is None and a.available_size() == 32 - 12
+    )  # short: no side effect
     a.free_pages(pages[1:])
     with pytest.raises(ValueError, match="not allocated"):
         a.free_pages(pages[2:])  # page 3 went back already
-    assert a.available_size() == 32 - 4 and a.alloc_slots(4).tolist() == [16, 17, 18, 19]  # page 4: never used
+    assert a.available_size() == 32 - 4 and a.alloc_slots(4).tolist() == [
+        16,
+        17,
+        18,
+        19,
+    ]  # page 4: never used
 
 
 def test_a_page_1_free_listing_a_slot_twice_frees_it_once():

@@ -6,7 +6,9 @@ import threading
 import pytest
 import torch
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)"
+)
 
 
 @cuda
@@ -15,7 +17,16 @@ def test_pinned_mirror_and_kernel_round_trip_on_gpu(monkeypatch):
     from kvtier.tiers.mirror import HostMirror, MirrorConfig
     from kvtier.tiers.pool import DeviceKVPool, PoolConfig
 
-    pool = DeviceKVPool(PoolConfig(size=256, num_layers=2, page_size=16, num_kv_heads=2, head_dim=64, device="cuda"))
+    pool = DeviceKVPool(
+        PoolConfig(
+            size=256,
+            num_layers=2,
+            page_size=16,
+            num_kv_heads=2,
+            head_dim=64,
+            device="cuda",
+        )
+    )
     for part in pool.parts:
         part.normal_()
     for io in ("direct", "kernel"):
@@ -43,7 +54,9 @@ def test_cuda_stream_signals_each_layer():
 
     def job(h: Handle) -> None:
         launched_on.append(threading.get_ident())
-        assert torch.cuda.current_stream() == stream.stream  # the side stream, not the forward's
+        assert (
+            torch.cuda.current_stream() == stream.stream
+        )  # the side stream, not the forward's
         for layer in range(4):
             dst[layer].copy_(src[layer], non_blocking=True)
             h.layer_done(layer)
@@ -54,5 +67,7 @@ def test_cuda_stream_signals_each_layer():
     torch.cuda.current_stream().synchronize()
     assert torch.equal(dst, src)
     assert handle.wait(10)
-    assert launched_on and launched_on[0] != threading.get_ident()  # a worker launched the copies
+    assert (
+        launched_on and launched_on[0] != threading.get_ident()
+    )  # a worker launched the copies
     stream.close()

@@ -15,8 +15,18 @@ from tests.gil import gil_watch
 
 
 def filled_pool(attention, page_size, seed=0):
-    cfg = PoolConfig(size=4 * page_size * 2, num_layers=2, page_size=page_size, attention=attention,
-                     num_kv_heads=2, head_dim=8, v_head_dim=4, kv_lora_rank=8, rope_dim=4, dtype="float16")
+    cfg = PoolConfig(
+        size=4 * page_size * 2,
+        num_layers=2,
+        page_size=page_size,
+        attention=attention,
+        num_kv_heads=2,
+        head_dim=8,
+        v_head_dim=4,
+        kv_lora_rank=8,
+        rope_dim=4,
+        dtype="float16",
+    )
     pool = DeviceKVPool(cfg)
     g = torch.Generator().manual_seed(seed)
     for layer in pool.buffers:
@@ -42,13 +52,18 @@ def test_round_trip_is_bitwise(attention, layout, io, page_size):
     dev = torch.cat([torch.arange(3 * ps, 4 * ps), torch.arange(1 * ps, 2 * ps)])
     host = mirror.allocator.alloc(2 * ps)
     host = torch.cat([host[ps:], host[:ps]])
-    before = [layer_bytes(pool, layer, dev) for layer in range(pool.num_layers)]  # copies (index lists)
+    before = [
+        layer_bytes(pool, layer, dev) for layer in range(pool.num_layers)
+    ]  # copies (index lists)
     mirror.backup(pool, dev, host)
     target = DeviceKVPool(pool.config)
     dst = torch.arange(5 * ps, 7 * ps)
     for layer in range(pool.num_layers):
         mirror.load_layer(target, host, dst, layer)
-        assert all(torch.equal(a, b) for a, b in zip(before[layer], layer_bytes(pool, layer, dev)))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(before[layer], layer_bytes(pool, layer, dev))
+        )
         for a, b in zip(before[layer], layer_bytes(target, layer, dst)):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     # nothing else on the target was written
@@ -65,20 +80,37 @@ def test_scattered_small_pages_round_trip_bitwise_in_every_dtype(dtype, layout, 
     per part, on a CPU pool): bitwise in every dtype,
     bfloat16 included (numpy has none), NaN payloads kept."""
     ps = 4
-    cfg = PoolConfig(size=160 * ps, num_layers=3, page_size=ps, num_kv_heads=2, head_dim=8, v_head_dim=4, dtype=dtype)
+    cfg = PoolConfig(
+        size=160 * ps,
+        num_layers=3,
+        page_size=ps,
+        num_kv_heads=2,
+        head_dim=8,
+        v_head_dim=4,
+        dtype=dtype,
+    )
     pool = DeviceKVPool(cfg)
     g = torch.Generator().manual_seed(1)
     for part in pool.parts:
-        part.view(torch.uint8).copy_(torch.randint(0, 256, part.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+        part.view(torch.uint8).copy_(
+            torch.randint(
+                0, 256, part.view(torch.uint8).shape, generator=g, dtype=torch.uint8
+            )
+        )
     mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout))
     pages = torch.randperm(159, generator=g)[:n] + 1
     dev = (pages[:, None] * ps + torch.arange(ps)).flatten()
-    host = mirror.allocator.alloc(dev.numel()).view(-1, ps).flip(0).flatten()  # pages in reverse
+    host = (
+        mirror.allocator.alloc(dev.numel()).view(-1, ps).flip(0).flatten()
+    )  # pages in reverse
     assert mirror.plan(dev, host).device_pages is not None  # the whole-page path
     before = [[b.clone() for b in layer] for layer in pool.buffers]
     mirror.backup(pool, dev, host)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for la, lb in zip(before, pool.buffers) for a, b in zip(la, lb))  # a backup only reads the pool
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for la, lb in zip(before, pool.buffers)
+        for a, b in zip(la, lb)
+    )  # a backup only reads the pool
     target = DeviceKVPool(cfg)
     dst_pages = torch.randperm(159, generator=g)[:n] + 1
     dst = (dst_pages[:, None] * ps + torch.arange(ps)).flatten()
@@ -112,7 +144,9 @@ def test_page_first_copies_whole_pages_by_number_even_when_they_continue_each_ot
         mirror.load(target, host, dev)
         for layer in range(pool.num_layers):
             for a, b in zip(pool.buffers[layer], target.buffers[layer]):
-                assert torch.equal(a[dev].view(torch.uint8), b[dev].view(torch.uint8)), (layout, layer)
+                assert torch.equal(
+                    a[dev].view(torch.uint8), b[dev].view(torch.uint8)
+                ), (layout, layer)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -150,9 +184,13 @@ def test_page_views_are_the_pages_zero_copy():
     mirror = HostMirror(pool, MirrorConfig(layout="page_first"))
     mirror.backup(pool, torch.arange(4, 12), torch.arange(4, 12))
     views = mirror.page_views(torch.tensor([2, 1, 2]))
-    assert [bytes(v) for v in views] == [bytes(mirror.page_view(p).numpy()) for p in (2, 1, 2)]
+    assert [bytes(v) for v in views] == [
+        bytes(mirror.page_view(p).numpy()) for p in (2, 1, 2)
+    ]
     views[1][:] = 7
-    assert (mirror.page_view(1).numpy() == 7).all() and not (mirror.page_view(2).numpy() == 7).all()
+    assert (mirror.page_view(1).numpy() == 7).all() and not (
+        mirror.page_view(2).numpy() == 7
+    ).all()
     last = mirror.size // mirror.page_size
     assert len(mirror.page_views([last])[0]) == mirror.page_bytes
     for bad in ([0], [last + 1], [-1]):
@@ -184,17 +222,23 @@ def test_mirror_sized_by_bytes_and_refuses_too_much():
     pool = filled_pool("mha", 4)
     mirror = HostMirror(pool, MirrorConfig(size_bytes=3 * 4 * pool.bytes_per_token))
     assert mirror.size == 12 and mirror.allocator.available_size() == 12
-    with pytest.raises(MemoryError, match="needs .* bytes but only .* bytes are available"):
+    with pytest.raises(
+        MemoryError, match="needs .* bytes but only .* bytes are available"
+    ):
         HostMirror(pool, MirrorConfig(size_bytes=1 << 60))
 
 
-@pytest.mark.parametrize("field,value", [("layout", "rows"), ("io", "dma"), ("ratio", -1), ("size_bytes", 0)])
+@pytest.mark.parametrize(
+    "field,value", [("layout", "rows"), ("io", "dma"), ("ratio", -1), ("size_bytes", 0)]
+)
 def test_bad_mirror_config(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         MirrorConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [("page_size", 0), ("size", -4), ("num_layers", 1.5)])
+@pytest.mark.parametrize(
+    "field,value", [("page_size", 0), ("size", -4), ("num_layers", 1.5)]
+)
 def test_bad_pool_config(field, value):
     kwargs = dict(size=16, num_layers=1, page_size=1)
     kwargs[field] = value
@@ -227,7 +271,10 @@ def test_out_of_range_slots_raise_and_write_nothing(page_size, where):
     src, dst = (beyond, dev) if where == "host" else (host, beyond)
     with pytest.raises(IndexError, match="out of range"):
         mirror.load_layer(pool, src, dst, 0)
-    assert all(torch.equal(a, b) for a, b in zip(before, [b for layer in pool.buffers for b in layer]))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, [b for layer in pool.buffers for b in layer])
+    )
 
 
 def test_set_kv_and_req_to_token():
@@ -255,12 +302,26 @@ def test_small_page_copies_keep_the_gil(layout, ps):
     page-1 load 2 ms (docs/design.md §2). The copies run in pieces (fewer than GIL_CHUNK
     pages each) and stay bitwise."""
     n = 1500  # pages of 4 KiB a part and layer
-    cfg = PoolConfig(size=(2 * n + 4) * ps, num_layers=2, page_size=ps, num_kv_heads=8 // ps, head_dim=256,
-                     dtype="float16")
+    cfg = PoolConfig(
+        size=(2 * n + 4) * ps,
+        num_layers=2,
+        page_size=ps,
+        num_kv_heads=8 // ps,
+        head_dim=256,
+        dtype="float16",
+    )
     pool = DeviceKVPool(cfg)
     for part in pool.parts:
         bytes_ = part.view(torch.uint8)
-        bytes_.copy_(torch.randint(0, 256, bytes_.shape, generator=torch.Generator().manual_seed(3), dtype=torch.uint8))
+        bytes_.copy_(
+            torch.randint(
+                0,
+                256,
+                bytes_.shape,
+                generator=torch.Generator().manual_seed(3),
+                dtype=torch.uint8,
+            )
+        )
     mirror = HostMirror(pool, MirrorConfig(ratio=0.5, layout=layout))
     rng = np.random.default_rng(0)
     offsets = np.arange(ps, dtype=np.int64)
@@ -271,17 +332,31 @@ def test_small_page_copies_keep_the_gil(layout, ps):
     dev = slots(rng.permutation(np.arange(1, n + 1)))
     dst = slots(rng.permutation(np.arange(n + 1, 2 * n + 1)))  # slots no backup reads
     host = slots(mirror.allocator.alloc(n * ps).numpy()[::ps][::-1] // ps)
-    mirror.load(pool, host[:ps], dst[:ps])  # the pool's page views are made on a first copy: torch calls
+    mirror.load(
+        pool, host[:ps], dst[:ps]
+    )  # the pool's page views are made on a first copy: torch calls
     host_pages = host[::ps] // ps
-    rows = mirror._page_bytes_np[host_pages[:600]].copy() if layout == "page_first" else None
+    rows = (
+        mirror._page_bytes_np[host_pages[:600]].copy()
+        if layout == "page_first"
+        else None
+    )
     with gil_watch() as progress:
-        moved = [progress(lambda: mirror.backup(pool, dev, host)), progress(lambda: mirror.load(pool, host, dst))]
+        moved = [
+            progress(lambda: mirror.backup(pool, dev, host)),
+            progress(lambda: mirror.load(pool, host, dst)),
+        ]
         if layout == "page_first":
-            moved.append(progress(lambda: mirror.write_pages(host_pages[600:1200], rows)))
+            moved.append(
+                progress(lambda: mirror.write_pages(host_pages[600:1200], rows))
+            )
     assert moved == [0] * len(moved)
     for layer in range(cfg.num_layers):
         for rows_ in pool.rows(layer):
-            assert torch.equal(rows_[torch.from_numpy(dev)].view(torch.int16), rows_[torch.from_numpy(dst)].view(torch.int16))
+            assert torch.equal(
+                rows_[torch.from_numpy(dev)].view(torch.int16),
+                rows_[torch.from_numpy(dst)].view(torch.int16),
+            )
     if layout == "page_first":
         assert np.array_equal(mirror._page_bytes_np[host_pages[600:1200]], rows)
 
@@ -296,9 +371,15 @@ def test_a_copy_plan_over_many_pages_keeps_the_gil():
     pages = np.arange(1, 60_001, dtype=np.int64)
     slots = page_slots(pages, 4)
     with gil_watch() as progress:
-        moved = [progress(lambda: _whole_pages(slots, 4)), progress(lambda: _continuing(pages, pages[::-1]))]
+        moved = [
+            progress(lambda: _whole_pages(slots, 4)),
+            progress(lambda: _continuing(pages, pages[::-1])),
+        ]
     assert moved == [0, 0]
-    assert np.array_equal(_whole_pages(slots, 4), pages) and _whole_pages(slots[1:-3], 4) is None
+    assert (
+        np.array_equal(_whole_pages(slots, 4), pages)
+        and _whole_pages(slots[1:-3], 4) is None
+    )
 
 
 def _runs_reference(s, d, split):
@@ -309,11 +390,19 @@ def _runs_reference(s, d, split):
     if split > 0:
         breaks |= d[1:] % split == 0
     starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), np.diff(starts, append=s.shape[0]).tolist()))
+    return list(
+        zip(
+            s[starts].tolist(),
+            d[starts].tolist(),
+            np.diff(starts, append=s.shape[0]).tolist(),
+        )
+    )
 
 
-@given(st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)), max_size=1300),
-       st.sampled_from([0, 1, 4, 16]))
+@given(
+    st.lists(st.tuples(st.integers(-3, 3), st.integers(-3, 3)), max_size=1300),
+    st.sampled_from([0, 1, 4, 16]),
+)
 @settings(max_examples=200, deadline=None)
 def test_merged_runs_match_one_pass(steps, split):
     """Runs merged in pieces of GIL_CHUNK pairs are the runs one pass finds, whatever the
@@ -324,7 +413,9 @@ def test_merged_runs_match_one_pass(steps, split):
 
     assert runs(s, d, split) == _runs_reference(s, d, split)
     assert sum(n for _, _, n in runs(s, d, split)) == s.shape[0]
-    with pytest.raises(ValueError, match="runs: .* source slots but .* destination slots"):
+    with pytest.raises(
+        ValueError, match="runs: .* source slots but .* destination slots"
+    ):
         runs(s, d[1:], split)  # one pass raised on the lengths too
 
 
@@ -339,12 +430,23 @@ def test_merging_runs_and_the_stores_page_views_keep_the_gil():
 
     s = np.arange(1, 60_001, dtype=np.int64)
     d = (s.reshape(-1, 3)[::-1] + 100).reshape(-1)  # runs of 3, in reverse order
-    pool = DeviceKVPool(PoolConfig(size=200_004, num_layers=1, page_size=1, num_kv_heads=1, head_dim=4,
-                                   dtype="float16"))
+    pool = DeviceKVPool(
+        PoolConfig(
+            size=200_004,
+            num_layers=1,
+            page_size=1,
+            num_kv_heads=1,
+            head_dim=4,
+            dtype="float16",
+        )
+    )
     mirror = HostMirror(pool, MirrorConfig(ratio=1.0, layout="page_first"))
     pages = np.arange(1, 200_001, dtype=np.int64)
     with gil_watch() as progress:
-        moved = [progress(lambda: runs(s, d)), progress(lambda: mirror.page_views(pages))]
+        moved = [
+            progress(lambda: runs(s, d)),
+            progress(lambda: mirror.page_views(pages)),
+        ]
     assert moved == [0, 0]
     assert runs(s, d) == _runs_reference(s, d, 0) and len(runs(s, d)) == 20_000
     assert len(mirror.page_views(pages)) == 200_000

@@ -9,16 +9,30 @@ from hypothesis import strategies as st
 
 from kvtier.hashing import page_hashes
 from kvtier.tree.chain_memo import ChainMemo
-from tests.controller.helpers import acquire, fill, forward, make_cache, read_back, same_kv, settle
+from tests.controller.helpers import (
+    acquire,
+    fill,
+    forward,
+    make_cache,
+    read_back,
+    same_kv,
+    settle,
+)
 
 NS = "5a" * 16
 
-asks = st.lists(st.tuples(st.integers(0, 3),  # which conversation
-                          st.integers(0, 40),  # tokens it grows by
-                          st.integers(0, 60),  # tokens cut from its front, chained below them
-                          st.booleans(),  # change one token (a prompt that diverges)
-                          st.sampled_from([None, "lora-a"]),
-                          st.sampled_from([None, b"\x07" * 32])), min_size=1, max_size=40)
+asks = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # which conversation
+        st.integers(0, 40),  # tokens it grows by
+        st.integers(0, 60),  # tokens cut from its front, chained below them
+        st.booleans(),  # change one token (a prompt that diverges)
+        st.sampled_from([None, "lora-a"]),
+        st.sampled_from([None, b"\x07" * 32]),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @given(asks, st.sampled_from([1, 2, 16]), st.integers(500, 40_000))
@@ -29,7 +43,9 @@ def test_the_memo_gives_the_chain_hashing_gives(steps, ps, capacity):
     `page_hashes`'s."""
     memo, convs = ChainMemo(max_bytes=capacity), {}
     for conv, grow, cut, diverge, extra_key, prev in steps:
-        tokens = convs.get(conv, [conv * 7919 + i for i in range(5)]) + [(conv * 31 + grow * 17 + i) % 1000 for i in range(grow)]
+        tokens = convs.get(conv, [conv * 7919 + i for i in range(5)]) + [
+            (conv * 31 + grow * 17 + i) % 1000 for i in range(grow)
+        ]
         if diverge and tokens:
             tokens = tokens[:]
             tokens[len(tokens) // 2] += 1
@@ -39,8 +55,9 @@ def test_the_memo_gives_the_chain_hashing_gives(steps, ps, capacity):
         start = prev
         if cut:
             start = page_hashes(arr[:cut], ps, NS, extra_key, prev)[-1]
-        assert memo.page_hashes(arr[cut:], ps, NS, extra_key, start, "sha256") == \
-            page_hashes(arr[cut:], ps, NS, extra_key, start)
+        assert memo.page_hashes(
+            arr[cut:], ps, NS, extra_key, start, "sha256"
+        ) == page_hashes(arr[cut:], ps, NS, extra_key, start)
         assert memo._bytes <= capacity
 
 
@@ -51,20 +68,35 @@ def test_a_kept_chain_is_taken_only_where_everything_is_the_same():
     tokens = np.arange(100, 164, dtype=np.int64)  # 16 pages of 4
     memo.page_hashes(tokens, 4, NS, None, None, "sha256")
     assert (memo.taken, memo.hashed) == (0, 16)
-    assert memo.page_hashes(tokens, 4, NS, None, None, "sha256") == page_hashes(tokens, 4, NS)
+    assert memo.page_hashes(tokens, 4, NS, None, None, "sha256") == page_hashes(
+        tokens, 4, NS
+    )
     assert (memo.taken, memo.hashed) == (16, 16)
     longer = np.concatenate([tokens, np.arange(8)])
-    assert memo.page_hashes(longer, 4, NS, None, None, "sha256") == page_hashes(longer, 4, NS)
-    assert (memo.taken, memo.hashed) == (32, 18)  # its 16 pages taken, the 2 new ones hashed
+    assert memo.page_hashes(longer, 4, NS, None, None, "sha256") == page_hashes(
+        longer, 4, NS
+    )
+    assert (memo.taken, memo.hashed) == (
+        32,
+        18,
+    )  # its 16 pages taken, the 2 new ones hashed
     changed = tokens.copy()
     changed[41] += 1  # page 10
     before = memo.taken
-    assert memo.page_hashes(changed, 4, NS, None, None, "sha256") == page_hashes(changed, 4, NS)
+    assert memo.page_hashes(changed, 4, NS, None, None, "sha256") == page_hashes(
+        changed, 4, NS
+    )
     assert memo.taken - before == 10
-    for args in [(None, b"\x01" * 32, NS), ("lora", None, NS), (None, None, "6b" * 16)]:  # the last empties it
+    for args in [
+        (None, b"\x01" * 32, NS),
+        ("lora", None, NS),
+        (None, None, "6b" * 16),
+    ]:  # the last empties it
         extra_key, prev, ns = args
         before = memo.taken
-        assert memo.page_hashes(tokens, 4, ns, extra_key, prev, "sha256") == page_hashes(tokens, 4, ns, extra_key, prev)
+        assert memo.page_hashes(
+            tokens, 4, ns, extra_key, prev, "sha256"
+        ) == page_hashes(tokens, 4, ns, extra_key, prev)
         assert memo.taken == before, args
 
 
@@ -88,7 +120,9 @@ def test_a_returning_conversation_hashes_only_its_new_pages():
     hashed = memo.hashed
     turn2 = np.concatenate([turn1, np.arange(900, 908)])  # 2 new pages
     again, again_kv = read_back(cache, turn2, "turn2")
-    assert got.indices.numel() == 0 and again.storage_hit == 32 and same_kv(again_kv, kv)
+    assert (
+        got.indices.numel() == 0 and again.storage_hit == 32 and same_kv(again_kv, kv)
+    )
     assert memo.hashed - hashed == 2, (memo.hashed - hashed, memo.taken)
     settle(cache)
     cache.tree.sanity_check()
@@ -100,9 +134,24 @@ def test_the_memo_holds_what_its_bytes_allow_whatever_the_page_size():
     """The bound counts a chain's token bytes too: a page of 256 tokens is 1 KiB of them
     besides its hash (a bound by hashes alone let the memo grow to ~275 MiB at page 256)."""
     for ps in (1, 64, 256):
-        memo, budget, one = ChainMemo(max_bytes=256 << 10), 256 << 10, 16 * (4 * ps + 80)
+        memo, budget, one = (
+            ChainMemo(max_bytes=256 << 10),
+            256 << 10,
+            16 * (4 * ps + 80),
+        )
         for i in range(200):  # chains of 16 pages, more of them than fit
-            memo.page_hashes(np.arange(i * 10_000, i * 10_000 + 16 * ps), ps, NS, None, None, "sha256")
+            memo.page_hashes(
+                np.arange(i * 10_000, i * 10_000 + 16 * ps),
+                ps,
+                NS,
+                None,
+                None,
+                "sha256",
+            )
             assert memo._bytes <= budget
-        kept = sum(len(tokens) + 80 * len(chain) for entries in memo._chains.values() for _, tokens, chain in entries)
+        kept = sum(
+            len(tokens) + 80 * len(chain)
+            for entries in memo._chains.values()
+            for _, tokens, chain in entries
+        )
         assert kept == memo._bytes and kept > budget - one, ps

@@ -5,7 +5,13 @@ from contextlib import closing
 import numpy as np
 import torch
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from kvtier.hashing import page_hashes
 from kvtier.tree import RadixKey, RadixTree, Tier
@@ -30,10 +36,10 @@ class TreeMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self):
         self.tree = RadixTree(page_size=self.page_size, eviction_policy=self.policy)
-        self.dev: dict[tuple, int] = {}   # token prefix -> device slot
+        self.dev: dict[tuple, int] = {}  # token prefix -> device slot
         self.host: dict[tuple, int] = {}  # token prefix -> host slot
         self.next_slot = [self.page_size, self.page_size]
-        self.locked = []       # device-locked nodes
+        self.locked = []  # device-locked nodes
         self.host_locked = []  # host-protected nodes
 
     def _slots(self, tier, n):
@@ -42,20 +48,28 @@ class TreeMachine(RuleBasedStateMachine):
         return torch.arange(start, start + n, dtype=torch.int64)
 
     def _seq(self, pages, alphabet):
-        return np.asarray([t for p in pages for t in [p % alphabet] * self.page_size], dtype=np.int64)
+        return np.asarray(
+            [t for p in pages for t in [p % alphabet] * self.page_size], dtype=np.int64
+        )
 
-    @rule(pages=st.lists(st.integers(0, 3), min_size=1, max_size=6),
-          known=st.none() | st.tuples(st.integers(0, 6), st.integers(0, 6)))
+    @rule(
+        pages=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+        known=st.none() | st.tuples(st.integers(0, 6), st.integers(0, 6)),
+    )
     def insert(self, pages, known):
         """`known`: hand the tree the page hashes of pages [first, first + count) (computed
         like a prefetch does); sanity_check recomputes every kept hash from the root."""
         seq = self._seq(pages, 4)
         slots = self._slots(D, len(seq))
-        existing = sum(1 for i in range(len(seq)) if tuple(seq[: i + 1].tolist()) in self.dev)
+        existing = sum(
+            1 for i in range(len(seq)) if tuple(seq[: i + 1].tolist()) in self.dev
+        )
         hashes = None
         if known is not None:
             first, count = known
-            chain = page_hashes(seq, self.page_size, self.tree.namespace_id)[first:first + count]
+            chain = page_hashes(seq, self.page_size, self.tree.namespace_id)[
+                first : first + count
+            ]
             hashes = KnownHashes(min(first, len(pages)), chain)
         r = self.tree.insert(RadixKey(seq), slots, hashes=hashes)
         assert r.prefix_len == existing
@@ -66,7 +80,9 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(pages=st.lists(st.integers(0, 3), max_size=7), tail=st.integers(0, 3))
     def match(self, pages, tail):
-        seq = np.concatenate([self._seq(pages, 4), np.full(tail % self.page_size, 7)]).astype(np.int64)
+        seq = np.concatenate(
+            [self._seq(pages, 4), np.full(tail % self.page_size, 7)]
+        ).astype(np.int64)
         m = self.tree.match_prefix(RadixKey(seq))
         expect, host_hit, i = [], 0, 0
         while i + 1 <= len(seq) and tuple(seq[: i + 1].tolist()) in self.dev:
@@ -125,7 +141,9 @@ class TreeMachine(RuleBasedStateMachine):
         r = self.tree.evict_device(n)
         freed = r.device_indices.tolist()
         if n and first:
-            assert freed[: len(first_slots)] == first_slots, "the first victim is not the policy's first leaf"
+            assert freed[: len(first_slots)] == first_slots, (
+                "the first victim is not the policy's first leaf"
+            )
         assert len(freed) == len(set(freed)) == r.evicted_tokens >= min(n, before)
         by_slot = {s: p for p, s in self.dev.items()}
         assert set(freed) <= set(by_slot), "freed a slot the tree did not hold"
@@ -148,7 +166,11 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 50))
     def backup(self, i):
-        nodes = [n for n in walk(self.tree.root) if not n.backed_up and (n.parent is self.tree.root or n.parent.backed_up)]
+        nodes = [
+            n
+            for n in walk(self.tree.root)
+            if not n.backed_up and (n.parent is self.tree.root or n.parent.backed_up)
+        ]
         if not nodes:
             return
         node = nodes[i % len(nodes)]
@@ -175,7 +197,10 @@ class TreeMachine(RuleBasedStateMachine):
         """The tree's lazy hashing, mixed with hashes handed in by inserts."""
         nodes = walk(self.tree.root)
         if nodes:
-            assert len(self.tree.page_hashes(nodes[i % len(nodes)])) == len(nodes[i % len(nodes)]) // self.page_size
+            assert (
+                len(self.tree.page_hashes(nodes[i % len(nodes)]))
+                == len(nodes[i % len(nodes)]) // self.page_size
+            )
 
     @invariant()
     def eviction_order_is_the_policy_order(self):
@@ -186,7 +211,9 @@ class TreeMachine(RuleBasedStateMachine):
         for tier in (D, H):
             expect = [n.id for n in self._policy_order(tier)]
             with closing(self.tree._leaves[tier].order()) as order:
-                assert [n.id for _, n in zip(range(len(expect) // 2), order)] == expect[: len(expect) // 2]
+                assert [n.id for _, n in zip(range(len(expect) // 2), order)] == expect[
+                    : len(expect) // 2
+                ]
             for _ in range(2):
                 with closing(self.tree._leaves[tier].order()) as order:
                     assert [n.id for n in order] == expect
@@ -212,7 +239,9 @@ class TreeMachineLFU(TreeMachine):
     policy = "lfu"
 
 
-class TreeMachineMRU(TreeMachine):  # keys shrink on a touch: the order heapifies per pass
+class TreeMachineMRU(
+    TreeMachine
+):  # keys shrink on a touch: the order heapifies per pass
     policy = "mru"
 
 
@@ -222,7 +251,9 @@ TestTreePage1.settings = _settings
 TestTreePage4 = TreeMachinePage4.TestCase
 TestTreePage4.settings = _settings
 TestTreePage16 = TreeMachinePage16.TestCase
-TestTreePage16.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestTreePage16.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None
+)
 TestTreeLFU = TreeMachineLFU.TestCase
 TestTreeLFU.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestTreeMRU = TreeMachineMRU.TestCase

@@ -26,8 +26,13 @@ def test_two_node_prefix_match_lock_insert_evict():
 
     m = tree.match_prefix(key(prompt[:2144]))
     assert m.device_indices.tolist() == list(range(1, 2049))
-    assert m.last_device_node is second.last_node and len(m.last_device_node) == 1536  # no split
-    assert m.host_hit_length == 0 and m.last_host_node is m.last_device_node is m.best_match_node
+    assert (
+        m.last_device_node is second.last_node and len(m.last_device_node) == 1536
+    )  # no split
+    assert (
+        m.host_hit_length == 0
+        and m.last_host_node is m.last_device_node is m.best_match_node
+    )
 
     tree.lock(m.last_device_node)
     assert tree.protected_size() == 2048 and tree.evictable_size() == 0
@@ -41,7 +46,9 @@ def test_two_node_prefix_match_lock_insert_evict():
     tree.unlock(m.last_device_node)
     assert tree.protected_size() == 0 and tree.evictable_size() == 2239
     ev = tree.evict_device(191)
-    assert ev.removed == [leaf] and ev.device_indices.tolist() == list(range(3000, 3191))
+    assert ev.removed == [leaf] and ev.device_indices.tolist() == list(
+        range(3000, 3191)
+    )
     assert m.last_device_node.id in tree._leaves[D]  # its parent became a leaf
     tree.sanity_check()
 
@@ -111,7 +118,10 @@ def test_insert_host_under_anchor_and_host_eviction():
     m = tree.match_prefix(key([1, 2, 3, 4, 5, 6]))
     assert m.host_hit_length == 4 and m.last_device_node is a
     ev = tree.evict_host(1)
-    assert sorted(ev.host_indices.tolist()) == [8, 9]  # split left [3,4] and [5,6]; deepest leaf goes
+    assert sorted(ev.host_indices.tolist()) == [
+        8,
+        9,
+    ]  # split left [3,4] and [5,6]; deepest leaf goes
     tree.sanity_check()
     with pytest.raises(ValueError, match="anchor .* is not on host"):
         b = tree.insert(key([7, 8]), torch.tensor([12, 13])).last_node
@@ -135,7 +145,11 @@ def test_extra_keys_never_match():
     tree.insert(key([1, 2, 3], "lora-a"), torch.tensor([1, 2, 3]))
     assert tree.match_prefix(key([1, 2, 3], "lora-b")).device_indices.numel() == 0
     assert tree.match_prefix(key([1, 2, 3])).device_indices.numel() == 0
-    assert tree.match_prefix(key([1, 2, 3], "lora-a")).device_indices.tolist() == [1, 2, 3]
+    assert tree.match_prefix(key([1, 2, 3], "lora-a")).device_indices.tolist() == [
+        1,
+        2,
+        3,
+    ]
     tree.sanity_check()
 
 
@@ -145,7 +159,10 @@ def test_split_while_write_in_flight_backs_up_both_halves():
     tree.lock(n)  # the controller holds the node during the write
     tree.match_prefix(key([1, 2, 9]))  # splits n after 2 tokens
     tree.mark_backed_up(n, torch.tensor([11, 12, 13, 14]))
-    assert n.host_value.tolist() == [13, 14] and n.parent.host_value.tolist() == [11, 12]
+    assert n.host_value.tolist() == [13, 14] and n.parent.host_value.tolist() == [
+        11,
+        12,
+    ]
     tree.unlock(n)
     tree.sanity_check()
 
@@ -163,9 +180,17 @@ def _policy_tree(policy):
     return tree, {a.id: "a", b.id: "b", c.id: "c"}
 
 
-@pytest.mark.parametrize("policy,order", [
-    ("lru", "cab"), ("mru", "bac"), ("fifo", "abc"), ("lfu", "abc"), ("priority", "acb"), ("slru", "acb"),
-])
+@pytest.mark.parametrize(
+    "policy,order",
+    [
+        ("lru", "cab"),
+        ("mru", "bac"),
+        ("fifo", "abc"),
+        ("lfu", "abc"),
+        ("priority", "acb"),
+        ("slru", "acb"),
+    ],
+)
 def test_eviction_order_per_policy(policy, order):
     tree, names = _policy_tree(policy)
     got = ""
@@ -189,7 +214,9 @@ def test_cascade_evicts_parent_after_children():
 
 def test_bad_input_names_the_problem():
     tree = RadixTree(page_size=4)
-    with pytest.raises(ValueError, match="key length 3 is not a multiple of page_size=4"):
+    with pytest.raises(
+        ValueError, match="key length 3 is not a multiple of page_size=4"
+    ):
         tree.insert(key([1, 2, 3]), torch.tensor([4, 5, 6]))
     with pytest.raises(ValueError, match="device_indices: expected a 1-D torch.int64"):
         tree.insert(key([1, 2, 3, 4]), torch.tensor([4, 5, 6, 7], dtype=torch.int32))
@@ -199,29 +226,47 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match=r"unlock: Node#\d+.* is not locked"):
         tree.unlock(n)
     longer = key([1, 2, 3, 4, 5, 6, 7, 8])
-    for kwargs, message in [({"priority": "high"}, "insert: priority='high': must be an integer"),
-                            ({"hashes": [b"h"]}, "insert: hashes: expected KnownHashes or None, got list")]:
-        with pytest.raises(ValueError, match=message):  # refused before the new node is hung
+    for kwargs, message in [
+        ({"priority": "high"}, "insert: priority='high': must be an integer"),
+        ({"hashes": [b"h"]}, "insert: hashes: expected KnownHashes or None, got list"),
+    ]:
+        with pytest.raises(
+            ValueError, match=message
+        ):  # refused before the new node is hung
             tree.insert(longer, torch.tensor([4, 5, 6, 7, 8, 9, 10, 11]), **kwargs)
         assert tree.total_size() == 4
     with pytest.raises(ValueError, match="insert: key: expected a RadixKey, got list"):
         tree.insert([1, 2, 3, 4], torch.tensor([4, 5, 6, 7]))
-    with pytest.raises(ValueError, match="match_prefix: key: expected a RadixKey, got list"):
+    with pytest.raises(
+        ValueError, match="match_prefix: key: expected a RadixKey, got list"
+    ):
         tree.match_prefix([1, 2, 3, 4])
-    with pytest.raises(ValueError, match="evict_device: num_tokens=-4: must be an integer >= 0"):
+    with pytest.raises(
+        ValueError, match="evict_device: num_tokens=-4: must be an integer >= 0"
+    ):
         tree.evict_device(-4)
-    with pytest.raises(ValueError, match="eviction_policy='lrx': allowed values are lru"):
+    with pytest.raises(
+        ValueError, match="eviction_policy='lrx': allowed values are lru"
+    ):
         RadixTree(eviction_policy="lrx")
     with pytest.raises(ValueError, match="page_size=0"):
         RadixTree(page_size=0)
-    for tokens, message in [([1.5, 2.0], "tokens: expected integer token ids, got dtype float64"),
-                            ([[1, 2]], r"tokens: expected a 1-D sequence of token ids, got shape \(1, 2\)"),
-                            ("hello", r"tokens: expected a 1-D sequence of token ids, got shape \(\)"),
-                            (np.array([True]), "tokens: expected integer token ids, got dtype bool"),
-                            # named as given, not as the int64 it would wrap to (-9223372036854775808)
-                            (np.array([2**63], dtype=np.uint64), r"must be in \[0, 2\*\*32\).*got \[9223372036854775808\]"),
-                            # a device tensor (meta here, CUDA on a GPU) would be copied, waiting for the device
-                            (torch.zeros(4, dtype=torch.int64, device="meta"), "tokens: a meta tensor; pass host")]:
+    for tokens, message in [
+        ([1.5, 2.0], "tokens: expected integer token ids, got dtype float64"),
+        ([[1, 2]], r"tokens: expected a 1-D sequence of token ids, got shape \(1, 2\)"),
+        ("hello", r"tokens: expected a 1-D sequence of token ids, got shape \(\)"),
+        (np.array([True]), "tokens: expected integer token ids, got dtype bool"),
+        # named as given, not as the int64 it would wrap to (-9223372036854775808)
+        (
+            np.array([2**63], dtype=np.uint64),
+            r"must be in \[0, 2\*\*32\).*got \[9223372036854775808\]",
+        ),
+        # a device tensor (meta here, CUDA on a GPU) would be copied, waiting for the device
+        (
+            torch.zeros(4, dtype=torch.int64, device="meta"),
+            "tokens: a meta tensor; pass host",
+        ),
+    ]:
         with pytest.raises(ValueError, match=message):
             RadixKey(tokens)
     tree.sanity_check()
@@ -235,11 +280,18 @@ def test_a_lock_refused_midway_up_the_path_changes_nothing():
     leaf = tree.insert(key([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4])).last_node
     parent = leaf.parent
     tree.lock(parent)  # the parent's count is 1, the leaf's 0: the leaf's lock moves it
-    state = lambda: ([n.locks[:] for n in (leaf, parent)], tree._evictable[:], tree._protected[:],
-                     sorted(tree._leaves[D]), sorted(tree._leaves[H]))
+    state = lambda: (
+        [n.locks[:] for n in (leaf, parent)],
+        tree._evictable[:],
+        tree._protected[:],
+        sorted(tree._leaves[D]),
+        sorted(tree._leaves[H]),
+    )
     before = state()
     slots, parent.values[D] = parent.values[D], None
-    with pytest.raises(ValueError, match=r"lock: Node#\d+.* on the path of Node#\d+.* is not on device"):
+    with pytest.raises(
+        ValueError, match=r"lock: Node#\d+.* on the path of Node#\d+.* is not on device"
+    ):
         tree.lock(leaf)
     parent.values[D] = slots
     assert state() == before
@@ -255,7 +307,11 @@ def test_sanity_check_lists_every_violation():
     with pytest.raises(AssertionError) as err:
         tree.sanity_check()
     text = str(err.value)
-    assert "device sizes" in text and "host lock 1 on a node not on host" in text and "Node#" in text
+    assert (
+        "device sizes" in text
+        and "host lock 1 on a node not on host" in text
+        and "Node#" in text
+    )
 
 
 def test_known_hashes_are_kept_and_the_rest_is_hashed_off_thread_even_across_a_split():
@@ -270,7 +326,9 @@ def test_known_hashes_are_kept_and_the_rest_is_hashed_off_thread_even_across_a_s
     whole = RadixTree(page_size=ps, namespace_id="ns")
     chain = whole.page_hashes(whole.insert(key(tokens), torch.arange(2, 18)).last_node)
     tree = RadixTree(page_size=ps, namespace_id="ns")
-    node = tree.insert(key(tokens), torch.arange(2, 18), hashes=KnownHashes(0, chain[:3])).last_node
+    node = tree.insert(
+        key(tokens), torch.arange(2, 18), hashes=KnownHashes(0, chain[:3])
+    ).last_node
     assert node.hashes is None and node.hash_prefix == chain[:3]
     tree.sanity_check()
     compute = tree.hashing_of(node)
@@ -283,8 +341,12 @@ def test_known_hashes_are_kept_and_the_rest_is_hashed_off_thread_even_across_a_s
     assert out == [chain]
     tree.adopt_hashes(node, out[0])
     assert node.hashes == chain[2:] and node.hash_prefix is None
-    assert tree.hashing_below(node, key([7, 8]))() == whole.hashing_below(whole.match_prefix(key(tokens)).last_device_node,
-                                                                           key([7, 8]))()
+    assert (
+        tree.hashing_below(node, key([7, 8]))()
+        == whole.hashing_below(
+            whole.match_prefix(key(tokens)).last_device_node, key([7, 8])
+        )()
+    )
     tree.sanity_check()
 
 
@@ -308,7 +370,9 @@ def test_an_observer_that_hashes_a_new_node_leaves_no_stale_known_prefix():
             pass
 
     tree.set_observer(Observer())
-    node = tree.insert(key(tokens), torch.arange(2, 18), hashes=KnownHashes(0, chain[:3])).last_node
+    node = tree.insert(
+        key(tokens), torch.arange(2, 18), hashes=KnownHashes(0, chain[:3])
+    ).last_node
     assert node.hashes == chain and node.hash_prefix is None
     tree.match_prefix(key([40, 41, 42, 43, 1, 2]))  # splits the node after 2 pages
     assert node.hashes == chain[2:] and node.hash_prefix is None
@@ -316,16 +380,25 @@ def test_an_observer_that_hashes_a_new_node_leaves_no_stale_known_prefix():
 
 
 @settings(max_examples=300, deadline=None)
-@given(edge=st.lists(st.integers(0, 2), max_size=40), tokens=st.lists(st.integers(0, 2), max_size=50),
-       offset=st.integers(0, 10), page_size=st.sampled_from([1, 2, 4]))
-def test_common_prefix_is_the_tokens_before_the_first_difference_floored_to_pages(edge, tokens, offset, page_size):
+@given(
+    edge=st.lists(st.integers(0, 2), max_size=40),
+    tokens=st.lists(st.integers(0, 2), max_size=50),
+    offset=st.integers(0, 10),
+    page_size=st.sampled_from([1, 2, 4]),
+)
+def test_common_prefix_is_the_tokens_before_the_first_difference_floored_to_pages(
+    edge, tokens, offset, page_size
+):
     """The bytes-halving search (kept the GIL) agrees with a token-by-token count at every
     offset and page size."""
     edge, tokens = np.array(edge, dtype=np.int64), np.array(tokens, dtype=np.int64)
     offset = min(offset, tokens.shape[0])
     n = min(edge.shape[0], tokens.shape[0] - offset)
     same = next((i for i in range(n) if edge[i] != tokens[offset + i]), n)
-    assert common_prefix(edge, tokens, offset, tokens.shape[0], page_size) == same - same % page_size
+    assert (
+        common_prefix(edge, tokens, offset, tokens.shape[0], page_size)
+        == same - same % page_size
+    )
 
 
 def test_a_walk_that_diverges_deep_in_a_long_edge_keeps_the_gil():
@@ -337,12 +410,14 @@ def test_a_walk_that_diverges_deep_in_a_long_edge_keeps_the_gil():
     edge = np.arange(200_000, dtype=np.int64)
     tree.insert(key(edge), torch.arange(4, 200_004))  # slots 0-3: the padding page
     other = edge.copy()
-    other[199_990] = -1 + 2 ** 32  # in range, and not the edge's token
+    other[199_990] = -1 + 2**32  # in range, and not the edge's token
     probe = key(other)
     with gil_watch() as progress:
         moved = progress(lambda: tree.match_prefix(probe))
     assert moved == 0
-    assert tree.match_prefix(probe).device_indices.numel() == 199_988  # floored to whole pages
+    assert (
+        tree.match_prefix(probe).device_indices.numel() == 199_988
+    )  # floored to whole pages
     r = tree.insert(probe, torch.arange(200_004, 400_004))
     assert r.prefix_len == 199_988 and len(tree.root.children) == 1
     tree.sanity_check()

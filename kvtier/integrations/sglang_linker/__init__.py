@@ -23,11 +23,14 @@ def __getattr__(name: str):
         try:
             from kvtier.integrations.sglang_linker.shell import KvtierLinker
         except ImportError as exc:
-            raise ImportError(f"kvtier.integrations.sglang_linker.KvtierLinker subclasses SGLang's "
-                              f"UnifiedCacheLinker, which could not be imported ({exc}); run it inside an SGLang "
-                              f"install, or for tests: {INSTALL_HINT}") from exc
+            raise ImportError(
+                f"kvtier.integrations.sglang_linker.KvtierLinker subclasses SGLang's "
+                f"UnifiedCacheLinker, which could not be imported ({exc}); run it inside an SGLang "
+                f"install, or for tests: {INSTALL_HINT}"
+            ) from exc
         return KvtierLinker
     if name == "LinkerCollector":
         from kvtier.integrations.sglang_linker.metrics import LinkerCollector
+
         return LinkerCollector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

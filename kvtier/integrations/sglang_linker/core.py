@@ -59,12 +59,20 @@ class LinkerSettings:
     key_prefix: str = "kvtier"
     mirror: MirrorConfig = MirrorConfig()
     breaker: BreakerConfig = BreakerConfig()
-    writes_store: bool = True  # False on MLA ranks other than 0: rank 0 writes the shared pages
+    writes_store: bool = (
+        True  # False on MLA ranks other than 0: rank 0 writes the shared pages
+    )
     max_inflight_bytes: int = 256 << 20
-    read_wait_s: float | None = None  # a load's wait for its store reads; None: 4 store timeouts
-    lookup_pins: int = 64  # rids whose lookup keeps its host pages pinned (the newest ones)
+    read_wait_s: float | None = (
+        None  # a load's wait for its store reads; None: 4 store timeouts
+    )
+    lookup_pins: int = (
+        64  # rids whose lookup keeps its host pages pinned (the newest ones)
+    )
     cpus: frozenset[int] | None = None
-    keyed_hash: KeyedHash | None = None  # a tenant key's (docs/security.md): SGLang's page keys go through it
+    keyed_hash: KeyedHash | None = (
+        None  # a tenant key's (docs/security.md): SGLang's page keys go through it
+    )
 
 
 @dataclass(eq=False)
@@ -72,7 +80,9 @@ class OffloadOp:
     keys: list[str]  # the pages this op copies (the others were on host or in flight)
     host_pages: np.ndarray
     handle: Handle | None  # None: nothing to copy
-    depends: list["OffloadOp"] = field(default_factory=list)  # earlier ops copying some of its pages
+    depends: list["OffloadOp"] = field(
+        default_factory=list
+    )  # earlier ops copying some of its pages
     refused: bool = False  # no host room
     success: bool | None = None
 
@@ -119,9 +129,16 @@ class LayerCounter:
 
 
 class LinkerCore:
-    def __init__(self, pool: DeviceKVPool, settings: LinkerSettings, store: Store | None = None, *,
-                 streams: StreamFactory = make_stream, clock: Callable[[], float] = time.monotonic,
-                 forward_stream=None) -> None:
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        settings: LinkerSettings,
+        store: Store | None = None,
+        *,
+        streams: StreamFactory = make_stream,
+        clock: Callable[[], float] = time.monotonic,
+        forward_stream=None,
+    ) -> None:
         self.pool, self.settings, self.store = pool, settings, store
         self.page_size = pool.config.page_size
         self.mirror = HostMirror(pool, settings.mirror)
@@ -131,20 +148,35 @@ class LinkerCore:
         self.forward_stream = forward_stream
         self.write_stream = streams("linker-write", pool.device)
         self.load_stream = streams("linker-load", pool.device)
-        self.l3 = None if store is None else LinkerStore(store, self.mirror, settings, self.counters, clock)
-        self.read_wait_s = settings.read_wait_s if settings.read_wait_s is not None else \
-            4 * (store.timeout_s if store is not None else 1.0)
+        self.l3 = (
+            None
+            if store is None
+            else LinkerStore(store, self.mirror, settings, self.counters, clock)
+        )
+        self.read_wait_s = (
+            settings.read_wait_s
+            if settings.read_wait_s is not None
+            else 4 * (store.timeout_s if store is not None else 1.0)
+        )
         self.offloads: deque[OffloadOp] = deque()
-        self.copying: dict[str, OffloadOp] = {}  # key -> the op whose copy of it is in flight
-        self.backups: list[tuple[BackupOp, list[str], list[str]]] = []  # (op, pinned keys, its keys)
+        self.copying: dict[
+            str, OffloadOp
+        ] = {}  # key -> the op whose copy of it is in flight
+        self.backups: list[
+            tuple[BackupOp, list[str], list[str]]
+        ] = []  # (op, pinned keys, its keys)
         # store pages that did not verify when read: a lookup stops before them until a
         # write of the page succeeds (else every request on that prefix would fail its load)
         self.unreadable: OrderedDict[str, None] = OrderedDict()
         self.lookup_pins: OrderedDict[str, list[str]] = OrderedDict()
         self.queued: dict[str, LoadOp] = {}
         self.started: dict[int, LoadBatch] = {}
-        self.orphans: list[tuple[StoreRead, np.ndarray]] = []  # ended reads whose pages wait to settle
-        self.quarantined: list[np.ndarray] = []  # pages of abandoned store reads: never reused
+        self.orphans: list[
+            tuple[StoreRead, np.ndarray]
+        ] = []  # ended reads whose pages wait to settle
+        self.quarantined: list[
+            np.ndarray
+        ] = []  # pages of abandoned store reads: never reused
         self.next_index = 0
         self.closed = False
 
@@ -152,11 +184,15 @@ class LinkerCore:
 
     def _check(self, keys: Sequence[str], device_slots) -> np.ndarray:
         if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError("keys: expected a list of SGLang page keys (non-empty strings)")
+            raise ValueError(
+                "keys: expected a list of SGLang page keys (non-empty strings)"
+            )
         slots = slots_of(device_slots)
         if slots.shape[0] != len(keys) * self.page_size:
-            raise ValueError(f"device_indices has {slots.shape[0]} slots for {len(keys)} pages; expected "
-                             f"{len(keys) * self.page_size} ({self.page_size} per page)")
+            raise ValueError(
+                f"device_indices has {slots.shape[0]} slots for {len(keys)} pages; expected "
+                f"{len(keys) * self.page_size} ({self.page_size} per page)"
+            )
         return slots
 
     # -- offload -----------------------------------------------------------------------------
@@ -165,8 +201,16 @@ class LinkerCore:
         slots = self._check(keys, device_slots)
         self._reap()
         ps = self.page_size
-        new = [i for i, k in enumerate(keys) if self.index.get(k) is None and k not in self.copying]
-        depends = list({id(op): op for k in keys if (op := self.copying.get(k)) is not None}.values())
+        new = [
+            i
+            for i, k in enumerate(keys)
+            if self.index.get(k) is None and k not in self.copying
+        ]
+        depends = list(
+            {
+                id(op): op for k in keys if (op := self.copying.get(k)) is not None
+            }.values()
+        )
         self.counters.offloads += 1
         if not new:
             self.offloads.append(OffloadOp([], np.zeros(0, np.int64), None, depends))
@@ -174,9 +218,11 @@ class LinkerCore:
         pages = self.index.reserve(len(new))
         if pages is None:
             self.counters.offload_no_host_room_pages += len(new)
-            self.offloads.append(OffloadOp([], np.zeros(0, np.int64), None, depends, refused=True))
+            self.offloads.append(
+                OffloadOp([], np.zeros(0, np.int64), None, depends, refused=True)
+            )
             return True
-        picked = concat([slots[i * ps:(i + 1) * ps] for i in new])
+        picked = concat([slots[i * ps : (i + 1) * ps] for i in new])
         host = page_slots(pages, ps)
         handle = Handle(0)
         ready = self._forward_ready()
@@ -211,7 +257,9 @@ class LinkerCore:
 
     def pop_completed_offload(self) -> bool:
         op = self.offloads.popleft()
-        assert op.handle is None or op.handle.done, "pop_completed_offload before its copy finished"
+        assert op.handle is None or op.handle.done, (
+            "pop_completed_offload before its copy finished"
+        )
         ok = not op.refused and (op.handle is None or op.handle.error is None)
         op.success = ok and all(d.success for d in op.depends)
         for k in op.keys:
@@ -221,12 +269,20 @@ class LinkerCore:
             self.index.release(op.host_pages)
             return False
         # a key a store read published meanwhile keeps that page; the offload's went back free
-        kept = [(k, p) for k, p in zip(op.keys, op.host_pages.tolist()) if self.index.publish(k, p)]
+        kept = [
+            (k, p)
+            for k, p in zip(op.keys, op.host_pages.tolist())
+            if self.index.publish(k, p)
+        ]
         self.counters.offload_pages += len(op.keys)
         self.counters.d2h_bytes += len(op.keys) * self.mirror.page_bytes
-        for k in () if self.settings.writes_store else op.keys:  # the writing rank forgets once stored (_reap)
+        for k in (
+            () if self.settings.writes_store else op.keys
+        ):  # the writing rank forgets once stored (_reap)
             self.unreadable.pop(k, None)
-        self._write_store([k for k, _ in kept], np.array([p for _, p in kept], dtype=np.int64))
+        self._write_store(
+            [k for k, _ in kept], np.array([p for _, p in kept], dtype=np.int64)
+        )
         if not op.success:
             self.counters.offload_failures += 1
         return op.success
@@ -258,7 +314,9 @@ class LinkerCore:
         if self.orphans:
             still = []
             for read, pages in self.orphans:
-                if read.settled and read.abandoned:  # a stuck thread may still write them
+                if (
+                    read.settled and read.abandoned
+                ):  # a stuck thread may still write them
                     self.quarantined.append(pages)
                 elif read.settled:
                     self.index.release(pages)
@@ -276,7 +334,14 @@ class LinkerCore:
         end, stored = host, 0
         if end < n and self.l3 is not None:
             stored = self.l3.leading_run(keys[end:])
-            stored = next((i for i, k in enumerate(keys[end:end + stored]) if k in self.unreadable), stored)
+            stored = next(
+                (
+                    i
+                    for i, k in enumerate(keys[end : end + stored])
+                    if k in self.unreadable
+                ),
+                stored,
+            )
             end = self.index.run(keys, end + stored)
         c = self.counters
         c.lookups += 1
@@ -365,10 +430,18 @@ class LinkerCore:
     def _wait_read(self, op: LoadOp) -> None:
         read = op.read
         if not self.l3.wait(read, self.read_wait_s):
-            raise TransferError(f"load {op.rid}: its store read did not end within {self.read_wait_s}s")
+            raise TransferError(
+                f"load {op.rid}: its store read did not end within {self.read_wait_s}s"
+            )
         if read.landed < len(read.keys):
-            why = "a page missed or did not verify" if read.answered else "the store failed or is down"
-            raise TransferError(f"load {op.rid}: {read.landed} of {len(read.keys)} store pages verified ({why})")
+            why = (
+                "a page missed or did not verify"
+                if read.answered
+                else "the store failed or is down"
+            )
+            raise TransferError(
+                f"load {op.rid}: {read.landed} of {len(read.keys)} store pages verified ({why})"
+            )
 
     def finish_layer_wise_loading(self, index: int) -> bool:
         batch = self.started.pop(index, None)
@@ -381,7 +454,9 @@ class LinkerCore:
             self._end_load(op, landed)
         if not landed:
             self.counters.load_failures += 1
-            log.warning("kvtier linker: load batch %d failed: %s", index, batch.handle.error)
+            log.warning(
+                "kvtier linker: load batch %d failed: %s", index, batch.handle.error
+            )
         return landed
 
     def _end_load(self, op: LoadOp, landed: bool) -> None:
@@ -394,7 +469,9 @@ class LinkerCore:
             c.load_pages += pages
             c.h2d_bytes += pages * self.mirror.page_bytes
             c.l3_read_pages += 0 if op.read is None else len(op.read.keys)
-            c.l3_read_bytes += 0 if op.read is None else len(op.read.keys) * self.mirror.page_bytes
+            c.l3_read_bytes += (
+                0 if op.read is None else len(op.read.keys) * self.mirror.page_bytes
+            )
         if op.read is None:
             return
         read, own = op.read, op.host_pages[op.read_index]
@@ -402,7 +479,9 @@ class LinkerCore:
             for i, p in zip(op.read_index.tolist(), own.tolist()):
                 self.index.publish(op.keys[i], p)
             return
-        if read.finished and read.answered:  # the store answered, and this page was missing or bad
+        if (
+            read.finished and read.answered
+        ):  # the store answered, and this page was missing or bad
             self._mark_unreadable(op.keys[int(op.read_index[read.landed])])
         self.orphans.append((read, own))
         self._reap()
@@ -443,8 +522,10 @@ class LinkerCore:
         for rid in list(self.lookup_pins):
             self._release_lookup_pins(rid)
         if self.backups or self.orphans:
-            log.warning("kvtier linker: reset with %d store calls still running; their pages wait for them",
-                        len(self.backups) + len(self.orphans))
+            log.warning(
+                "kvtier linker: reset with %d store calls still running; their pages wait for them",
+                len(self.backups) + len(self.orphans),
+            )
         self.index.clear()
 
     def close(self) -> None:
@@ -466,35 +547,54 @@ class LinkerCore:
         owned: list[int] = []
         for op in self.offloads:
             owned += op.host_pages.tolist()
-        for op in list(self.queued.values()) + [o for b in self.started.values() for o in b.loads]:
+        for op in list(self.queued.values()) + [
+            o for b in self.started.values() for o in b.loads
+        ]:
             if op.read is not None:
                 owned += op.host_pages[op.read_index].tolist()
         for pages in [p for _, p in self.orphans] + self.quarantined:
             owned += pages.tolist()
         if sorted(owned) != sorted(self.index.reserved):
-            problems.append(f"reserved host pages {sorted(self.index.reserved)[:8]}... are not those ops hold "
-                            f"{sorted(owned)[:8]}...")
+            problems.append(
+                f"reserved host pages {sorted(self.index.reserved)[:8]}... are not those ops hold "
+                f"{sorted(owned)[:8]}..."
+            )
         held: dict[str, int] = {}
-        owners = [p for _, p, _ in self.backups] + list(self.lookup_pins.values()) + \
-            [op.pinned for op in self.queued.values()] + [o.pinned for b in self.started.values() for o in b.loads]
+        owners = (
+            [p for _, p, _ in self.backups]
+            + list(self.lookup_pins.values())
+            + [op.pinned for op in self.queued.values()]
+            + [o.pinned for b in self.started.values() for o in b.loads]
+        )
         for keys in owners:
             for k in keys:
                 held[k] = held.get(k, 0) + 1
         if held != self.index.pins:
-            problems.append("host pins differ from what lookups, loads and store writes hold")
+            problems.append(
+                "host pins differ from what lookups, loads and store writes hold"
+            )
         return problems
 
     def stats(self) -> dict:
         alloc = self.mirror.allocator
-        out = {"counters": self.counters.as_dict(),
-               "host": {"pages_total": alloc.num_pages, "pages_free": alloc.available_size() // self.page_size,
-                        "pages_published": len(self.index.pages), "pages_pinned": len(self.index.pins),
-                        "pages_evicted": self.index.evicted_pages,
-                        "pages_quarantined": sum(p.size for p in self.quarantined)},
-               "queues": {"offloads": len(self.offloads), "loads_queued": len(self.queued),
-                          "loads_started": len(self.started), "store_writes": len(self.backups)},
-               "namespace": self.settings.namespace.id}
+        out = {
+            "counters": self.counters.as_dict(),
+            "host": {
+                "pages_total": alloc.num_pages,
+                "pages_free": alloc.available_size() // self.page_size,
+                "pages_published": len(self.index.pages),
+                "pages_pinned": len(self.index.pins),
+                "pages_evicted": self.index.evicted_pages,
+                "pages_quarantined": sum(p.size for p in self.quarantined),
+            },
+            "queues": {
+                "offloads": len(self.offloads),
+                "loads_queued": len(self.queued),
+                "loads_started": len(self.started),
+                "store_writes": len(self.backups),
+            },
+            "namespace": self.settings.namespace.id,
+        }
         if self.l3 is not None:
             out["store"] = self.l3.stats()
         return out
-

@@ -28,7 +28,9 @@ from kvtier.tiers.allocator import PagedAllocator
 class HostIndex:
     def __init__(self, allocator: PagedAllocator) -> None:
         self.allocator = allocator
-        self.pages: OrderedDict[str, int] = OrderedDict()  # published, least recently used first
+        self.pages: OrderedDict[str, int] = (
+            OrderedDict()
+        )  # published, least recently used first
         self.pins: dict[str, int] = {}
         self.reserved: set[int] = set()
         self.evicted_pages = 0
@@ -53,10 +55,14 @@ class HostIndex:
             if len(victims) < short:
                 return None
             for key in victims:
-                self.allocator.free_pages(np.array([self.pages.pop(key)], dtype=np.int64))
+                self.allocator.free_pages(
+                    np.array([self.pages.pop(key)], dtype=np.int64)
+                )
             self.evicted_pages += len(victims)
         pages = self.allocator.alloc_pages(n)
-        assert pages is not None, "host allocator short after eviction: its count is wrong"
+        assert pages is not None, (
+            "host allocator short after eviction: its count is wrong"
+        )
         self.reserved.update(pages.tolist())
         return pages
 
@@ -98,7 +104,9 @@ class HostIndex:
         not ended) and reserved ones, which their ops give back."""
         drop = [k for k in self.pages if k not in self.pins]
         if drop:
-            self.allocator.free_pages(np.array([self.pages.pop(k) for k in drop], dtype=np.int64))
+            self.allocator.free_pages(
+                np.array([self.pages.pop(k) for k in drop], dtype=np.int64)
+            )
 
     def check(self) -> list[str]:
         """free + published + reserved == total, no page twice, pins only on published keys."""
@@ -110,8 +118,10 @@ class HostIndex:
             problems.append("a host page is both published and reserved")
         free = self.allocator.available_size() // self.allocator.page_size
         if free + len(published) + len(self.reserved) != self.allocator.num_pages:
-            problems.append(f"host pages: free {free} + published {len(published)} + reserved "
-                            f"{len(self.reserved)} != {self.allocator.num_pages}")
+            problems.append(
+                f"host pages: free {free} + published {len(published)} + reserved "
+                f"{len(self.reserved)} != {self.allocator.num_pages}"
+            )
         stray = [k for k in self.pins if k not in self.pages]
         if stray:
             problems.append(f"{len(stray)} pins on keys that are not published")

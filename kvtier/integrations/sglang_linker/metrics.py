@@ -17,7 +17,9 @@ class LinkerCounters:
     host_hit_pages: int = 0  # of those, restorable from the host tier
     store_hit_pages: int = 0  # of those, restorable from the store only
     lookup_store_skipped: int = 0  # lookups that did not ask the store: breaker down
-    lookup_store_errors: int = 0  # store lookups that failed or timed out (host-only answers)
+    lookup_store_errors: int = (
+        0  # store lookups that failed or timed out (host-only answers)
+    )
     offloads: int = 0
     offload_pages: int = 0  # pages copied device -> host
     offload_failures: int = 0
@@ -28,16 +30,22 @@ class LinkerCounters:
     l3_write_failures: int = 0  # pages the store did not take (they stay host-only)
     loads: int = 0
     load_pages: int = 0
-    load_failures: int = 0  # load batches that failed closed (SGLang aborts their requests)
+    load_failures: int = (
+        0  # load batches that failed closed (SGLang aborts their requests)
+    )
     loads_cancelled: int = 0
     h2d_bytes: int = 0
     l3_read_pages: int = 0
     l3_read_bytes: int = 0
-    l3_read_failures: int = 0  # store pages that did not verify when read (the load failed closed)
+    l3_read_failures: int = (
+        0  # store pages that did not verify when read (the load failed closed)
+    )
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["miss_pages"] = self.lookup_pages - self.host_hit_pages - self.store_hit_pages
+        out["miss_pages"] = (
+            self.lookup_pages - self.host_hit_pages - self.store_hit_pages
+        )
         return out
 
 
@@ -53,10 +61,17 @@ class LinkerCollector:
 
         stats = self.linker.stats()
         for name, value in stats["counters"].items():
-            yield CounterMetricFamily(f"kvtier_linker_{name}", f"kvtier linker {name.replace('_', ' ')}", value=value)
+            yield CounterMetricFamily(
+                f"kvtier_linker_{name}",
+                f"kvtier linker {name.replace('_', ' ')}",
+                value=value,
+            )
         for group in ("host", "queues", "store"):
             prefix = "queue" if group == "queues" else group
             for name, value in stats.get(group, {}).items():
                 if isinstance(value, (int, float)):  # a bool (store_down) is 0 or 1
-                    yield GaugeMetricFamily(f"kvtier_linker_{prefix}_{name}",
-                                            f"kvtier linker {prefix} {name.replace('_', ' ')}", value=value)
+                    yield GaugeMetricFamily(
+                        f"kvtier_linker_{prefix}_{name}",
+                        f"kvtier linker {prefix} {name.replace('_', ' ')}",
+                        value=value,
+                    )

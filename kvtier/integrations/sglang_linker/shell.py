@@ -36,38 +36,67 @@ def parse_extra(extra: Any) -> dict:
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
     if unknown:
-        raise KvtierConfigError(f"linker_extra_config: unknown keys {unknown}; allowed: {', '.join(EXTRA_KEYS)}")
+        raise KvtierConfigError(
+            f"linker_extra_config: unknown keys {unknown}; allowed: {', '.join(EXTRA_KEYS)}"
+        )
     path = extra.get("kvtier_config")
     if not isinstance(path, str) or not path:
-        raise KvtierConfigError(f"linker_extra_config.kvtier_config={path!r}: give a kvtier YAML path or a "
-                                "shipped config name (default, redis, s3, ...; docs/sglang.md)")
+        raise KvtierConfigError(
+            f"linker_extra_config.kvtier_config={path!r}: give a kvtier YAML path or a "
+            "shipped config name (default, redis, s3, ...; docs/sglang.md)"
+        )
     dtype = extra.get("kv_cache_dtype")
     if dtype is not None and (not isinstance(dtype, str) or not dtype):
-        raise KvtierConfigError(f"linker_extra_config.kv_cache_dtype={dtype!r}: expected SGLang's --kv-cache-dtype "
-                                "value, e.g. 'fp8_e4m3'")
+        raise KvtierConfigError(
+            f"linker_extra_config.kv_cache_dtype={dtype!r}: expected SGLang's --kv-cache-dtype "
+            "value, e.g. 'fp8_e4m3'"
+        )
     return extra
 
 
 def pool_over(kvcache, page_size: int) -> tuple[DeviceKVPool, bool]:
     """kvtier's pool over SGLang's own per-layer tensors (no copy), and whether it is MLA."""
-    if getattr(kvcache, "k_buffer", None) is not None and getattr(kvcache, "v_buffer", None) is not None:
-        return DeviceKVPool.from_tensors(kvcache.k_buffer, kvcache.v_buffer, page_size=page_size), False
-    if getattr(kvcache, "kv_buffer", None) is not None and hasattr(kvcache, "kv_lora_rank"):
-        return DeviceKVPool.from_tensors(kvcache.kv_buffer, page_size=page_size,
-                                         kv_lora_rank=kvcache.kv_lora_rank), True
-    raise NotImplementedError(f"kvtier linker: SGLang KV pool {type(kvcache).__name__} is not supported "
-                              "(MHATokenToKVPool and MLATokenToKVPool are)")
+    if (
+        getattr(kvcache, "k_buffer", None) is not None
+        and getattr(kvcache, "v_buffer", None) is not None
+    ):
+        return DeviceKVPool.from_tensors(
+            kvcache.k_buffer, kvcache.v_buffer, page_size=page_size
+        ), False
+    if getattr(kvcache, "kv_buffer", None) is not None and hasattr(
+        kvcache, "kv_lora_rank"
+    ):
+        return DeviceKVPool.from_tensors(
+            kvcache.kv_buffer, page_size=page_size, kv_lora_rank=kvcache.kv_lora_rank
+        ), True
+    raise NotImplementedError(
+        f"kvtier linker: SGLang KV pool {type(kvcache).__name__} is not supported "
+        "(MHATokenToKVPool and MLATokenToKVPool are)"
+    )
 
 
 def tp_of(params) -> tuple[int, int]:
     group = params.attn_tp_cache_group or params.tp_cache_group
-    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if group is None or not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
         return 0, 1
-    return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+    return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(
+        group=group
+    )
 
 
-def namespace_of(config: KvtierConfig, server_args, params, pool: DeviceKVPool, mla: bool, kv_cache_dtype,
-                 rank: int, size: int, tenant_key_id: str | None = None) -> Namespace:
+def namespace_of(
+    config: KvtierConfig,
+    server_args,
+    params,
+    pool: DeviceKVPool,
+    mla: bool,
+    kv_cache_dtype,
+    rank: int,
+    size: int,
+    tenant_key_id: str | None = None,
+) -> Namespace:
     """What changes a page's bytes: model, KV dtype, geometry and host layout, page size,
     PP/CP shard, TP rank/size (MLA: one namespace for every rank), tenant salt, revision,
     tenant key id."""
@@ -77,58 +106,111 @@ def namespace_of(config: KvtierConfig, server_args, params, pool: DeviceKVPool, 
     if kv_cache_dtype and kv_cache_dtype != "auto":
         dtype = f"{dtype}/{kv_cache_dtype}"
     widths = ",".join(map(str, pc.part_widths))
-    layout = (f"sglang-linker-{'mla' if mla else 'mha'}:layers={pc.num_layers}:widths={widths}"
-              f":host={(config.mirror).layout}:pp={params.pp_rank}/{params.pp_size}"
-              f":cp={params.attn_cp_rank}/{params.attn_cp_size}")
+    layout = (
+        f"sglang-linker-{'mla' if mla else 'mha'}:layers={pc.num_layers}:widths={widths}"
+        f":host={(config.mirror).layout}:pp={params.pp_rank}/{params.pp_size}"
+        f":cp={params.attn_cp_rank}/{params.attn_cp_size}"
+    )
     ns = config.namespace
     model = getattr(server_args, "model_path", None) or ns.model_id
     rank, size = (0, 1) if mla else (rank, size)
-    return Namespace(model, dtype, layout, pc.page_size, rank, size, ns.tenant_salt, revision=ns.revision,
-                     tenant_key_id=tenant_key_id)
+    return Namespace(
+        model,
+        dtype,
+        layout,
+        pc.page_size,
+        rank,
+        size,
+        ns.tenant_salt,
+        revision=ns.revision,
+        tenant_key_id=tenant_key_id,
+    )
 
 
 def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
     names = [t.name for t in transfers]
     if names != [PoolName.KV]:
-        raise ValueError(f"kvtier linker: transfers for pools {[str(n) for n in names]}; it restores the KV "
-                         "pool only (Full attention)")
+        raise ValueError(
+            f"kvtier linker: transfers for pools {[str(n) for n in names]}; it restores the KV "
+            "pool only (Full attention)"
+        )
     return transfers[0]
 
 
 class KvtierLinker(UnifiedCacheLinker):
     """kvtier's host tier and stores below SGLang's radix tree and device pool."""
 
-    def __init__(self, server_args, params, *, components, extra_config=None, forward_stream=None) -> None:
+    def __init__(
+        self, server_args, params, *, components, extra_config=None, forward_stream=None
+    ) -> None:
         extra = parse_extra(extra_config)
         others = sorted(str(c) for c in components if c != ComponentType.FULL)
         if others:
-            raise ValueError(f"kvtier linker: tree components {others} are not supported (Full attention only)")
+            raise ValueError(
+                f"kvtier linker: tree components {others} are not supported (Full attention only)"
+            )
         config = load_config(extra["kvtier_config"])
         refuse_store_pages(config, "the SGLang linker")
         if config.mirror is None:
-            raise KvtierConfigError(f"mirror: null in {extra['kvtier_config']}: the linker's host tier needs a "
-                                    "mirror section (ratio or size_bytes)")
-        pool, mla = pool_over(params.token_to_kv_pool_allocator.get_kvcache(), params.page_size)
+            raise KvtierConfigError(
+                f"mirror: null in {extra['kvtier_config']}: the linker's host tier needs a "
+                "mirror section (ratio or size_bytes)"
+            )
+        pool, mla = pool_over(
+            params.token_to_kv_pool_allocator.get_kvcache(), params.page_size
+        )
         rank, size = tp_of(params)
-        tenant = tenant_of(config.namespace)  # docs/security.md: key id, keyed page keys, sealed store
-        ns = namespace_of(config, server_args, params, pool, mla, extra.get("kv_cache_dtype"), rank, size,
-                          tenant.key_id)
+        tenant = tenant_of(
+            config.namespace
+        )  # docs/security.md: key id, keyed page keys, sealed store
+        ns = namespace_of(
+            config,
+            server_args,
+            params,
+            pool,
+            mla,
+            extra.get("kv_cache_dtype"),
+            rank,
+            size,
+            tenant.key_id,
+        )
         c = config.controller
         settings = LinkerSettings(
-            ns, config.store.key_prefix, config.mirror,
-            BreakerConfig(c.store_down_after_failures, c.store_probe_backoff_s, c.store_probe_max_backoff_s),
-            writes_store=not mla or rank == 0, max_inflight_bytes=c.max_inflight_prefetch_bytes,
-            cpus=check_cpus(c.cpus), keyed_hash=tenant.keyed)
-        store = None if config.store.backend == "none" else \
-            build_store(config.store.backend, config.store.options, config.store.timeout_s)
+            ns,
+            config.store.key_prefix,
+            config.mirror,
+            BreakerConfig(
+                c.store_down_after_failures,
+                c.store_probe_backoff_s,
+                c.store_probe_max_backoff_s,
+            ),
+            writes_store=not mla or rank == 0,
+            max_inflight_bytes=c.max_inflight_prefetch_bytes,
+            cpus=check_cpus(c.cpus),
+            keyed_hash=tenant.keyed,
+        )
+        store = (
+            None
+            if config.store.backend == "none"
+            else build_store(
+                config.store.backend, config.store.options, config.store.timeout_s
+            )
+        )
         tenant.seal(store)
         self.core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
         self.layer_done_counter = self.core.counter
         self.pools = {PoolName.KV: pool}
         self.forward_stream = forward_stream
-        log.info("kvtier linker: host tier %d pages of %d B (%s), store %s, namespace %s (tp %d/%d)",
-                 self.core.mirror.allocator.num_pages, self.core.mirror.page_bytes, config.mirror.layout,
-                 config.store.backend, ns.id, rank, size)
+        log.info(
+            "kvtier linker: host tier %d pages of %d B (%s), store %s, namespace %s (tp %d/%d)",
+            self.core.mirror.allocator.num_pages,
+            self.core.mirror.page_bytes,
+            config.mirror.layout,
+            config.store.backend,
+            ns.id,
+            rank,
+            size,
+        )
 
     def record_offload_ready(self) -> list:
         return []  # the core orders its copy after the forward stream itself
@@ -150,7 +232,9 @@ class KvtierLinker(UnifiedCacheLinker):
     def cancel_queued_load(self, rid: str) -> bool:
         return self.core.cancel_queued_load(rid)
 
-    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+    def offload(
+        self, transfers: list[PoolTransfer], session_id: str | None = None
+    ) -> bool:
         kv = _kv(transfers)
         return self.core.offload(list(kv.keys or []), kv.device_indices)
 

@@ -35,19 +35,45 @@ class StoreRead:
     keys: list[str]  # store keys
     pages: np.ndarray  # host pages, one per key
     landed: int = 0
-    answered: bool = False  # the store answered: a page short of `keys` missed or did not verify
+    answered: bool = (
+        False  # the store answered: a page short of `keys` missed or did not verify
+    )
     finished: bool = False
     settled: bool = False
-    abandoned: bool = False  # given up on stuck (a hung mount): a thread may still write its pages
+    abandoned: bool = (
+        False  # given up on stuck (a hung mount): a thread may still write its pages
+    )
 
 
 class LinkerStore:
-    def __init__(self, store: Store, mirror: HostMirror, settings, counters, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        mirror: HostMirror,
+        settings,
+        counters,
+        clock: Callable[[], float],
+    ) -> None:
         self.store, self.mirror, self.counters = store, mirror, counters
-        self.prefix, self.namespace_id, self.keyed = settings.key_prefix, settings.namespace.id, settings.keyed_hash
-        manifest = (settings.key_prefix, self.namespace_id, settings.namespace.manifest(mirror.page_bytes))
-        self.worker = StorageWorker(store, mirror, settings.max_inflight_bytes, settings.breaker, clock,
-                                    settings.cpus, manifest)
+        self.prefix, self.namespace_id, self.keyed = (
+            settings.key_prefix,
+            settings.namespace.id,
+            settings.keyed_hash,
+        )
+        manifest = (
+            settings.key_prefix,
+            self.namespace_id,
+            settings.namespace.manifest(mirror.page_bytes),
+        )
+        self.worker = StorageWorker(
+            store,
+            mirror,
+            settings.max_inflight_bytes,
+            settings.breaker,
+            clock,
+            settings.cpus,
+            manifest,
+        )
         self.progress = threading.Event()  # set whenever a read moves
 
     @property
@@ -56,7 +82,10 @@ class LinkerStore:
 
     def keys(self, keys: Sequence[str]) -> list[str]:
         """The store keys of SGLang's page keys (through the tenant's keyed hash, with a key)."""
-        return [make_key(self.prefix, self.namespace_id, page_hash_of(k, self.keyed)) for k in keys]
+        return [
+            make_key(self.prefix, self.namespace_id, page_hash_of(k, self.keyed))
+            for k in keys
+        ]
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop)
@@ -69,11 +98,15 @@ class LinkerStore:
             return fut.result(self.store.timeout_s + 0.5)
         except Exception as exc:
             self.counters.lookup_store_errors += 1
-            log.warning("kvtier linker: store lookup of %d pages gave up: %r", len(keys), exc)
+            log.warning(
+                "kvtier linker: store lookup of %d pages gave up: %r", len(keys), exc
+            )
             return 0
 
     async def _exists(self, keys: list[str]) -> int:
-        breaker = self.worker.breaker  # used on the storage thread only, as StorageWorker does
+        breaker = (
+            self.worker.breaker
+        )  # used on the storage thread only, as StorageWorker does
         if not breaker.admit():
             self.counters.lookup_store_skipped += 1
             return 0
@@ -111,7 +144,11 @@ class LinkerStore:
         if not breaker.admit():
             return None
         page_first = mirror.config.layout == "page_first"
-        views = mirror.page_views(read.pages) if page_first else [bytearray(mirror.page_bytes) for _ in read.keys]
+        views = (
+            mirror.page_views(read.pages)
+            if page_first
+            else [bytearray(mirror.page_bytes) for _ in read.keys]
+        )
         try:
             ok = await self.store.batch_get_into(read.keys, views)
         except KvtierError as exc:

@@ -25,10 +25,12 @@ def _tier_class() -> type:
     try:
         from kvtier.integrations.vllm.tier import KvtierTier
     except ImportError as exc:
-        raise ImportError(f"kvtier.integrations.vllm.KvtierTier subclasses vLLM's SecondaryTierManager, which could "
-                          f"not be imported ({type(exc).__name__}: {exc}); run it inside a vLLM {VLLM_VERSION} "
-                          f"install, or for tests: {INSTALL_HINT} (docs/vllm.md lists its pure-Python "
-                          "imports)") from exc
+        raise ImportError(
+            f"kvtier.integrations.vllm.KvtierTier subclasses vLLM's SecondaryTierManager, which could "
+            f"not be imported ({type(exc).__name__}: {exc}); run it inside a vLLM {VLLM_VERSION} "
+            f"install, or for tests: {INSTALL_HINT} (docs/vllm.md lists its pure-Python "
+            "imports)"
+        ) from exc
     return KvtierTier
 
 

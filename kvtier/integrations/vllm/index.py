@@ -83,9 +83,15 @@ class LookupIndex:
         """The probes to send now: one per request that queued keys this step."""
         out = []
         for rid, entries in self._queued.items():
-            live = [(k, g) for k, g in entries if (v := self.verdicts.get(k)) is not None and v.generation == g]
+            live = [
+                (k, g)
+                for k, g in entries
+                if (v := self.verdicts.get(k)) is not None and v.generation == g
+            ]
             if live:
-                out.append(Probe(rid, tuple(k for k, _ in live), tuple(g for _, g in live)))
+                out.append(
+                    Probe(rid, tuple(k for k, _ in live), tuple(g for _, g in live))
+                )
         self._queued.clear()
         self.in_flight += len(out)
         self.probes += len(out)
@@ -125,8 +131,12 @@ class LookupIndex:
         probe is still out (its answer finds nothing to apply to)."""
         for key, gen in self._queued.pop(request_id, ()):
             verdict = self.verdicts.get(key)
-            others = sorted(verdict.requests - {request_id}) if verdict is not None else []
-            if others and verdict.generation == gen:  # not sent yet: another asker sends it
+            others = (
+                sorted(verdict.requests - {request_id}) if verdict is not None else []
+            )
+            if (
+                others and verdict.generation == gen
+            ):  # not sent yet: another asker sends it
                 self._queued.setdefault(others[0], []).append((key, gen))
         for key in self._by_request.pop(request_id, ()):
             verdict = self.verdicts.get(key)
@@ -137,6 +147,13 @@ class LookupIndex:
                 del self.verdicts[key]
 
     def stats(self) -> dict:
-        return {"index_present": len(self.present), "index_verdicts": len(self.verdicts),
-                "probes": self.probes, "probe_keys": self.probe_keys, "probes_in_flight": self.in_flight,
-                "lookup_hits": self.hits, "lookup_misses": self.misses, "lookup_retries": self.retries}
+        return {
+            "index_present": len(self.present),
+            "index_verdicts": len(self.verdicts),
+            "probes": self.probes,
+            "probe_keys": self.probe_keys,
+            "probes_in_flight": self.in_flight,
+            "lookup_hits": self.hits,
+            "lookup_misses": self.misses,
+            "lookup_retries": self.retries,
+        }

@@ -33,35 +33,57 @@ def tier_settings(tier_type: str, given: Mapping[str, Any]) -> TierSettings:
     where = f"secondary tier {tier_type!r}"
     unknown = sorted(set(given) - set(TIER_KEYS))
     if unknown:
-        raise KvtierConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(TIER_KEYS)}")
+        raise KvtierConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(TIER_KEYS)}"
+        )
     source = given.get("kvtier_config")
     if isinstance(source, str) and source:
         config = load_config(source)
     elif isinstance(source, Mapping):
         config = load_config(None, overrides=source)
     else:
-        raise KvtierConfigError(f"{where}: kvtier_config={source!r}: give the path of a kvtier YAML, or its "
-                                "sections as a mapping, with a store: section (docs/vllm.md)")
+        raise KvtierConfigError(
+            f"{where}: kvtier_config={source!r}: give the path of a kvtier YAML, or its "
+            "sections as a mapping, with a store: section (docs/vllm.md)"
+        )
     refuse_store_pages(config, where)
     if config.store.backend == "none":
-        raise KvtierConfigError(f"{where}: store.backend='none': the tier needs a store (file, redis, s3 or a plugin)")
+        raise KvtierConfigError(
+            f"{where}: store.backend='none': the tier needs a store (file, redis, s3 or a plugin)"
+        )
     tenant = given.get("tenant")
     if tenant is not None and (not isinstance(tenant, str) or not tenant):
-        raise KvtierConfigError(f"{where}: tenant={tenant!r}: expected a non-empty string (the tenant salt)")
+        raise KvtierConfigError(
+            f"{where}: tenant={tenant!r}: expected a non-empty string (the tenant salt)"
+        )
     events = given.get("enable_kv_events", True)
     if not isinstance(events, bool):
-        raise KvtierConfigError(f"{where}: enable_kv_events={events!r}: expected true or false")
+        raise KvtierConfigError(
+            f"{where}: enable_kv_events={events!r}: expected true or false"
+        )
     locality = given.get("locality")
     if locality is not None and locality not in LOCALITIES:
-        raise KvtierConfigError(f"{where}: locality={locality!r}: allowed values are {', '.join(LOCALITIES)}")
+        raise KvtierConfigError(
+            f"{where}: locality={locality!r}: allowed values are {', '.join(LOCALITIES)}"
+        )
     index_keys = given.get("index_keys", 1 << 20)
-    if isinstance(index_keys, bool) or not isinstance(index_keys, int) or index_keys < 1:
-        raise KvtierConfigError(f"{where}: index_keys={index_keys!r}: expected an integer >= 1")
+    if (
+        isinstance(index_keys, bool)
+        or not isinstance(index_keys, int)
+        or index_keys < 1
+    ):
+        raise KvtierConfigError(
+            f"{where}: index_keys={index_keys!r}: expected an integer >= 1"
+        )
     return TierSettings(config, tenant, events, locality, index_keys)
 
 
-def vllm_namespace(offloading: Any, row_bytes: int, settings: TierSettings,
-                   tenant_key_id: str | None = None) -> Namespace:
+def vllm_namespace(
+    offloading: Any,
+    row_bytes: int,
+    settings: TierSettings,
+    tenant_key_id: str | None = None,
+) -> Namespace:
     """Everything that changes a primary-tier row's bytes: vLLM's model and KV dtype, the
     row's size and make-up (blocks per chunk, tokens per block of each KV group, KV layout),
     and the workers whose copies it concatenates (TP/PP/CP sizes and the rank), unless
@@ -70,19 +92,36 @@ def vllm_namespace(offloading: Any, row_bytes: int, settings: TierSettings,
     c = offloading.config
     ns = settings.config.namespace
     groups = ",".join(str(g.tokens_per_block) for g in c.groups)
-    layout = (f"vllm-tier:row={row_bytes}:blocks_per_chunk={c.cache.blocks_per_chunk}"
-              f":tokens_per_hash={c.cache.tokens_per_hash}:groups={groups}:kv_layout={c.kv_cache_layout}"
-              f":canonical={int(bool(c.canonical_layout))}")
+    layout = (
+        f"vllm-tier:row={row_bytes}:blocks_per_chunk={c.cache.blocks_per_chunk}"
+        f":tokens_per_hash={c.cache.tokens_per_hash}:groups={groups}:kv_layout={c.kv_cache_layout}"
+        f":canonical={int(bool(c.canonical_layout))}"
+    )
     p = c.parallel
     rank, size = 0, 1
     if not p.is_parallelism_agnostic:
-        layout += (f":world={p.world_size}:tp={p.tp_size}:pp={p.pp_size}:pcp={p.pcp_size}:dcp={p.dcp_size}"
-                   f":replicated={int(bool(c.replicated_layout))}")
+        layout += (
+            f":world={p.world_size}:tp={p.tp_size}:pp={p.pp_size}:pcp={p.pcp_size}:dcp={p.dcp_size}"
+            f":replicated={int(bool(c.replicated_layout))}"
+        )
         rank, size = p.rank, max(1, p.world_size)
-    page_size = max(1, max((g.tokens_per_block for g in c.groups), default=1) * c.cache.blocks_per_chunk)
+    page_size = max(
+        1,
+        max((g.tokens_per_block for g in c.groups), default=1)
+        * c.cache.blocks_per_chunk,
+    )
     tenant = settings.tenant if settings.tenant is not None else ns.tenant_salt
-    return Namespace(c.model.name or ns.model_id, c.model.dtype, layout, page_size, rank, size, tenant,
-                     revision=ns.revision, tenant_key_id=tenant_key_id)
+    return Namespace(
+        c.model.name or ns.model_id,
+        c.model.dtype,
+        layout,
+        page_size,
+        rank,
+        size,
+        tenant,
+        revision=ns.revision,
+        tenant_key_id=tenant_key_id,
+    )
 
 
 def page_hash_of(key: bytes, keyed: KeyedHash | None = None) -> bytes:
@@ -91,7 +130,9 @@ def page_hash_of(key: bytes, keyed: KeyedHash | None = None) -> bytes:
     a tenant's `keyed` hash, every key through it (a key listing then tells nothing of
     vLLM's block hashes, which anyone can compute from the tokens)."""
     if not isinstance(key, bytes) or len(key) < 5:
-        raise ValueError(f"key={key!r}: expected vLLM's OffloadKey (block hash bytes + 4-byte group index)")
+        raise ValueError(
+            f"key={key!r}: expected vLLM's OffloadKey (block hash bytes + 4-byte group index)"
+        )
     if keyed is not None:
         return keyed(b"kvtier/vllm-key\x00" + key).digest()
     block, group = key[:-4], key[-4:]

@@ -25,8 +25,16 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingEvent, OffloadKey, ReqContext,
-                                     RequestOffloadingContext, ScheduleEndContext)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.backends.base import Store
@@ -34,12 +42,22 @@ from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig
 from kvtier.controller.cpus import check_cpus
 from kvtier.hashing import key_maker
-from kvtier.integrations.loop import LoopThread, breaker_for, guarded, read_staged, tenant_of
+from kvtier.integrations.loop import (
+    LoopThread,
+    breaker_for,
+    guarded,
+    read_staged,
+    tenant_of,
+)
 from kvtier.integrations.vllm.index import Answer, LookupIndex, Probe
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
 
 log = logging.getLogger(__name__)
-_ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
+_ANSWERS = {
+    Answer.HIT: LookupResult.HIT,
+    Answer.MISS: LookupResult.MISS,
+    Answer.RETRY: LookupResult.RETRY,
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,18 +74,34 @@ class _Done:
 class KvtierTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector=None, **tier_config: Any) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector=None,
+        **tier_config: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec, primary_kv_view, tier_type, backpressure_detector
+        )
         s = tier_settings(tier_type, tier_config)
         self.settings = s
         self.locality = Locality(s.locality) if s.locality is not None else None
-        self.tenant = tenant_of(s.config.namespace)  # docs/security.md: key id, keyed store keys, sealed store
-        self.namespace = vllm_namespace(offloading_spec, self.block_size_bytes, s, self.tenant.key_id)
+        self.tenant = tenant_of(
+            s.config.namespace
+        )  # docs/security.md: key id, keyed store keys, sealed store
+        self.namespace = vllm_namespace(
+            offloading_spec, self.block_size_bytes, s, self.tenant.key_id
+        )
         self.key_prefix = s.config.store.key_prefix
         self._key = key_maker(self.key_prefix, self.namespace.id)
-        self._flat = primary_kv_view.cast("B")  # rows addressed by byte offset (2-D views cannot be indexed)
-        self._loop = LoopThread(check_cpus(s.config.controller.cpus), name="kvtier-vllm-store")
+        self._flat = primary_kv_view.cast(
+            "B"
+        )  # rows addressed by byte offset (2-D views cannot be indexed)
+        self._loop = LoopThread(
+            check_cpus(s.config.controller.cpus), name="kvtier-vllm-store"
+        )
         try:
             self.store: Store = self._loop.run(self._build(s.config))
             self.tenant.seal(self.store)
@@ -77,21 +111,39 @@ class KvtierTier(SecondaryTierManager):
         self.breaker = breaker_for(self.store.name, s.config.controller)
         self.index = LookupIndex(s.index_keys)
         self._outcomes: queue.SimpleQueue = queue.SimpleQueue()  # loop thread -> caller
-        self._futures: dict[Future, TransferJob | Probe] = {}  # every job and probe on the loop, until it ended
+        self._futures: dict[
+            Future, TransferJob | Probe
+        ] = {}  # every job and probe on the loop, until it ended
         self._jobs = 0  # submitted jobs whose result was not handed to vLLM yet
         self._results: list[JobResult] = []
-        wants_events = s.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        wants_events = (
+            s.enable_kv_events
+            and offloading_spec.kv_events_config.enable_kv_cache_events
+        )
         self._events: list[OffloadingEvent] | None = [] if wants_events else None
         self._manifest_written = False
         self._closed = False
-        self.counters = {"store_jobs": 0, "store_keys": 0, "store_ok": 0,
-                         "load_jobs": 0, "load_keys": 0, "load_ok": 0}
-        log.info("kvtier: vLLM secondary tier on the %s store, namespace %s (%s, %d B/row)",
-                 self.store.name, self.namespace.id, self.namespace.model_id, self.block_size_bytes)
+        self.counters = {
+            "store_jobs": 0,
+            "store_keys": 0,
+            "store_ok": 0,
+            "load_jobs": 0,
+            "load_keys": 0,
+            "load_ok": 0,
+        }
+        log.info(
+            "kvtier: vLLM secondary tier on the %s store, namespace %s (%s, %d B/row)",
+            self.store.name,
+            self.namespace.id,
+            self.namespace.model_id,
+            self.block_size_bytes,
+        )
 
     @staticmethod
     async def _build(config: KvtierConfig) -> Store:
-        return build_store(config.store.backend, config.store.options, config.store.timeout_s)
+        return build_store(
+            config.store.backend, config.store.options, config.store.timeout_s
+        )
 
     def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
         """The store keys of vLLM's keys (through the tenant's keyed hash, with a key); the
@@ -134,19 +186,35 @@ class KvtierTier(SecondaryTierManager):
 
     def _rows(self, chunk_ids) -> list[memoryview]:
         bs = self.block_size_bytes
-        return [self._flat[int(c) * bs:(int(c) + 1) * bs] for c in chunk_ids]
+        return [self._flat[int(c) * bs : (int(c) + 1) * bs] for c in chunk_ids]
 
     async def _store(self, job: TransferJob) -> None:
         start = time.perf_counter()
         keys = list(job.keys)
         full, rows = self.store_keys(keys), self._rows(job.chunk_ids)
-        written = await guarded(self.breaker, lambda: self._set(full, rows), [False] * len(keys))
-        self._outcomes.put(("job", _Done(job, [bool(g) for g in written], time.perf_counter() - start,
-                                         len(keys) * self.block_size_bytes)))
+        written = await guarded(
+            self.breaker, lambda: self._set(full, rows), [False] * len(keys)
+        )
+        self._outcomes.put(
+            (
+                "job",
+                _Done(
+                    job,
+                    [bool(g) for g in written],
+                    time.perf_counter() - start,
+                    len(keys) * self.block_size_bytes,
+                ),
+            )
+        )
 
     async def _set(self, full: list[str], rows: list[memoryview]) -> list[bool]:
-        if not self._manifest_written:  # docs/formats.md: a namespace's manifest precedes its first page
-            manifest = {**self.namespace.manifest(self.block_size_bytes), "created": time.time()}
+        if (
+            not self._manifest_written
+        ):  # docs/formats.md: a namespace's manifest precedes its first page
+            manifest = {
+                **self.namespace.manifest(self.block_size_bytes),
+                "created": time.time(),
+            }
             await self.store.put_manifest(self.key_prefix, self.namespace.id, manifest)
             self._manifest_written = True
         return await self.store.batch_set(full, rows)
@@ -161,8 +229,18 @@ class KvtierTier(SecondaryTierManager):
         rows = self._rows(job.chunk_ids)
         ok = await read_staged(self.breaker, self.store, full, rows)
         answered, ok = ok is not None, ok or [False] * len(keys)
-        self._outcomes.put(("job", _Done(job, list(ok), time.perf_counter() - start,
-                                         sum(ok) * self.block_size_bytes, answered)))
+        self._outcomes.put(
+            (
+                "job",
+                _Done(
+                    job,
+                    list(ok),
+                    time.perf_counter() - start,
+                    sum(ok) * self.block_size_bytes,
+                    answered,
+                ),
+            )
+        )
 
     def _start(self, coro, what: TransferJob | Probe) -> None:
         if self._closed:
@@ -183,7 +261,9 @@ class KvtierTier(SecondaryTierManager):
                 self._finish(item[1])
         for fut in [f for f in self._futures if f.done()]:
             what = self._futures.pop(fut)
-            if fut.exception() is not None:  # a bug, not a store failure: say it, fail its keys, never hang vLLM
+            if (
+                fut.exception() is not None
+            ):  # a bug, not a store failure: say it, fail its keys, never hang vLLM
                 log.error("kvtier vLLM tier: a store task failed: %r", fut.exception())
                 if isinstance(what, Probe):
                     self.index.apply(what, 0)
@@ -209,18 +289,39 @@ class KvtierTier(SecondaryTierManager):
             for k in good:
                 self.index.remember(k)
             if good and self._events is not None:
-                self._events.append(OffloadingEvent(keys=good, medium=Medium.STORAGE, removed=False,
-                                                    locality=self.locality, ownership=self.tier_type))
+                self._events.append(
+                    OffloadingEvent(
+                        keys=good,
+                        medium=Medium.STORAGE,
+                        removed=False,
+                        locality=self.locality,
+                        ownership=self.tier_type,
+                    )
+                )
             partial = None
         self._jobs -= 1
-        self._results.append(JobResult(job_id=job.job_id, success=all(ok), successful_keys=partial,
-                                       transfer_time=done.seconds, transfer_bytes=done.nbytes))
+        self._results.append(
+            JobResult(
+                job_id=job.job_id,
+                success=all(ok),
+                successful_keys=partial,
+                transfer_time=done.seconds,
+                transfer_bytes=done.nbytes,
+            )
+        )
 
     def _lost(self, key: OffloadKey) -> None:
         """A load found `key` missing or bad: announced gone if it was announced stored."""
         if key in self.index.present and self._events is not None:
-            self._events.append(OffloadingEvent(keys=[key], medium=Medium.STORAGE, removed=True,
-                                                locality=self.locality, ownership=self.tier_type))
+            self._events.append(
+                OffloadingEvent(
+                    keys=[key],
+                    medium=Medium.STORAGE,
+                    removed=True,
+                    locality=self.locality,
+                    ownership=self.tier_type,
+                )
+            )
         self.index.forget(key)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -267,8 +368,13 @@ class KvtierTier(SecondaryTierManager):
             log.exception("kvtier: touching %d rows in the store failed", len(full))
 
     def kvtier_stats(self) -> dict:
-        return {"namespace": self.namespace.id, **self.counters, **self.index.stats(), **self.store.stats(),
-                **self.breaker.stats()}
+        return {
+            "namespace": self.namespace.id,
+            **self.counters,
+            **self.index.stats(),
+            **self.store.stats(),
+            **self.breaker.stats(),
+        }
 
     def shutdown(self) -> None:
         """Drain, close the store, stop the loop; a second call does nothing."""
