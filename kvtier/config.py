@@ -15,7 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Mapping
 
 import yaml
 
@@ -116,7 +117,7 @@ class KvtierConfig:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        self.store_pages  # refuses a store page that is not whole device pages
+        self.store_pages  # noqa: B018 (refuses a store page that is not whole device pages)
 
     @property
     def store_pages(self) -> int:

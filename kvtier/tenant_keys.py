@@ -74,7 +74,7 @@ class TenantKeys:
     def ids(self) -> list[str]:
         return [k.key_id.hex() for k in self.keys]
 
-    def current_only(self) -> "TenantKeys":
+    def current_only(self) -> TenantKeys:
         """The ring of the current key alone: what a cache seals and reads with. The other
         keys are for `tierctl store verify` and `purge`: a page sealed with a retired key
         (a leaked one is why keys rotate) is never served (docs/security.md)."""

@@ -15,7 +15,7 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from kvtier.backends import frame
 from kvtier.backends.frame import Buffer, FrameError
@@ -232,7 +232,7 @@ class Store(ABC):
             )
         return list(ok)
 
-    def touch(self, keys: Sequence[str]) -> None:
+    def touch(self, keys: Sequence[str]) -> None:  # noqa: B027 (optional hook)
         """Mark stored pages as just used: their copies above the store are gone, so the
         store's copy is now the one that counts. A store that keeps an eviction order
         makes them its newest (file and memory: their LRU order; Redis: a TOUCH, for its

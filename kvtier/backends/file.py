@@ -41,7 +41,6 @@ from kvtier.backends.file_io import (
     run_all,
     sizes_of,
     unlink_quietly,
-    write_atomically,
     write_pages,
     write_small,
 )

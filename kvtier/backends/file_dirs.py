@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Callable
+from collections.abc import Callable
 
 
 class InsideRoot:

@@ -12,7 +12,6 @@ and reads through its codec: `PLAIN` here, or a `SealedCodec`.
 from __future__ import annotations
 
 import struct
-from typing import Union
 
 import xxhash
 
@@ -21,7 +20,7 @@ VERSION = 1
 _HEADER = struct.Struct("<4sHH16sB32sQQ7x")
 HEADER_SIZE = _HEADER.size  # 80
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 SEALED_VERSION = 2  # the version of a frame sealed with a tenant key (seal.py)
@@ -131,7 +130,7 @@ class Frame:
     @property
     def body(self) -> Buffer:
         """What follows the header (made with it: ask for the header first or at once)."""
-        self.header
+        self.header  # noqa: B018 (decodes the header and sets _body)
         return self._body
 
     def header_with(self, checksum: int) -> bytes:

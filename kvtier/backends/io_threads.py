@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Executor, Future
 from queue import SimpleQueue
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.errors import StoreAbandoned
 
@@ -71,7 +71,7 @@ class IoThreads(Executor):
                 self._running[me] = fut
             try:
                 fut.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            except BaseException as exc:
                 fut.set_exception(exc)
             finally:
                 with self._lock:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM

@@ -57,7 +57,7 @@ class RedisServer:
         self.cluster = cluster
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         args = [
             self.binary,
             "--port",

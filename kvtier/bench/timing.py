@@ -5,7 +5,7 @@ both sides alike."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:

@@ -35,7 +35,7 @@ def multiturn(
         rng.integers(0, vocab, int(rng.integers(*msg_len))) for _ in range(shared_first)
     ]
     histories, out = [], []
-    for s in range(sessions):
+    for _ in range(sessions):
         first = (
             firsts[int(rng.integers(shared_first))]
             if rng.random() < 0.5

@@ -193,8 +193,8 @@ def run(gib: float = 1.0, repeat: int = 5, page_size: int = 64) -> dict[str, flo
             best = alternate(
                 {
                     "memcpy": lambda: dst.copy_(src),
-                    "backup": lambda: mirror.backup(pool, dev, host),
-                    "load": lambda: _load_all_layers(mirror, pool, dev, host),
+                    "backup": lambda: mirror.backup(pool, dev, host),  # noqa: B023
+                    "load": lambda: _load_all_layers(mirror, pool, dev, host),  # noqa: B023
                 },
                 repeat,
             )

@@ -65,7 +65,7 @@ class PollReport:
         live: list[PrefetchState],
         unsettled: list[tuple[int, int]],
         writes_landed: list[int],
-    ) -> "PollReport":
+    ) -> PollReport:
         """This rank's numbers. `ended` is read first: what is read after it is final once
         ended (a read's abandonment is set before `settled`). `unsettled`: (settled,
         abandoned) per ended, unsettled prefetch."""
@@ -94,7 +94,7 @@ class PollReport:
             len(unsettled),
         )
 
-    def agree(self, agreement: Agreement) -> "PollReport":
+    def agree(self, agreement: Agreement) -> PollReport:
         mins, maxs = agreement.agree(self.mins, self.maxs)
         return PollReport(mins, maxs, self.prefetches, self.unsettled)
 
@@ -244,7 +244,7 @@ class Completions:
             self._each(
                 "prefetch",
                 [p],
-                lambda p: pf.apply(p, present, landed, ended, bool(stop)),
+                lambda p: pf.apply(p, present, landed, ended, bool(stop)),  # noqa: B023
                 pf.release,
             )
         settled = agreed.settled

@@ -246,7 +246,7 @@ class TieredCache:
         self.completions.back_up(leaves)
 
     @classmethod
-    def from_yaml(cls, path: str, tp_group=None, **overrides) -> "TieredCache":
+    def from_yaml(cls, path: str, tp_group=None, **overrides) -> TieredCache:
         return cls(load_config(path, overrides), tp_group)
 
     def describe(self) -> str:

@@ -9,7 +9,7 @@ applied (`orphaned_pages` counts them meanwhile)."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.cache.slots import Part, Slots
 from kvtier.controller.config import ControllerConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -6,7 +6,8 @@ only."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.cache.slots import Part, Slots
 from kvtier.controller.config import ControllerConfig, WritePolicy

@@ -280,7 +280,7 @@ class Listener:
         """Serve until SIGTERM/SIGINT (in the main thread) or `stop()`; graceful."""
         self.server.run(sockets=[self.sock])
 
-    def start(self, timeout: float = 30.0) -> "Listener":
+    def start(self, timeout: float = 30.0) -> Listener:
         """Serve on a thread (no signal handling there); returns once it accepts."""
         self._thread = threading.Thread(
             target=self.serve, name="kvtier-http", daemon=True

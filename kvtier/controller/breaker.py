@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.errors import StoreAbandoned
 

@@ -19,7 +19,7 @@ import math
 import numbers
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class LoadSpeed:

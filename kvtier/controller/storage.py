@@ -24,7 +24,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Generic, Iterator, Sequence, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -163,7 +164,7 @@ class StorageWorker:
         store: Store,
         mirror: HostMirror,
         max_inflight_bytes: int,
-        breaker: BreakerConfig = BreakerConfig(),
+        breaker: BreakerConfig = BreakerConfig(),  # noqa: B008 (frozen)
         clock=time.monotonic,
         cpus: frozenset[int] | None = None,
         manifest: tuple[str, str, dict] | None = None,
@@ -284,12 +285,12 @@ class StorageWorker:
         for fn in batch:
             fn()
 
-    def touch(self, keys: "PageKeys") -> None:
+    def touch(self, keys: PageKeys) -> None:
         """Called from the scheduler thread: these pages just left host, so the store's
         copies are the ones left (`Store.touch`). Rides along with the next wake-up."""
         self._post(lambda: self._touch_now(keys))
 
-    def _touch_now(self, keys: "PageKeys") -> None:
+    def _touch_now(self, keys: PageKeys) -> None:
         if self.breaker.down:  # a hint is not worth a timeout (nor a probe)
             return
         try:

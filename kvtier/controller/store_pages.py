@@ -32,7 +32,7 @@ def ends(first: int, count: int, group: int) -> range:
     return range((group - 1 - first) % group, count, group)
 
 
-def tokens_above(node: "TreeNode") -> int:
+def tokens_above(node: TreeNode) -> int:
     """Tokens on the path above `node` (a node an eviction just removed keeps its parent)."""
     n, depth = node.parent, 0
     while n is not None and n.parent is not None:
@@ -41,7 +41,7 @@ def tokens_above(node: "TreeNode") -> int:
     return depth
 
 
-def lead_in(node: "TreeNode", pages: int, page_size: int, host: int) -> np.ndarray:
+def lead_in(node: TreeNode, pages: int, page_size: int, host: int) -> np.ndarray:
     """Host pages of the last `pages` pages above `node`, oldest first (fewer where an
     ancestor has no host copy: then its first store page is not stored)."""
     want, parts, n = pages * page_size, [], node.parent

@@ -16,7 +16,8 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

@@ -15,7 +15,7 @@ import asyncio
 import ctypes
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 
 def _gil_holding_write() -> Callable[[int], None]:

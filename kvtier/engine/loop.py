@@ -14,7 +14,8 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from kvtier.engine.engine import Engine, Result
 from kvtier.engine.workloads import Turn

@@ -29,7 +29,7 @@ TIER_MEDIUM = ("GPU", "CPU")  # by Tier value: DEVICE, HOST
 
 
 class CacheEvents:
-    def __init__(self, publisher, tree: "RadixTree") -> None:
+    def __init__(self, publisher, tree: RadixTree) -> None:
         """`publisher`: anything with `publish(events)` and `close()` (ZmqPublisher)."""
         self.publisher = publisher
         self.tree = tree
@@ -39,7 +39,7 @@ class CacheEvents:
             int, deque
         ] = {}  # node id -> (hashes, parent, tokens) of backups in flight
 
-    def _chain(self, node: "TreeNode") -> tuple[list[bytes], bytes | None]:
+    def _chain(self, node: TreeNode) -> tuple[list[bytes], bytes | None]:
         hashes = self.tree.page_hashes(node)
         parent = node.parent
         before = (
@@ -49,7 +49,7 @@ class CacheEvents:
         )
         return hashes, before
 
-    def tier_changed(self, node: "TreeNode", tier: int, present: bool) -> None:
+    def tier_changed(self, node: TreeNode, tier: int, present: bool) -> None:
         hashes, parent = self._chain(node)
         medium = TIER_MEDIUM[int(tier)]
         if present:
@@ -63,7 +63,7 @@ class CacheEvents:
         self._backups.clear()  # node ids start again
         self.pending.append(all_blocks_cleared())
 
-    def backup_started(self, node: "TreeNode", lead_in: int = 0) -> None:
+    def backup_started(self, node: TreeNode, lead_in: int = 0) -> None:
         """`node`'s pages are on their way to the store: what they are, taken now (a split
         while the write is out would change the node). `lead_in`: pages above it that go
         with its first page, in one store page (store_pages.py)."""
@@ -74,7 +74,7 @@ class CacheEvents:
         )
 
     def _lead(
-        self, node: "TreeNode", pages: int
+        self, node: TreeNode, pages: int
     ) -> tuple[list[bytes], bytes | None, np.ndarray]:
         """(Hashes, the hash before them, tokens) of the last `pages` pages above `node`."""
         ps, root = self.page_size, self.tree.root
@@ -95,7 +95,7 @@ class CacheEvents:
             np.concatenate(tokens) if tokens else np.empty(0, np.int64),
         )
 
-    def backup_done(self, node: "TreeNode", ok: list[bool] | None) -> None:
+    def backup_done(self, node: TreeNode, ok: list[bool] | None) -> None:
         """The store holds the pages where `ok` is True: one BlockStored per run of them;
         and the pages above it stored with its first page, if that was."""
         started = self._backups.get(node.id)
@@ -136,7 +136,7 @@ class CacheEvents:
         self.publisher.close()
 
 
-def cache_events(config: EventsConfig | None, tree: "RadixTree") -> CacheEvents | None:
+def cache_events(config: EventsConfig | None, tree: RadixTree) -> CacheEvents | None:
     """The sink for a cache's `events:` section (None: no section, no events)."""
     if config is None:
         return None

@@ -14,7 +14,8 @@ import asyncio
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 

@@ -31,7 +31,8 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 

@@ -64,7 +64,7 @@ class _Inert(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         if name.startswith(("is_", "use_", "can_")):
-            value: Any = lambda *a, **k: False  # noqa: E731
+            value: Any = lambda *a, **k: False
         else:
             value = type(
                 name,

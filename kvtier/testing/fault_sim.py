@@ -92,7 +92,7 @@ class Setup:
     )
 
     @classmethod
-    def draw(cls, rng: random.Random, allow_kernel: bool) -> "Setup":
+    def draw(cls, rng: random.Random, allow_kernel: bool) -> Setup:
         return cls(
             rng.choice([1, 4, 16]),
             rng.choice(["page_first", "layer_first"]),
@@ -610,7 +610,7 @@ def run(
         sim = FaultSim(ep_seed, setup)
         i = 0
         try:
-            for i in range(n):
+            for i in range(n):  # noqa: B007 (i is reported on a failure)
                 sim.step()
             sim.close()
         except Exception as exc:

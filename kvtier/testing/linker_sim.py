@@ -98,7 +98,7 @@ class LinkerSetup:
     store: bool
 
     @classmethod
-    def draw(cls, rng: random.Random) -> "LinkerSetup":
+    def draw(cls, rng: random.Random) -> LinkerSetup:
         return cls(
             rng.choice([1, 4]),
             rng.choice(["page_first", "layer_first"]),
@@ -471,7 +471,7 @@ def run_episode(ep_seed: int, steps: int, plant: str | None = None):
     setup = LinkerSetup.draw(random.Random(ep_seed))
     sim, i = LinkerSim(ep_seed, setup, plant), 0
     try:
-        for i in range(steps):
+        for i in range(steps):  # noqa: B007 (i is reported on a failure)
             sim.step()
         sim.close()
     except Exception as exc:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from kvtier.backends.base import verify_into
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
@@ -52,7 +53,7 @@ class SimStreams:
         self.rng = rng  # outcomes of jobs somebody blocks on
         self.auto: random.Random | None = None  # set: jobs run as they are submitted
 
-    def factory(self, name: str, device) -> "SimStream":
+    def factory(self, name: str, device) -> SimStream:
         return SimStream(self, name)
 
     def resolve(self, job: Job, outcome: str, rng: random.Random) -> None:

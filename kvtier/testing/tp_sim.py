@@ -109,7 +109,7 @@ def on_ranks(fn, ranks: int) -> list:
     def run(r: int) -> None:
         try:
             out[r] = fn(r)
-        except Exception as exc:  # noqa: BLE001 - raised below, on the caller's thread
+        except Exception as exc:
             errors.append(exc)
 
     threads = [

@@ -25,7 +25,7 @@ import os
 from array import array
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -305,7 +305,7 @@ class HostMirror:
         self,
         device_indices: torch.Tensor | np.ndarray,
         host_indices: torch.Tensor | np.ndarray,
-    ) -> "CopyPlan":
+    ) -> CopyPlan:
         """How to copy this pairing, computed once for all the layers of a load.
 
         Whole pages are copied by page number (integer indexing is the cheapest view torch
@@ -332,7 +332,7 @@ class HostMirror:
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         layer: int,
-        plan: "CopyPlan | None" = None,
+        plan: CopyPlan | None = None,
     ) -> None:
         """Copy one layer of `host_indices` (mirror) to `device_indices` (pool); pass the
         `plan` of the pairing when loading several layers."""
@@ -378,12 +378,12 @@ class HostMirror:
                 copy_rows(h_rows, d_rows, host.to(d_rows.device), dev.to(d_rows.device))
 
     def _copy(
-        self, pool: DeviceKVPool, layer: int, plan: "CopyPlan", to_host: bool
+        self, pool: DeviceKVPool, layer: int, plan: CopyPlan, to_host: bool
     ) -> None:
         self._copy_layers(pool, (layer,), plan, to_host)
 
     def _copy_layers(
-        self, pool: DeviceKVPool, layers, plan: "CopyPlan", to_host: bool
+        self, pool: DeviceKVPool, layers, plan: CopyPlan, to_host: bool
     ) -> None:
         """Copy `layers` by `plan`: memmoves per layer on a CPU pool, else one batched
         `_foreach_copy_` over every layer's pieces."""
@@ -414,7 +414,7 @@ class HostMirror:
         torch._foreach_copy_(dsts, srcs, non_blocking=self._async)
 
     def _copy_blocks(
-        self, pool: DeviceKVPool, layer: int, plan: "CopyPlan", to_host: bool
+        self, pool: DeviceKVPool, layer: int, plan: CopyPlan, to_host: bool
     ) -> None:
         """CPU pool: each page (or run) is one contiguous block on both sides, so a layer is
         a list of plain memmoves: about a microsecond of overhead each (a torch copy_ costs

@@ -159,7 +159,7 @@ class DeviceKVPool:
         *,
         page_size: int,
         kv_lora_rank: int | None = None,
-    ) -> "DeviceKVPool":
+    ) -> DeviceKVPool:
         """A pool over an engine's own per-layer tensors (no copy; the engine keeps writing them).
 
         MHA: `k_buffers[layer]` and `v_buffers[layer]` each `[rows, heads, head_dim]`

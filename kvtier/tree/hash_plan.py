@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvtier.tree.chain_memo import ChainMemo
 

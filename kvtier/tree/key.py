@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class RadixKey:
         _check_range(self.tokens)
 
     @classmethod
-    def _of(cls, tokens: np.ndarray, extra_key: str | None) -> "RadixKey":
+    def _of(cls, tokens: np.ndarray, extra_key: str | None) -> RadixKey:
         """A key over an int64 array that is already checked (slices of a key)."""
         key = object.__new__(cls)
         key.tokens, key.extra_key = tokens, extra_key
@@ -62,7 +62,7 @@ class RadixKey:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def __getitem__(self, item: slice) -> "RadixKey":
+    def __getitem__(self, item: slice) -> RadixKey:
         return RadixKey._of(self.tokens[item], self.extra_key)
 
     def __repr__(self) -> str:
@@ -74,7 +74,7 @@ class RadixKey:
         """The first page from `offset` on: what a parent's children are keyed by."""
         return child_key_at(self.tokens, offset, page_size, self.extra_key)
 
-    def match(self, other: "RadixKey", page_size: int) -> int:
+    def match(self, other: RadixKey, page_size: int) -> int:
         """Length of the common prefix, floored to whole pages (0 if extra keys differ)."""
         if self.extra_key != other.extra_key:
             return 0

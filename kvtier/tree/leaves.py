@@ -12,7 +12,7 @@ MRU (a touch lowers its key) heapifies the set afresh per pass, as the others on
 from __future__ import annotations
 
 import heapq
-from typing import Iterator
+from collections.abc import Iterator
 
 from kvtier.tree.node import TreeNode
 from kvtier.tree.policy import PolicyKey

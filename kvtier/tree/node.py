@@ -39,7 +39,7 @@ class TreeNode:
     )
 
     def __init__(
-        self, node_id: int, key: RadixKey, parent: "TreeNode | None", clock: int
+        self, node_id: int, key: RadixKey, parent: TreeNode | None, clock: int
     ) -> None:
         self.id = node_id
         self.key = key

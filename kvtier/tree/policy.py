@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.tree.node import TreeNode
 
@@ -17,7 +17,7 @@ class EvictionPolicy(str, Enum):
     SLRU = "slru"
 
     @classmethod
-    def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
+    def parse(cls, value: str | EvictionPolicy) -> EvictionPolicy:
         try:
             return cls(value)
         except ValueError:

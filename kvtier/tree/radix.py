@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 from contextlib import closing
 from functools import partial
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

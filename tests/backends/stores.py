@@ -6,7 +6,7 @@ import contextlib
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
@@ -23,7 +23,7 @@ SEALINGS = ("plain", "mac", "aes-gcm")
 TEST_KEY = "5e" * 32  # a tenant key for tests only
 
 
-def sealed_harness(h: "Harness", sealing: str | None = None) -> "Harness":
+def sealed_harness(h: Harness, sealing: str | None = None) -> Harness:
     """`h` whose stores frame with `sealing` (default: SEALING): plain, or sealed with
     TEST_KEY (AES-256-GMAC, or AES-256-GCM)."""
     sealing = SEALING if sealing is None else sealing

@@ -506,13 +506,13 @@ async def test_file_store_root_count_survives_a_lost_or_damaged_usage_file(tmp_p
         )
 
     await store.batch_set([new_key()], [bytes(1000)])
-    assert usage.read_text() == "%020d" % on_disk()
+    assert usage.read_text() == f"{on_disk():020d}"
     usage.unlink()
     await store.batch_set([new_key()], [bytes(2000)])
-    assert usage.read_text() == "%020d" % on_disk()
+    assert usage.read_text() == f"{on_disk():020d}"
     usage.write_text("garbage that is longer than twenty digits")
     await store.batch_set([new_key()], [bytes(3000)])
-    assert usage.read_text() == "%020d" % on_disk()
+    assert usage.read_text() == f"{on_disk():020d}"
     usage.write_text(
         "7"
     )  # a short count, as another version may write it: read, then widened

@@ -15,7 +15,6 @@ from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.cache.completions import LAZY_POLLS
 from kvtier.testing.parts import SimStreams
 from tests.controller.helpers import (
-    acquire,
     compute,
     fill,
     forward,

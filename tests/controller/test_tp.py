@@ -43,7 +43,7 @@ def run_ranks(tmp_path, *extra, timeout=240):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError("a TP rank hung")
+            raise AssertionError("a TP rank hung") from None
         codes.append(p.returncode)
         logs.append(stdout.decode(errors="replace"))
     return codes, logs, outs

@@ -1,7 +1,6 @@
 """The reference engine's scheduler: in-batch prefix sharing, bounded session histories,
 stepping one request at a time (what `tierctl serve` drives), its torch threads."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import urllib.request
 
 import pytest

@@ -139,7 +139,7 @@ def test_200_concurrent_clients_all_get_answers_and_share_batches(serving):
                 )
             )
             conn.close()
-        except Exception as exc:  # noqa: BLE001 - every failure is reported below
+        except Exception as exc:
             errors.append(repr(exc))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(200)]
@@ -166,7 +166,7 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes) -> bool:
             sock.sendall(bytes([byte]))
             if sock.recv(1024) == b"":
                 return True
-        except socket.timeout:
+        except TimeoutError:
             continue
         except OSError:  # reset or broken pipe: closed
             return True

@@ -129,8 +129,10 @@ def acquire_ready(cache: TieredCache, tokens: list[int], rid: str):
 
 @pytest.mark.parametrize("page_tokens", [None, 48])
 def test_events_of_one_server_predict_the_store_hits_of_the_next(
-    tmp_path, ipc, page_tokens
-):  # noqa: F811
+    tmp_path,
+    ipc,  # noqa: F811
+    page_tokens,
+):
     """With store pages of 3 pages (48 tokens) too: a store page's first pages, stored by
     a longer sequence's backup from its ancestor's host copy, are announced with it (they
     were not: the router's prefix stopped at every store page across two nodes); a prompt

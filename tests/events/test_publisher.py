@@ -201,7 +201,7 @@ def test_replay_from_a_seq_returns_exactly_the_missed_batches(ipc):
 def test_replay_keeps_only_buffer_steps(ipc):
     pub, sub = connected(ipc, buffer_steps=3)
     try:
-        for i in range(5):
+        for _ in range(5):
             pub.publish([all_blocks_cleared()])
         [sub.recv() for _ in range(5)]
         assert [m.seq for m in sub.replay(0)] == [2, 3, 4]

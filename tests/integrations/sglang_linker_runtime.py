@@ -52,7 +52,7 @@ class _Stub(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         if name.startswith(("is_", "use_", "can_")):
-            value = lambda *a, **k: False  # noqa: E731
+            value = lambda *a, **k: False
         else:
             value = type(
                 name,

@@ -325,7 +325,7 @@ def run_ranks(tmp_path, scenario: str, timeout: float = 300) -> list[dict]:
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError("a TP rank hung")
+            raise AssertionError("a TP rank hung") from None
     assert [p.returncode for p in procs] == [0, 0], logs
     return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(2)]
 

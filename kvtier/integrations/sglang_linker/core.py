@@ -31,7 +31,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -80,7 +80,7 @@ class OffloadOp:
     keys: list[str]  # the pages this op copies (the others were on host or in flight)
     host_pages: np.ndarray
     handle: Handle | None  # None: nothing to copy
-    depends: list["OffloadOp"] = field(
+    depends: list[OffloadOp] = field(
         default_factory=list
     )  # earlier ops copying some of its pages
     refused: bool = False  # no host room
