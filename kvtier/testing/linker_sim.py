@@ -66,9 +66,22 @@ class _EarlyPopCore(LinkerCore):
         return super().pop_completed_offload()
 
 
+class _RoomBlindLookupCore(LinkerCore):
+    """Planted bug: a lookup counts the store's whole leading run, whatever host room a
+    load would find to read it into."""
+
+    def lookup(self, rid, keys) -> int:
+        self._reap()
+        end, _ = self.index.run(keys)
+        if end < len(keys) and self.l3 is not None:
+            end += self.l3.leading_run(keys[end:])
+        return end
+
+
 PLANTED = {
     "unverified-store-read": _UnverifiedReadCore,
     "early-offload-completion": _EarlyPopCore,
+    "lookup-ignores-host-room": _RoomBlindLookupCore,
 }
 
 
@@ -144,7 +157,6 @@ class LinkerSim:
             ),
             read_wait_s=0.0,
             breaker=BreakerConfig(failures=3, backoff_s=0.0),
-            lookup_pins=2,
         )  # no wall clock decides
         self.core = PLANTED.get(plant, LinkerCore)(
             self.pool, settings, self.store, streams=self.streams.factory
@@ -292,6 +304,11 @@ class LinkerSim:
             return
         if not self.core.load(rid, keys[:agreed], self.slots(pages)):
             raise Violation("load refused a well-formed call (ranks would diverge)")
+        doomed = self.core.queued[rid].doomed
+        if doomed is not None:  # nothing ran between the lookup and this load
+            raise Violation(
+                f"lookup {rid} promised {found} pages its load cannot land: {doomed}"
+            )
         self.queued[rid] = (keys[:agreed], pages)
         self.note(f"load {rid} {agreed} pages into device {pages}")
 

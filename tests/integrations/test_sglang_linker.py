@@ -232,6 +232,58 @@ def test_missing_store_page_gives_a_shorter_lookup(sg, tmp_path, request):
     second.close()
 
 
+# -- what a lookup promises, a load lands ------------------------------------------------
+
+
+def test_a_store_hit_longer_than_the_host_tier_restores_what_fits(
+    sg, tmp_path, request
+):
+    """A 32-page prompt in the store, a worker whose host tier has 16 pages (mirror.ratio
+    0.25 of 64 device pages): the lookup promises the 16 pages a load can land, and they
+    load byte for byte. It promised all 32, and the load failed ("no host room to read 32
+    pages from the store"): SGLang aborted the request, and every retry the same way."""
+    section = store_section("file", request, tmp_path)
+    first = Server(sg, write_yaml(tmp_path, section))
+    tokens = list(range(1000, 1128))  # 32 pages of 4
+    want = first.compute(tokens, seed=21)
+    first.close()  # drains the store writes
+    small = Server(sg, write_yaml(tmp_path, section, mirror={"ratio": 0.25}))
+    assert small.linker.stats()["host"]["pages_total"] == 16
+    loads_prefix(small, tokens, 16, want)
+    loads_prefix(small, tokens, 16, want)  # again: from host now, the same bytes
+    small.close()
+
+
+def test_aborted_matches_do_not_starve_a_store_hit_of_host_room(sg, tmp_path, request):
+    """Four prompts fill the 64-page host tier; each is matched (a lookup finding all 16
+    of its pages on host) and then aborted before its load, which SGLang tells the linker
+    nothing about. A prompt whose 8 pages are in the store only is then matched: its
+    lookup promises the 8 pages, and its load lands them, evicting the aborted prompts'
+    coldest pages. The aborted lookups pinned all 64 pages (until 64 newer lookups), the
+    8-page store hit was promised anyway, and its load failed for want of host room."""
+    section = store_section("file", request, tmp_path)
+    first = Server(sg, write_yaml(tmp_path, section))
+    stored = list(range(2000, 2032))  # 8 pages of 4
+    want = first.compute(stored, seed=22)
+    first.close()
+    server = Server(sg, write_yaml(tmp_path, section, mirror={"ratio": 1.0}))
+    prompts = [list(range(3000 + 100 * i, 3064 + 100 * i)) for i in range(4)]
+    for i, tokens in enumerate(prompts):
+        server.compute(tokens, seed=30 + i)
+        server.evict_all()
+    server.settle_offloads()
+    server.linker.core.l3.drain()
+    host = server.linker.stats()["host"]
+    assert host["pages_total"] == host["pages_published"] == 64
+    for tokens in prompts:
+        req = server.request(tokens + [7])
+        assert server.match(req, tokens + [7]).host_hit_length == len(tokens)
+        server.cache.linker.release_request(req.rid)  # what SGLang's abort does
+    loads_prefix(server, stored, 8, want)
+    assert server.linker.stats()["host"]["pages_evicted"] == 8
+    server.close()
+
+
 def test_dead_store_gives_host_only_lookups(sg, tmp_path):
     """A store that never answers: each lookup makes at most one store call, which ends by
     its timeout; after `store_down_after_failures` of them the breaker skips the store and

@@ -11,8 +11,11 @@ storage thread (`StorageWorker`).
   and starts their write to the store (pinned until it settles).
 - `lookup(rid, keys)`: pages restorable in chain order, no holes: the host run, then the
   store's leading run (one `batch_exists`, behind the breaker, never waited on past one
-  timeout), then the host run again. Host pages found are pinned for `rid` until its load
-  is queued, its next lookup, or `lookup_pins` newer lookups.
+  timeout), then the host run again. It promises only what a load queued next can land:
+  the store part and the host pages after it are capped at the host room a reservation
+  could get then (free, or published and unpinned, less the host pages the load pins).
+  A lookup pins nothing (SGLang says nothing when a matched request is aborted, so a pin
+  would outlive it); the pages it found become the newest in the LRU.
 - `load(rid, keys, device_slots)`: queue; host pages are pinned, the rest are read from
   the store into reserved host pages at once (a storage-thread op). Always True for a
   well-formed call: SGLang needs the same answer on every rank, and a failure is reported
@@ -65,9 +68,6 @@ class LinkerSettings:
     max_inflight_bytes: int = 256 << 20
     read_wait_s: float | None = (
         None  # a load's wait for its store reads; None: 4 store timeouts
-    )
-    lookup_pins: int = (
-        64  # rids whose lookup keeps its host pages pinned (the newest ones)
     )
     cpus: frozenset[int] | None = None
     keyed_hash: KeyedHash | None = (
@@ -168,7 +168,6 @@ class LinkerCore:
         # store pages that did not verify when read: a lookup stops before them until a
         # write of the page succeeds (else every request on that prefix would fail its load)
         self.unreadable: OrderedDict[str, None] = OrderedDict()
-        self.lookup_pins: OrderedDict[str, list[str]] = OrderedDict()
         self.queued: dict[str, LoadOp] = {}
         self.started: dict[int, LoadBatch] = {}
         self.orphans: list[
@@ -269,10 +268,11 @@ class LinkerCore:
             self.index.release(op.host_pages)
             return False
         # a key a store read published meanwhile keeps that page; the offload's went back free
+        pages = op.host_pages.tolist()
         kept = [
             (k, p)
-            for k, p in zip(op.keys, op.host_pages.tolist())
-            if self.index.publish(k, p)
+            for k, p, ok in zip(op.keys, pages, self.index.publish(op.keys, pages))
+            if ok
         ]
         self.counters.offload_pages += len(op.keys)
         self.counters.d2h_bytes += len(op.keys) * self.mirror.page_bytes
@@ -327,37 +327,32 @@ class LinkerCore:
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, rid: str, keys: Sequence[str]) -> int:
-        """Pages of `keys`, from the first, that a load can restore now."""
+        """Pages of `keys`, from the first, that a load queued next can restore."""
         self._reap()
         n = len(keys)
-        host = self.index.run(keys)
+        index = self.index
+        host, unpinned = index.run(keys)
         end, stored = host, 0
         if end < n and self.l3 is not None:
-            stored = self.l3.leading_run(keys[end:])
-            stored = next(
-                (
-                    i
-                    for i, k in enumerate(keys[end : end + stored])
-                    if k in self.unreadable
-                ),
-                stored,
-            )
-            end = self.index.run(keys, end + stored)
+            # the load pins the host run (out of the LRU), then reserves a page per store page
+            room = index.room() - unpinned
+            if room > 0:
+                stored = self.l3.leading_run(keys[end : end + room])
+                stored = next(
+                    (
+                        i
+                        for i, k in enumerate(keys[end : end + stored])
+                        if k in self.unreadable
+                    ),
+                    stored,
+                )
+                end, _ = index.run(keys, end + stored, room - stored)
         c = self.counters
         c.lookups += 1
         c.lookup_pages += n
         c.host_hit_pages += end - stored
         c.store_hit_pages += stored
-        self._pin_for_lookup(rid, keys[:end])
         return end
-
-    def _pin_for_lookup(self, rid: str, keys: Sequence[str]) -> None:
-        old = self.lookup_pins.pop(rid, None)
-        if old is not None:
-            self.index.unpin(old)
-        self.lookup_pins[rid] = self.index.pin(keys)
-        while len(self.lookup_pins) > self.settings.lookup_pins:
-            self.index.unpin(self.lookup_pins.popitem(last=False)[1])
 
     # -- load --------------------------------------------------------------------------------
 
@@ -367,7 +362,6 @@ class LinkerCore:
         self.cancel_queued_load(rid)
         keys = list(keys)
         pinned = self.index.pin(keys)
-        self._release_lookup_pins(rid)
         host = np.array([self.index.get(k) or 0 for k in keys], dtype=np.int64)
         op = LoadOp(rid, keys, slots, host, pinned)
         missing = np.flatnonzero(host == 0)
@@ -376,11 +370,6 @@ class LinkerCore:
         self.queued[rid] = op
         self.counters.loads += 1
         return True
-
-    def _release_lookup_pins(self, rid: str) -> None:
-        old = self.lookup_pins.pop(rid, None)
-        if old is not None:
-            self.index.unpin(old)
 
     def _read_missing(self, op: LoadOp, missing: np.ndarray) -> None:
         if self.l3 is None:
@@ -476,8 +465,9 @@ class LinkerCore:
             return
         read, own = op.read, op.host_pages[op.read_index]
         if read.finished and read.landed == len(read.keys):  # verified: host pages now
-            for i, p in zip(op.read_index.tolist(), own.tolist()):
-                self.index.publish(op.keys[i], p)
+            self.index.publish(
+                [op.keys[i] for i in op.read_index.tolist()], own.tolist()
+            )
             return
         if (
             read.finished and read.answered
@@ -519,8 +509,6 @@ class LinkerCore:
         """Quiesce, then drop the host tier (the store keeps its pages). A store call that
         outlived its timeout keeps its pages until it ends (`_reap` then frees them)."""
         self.quiesce()
-        for rid in list(self.lookup_pins):
-            self._release_lookup_pins(rid)
         if self.backups or self.orphans:
             log.warning(
                 "kvtier linker: reset with %d store calls still running; their pages wait for them",
@@ -542,7 +530,7 @@ class LinkerCore:
 
     def check_accounting(self) -> list[str]:
         """Host pages: free + published + reserved == total, and every reserved page has
-        exactly one owner op; pins equal what their owners hold."""
+        exactly one owner op; pins equal what their owners hold (loads and store writes)."""
         problems = self.index.check()
         owned: list[int] = []
         for op in self.offloads:
@@ -562,7 +550,6 @@ class LinkerCore:
         held: dict[str, int] = {}
         owners = (
             [p for _, p, _ in self.backups]
-            + list(self.lookup_pins.values())
             + [op.pinned for op in self.queued.values()]
             + [o.pinned for b in self.started.values() for o in b.loads]
         )

@@ -10,8 +10,11 @@ whole prefix), so this index is flat. A page is in one of three states:
 | reserved | an op (an offload's copy, a load's store read) until it ends | no |
 | published | this index, under its key; evictable unless pinned | yes |
 
-A pin (a load or a store write reading the page, a lookup that promised it) keeps a
-published page from eviction; pins count, and each is released once by its owner.
+A pin (a load or a store write reading the page) keeps a published page from eviction;
+pins count, and each is released once by its owner. The evictable pages (published, no
+pin) sit in one LRU, coldest first: a pinned page is out of it until its last pin goes.
+Every call costs what it touches or returns (a run of keys, the victims it evicts), never
+the size of the tier; each reservation and eviction is one allocator call.
 Scheduler thread only.
 """
 
@@ -28,9 +31,10 @@ from kvtier.tiers.allocator import PagedAllocator
 class HostIndex:
     def __init__(self, allocator: PagedAllocator) -> None:
         self.allocator = allocator
-        self.pages: OrderedDict[str, int] = (
+        self.pages: dict[str, int] = {}  # published
+        self.lru: OrderedDict[str, int] = (
             OrderedDict()
-        )  # published, least recently used first
+        )  # published, unpinned; coldest first
         self.pins: dict[str, int] = {}
         self.reserved: set[int] = set()
         self.evicted_pages = 0
@@ -38,27 +42,48 @@ class HostIndex:
     def get(self, key: str) -> int | None:
         return self.pages.get(key)
 
-    def run(self, keys: Sequence[str], start: int = 0) -> int:
-        """The end of the run of `keys` from `start` that is published here."""
-        i = start
-        while i < len(keys) and keys[i] in self.pages:
-            self.pages.move_to_end(keys[i])
+    def free_pages(self) -> int:
+        return self.allocator.available_size() // self.allocator.page_size
+
+    def room(self) -> int:
+        """Pages a reservation could get now: free, or published and unpinned."""
+        return self.free_pages() + len(self.lru)
+
+    def run(
+        self, keys: Sequence[str], start: int = 0, budget: int | None = None
+    ) -> tuple[int, int]:
+        """(end, unpinned): the end of the run of `keys` from `start` published here, and
+        how many of them are evictable now (the run stops before the page that would make
+        that more than `budget`). Each is touched (made the newest in the LRU)."""
+        pages, lru = self.pages, self.lru
+        i, n, unpinned = start, len(keys), 0
+        while i < n:
+            key = keys[i]
+            if key not in pages:
+                break
+            if key in lru:
+                if budget is not None and unpinned == budget:
+                    break
+                lru.move_to_end(key)
+                unpinned += 1
             i += 1
-        return i
+        return i, unpinned
 
     def reserve(self, n: int) -> np.ndarray | None:
-        """`n` pages for an op, evicting unpinned pages (least recently used first) when
-        short; None (and nothing evicted) if pins leave too few."""
-        short = n - self.allocator.available_size() // self.allocator.page_size
+        """`n` pages for an op, evicting unpinned pages (coldest first) when short; None
+        (and nothing evicted) if pins leave too few."""
+        short = n - self.free_pages()
         if short > 0:
-            victims = [k for k in self.pages if k not in self.pins][:short]
-            if len(victims) < short:
+            if short > len(self.lru):
                 return None
-            for key in victims:
-                self.allocator.free_pages(
-                    np.array([self.pages.pop(key)], dtype=np.int64)
-                )
-            self.evicted_pages += len(victims)
+            popitem, pages = self.lru.popitem, self.pages
+            victims = []
+            for _ in range(short):
+                key, page = popitem(last=False)
+                del pages[key]
+                victims.append(page)
+            self.allocator.free_pages(np.array(victims, dtype=np.int64))
+            self.evicted_pages += short
         pages = self.allocator.alloc_pages(n)
         assert pages is not None, (
             "host allocator short after eviction: its count is wrong"
@@ -66,57 +91,73 @@ class HostIndex:
         self.reserved.update(pages.tolist())
         return pages
 
-    def publish(self, key: str, page: int) -> bool:
-        """A reserved page whose bytes landed and verified becomes `key`'s: True. A key
-        already published keeps its page, and this one goes back: False (the caller must
-        not use it any more)."""
-        self.reserved.remove(page)
-        if key in self.pages:
-            self.allocator.free_pages(np.array([page], dtype=np.int64))
-            return False
-        self.pages[key] = page
-        return True
+    def publish(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        """Reserved pages whose bytes landed and verified become their keys': True each. A
+        key already published keeps its page, and this one goes back: False (the caller
+        must not use it any more). One allocator call for all that go back."""
+        known, lru, reserved = self.pages, self.lru, self.reserved
+        kept, back = [], []
+        for key, page in zip(keys, pages):
+            reserved.remove(page)
+            if key in known:
+                back.append(page)
+                kept.append(False)
+                continue
+            known[key] = lru[key] = page
+            kept.append(True)
+        if back:
+            self.allocator.free_pages(np.array(back, dtype=np.int64))
+        return kept
 
     def release(self, pages: np.ndarray) -> None:
         """Reserved pages whose op ended without publishing them."""
         if len(pages):
-            for p in pages.tolist():
-                self.reserved.remove(p)
+            self.reserved.difference_update(pages.tolist())
             self.allocator.free_pages(np.asarray(pages, dtype=np.int64))
 
     def pin(self, keys: Sequence[str]) -> list[str]:
         """Pin the published ones of `keys`; returns those (the caller unpins exactly them)."""
-        got = [k for k in keys if k in self.pages]
-        for k in got:
-            self.pins[k] = self.pins.get(k, 0) + 1
+        pages, pins, lru = self.pages, self.pins, self.lru
+        got = []
+        for k in keys:
+            if k in pages:
+                count = pins.get(k, 0)
+                if not count:
+                    del lru[k]
+                pins[k] = count + 1
+                got.append(k)
         return got
 
     def unpin(self, keys: Sequence[str]) -> None:
+        """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
+        pins, lru, pages = self.pins, self.lru, self.pages
         for k in keys:
-            left = self.pins[k] - 1
+            left = pins[k] - 1
             if left:
-                self.pins[k] = left
+                pins[k] = left
             else:
-                del self.pins[k]
+                del pins[k]
+                lru[k] = pages[k]
 
     def clear(self) -> None:
         """Every published page back to free, but those still pinned (their owner op has
         not ended) and reserved ones, which their ops give back."""
-        drop = [k for k in self.pages if k not in self.pins]
-        if drop:
-            self.allocator.free_pages(
-                np.array([self.pages.pop(k) for k in drop], dtype=np.int64)
-            )
+        if self.lru:
+            for k in self.lru:
+                del self.pages[k]
+            self.allocator.free_pages(np.array(list(self.lru.values()), dtype=np.int64))
+            self.lru.clear()
 
     def check(self) -> list[str]:
-        """free + published + reserved == total, no page twice, pins only on published keys."""
+        """free + published + reserved == total, no page twice, pins only on published
+        keys, the LRU exactly the unpinned published pages."""
         problems = []
         published = list(self.pages.values())
         if len(set(published)) != len(published):
             problems.append("a host page is published under two keys")
         if set(published) & self.reserved:
             problems.append("a host page is both published and reserved")
-        free = self.allocator.available_size() // self.allocator.page_size
+        free = self.free_pages()
         if free + len(published) + len(self.reserved) != self.allocator.num_pages:
             problems.append(
                 f"host pages: free {free} + published {len(published)} + reserved "
@@ -125,4 +166,7 @@ class HostIndex:
         stray = [k for k in self.pins if k not in self.pages]
         if stray:
             problems.append(f"{len(stray)} pins on keys that are not published")
+        unpinned = {k: p for k, p in self.pages.items() if k not in self.pins}
+        if unpinned != dict(self.lru):
+            problems.append("the host LRU is not exactly the unpinned published pages")
         return problems
