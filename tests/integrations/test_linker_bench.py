@@ -1,0 +1,56 @@
+"""benchmarks/linker.py: the linker against SGLang's HiCache under SGLang's UnifiedRadixCache
+(its numbers are the benchmark's business; these check that it runs and what it prints)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_without_sglang_it_says_so_and_exits_0():
+    out = run(
+        "import sys; sys.modules['sglang'] = None\n"
+        "from kvtier.bench.linker import main\n"
+        "sys.exit(main(['--requests', '4', '--rounds', '1']))"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "SGLang cannot be loaded here" in out.stdout
+    assert "nothing measured" in out.stdout
+
+
+def test_a_short_run_prints_every_arm_and_the_ratio_lines():
+    pytest.importorskip("sglang")
+    out = run(
+        "import sys\nfrom kvtier.bench.linker import main\n"
+        "sys.exit(main(['--requests', '12', '--rounds', '1', '--page-size', '16']))"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "copy kernels are free" in out.stdout
+    assert "RustUnifiedTreeCore" in out.stdout  # SGLang's own tree core, not a fallback
+    assert re.fullmatch(
+        r"linker: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\), \d+\.\d\dx HiCache "
+        r"\(host\), restored \d+\.\d\dx HiCache's tokens",
+        lines[-2],
+    )
+    assert re.fullmatch(
+        r"tieredcache: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\)", lines[-1]
+    )
+    assert out.stdout.count("failed loads 0 ") + out.stdout.count("failed loads 0\n") == 6
