@@ -53,4 +53,6 @@ def test_a_short_run_prints_every_arm_and_the_ratio_lines():
     assert re.fullmatch(
         r"tieredcache: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\)", lines[-1]
     )
-    assert out.stdout.count("failed loads 0 ") + out.stdout.count("failed loads 0\n") == 6
+    assert (
+        out.stdout.count("failed loads 0 ") + out.stdout.count("failed loads 0\n") == 6
+    )

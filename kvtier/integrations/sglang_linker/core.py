@@ -31,9 +31,11 @@ storage thread (`StorageWorker`).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import compress
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -182,7 +184,11 @@ class LinkerCore:
     # -- keys --------------------------------------------------------------------------------
 
     def _check(self, keys: Sequence[str], device_slots) -> np.ndarray:
-        if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+        try:  # one C loop: a key that is not a string raises, an empty one reads 0
+            good = not isinstance(keys, str) and all(map(str.__len__, keys))
+        except TypeError:
+            good = False
+        if not good:
             raise ValueError(
                 "keys: expected a list of SGLang page keys (non-empty strings)"
             )
@@ -199,18 +205,28 @@ class LinkerCore:
     def offload(self, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
         self._reap()
-        ps = self.page_size
-        new = [
-            i
-            for i, k in enumerate(keys)
-            if self.index.get(k) is None and k not in self.copying
-        ]
-        depends = list(
-            {
-                id(op): op for k in keys if (op := self.copying.get(k)) is not None
-            }.values()
-        )
+        keys = list(keys)
+        copying = self.copying
+        known = self.index.pages
+        # the pages neither on host nor in flight, found by C loops (most offloads are all new)
+        held = list(map(known.__contains__, keys))
+        if copying:
+            held = list(map(operator.or_, held, map(copying.__contains__, keys)))
+            depends = list(
+                {
+                    id(op): op for k in keys if (op := copying.get(k)) is not None
+                }.values()
+            )
+        else:
+            depends = []
         self.counters.offloads += 1
+        if not any(held):
+            new = keys
+            picked = slots
+        else:
+            index = list(compress(range(len(keys)), map(operator.not_, held)))
+            new = [keys[i] for i in index]
+            picked = slots.reshape(-1, self.page_size)[index].reshape(-1)
         if not new:
             self.offloads.append(OffloadOp([], np.zeros(0, np.int64), None, depends))
             return True
@@ -221,14 +237,12 @@ class LinkerCore:
                 OffloadOp([], np.zeros(0, np.int64), None, depends, refused=True)
             )
             return True
-        picked = concat([slots[i * ps : (i + 1) * ps] for i in new])
-        host = page_slots(pages, ps)
+        host = page_slots(pages, self.page_size)
         handle = Handle(0)
         ready = self._forward_ready()
         self.write_stream.submit(lambda h: self._copy_out(picked, host, ready), handle)
-        op = OffloadOp([keys[i] for i in new], pages, handle, depends)
-        for k in op.keys:
-            self.copying[k] = op
+        op = OffloadOp(new, pages, handle, depends)
+        copying.update(dict.fromkeys(new, op))
         self.offloads.append(op)
         return True
 
@@ -261,8 +275,7 @@ class LinkerCore:
         )
         ok = not op.refused and (op.handle is None or op.handle.error is None)
         op.success = ok and all(d.success for d in op.depends)
-        for k in op.keys:
-            del self.copying[k]
+        deque(map(self.copying.__delitem__, op.keys), maxlen=0)
         if not ok:
             self.counters.offload_failures += 1
             self.index.release(op.host_pages)

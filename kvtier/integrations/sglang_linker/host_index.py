@@ -20,12 +20,16 @@ Scheduler thread only.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
+from itertools import compress
 
 import numpy as np
 
 from kvtier.tiers.allocator import PagedAllocator
+
+
+_count = Counter.update  # adds one per key, in C for a dict
 
 
 class HostIndex:
@@ -95,10 +99,15 @@ class HostIndex:
         """Reserved pages whose bytes landed and verified become their keys': True each. A
         key already published keeps its page, and this one goes back: False (the caller
         must not use it any more). One allocator call for all that go back."""
-        known, lru, reserved = self.pages, self.lru, self.reserved
+        known, lru = self.pages, self.lru
+        self.reserved.difference_update(pages)
+        if known.keys().isdisjoint(keys):  # the usual case, in C loops
+            pairs = list(zip(keys, pages))
+            known.update(pairs)
+            lru.update(pairs)
+            return [True] * len(pairs)
         kept, back = [], []
         for key, page in zip(keys, pages):
-            reserved.remove(page)
             if key in known:
                 back.append(page)
                 kept.append(False)
@@ -118,26 +127,22 @@ class HostIndex:
     def pin(self, keys: Sequence[str]) -> list[str]:
         """Pin the published ones of `keys`; returns those (the caller unpins exactly them)."""
         pages, pins, lru = self.pages, self.pins, self.lru
-        got = []
-        for k in keys:
-            if k in pages:
-                count = pins.get(k, 0)
-                if not count:
-                    del lru[k]
-                pins[k] = count + 1
-                got.append(k)
+        got = list(compress(keys, map(pages.__contains__, keys)))
+        fresh = list(dict.fromkeys(k for k in got if k not in pins))  # out of the LRU
+        deque(map(lru.__delitem__, fresh), maxlen=0)
+        pins.update(dict.fromkeys(fresh, 0))
+        _count(pins, got)
         return got
 
     def unpin(self, keys: Sequence[str]) -> None:
         """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
-        pins, lru, pages = self.pins, self.lru, self.pages
+        pins, pages = self.pins, self.pages
         for k in keys:
-            left = pins[k] - 1
-            if left:
-                pins[k] = left
-            else:
-                del pins[k]
-                lru[k] = pages[k]
+            pins[k] -= 1
+        freed = list(dict.fromkeys(k for k in keys if not pins.get(k, 1)))
+        if freed:
+            deque(map(pins.__delitem__, freed), maxlen=0)
+            self.lru.update(zip(freed, map(pages.__getitem__, freed)))
 
     def clear(self) -> None:
         """Every published page back to free, but those still pinned (their owner op has

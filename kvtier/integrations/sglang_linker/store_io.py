@@ -7,6 +7,9 @@
   the run of pages that verified. `finished`: no page lands past `landed`; `settled`: the
   store stopped touching the pages (a read that timed out may still write them until then).
 - `write(keys, pages)`: host pages to the store (a `BackupOp`; `finished` once settled).
+
+Each call takes SGLang's page keys; their store keys are made on the storage thread
+(`PageKeys`), never on the scheduler's.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.backends.base import Store
-from kvtier.controller.storage import BackupOp, StorageWorker
+from kvtier.controller.storage import BackupOp, PageKeys, StorageWorker
 from kvtier.errors import KvtierError
-from kvtier.hashing import make_key
+from kvtier.hashing import key_maker
 from kvtier.integrations.sglang import page_hash_of
 from kvtier.tiers.mirror import HostMirror
 
@@ -32,7 +35,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class StoreRead:
-    keys: list[str]  # store keys
+    keys: PageKeys  # store keys (made on the storage thread)
     pages: np.ndarray  # host pages, one per key
     landed: int = 0
     answered: bool = (
@@ -75,6 +78,7 @@ class LinkerStore:
             manifest,
         )
         self.progress = threading.Event()  # set whenever a read moves
+        self.key_of = key_maker(settings.key_prefix, self.namespace_id)
 
     @property
     def timeout_s(self) -> float:
@@ -82,10 +86,17 @@ class LinkerStore:
 
     def keys(self, keys: Sequence[str]) -> list[str]:
         """The store keys of SGLang's page keys (through the tenant's keyed hash, with a key)."""
-        return [
-            make_key(self.prefix, self.namespace_id, page_hash_of(k, self.keyed))
-            for k in keys
-        ]
+        keyed, key_of = self.keyed, self.key_of
+        return [key_of(page_hash_of(k, keyed)) for k in keys]
+
+    def _lazy(self, keys: Sequence[str]) -> PageKeys:
+        """`keys(keys)`, made on first use: by the storage thread."""
+        engine, keyed = list(keys), self.keyed
+        return PageKeys(
+            lambda: [page_hash_of(k, keyed) for k in engine],
+            self.key_of,
+            count=len(engine),
+        )
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.worker.loop)
@@ -93,7 +104,7 @@ class LinkerStore:
     # -- lookup --------------------------------------------------------------------------------
 
     def leading_run(self, keys: Sequence[str]) -> int:
-        fut = self._run(self._exists(self.keys(keys)))
+        fut = self._run(self._exists(self._lazy(keys)))
         try:
             return fut.result(self.store.timeout_s + 0.5)
         except Exception as exc:
@@ -103,7 +114,7 @@ class LinkerStore:
             )
             return 0
 
-    async def _exists(self, keys: list[str]) -> int:
+    async def _exists(self, keys: PageKeys) -> int:
         breaker = (
             self.worker.breaker
         )  # used on the storage thread only, as StorageWorker does
@@ -111,7 +122,7 @@ class LinkerStore:
             self.counters.lookup_store_skipped += 1
             return 0
         try:
-            present = await self.store.batch_exists(keys)
+            present = await self.store.batch_exists(list(keys))
         except KvtierError as exc:
             breaker.failed(str(exc))
             self.counters.lookup_store_errors += 1
@@ -122,7 +133,7 @@ class LinkerStore:
     # -- reads and writes ----------------------------------------------------------------------
 
     def read(self, keys: Sequence[str], pages: np.ndarray) -> StoreRead:
-        read = StoreRead(self.keys(keys), pages)
+        read = StoreRead(self._lazy(keys), pages)
         self._run(self._read(read))
         return read
 
@@ -147,10 +158,10 @@ class LinkerStore:
         views = (
             mirror.page_views(read.pages)
             if page_first
-            else [bytearray(mirror.page_bytes) for _ in read.keys]
+            else [bytearray(mirror.page_bytes) for _ in range(len(read.keys))]
         )
         try:
-            ok = await self.store.batch_get_into(read.keys, views)
+            ok = await self.store.batch_get_into(list(read.keys), views)
         except KvtierError as exc:
             breaker.failed(str(exc))
             return getattr(exc, "settled", None)
@@ -177,7 +188,7 @@ class LinkerStore:
         return True
 
     def write(self, keys: Sequence[str], pages: np.ndarray) -> BackupOp:
-        op = BackupOp(self.keys(keys), pages.copy(), None)
+        op = BackupOp(self._lazy(keys), pages.copy(), None)
         self.worker.submit_backup(op)
         return op
 
