@@ -586,7 +586,7 @@ def run(
             f"µs/request  restored {last.restored} tokens  device hits {last.device_hit}  "
             f"failed loads {last.failed_loads}"
         )
-    for k in ("linker", "linker_file", "tieredcache"):
+    for k in ARMS:
         last = runs[k][-1]
         print(
             f"  {k} by call (µs/request, last round): "

@@ -560,3 +560,15 @@ def test_tenant_key_a_reframed_store_page_fails_the_load_closed(
     second.check()
     loads_prefix(second, TOKENS, 5, want)
     second.close()
+
+
+def test_a_lookup_names_few_lengths_and_ranks_still_agree_close_to_the_shorter(sg):
+    """A lookup at page 1 asks about hundreds of pages; SGLang writes one mask element per
+    length it names. It names its longest and the multiples of a stride set by the pages
+    asked about: at most 17, and two ranks that found 500 and 800 of 800 pages still share
+    a length within one stride of 500 (SGLang restores the longest common one)."""
+    restorable = sg.shell.restorable
+    assert restorable(0, 8) == [] and restorable(5, 8) == [1, 2, 3, 4, 5]
+    long, short = restorable(800, 800), restorable(500, 800)
+    assert len(long) <= 17 and long[-1] == 800 and short[-1] == 500
+    assert 500 - 50 <= max(set(long) & set(short)) <= 500

@@ -137,6 +137,21 @@ def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
     return transfers[0]
 
 
+LENGTHS = 16  # restorable lengths a lookup names besides its longest
+
+
+def restorable(pages: int, asked: int) -> list[int]:
+    """The restorable prefix lengths a lookup answers: `pages`, and the multiples below it
+    of a stride set by how many pages were asked about (the same on every rank). SGLang
+    intersects the ranks' sets, so ranks that found different lengths still agree on one
+    less than a stride short of the shorter; and it marks each length in a mask one
+    tensor write at a time, so a long tail at page 1 named every length for ~2 µs each."""
+    if pages <= 0:
+        return []
+    stride = -(-asked // LENGTHS)
+    return [*range(stride, pages, stride), pages]
+
+
 class KvtierLinker(UnifiedCacheLinker):
     """kvtier's host tier and stores below SGLang's radix tree and device pool."""
 
@@ -216,8 +231,8 @@ class KvtierLinker(UnifiedCacheLinker):
         return []  # the core orders its copy after the forward stream itself
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        pages = self.core.lookup(rid, list(_kv(transfers).keys or []))
-        return list(range(1, pages + 1))
+        keys = list(_kv(transfers).keys or [])
+        return restorable(self.core.lookup(rid, keys), len(keys))
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
