@@ -210,13 +210,11 @@ class LinkerCore:
         known = self.index.pages
         # the pages neither on host nor in flight, found by C loops (most offloads are all new)
         held = list(map(known.__contains__, keys))
-        if copying:
-            held = list(map(operator.or_, held, map(copying.__contains__, keys)))
-            depends = list(
-                {
-                    id(op): op for k in keys if (op := copying.get(k)) is not None
-                }.values()
-            )
+        inflight = copying.keys() & keys if copying else None
+        if inflight:
+            held = list(map(operator.or_, held, map(inflight.__contains__, keys)))
+            ops = map(copying.__getitem__, inflight)
+            depends = list({id(op): op for op in ops}.values())
         else:
             depends = []
         self.counters.offloads += 1
@@ -281,21 +279,17 @@ class LinkerCore:
             self.index.release(op.host_pages)
             return False
         # a key a store read published meanwhile keeps that page; the offload's went back free
-        pages = op.host_pages.tolist()
-        kept = [
-            (k, p)
-            for k, p, ok in zip(op.keys, pages, self.index.publish(op.keys, pages))
-            if ok
-        ]
+        kept = self.index.publish(op.keys, op.host_pages.tolist())
+        keys, pages = op.keys, op.host_pages
+        if not all(kept):
+            keys = list(compress(keys, kept))
+            pages = pages[np.array(kept, dtype=bool)]
         self.counters.offload_pages += len(op.keys)
         self.counters.d2h_bytes += len(op.keys) * self.mirror.page_bytes
-        for k in (
-            () if self.settings.writes_store else op.keys
-        ):  # the writing rank forgets once stored (_reap)
-            self.unreadable.pop(k, None)
-        self._write_store(
-            [k for k, _ in kept], np.array([p for _, p in kept], dtype=np.int64)
-        )
+        if self.unreadable and not self.settings.writes_store:
+            for k in op.keys:  # the writing rank forgets once stored (_reap)
+                self.unreadable.pop(k, None)
+        self._write_store(keys, pages)
         if not op.success:
             self.counters.offload_failures += 1
         return op.success

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from itertools import compress
+from itertools import compress, islice
 
 import numpy as np
 
@@ -80,13 +80,11 @@ class HostIndex:
         if short > 0:
             if short > len(self.lru):
                 return None
-            popitem, pages = self.lru.popitem, self.pages
-            victims = []
-            for _ in range(short):
-                key, page = popitem(last=False)
-                del pages[key]
-                victims.append(page)
-            self.allocator.free_pages(np.array(victims, dtype=np.int64))
+            lru = self.lru
+            keys = list(islice(lru, short))  # the cold end, taken by C loops
+            victims = np.fromiter(map(lru.pop, keys), dtype=np.int64, count=short)
+            deque(map(self.pages.__delitem__, keys), maxlen=0)
+            self.allocator.free_pages(victims)
             self.evicted_pages += short
         pages = self.allocator.alloc_pages(n)
         assert pages is not None, (
