@@ -35,7 +35,7 @@ import operator
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import compress, repeat
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -369,7 +369,9 @@ class LinkerCore:
         self.cancel_queued_load(rid)
         keys = list(keys)
         pinned = self.index.pin(keys)
-        host = np.array([self.index.get(k) or 0 for k in keys], dtype=np.int64)
+        host = np.fromiter(
+            map(self.index.pages.get, keys, repeat(0)), dtype=np.int64, count=len(keys)
+        )
         op = LoadOp(rid, keys, slots, host, pinned)
         missing = np.flatnonzero(host == 0)
         if missing.size:

@@ -20,9 +20,10 @@ Scheduler thread only.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from itertools import compress, islice
+from itertools import compress, filterfalse, islice, repeat
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from kvtier.tiers.allocator import PagedAllocator
 
 
 _count = Counter.update  # adds one per key, in C for a dict
+ONES = repeat(1)
 
 
 class HostIndex:
@@ -126,8 +128,8 @@ class HostIndex:
         """Pin the published ones of `keys`; returns those (the caller unpins exactly them)."""
         pages, pins, lru = self.pages, self.pins, self.lru
         got = list(compress(keys, map(pages.__contains__, keys)))
-        fresh = list(dict.fromkeys(k for k in got if k not in pins))  # out of the LRU
-        deque(map(lru.__delitem__, fresh), maxlen=0)
+        fresh = list(dict.fromkeys(filterfalse(pins.__contains__, got)))
+        deque(map(lru.__delitem__, fresh), maxlen=0)  # out of the LRU while pinned
         pins.update(dict.fromkeys(fresh, 0))
         _count(pins, got)
         return got
@@ -135,9 +137,14 @@ class HostIndex:
     def unpin(self, keys: Sequence[str]) -> None:
         """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
         pins, pages = self.pins, self.pages
-        for k in keys:
-            pins[k] -= 1
-        freed = list(dict.fromkeys(k for k in keys if not pins.get(k, 1)))
+        if len(set(keys)) == len(keys):  # the usual case, in C loops
+            pins.update(zip(keys, map(operator.sub, map(pins.__getitem__, keys), ONES)))
+        else:
+            for k in keys:
+                pins[k] -= 1
+        freed = list(
+            dict.fromkeys(compress(keys, map(operator.not_, map(pins.get, keys, ONES))))
+        )
         if freed:
             deque(map(pins.__delitem__, freed), maxlen=0)
             self.lru.update(zip(freed, map(pages.__getitem__, freed)))
