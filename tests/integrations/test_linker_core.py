@@ -158,3 +158,27 @@ def test_ranks_that_do_not_write_forget_an_unreadable_page_once_it_is_offloaded_
     assert [core.lookup("r", [key]) for _, core in ranks] == [1, 1]
     for _, core in ranks:
         core.close()
+
+
+def test_host_index_evicts_the_coldest_unpinned_pages_in_order():
+    """Eviction takes pages off the LRU's cold end, exactly in order; a lookup's touch makes
+    a page the newest; a pinned page is out of the LRU until its last pin goes, then the
+    newest; a reservation short of unpinned pages evicts nothing."""
+    from kvtier.integrations.sglang_linker.host_index import HostIndex
+    from kvtier.tiers.allocator import PagedAllocator
+
+    index = HostIndex(PagedAllocator(6 * PS, PS))
+    keys = page_keys([1, 2, 3, 4, 5, 6])
+    index.publish(keys, index.reserve(6).tolist())
+    assert index.room() == 6 and index.run(keys[1:3]) == (2, 2)  # b, c touched
+    pinned = index.pin([keys[0], keys[3], keys[3]])  # a once, d twice
+    assert pinned == [keys[0], keys[3], keys[3]] and index.room() == 4
+    got = index.reserve(2)  # coldest unpinned: e, f
+    assert sorted(index.pages) == sorted([keys[i] for i in (0, 1, 2, 3)])
+    assert index.reserve(3) is None and len(index.pages) == 4  # only b, c evictable
+    index.unpin([keys[3]])
+    assert index.room() == 2  # d keeps one pin
+    index.unpin([keys[0], keys[3]])  # a, then d: the newest, in that order
+    assert list(index.lru) == [keys[1], keys[2], keys[0], keys[3]]
+    index.release(got)
+    assert index.check() == [] and index.evicted_pages == 2
