@@ -310,8 +310,8 @@ class LinkerCore:
                     still.append((op, pinned, keys))
                     continue
                 self.index.unpin(pinned)
-                for k, ok in zip(keys, op.ok or []):
-                    if ok:
+                if self.unreadable:  # a page stored again verifies again
+                    for k in compress(keys, op.ok or []):
                         self.unreadable.pop(k, None)
                 good = sum(op.ok or [])
                 self.counters.l3_write_pages += good
