@@ -182,3 +182,25 @@ def test_host_index_evicts_the_coldest_unpinned_pages_in_order():
     assert list(index.lru) == [keys[1], keys[2], keys[0], keys[3]]
     index.release(got)
     assert index.check() == [] and index.evicted_pages == 2
+
+
+def test_a_load_naming_a_store_page_twice_loses_no_host_page(tmp_path):
+    """A load whose keys name one store page twice reads it into two reserved host pages;
+    when it ends, one becomes the key's host page and the other goes back free. Publishing
+    both at once kept the second under the key and dropped the first from every count:
+    neither free, reserved nor published, a host page lost for good on each such load."""
+    pool, core = make(tmp_path, host_pages=4)
+    (key,) = page_keys([1])
+    core.offload([key], put(pool, 1, 2.0))
+    copied(core)
+    core.pop_completed_offload()
+    stored(core)
+    core.reset()  # the host tier dropped: `key` lives in the store only
+    assert core.index.get(key) is None and core.lookup("r", [key, key]) == 2
+    slots = torch.arange(5 * PS, 7 * PS)
+    assert core.load("r", [key, key], slots)
+    assert core.finish_layer_wise_loading(core.start_layer_wise_loading())
+    assert pool.k_buffer(0)[slots].flatten().unique().tolist() == [2.0]
+    assert core.check_accounting() == []
+    assert core.index.room() == 4  # every host page is free or evictable again
+    core.close()

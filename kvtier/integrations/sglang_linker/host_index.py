@@ -101,11 +101,13 @@ class HostIndex:
         must not use it any more). One allocator call for all that go back."""
         known, lru = self.pages, self.lru
         self.reserved.difference_update(pages)
-        if known.keys().isdisjoint(keys):  # the usual case, in C loops
-            pairs = list(zip(keys, pages))
-            known.update(pairs)
-            lru.update(pairs)
-            return [True] * len(pairs)
+        fresh = dict(zip(keys, pages))
+        # the usual case, in C loops: keys distinct, none published (a key named twice
+        # keeps its first page below; the other goes back)
+        if len(fresh) == len(keys) and known.keys().isdisjoint(fresh):
+            known.update(fresh)
+            lru.update(fresh)
+            return [True] * len(fresh)
         kept, back = [], []
         for key, page in zip(keys, pages):
             if key in known:
