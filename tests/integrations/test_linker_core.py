@@ -204,3 +204,23 @@ def test_a_load_naming_a_store_page_twice_loses_no_host_page(tmp_path):
     assert core.check_accounting() == []
     assert core.index.room() == 4  # every host page is free or evictable again
     core.close()
+
+
+def test_an_offload_naming_a_page_twice_copies_it_once(tmp_path):
+    """An offload whose keys name one page twice copies it into one host page and stores
+    it once. Both copies were queued under the key, and popping the offload raised
+    KeyError into SGLang's scheduler (the second key was no longer in flight), leaving
+    both host pages reserved by no op."""
+    pool, core = make(tmp_path, host_pages=4)
+    key, other = page_keys([1, 2])
+    slots = torch.cat([put(pool, 1, 2.0), put(pool, 2, 3.0), put(pool, 3, 2.0)])
+    assert core.offload([key, other, key], slots)
+    copied(core)
+    assert core.pop_completed_offload()
+    stored(core)
+    assert core.check_accounting() == [] and len(core.index.pages) == 2
+    core.reset()  # from the store now
+    assert core.lookup("r", [key, other]) == 2
+    assert load(core, pool, key, 6) == [2.0]
+    assert core.check_accounting() == []
+    core.close()

@@ -218,10 +218,19 @@ class LinkerCore:
         else:
             depends = []
         self.counters.offloads += 1
-        if not any(held):
+        first = dict.fromkeys(
+            keys
+        )  # a key named twice is copied once, from its first page
+        if not any(held) and len(first) == len(keys):
             new = keys
             picked = slots
         else:
+            if len(first) != len(keys):
+                first = {}
+                for i, k in enumerate(keys):
+                    first.setdefault(k, i)
+                once = set(first.values())
+                held = [h or i not in once for i, h in enumerate(held)]
             index = list(compress(range(len(keys)), map(operator.not_, held)))
             new = [keys[i] for i in index]
             picked = slots.reshape(-1, self.page_size)[index].reshape(-1)
