@@ -31,3 +31,14 @@ def test_each_planted_bug_is_found(plant):
     out = io.StringIO()
     assert linker_sim.run(4000, seed=1, episode=400, plant=plant, out=out) > 0
     assert FOUND_AS[plant] in out.getvalue()
+
+
+def test_ranks_with_the_linker_simulator_are_refused_not_ignored(capsys):
+    """It ran one rank whatever --ranks said, so `--linker --ranks 2` passed as if two
+    ranks had agreed."""
+    from kvtier.testing.sim_cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--linker", "--ranks", "2", "--steps", "1"])
+    assert exc.value.code == 2
+    assert "--ranks 2 with --linker" in capsys.readouterr().err

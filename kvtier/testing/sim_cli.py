@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         help="--linker with a known bug, to be found",
     )
     args = p.parse_args(argv)
+    if (args.linker or args.plant) and args.ranks != 1:
+        p.error(
+            f"--ranks {args.ranks} with --linker: the linker simulator runs one rank "
+            "(its ranks' agreement is tested on SGLang's classes, "
+            "tests/integrations/test_sglang_linker.py)"
+        )
     logging.basicConfig(
         level=logging.CRITICAL
     )  # the simulator causes failures on purpose
