@@ -46,7 +46,7 @@ class RedisStoreConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             shown = (
-                repr(self.url)
+                repr(redact_url(self.url))
                 if ":" in self.url
                 else "(not shown: with no scheme it may be a secret)"
             )
