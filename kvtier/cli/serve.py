@@ -28,6 +28,7 @@ from kvtier.cli.serve_app import MAX_BODY, RequestFailed, RequestRejected, build
 from kvtier.errors import KvtierConfigError
 
 log = logging.getLogger(__name__)
+MAX_SESSION_ID = 256  # bytes of a session id, UTF-8: a name or a UUID, never a document
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -187,6 +188,14 @@ class Server:
         session = body.get("session")
         if session is not None and not isinstance(session, str):
             raise ValueError(f"session={json.dumps(session)[:40]}: must be a string")
+        if session is not None and len(session.encode("utf-8", "surrogatepass")) > (
+            MAX_SESSION_ID
+        ):  # every kept history keeps its id: --sessions ids of any length had no bound
+            raise ValueError(
+                f"session={session[:24]!r}...: an id of "
+                f"{len(session.encode('utf-8', 'surrogatepass'))} bytes; at most "
+                f"{MAX_SESSION_ID} bytes (UTF-8)"
+            )
         if session is None:  # one request, no history kept: its id only keeps it apart
             self._anonymous += 1
             return Turn(f"\0anonymous-{self._anonymous}", 0, tuple(prompt), n), False

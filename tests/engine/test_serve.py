@@ -330,3 +330,25 @@ def test_loopback_hosts_bind(cache_home, capsys):
     )  # main: listed as loopback, could not bind
     assert listener.url.startswith("http://[::1]:")
     listener.sock.close()
+
+
+def test_session_ids_are_bounded_and_their_bytes_counted(serving):
+    """main: a session id of any length was kept with its history (300 ids of ~900 KB:
+    +266 MiB); an id is at most 256 bytes of UTF-8, and /stats counts the ids' bytes."""
+    listener, _ = serving(sessions=8)
+    conn = connect(listener)
+    for long_id in ("x" * 257, "é" * 129, "s" * 900_000):
+        status, body = post(
+            conn,
+            "/generate",
+            {"prompt": [1, 2], "max_new_tokens": 1, "session": long_id},
+        )
+        assert status == 400 and "at most 256 bytes (UTF-8)" in body["error"], body
+        assert len(body["error"]) < 200  # the id is not echoed back whole
+    for ok_id in ("k" * 256, "é" * 128, "a"):
+        status, _ = post(
+            conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 1, "session": ok_id}
+        )
+        assert status == 200
+    s = json.loads(urllib_get(listener, "/stats"))["sessions"]
+    assert s["sessions"] == 3 and s["session_id_bytes"] == 256 + 256 + 1, s
