@@ -24,7 +24,7 @@ from kvtier.controller.config import ControllerConfig
 from kvtier.errors import KvtierConfigError
 from kvtier.events.config import EventsConfig
 from kvtier.hashing import PREFIX_RE, HASH_ALGOS
-from kvtier.secrets import shown
+from kvtier.secrets import mask_credentials, scrub_error, shown
 from kvtier.tenant_keys import TenantKeys, load_keys
 from kvtier.validate import check_positive
 from kvtier.tiers.mirror import MirrorConfig
@@ -187,7 +187,9 @@ def load_config(
                 continue
             if not isinstance(values, Mapping):
                 raise KvtierConfigError(
-                    f"{section}: expected a mapping of keys, got {values!r}"
+                    mask_credentials(
+                        f"{section}: expected a mapping of keys, got {values!r}"
+                    )
                 )
             target = merged.get(section)
             if target is None:
@@ -281,8 +283,8 @@ def _read_yaml(path: str | os.PathLike) -> dict:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         raise KvtierConfigError(
-            f"config file {str(p)!r}: not valid YAML: {exc}"
-        ) from exc
+            f"config file {str(p)!r}: not valid YAML: {mask_credentials(str(exc))}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -383,8 +385,16 @@ def _make(
     sources: Mapping[str, str] | None = None,
 ) -> Any:
     """Build `cls` from `values`; every error names the field, its value, where it came from
-    (file, env variable, argument) and what is allowed."""
-    sources = sources or {}
+    (file, env variable, argument) and what is allowed, with every secret in it masked."""
+    try:
+        return _make_section(section, cls, values, sources or {})
+    except KvtierConfigError as exc:
+        raise KvtierConfigError(scrub_error(str(exc), dict(values))) from None
+
+
+def _make_section(
+    section: str, cls: type, values: Mapping[str, Any], sources: Mapping[str, str]
+) -> Any:
     hints = typing.get_type_hints(cls)
     allowed = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}

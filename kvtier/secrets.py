@@ -14,16 +14,17 @@ _SECRET_FIELD = re.compile(
 )
 
 
+# `user:password@` anywhere in a text: a URL, or what was meant as one (`redis//u:pw@h`)
+_CREDENTIALS = re.compile(r"([^\s'\"/@:,\[\]]*):[^\s'\"@/]+@")
+# settings not secret in `tierctl config` but never quoted in an error: an operator may
+# use a customer's name as the salt, and an error goes to logs others read
+_UNQUOTED_IN_ERRORS = ("tenant_salt",)
+
+
 def redact_url(url: str) -> str:
-    """`scheme://user:***@host...` for a URL with a password; other strings unchanged."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
-        return url
-    cred, _, host = rest.partition("@")
-    user = cred.split(":", 1)[0]
-    if ":" not in cred:
-        return url  # a user name alone is no secret
-    return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"
+    """`scheme://user:***@host...` for a URL with a password (or a string meant as one,
+    such as `redis//user:pw@host`); other strings unchanged."""
+    return mask_credentials(url)
 
 
 def shown(field: str, value):
@@ -33,3 +34,35 @@ def shown(field: str, value):
     if isinstance(value, str):
         return redact_url(value)
     return value
+
+
+def mask_credentials(text: str) -> str:
+    """`text` with every `user:password@` written as `user:***@`."""
+    return _CREDENTIALS.sub(r"\1:***@", text)
+
+
+def scrub_error(message: str, values: dict) -> str:
+    """An error `message` about settings `values` (key -> value) with every secret in it
+    masked: the value of a secret field (`shown`) or of `tenant_salt`, whole or any string
+    inside it (a list), and every password in a URL."""
+    secrets = []
+    for key, value in values.items():
+        if value is not None and (
+            shown(key, value) == "***" or key in _UNQUOTED_IN_ERRORS
+        ):
+            secrets.extend(_strings(value))
+    for s in sorted(set(secrets), key=len, reverse=True):
+        message = message.replace(repr(s), "***")
+        if (
+            len(s) >= 4
+        ):  # a shorter one would mask words of the message; errors quote reprs
+            message = message.replace(s, "***")
+    return mask_credentials(message)
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, (list, tuple, set)):
+        return [repr(value)] + [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [repr(value)] + [s for v in value.values() for s in _strings(v)]
+    return [repr(value), str(value)]

@@ -23,6 +23,8 @@ KEY_BYTES = 32
 KEY_ID_BYTES = 8
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{64}")
 _PERSON = b"kvtier-tenant"
+# a key file holds a key ring: a few keys and comments, never more than this
+KEY_FILE_MAX_BYTES = 64 << 10
 log = logging.getLogger(__name__)
 
 
@@ -128,15 +130,7 @@ def load_keys(
         return parse_keys(tenant_key, f"{section}.tenant_key")
     if tenant_key_file is None:
         return None
-    try:
-        with open(tenant_key_file, encoding="utf-8") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"{section}.tenant_key_file={tenant_key_file!r}: cannot read it "
-            f"({type(exc).__name__}: {getattr(exc, 'strerror', None) or 'not text'})"
-        ) from None
+    mode, text = _read_key_file(tenant_key_file, f"{section}.tenant_key_file")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning(
             "%s.tenant_key_file=%r: others than its owner may read it (mode %03o); chmod 600 it",
@@ -145,3 +139,57 @@ def load_keys(
             stat.S_IMODE(mode),
         )
     return parse_keys(text, f"{section}.tenant_key_file={tenant_key_file!r}")
+
+
+def _read_key_file(path: str, field: str) -> tuple[int, str]:
+    """The mode and text of the key file at `path`, read as a store reads a page: a regular
+    file only (a FIFO, a device or a directory is refused, never waited on: the open does
+    not block), at most KEY_FILE_MAX_BYTES (/dev/zero or a huge file is never read whole).
+    Errors name `field` and the path, never the text."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(
+                    f"{field}={path!r}: not a regular file ({_kind(st.st_mode)}); "
+                    "expected a file holding the key"
+                )
+            data = _read_upto(fd, KEY_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > KEY_FILE_MAX_BYTES:
+            raise ValueError(
+                f"{field}={path!r}: larger than {KEY_FILE_MAX_BYTES} bytes; a key file "
+                f"holds 64 hex digits per key"
+            )
+        return st.st_mode, data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{field}={path!r}: cannot read it "
+            f"({type(exc).__name__}: {getattr(exc, 'strerror', None) or 'not text'})"
+        ) from None
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {stat.S_IFMT(mode):o}"
+
+
+def _read_upto(fd: int, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = os.read(fd, n - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)

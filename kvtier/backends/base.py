@@ -48,6 +48,12 @@ class StoreCounters:
     deletes: int = 0
 
 
+# bytes a frame adds to its payload, at most (plain: an 80-byte header; sealed: 128 and a
+# 16-byte tag): a read of a page's frame needs no more than its payload and this
+FRAME_SLACK = 256
+MANIFEST_LIMIT = 1 << 20  # a manifest is a small JSON object: a longer one is none
+
+
 @dataclass(slots=True, frozen=True)
 class StoredPage:
     key: str
@@ -321,7 +327,7 @@ class Store(ABC):
         raw = await self._call(
             "get_manifest", self._get_meta(manifest_key(prefix, namespace_id))
         )
-        if raw is None:
+        if raw is None or len(raw) > MANIFEST_LIMIT:
             return None
         try:
             manifest = json.loads(raw)
@@ -379,11 +385,19 @@ class Store(ABC):
     def _extra_stats(self) -> dict:
         return {}
 
+    async def _get_upto(self, keys: list[str], limits: list[int]) -> list:
+        """Each key's frame, or None where missing. A store that can bound a read reads at
+        most `limits[i] + 1` bytes of key i, so a longer value (anyone who can write the
+        store plants one) fails to decode: a counted miss, never read whole. Default: whole
+        frames (`_get`)."""
+        return await self._get(keys)
+
     async def _get_into(
         self, keys: list[str], parsed: list, views: list[memoryview]
     ) -> list[IntoResult]:
-        """Default: read whole frames, verify, copy. Stores that can read in place override."""
-        blobs = await self._get(keys)
+        """Default: read frames of at most the page's size, verify, copy. Stores that can
+        read in place override."""
+        blobs = await self._get_upto(keys, [len(v) + FRAME_SLACK for v in views])
         return [
             verify_into(blob, ns, h, view, self.codec)
             for (_, ns, h), blob, view in zip(parsed, blobs, views)

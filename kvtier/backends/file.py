@@ -99,6 +99,7 @@ class FileStore(Store):
         self._inside = InsideRoot(
             self._root_str, self.complain
         )  # page directories checked to stay under it
+        self._marker = str(self.root / MARKER)
         try:
             _claim_root(self.root)
             with self._shared() as usage:
@@ -120,6 +121,7 @@ class FileStore(Store):
         """The bytes under the root, shared by every process using it: read and written
         under an exclusive lock of `.kvtier-lock`. Yields `[bytes]` to update; a lost usage
         file is recounted from the directory (then the caller's new pages are in it)."""
+        self._keep_marker()
         with open(self.root / LOCK, "a+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -467,7 +469,22 @@ class FileStore(Store):
     def _meta_path(self, name: str) -> Path:
         return self.root.joinpath(*name.split("/"))
 
+    def _keep_marker(self) -> None:
+        """A root removed while the store runs (a cache cleaner, `rm -rf`) is made again by
+        the next write, its marker first: the next start opens it as the store it is, not
+        as somebody else's directory (docs/stores.md)."""
+        if os.path.exists(self._marker):  # one stat per write batch
+            return
+        self.complain(
+            "root_removed",
+            f"store root {self._root_str} lost its {MARKER} marker while in use "
+            "(removed?): made again, with the pages written since",
+        )
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        write_small(Path(self._marker), b'{"format": 1}\n')
+
     async def _put_meta(self, name, data):
+        self._keep_marker()
         [err] = await self._jobs(
             write_pages, [(self._meta_path(name), bytes(data), self.config.fsync)]
         )

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_jobs
 from dataclasses import dataclass, field
 
-from kvtier.backends.base import Store, StoredPage
+from kvtier.backends.base import FRAME_SLACK, MANIFEST_LIMIT, Store, StoredPage
 from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import redact_url
 from kvtier.validate import check_positive, io_threads
@@ -42,11 +42,12 @@ class RedisStoreConfig:
     concurrent_min_bytes: int = 256 << 10
     # standalone: connections sending pipelined SETs, each with a thread hashing ahead of it
     write_threads: int = field(default_factory=lambda: io_threads(2))
+    max_page_bytes: int = 1 << 30  # a longer value is no page: never read whole
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             shown = (
-                repr(self.url)
+                repr(redact_url(self.url))
                 if ":" in self.url
                 else "(not shown: with no scheme it may be a secret)"
             )
@@ -56,7 +57,12 @@ class RedisStoreConfig:
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s={self.ttl_s}: must be > 0 or null")
         check_positive(
-            self, "pool_size", "concurrent_min_bytes", "write_threads", integer=True
+            self,
+            "pool_size",
+            "concurrent_min_bytes",
+            "write_threads",
+            "max_page_bytes",
+            integer=True,
         )
         check_positive(self, "socket_timeout_s", "connect_timeout_s")
 
@@ -111,6 +117,14 @@ class RedisStore(Store):
         self._toucher: asyncio.Task | None = None  # sends them, one batch at a time
         self.touched = 0  # keys sent in TOUCH (or EXPIRE) commands
 
+    async def _prefix_of(self, key: str, limit: int):
+        try:
+            return await self.client.getrange(key, 0, limit)
+        except Exception as exc:
+            if _wrong_type(exc):  # another application's list or hash: no page
+                return None
+            raise
+
     def _concurrent(self) -> bool:
         return self._page_bytes >= self.config.concurrent_min_bytes
 
@@ -130,18 +144,28 @@ class RedisStore(Store):
             return [bool(n) for n in await pipe.execute()]
 
     async def _get(self, keys):
+        return await self._get_upto(
+            keys, [self.config.max_page_bytes + FRAME_SLACK] * len(keys)
+        )
+
+    async def _get_upto(self, keys, limits):
+        """GETRANGE, not GET: at most `limit + 1` bytes of each value come back, so a
+        planted huge value is never read whole (it fails to decode: a counted miss). A
+        missing key (an empty string) or one of another type is None."""
         if self._concurrent():
-            blobs = await self._each(self.client.get, keys)
+            blobs = await self._each(self._prefix_of, keys, limits)
             for b in blobs:
                 if isinstance(b, BaseException):
                     raise b
-        elif not self.config.cluster:
-            blobs = await self.client.mget(keys)
         else:
             async with self.client.pipeline(transaction=False) as pipe:
-                for k in keys:
-                    pipe.get(k)
-                blobs = await pipe.execute()
+                for k, n in zip(keys, limits):
+                    pipe.getrange(k, 0, n)
+                blobs = await pipe.execute(raise_on_error=False)
+            for b in blobs:
+                if isinstance(b, BaseException) and not _wrong_type(b):
+                    raise b
+        blobs = [None if isinstance(b, BaseException) or not b else b for b in blobs]
         sizes = [len(b) for b in blobs if b is not None]
         if sizes:
             self._page_bytes = max(sizes)
@@ -300,7 +324,7 @@ class RedisStore(Store):
         await self.client.set(name, bytes(data), ex=self.config.ttl_s)
 
     async def _get_meta(self, name):
-        return await self.client.get(name)
+        return await self.client.getrange(name, 0, MANIFEST_LIMIT) or None
 
     def touch(self, keys) -> None:
         """Pages that just left host: their copies here are now the ones that count, yet
@@ -377,3 +401,8 @@ class RedisStore(Store):
             "cluster": self.config.cluster,
             "touched": self.touched,
         }
+
+
+def _wrong_type(exc: BaseException) -> bool:
+    """A WRONGTYPE reply: the key holds another application's list, hash or set."""
+    return str(exc).startswith("WRONGTYPE")

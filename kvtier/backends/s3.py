@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvtier.backends.base import Store, StoredPage
+from kvtier.backends.base import FRAME_SLACK, MANIFEST_LIMIT, Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
 from kvtier.validate import check_positive
 
@@ -33,9 +33,12 @@ class S3StoreConfig:
     read_timeout_s: float = 10.0
     skip_existing: bool = True
     create_bucket: bool = False
+    max_page_bytes: int = 1 << 30  # a larger object is no page: never read whole
 
     def __post_init__(self) -> None:
-        check_positive(self, "max_workers", "max_attempts", integer=True)
+        check_positive(
+            self, "max_workers", "max_attempts", "max_page_bytes", integer=True
+        )
         check_positive(self, "connect_timeout_s", "read_timeout_s")
         if not self.bucket:
             raise ValueError("bucket='': name the bucket")
@@ -111,15 +114,19 @@ class S3Store(Store):
                 return False
             raise
 
-    def _fetch(self, key: str) -> bytes | None:
+    def _fetch(self, key: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes, or None where missing; with `limit`, a ranged GET of at most
+        `limit + 1` bytes (a longer object, planted by anyone who can write the bucket,
+        then fails to decode: a counted miss, never read whole)."""
         from botocore.exceptions import ClientError
 
+        extra = {} if limit is None else {"Range": f"bytes=0-{limit}"}
         try:
             return self.client.get_object(
-                Bucket=self.config.bucket, Key=self._object(key)
+                Bucket=self.config.bucket, Key=self._object(key), **extra
             )["Body"].read()
         except ClientError as exc:
-            if _code(exc) in _MISSING:
+            if _code(exc) in _MISSING or _code(exc) == "InvalidRange":  # empty: no page
                 return None
             raise
 
@@ -149,7 +156,12 @@ class S3Store(Store):
         return list(await asyncio.gather(*self._jobs(self._head, keys)))
 
     async def _get(self, keys):
-        return list(await asyncio.gather(*self._jobs(self._fetch, keys)))
+        return await self._get_upto(
+            keys, [self.config.max_page_bytes + FRAME_SLACK] * len(keys)
+        )
+
+    async def _get_upto(self, keys, limits):
+        return list(await asyncio.gather(*self._jobs(self._fetch, keys, limits)))
 
     async def _set(self, keys, frames):
         # the jobs read the caller's page buffers: a cancelled call waits for them
@@ -210,7 +222,7 @@ class S3Store(Store):
         )
 
     async def _get_meta(self, name):
-        return await self._run(self._fetch, name)
+        return await self._run(self._fetch, name, MANIFEST_LIMIT)
 
     async def _close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -658,6 +658,7 @@ class TieredCache:
         self.controller.close()
         if self.events is not None:
             self.events.close()
+        self.agreement.release()  # the engine's process group is the engine's again
 
     def _check_open(self, what: str) -> None:
         if self.closed:

@@ -28,6 +28,8 @@ from kvtier.cli.serve_app import MAX_BODY, RequestFailed, RequestRejected, build
 from kvtier.errors import KvtierConfigError
 
 log = logging.getLogger(__name__)
+MAX_NEW_TOKENS = 1024  # per request: a longer generation holds its batch row that long
+MAX_SESSION_ID = 256  # bytes of a session id, UTF-8: a name or a UUID, never a document
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -81,6 +83,12 @@ def add_arguments(p) -> None:
         "--batch", type=int, default=4, help="requests per forward (default 4)"
     )
     p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=MAX_NEW_TOKENS,
+        help=f"the most tokens one request may generate (default {MAX_NEW_TOKENS})",
+    )
+    p.add_argument(
         "--sessions",
         type=int,
         default=4096,
@@ -120,6 +128,7 @@ def check_arguments(args) -> None:
         ("--backlog", args.backlog),
         ("--batch", args.batch),
         ("--sessions", args.sessions),
+        ("--max-new-tokens", args.max_new_tokens),
     ):
         if value < 1:
             raise KvtierConfigError(f"serve {flag} {value}: must be an integer >= 1")
@@ -144,6 +153,7 @@ class Server:
         sessions: int = 4096,
         session_ttl_s: float | None = 3600.0,
         max_queue: int = 1024,
+        max_new_tokens: int = MAX_NEW_TOKENS,
     ) -> None:
         from kvtier.cache import TieredCache
         from kvtier.cli.replay import with_weights
@@ -160,6 +170,7 @@ class Server:
             self.cache, self.model, max_batch=batch, histories=self.histories
         )
         self.loop = EngineLoop(self.engine, max_queue=max_queue)
+        self.max_new_tokens = max_new_tokens
         self._anonymous = 0
 
     def turn_of(self, body: dict):
@@ -182,11 +193,22 @@ class Server:
                 f"prompt must be a non-empty list of token ids in [0, {vocab})"
             )
         n = body.get("max_new_tokens", 16)
-        if not _is_int(n) or not 1 <= n <= 4096:
-            raise ValueError(f"max_new_tokens={n!r}: must be an integer in [1, 4096]")
+        if not _is_int(n) or not 1 <= n <= self.max_new_tokens:
+            raise ValueError(
+                f"max_new_tokens={n!r}: must be an integer in [1, {self.max_new_tokens}] "
+                "(--max-new-tokens)"
+            )
         session = body.get("session")
         if session is not None and not isinstance(session, str):
             raise ValueError(f"session={json.dumps(session)[:40]}: must be a string")
+        if session is not None and len(session.encode("utf-8", "surrogatepass")) > (
+            MAX_SESSION_ID
+        ):  # every kept history keeps its id: --sessions ids of any length had no bound
+            raise ValueError(
+                f"session={session[:24]!r}...: an id of "
+                f"{len(session.encode('utf-8', 'surrogatepass'))} bytes; at most "
+                f"{MAX_SESSION_ID} bytes (UTF-8)"
+            )
         if session is None:  # one request, no history kept: its id only keeps it apart
             self._anonymous += 1
             return Turn(f"\0anonymous-{self._anonymous}", 0, tuple(prompt), n), False
@@ -323,6 +345,7 @@ def run(args, default_config: str) -> int:
         sessions=args.sessions,
         session_ttl_s=args.session_ttl,
         max_queue=args.max_queue,
+        max_new_tokens=args.max_new_tokens,
     )
     try:
         listener = Listener(

@@ -24,7 +24,7 @@ from collections import defaultdict
 
 from kvtier.backends import frame, seal
 from kvtier.errors import KvtierConfigError, KvtierError, StoreError
-from kvtier.hashing import split_key, tenant_digest
+from kvtier.hashing import split_key
 
 BATCH = 256
 
@@ -106,6 +106,7 @@ def run(args, default_config: str) -> int:
     args.tenant_config = (
         cfg.namespace
     )  # the config's tenant: its salt and key ring (verify, purge)
+    args.loaded_config = cfg  # the namespace ids it makes (purge --tenant)
 
     async def go():
         try:
@@ -363,9 +364,11 @@ async def _purge(store, prefix, args) -> int:
 
 
 async def _tenant_pages(store, prefix, spaces: dict, args) -> list[str]:
-    """A tenant's pages: those of namespaces whose manifest names its salt (or its key's
-    id), and, where the config holds the tenant's key, every page of a namespace without a
-    manifest that authenticates under that key."""
+    """A tenant's pages, from what proves them its own (`store_tenant`): with the tenant's
+    key, every page that authenticates under it; with a salt, the namespaces made with it.
+    What a manifest claims but nothing proves is said, and kept."""
+    from kvtier.cli.store_tenant import tenant_pages
+
     mine = args.tenant_config
     salt = args.tenant or mine.tenant_salt
     keys = mine.tenant_keys() if salt == mine.tenant_salt else None
@@ -374,22 +377,10 @@ async def _tenant_pages(store, prefix, spaces: dict, args) -> list[str]:
             "purge --tenant: give a SALT, or a --config with namespace.tenant_salt or "
             "namespace.tenant_key"
         )
-    want, key_ids = tenant_digest(salt), set(keys.ids if keys is not None else ())
-    victims: list[str] = []
-    for ns, s in spaces.items():
-        page_keys = [k for k, _ in s["keys"]]
-        m = await store.get_manifest(prefix, ns)
-        if m is not None:
-            if (salt is not None and m.get("tenant") == want) or m.get(
-                "tenant_key_id"
-            ) in key_ids:
-                victims += page_keys
-        elif keys is not None:
-            for start in range(0, len(page_keys), BATCH):
-                chunk = page_keys[start : start + BATCH]
-                verdicts = await store.check(chunk, seal.SealedCodec(keys))
-                victims += [k for k, why in zip(chunk, verdicts) if why is None]
-    return victims
+    found = await tenant_pages(store, prefix, spaces, args.loaded_config, salt, keys)
+    for line in found.unproven:
+        print(f"not proven the tenant's: {line}")
+    return found.victims
 
 
 def _shown(value) -> str:

@@ -32,22 +32,30 @@ class Agreement:
             )
         self.consensus_check = consensus_check and group is not None
         self.collectives = 0
+        self._rank, self._world_size = 0, 1
+        if group is not None:
+            import torch.distributed as dist
+
+            self._rank, self._world_size = (
+                dist.get_rank(group),
+                dist.get_world_size(group),
+            )
 
     @property
     def rank(self) -> int:
-        if self.group is None:
-            return 0
-        import torch.distributed as dist
-
-        return dist.get_rank(self.group)
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        if self.group is None:
-            return 1
-        import torch.distributed as dist
+        return self._world_size
 
-        return dist.get_world_size(self.group)
+    def release(self) -> None:
+        """Let go of the process group: a closed cache makes no more collectives. An
+        engine destroys its group after closing the cache; a reference kept here kept the
+        group, its gloo threads and rank 0's TCPStore server thread alive to interpreter
+        exit, whose teardown then destroyed a joinable std::thread (std::terminate:
+        "terminate called without an active exception", the rank killed by SIGABRT)."""
+        self.group = None
 
     def agree(self, mins: list[int], maxs: list[int]) -> tuple[list[int], list[int]]:
         """(MIN over ranks of `mins`, MAX over ranks of `maxs`) in one collective."""

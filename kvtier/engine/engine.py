@@ -76,6 +76,7 @@ class _Queued:
     )
     turn: Turn
     remember: bool = True
+    passed_over: int = 0  # requests started ahead of it while it did not fit
 
 
 class Engine:
@@ -86,7 +87,11 @@ class Engine:
     poll) and returns the requests that ended in it; `run` does both for a list of turns.
     A request whose prompt shares an uncached prefix of at least a page with a request in
     the batch waits until that one has cached it (SGLang's in-batch prefix check), so a
-    shared document is computed once, not once per request of the batch."""
+    shared document is computed once, not once per request of the batch.
+
+    A request that does not fit the pool beside the running ones is passed over by later
+    ones that do (a short request never waits behind long decodes that leave it room), at
+    most `max_passed` times: then nothing starts ahead of it until it fits."""
 
     def __init__(
         self,
@@ -98,6 +103,7 @@ class Engine:
         report_prefill: bool = False,
         histories: Histories | None = None,
         share_prefixes: bool = True,
+        max_passed: int | None = None,
     ) -> None:
         """`report_prefill`: tell the cache how fast this model prefills (each forward's
         prefill tokens and seconds), so that it skips store loads slower than that.
@@ -111,6 +117,9 @@ class Engine:
         self.chunk_size = chunk_size
         self.max_context = max_context
         self.share_prefixes = share_prefixes
+        # requests that may start ahead of one that does not fit (None: 4 batches' worth)
+        self.max_passed = 4 * max_batch if max_passed is None else max_passed
+        self.passed_over = 0  # starts ahead of a request that did not fit
         self.rows = ReqToTokenPool(max_batch, max_context)
         self.histories = histories if histories is not None else Histories()
         self.page_size = cache.page_size
@@ -187,6 +196,7 @@ class Engine:
         the prefix check is passed over (and the later turns of its session with it)."""
         waiting, active, parked = self._waiting, self._active, self._parked
         passed: set[str] = set()
+        too_big: list[_Queued] = []  # passed over for room, ahead of what starts
         i = 0
         while (
             i < len(waiting)
@@ -195,12 +205,18 @@ class Engine:
             and len(active) + len(parked) < self.max_batch
         ):
             q = waiting[i]
-            if q.turn.session in passed:
+            if q.turn.session in passed or self._session_running(q.turn, parked):
+                passed.add(q.turn.session)  # its turns run in order
                 i += 1
                 continue
             prompt = self._prompt(q.turn)
-            if not self._can_admit(q.turn, prompt, active, parked):
-                break
+            if not self._fits(prompt, q.turn, active):
+                if q.passed_over >= self.max_passed:
+                    break  # passed over enough: it starts next, when room frees
+                too_big.append(q)
+                passed.add(q.turn.session)
+                i += 1
+                continue
             if self.share_prefixes and self._computing_prefix_of(prompt, active):
                 passed.add(q.turn.session)
                 self.held_back += 1
@@ -210,6 +226,9 @@ class Engine:
                 self.held_back += 1
                 break
             del waiting[i]
+            for big in too_big:
+                big.passed_over += 1
+            self.passed_over += len(too_big)
             self._start(q, prompt, active, parked, done)
 
     def _prompt(self, turn: Turn) -> list[int]:
@@ -253,18 +272,14 @@ class Engine:
         )
         return m.host_hit_length > self.cache.room()
 
-    def _can_admit(
-        self, turn: Turn, prompt: list[int], active: list[_Active], parked: dict
-    ) -> bool:
-        """Same session waits for its previous turn; a new request must fit what the pool can
-        free (a lone request is always tried)."""
-        if turn.session in {a.turn.session for a in active} | {
-            q.turn.session for q, _ in parked.values()
-        }:
-            return False
-        return self._fits(prompt, turn, active)
+    def _session_running(self, turn: Turn, parked: dict) -> bool:
+        """Is a turn of the same session running or waiting for its prefetch? It waits."""
+        return any(a.turn.session == turn.session for a in self._active) or any(
+            q.turn.session == turn.session for q, _ in parked.values()
+        )
 
     def _fits(self, prompt: list[int], turn: Turn, active: list[_Active]) -> bool:
+        """A new request must fit what the pool can free (a lone request is always tried)."""
         if not active:
             return True
         need = len(prompt) + turn.output_len

@@ -80,6 +80,7 @@ class EngineLoop:
             "idle_polls": self.idle_polls,
             "held_back": self.engine.held_back,
             "preempted": self.engine.preempted,
+            "passed_over": self.engine.passed_over,
         }
 
     def close(self, timeout: float = 30.0) -> None:

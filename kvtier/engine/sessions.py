@@ -75,4 +75,7 @@ class Histories:
             "sessions_evicted": self.evicted,
             "sessions_expired": self.expired,
             "session_history_tokens": sum(len(t) for _, t in self._entries.values()),
+            "session_id_bytes": sum(
+                len(s.encode("utf-8", "surrogatepass")) for s in self._entries
+            ),
         }

@@ -426,3 +426,22 @@ def test_a_hostile_manifest_reads_as_none_and_the_store_tools_go_on(
     for argv in (["ls"], ["verify"], ["purge", "--tenant", "salt"]):
         assert main(["store", *argv, "--config", str(config)]) == 0, argv
     capsys.readouterr()
+
+
+async def test_a_root_removed_while_in_use_is_made_again_with_its_marker(
+    tmp_path, caplog
+):
+    """main: the next write made the root again without its .kvtier-store marker, beside a
+    manifest; every later open refused it ("not a kvtier store", tierctl exit 2) until
+    fixed by hand. The root comes back marked: the next open adopts it, pages and all."""
+    store = await filled(tmp_path, n=3)
+    shutil.rmtree(store.root)
+    await store.put_manifest("kvtier", NS, {"format": 1, "namespace": NS})
+    assert await store.batch_set([_key(7)], [PAGE]) == [True]
+    assert "lost its .kvtier-store marker while in use" in caplog.text
+    await store.close()
+    again = store_at(tmp_path)
+    assert await again.batch_exists([_key(7)]) == 1
+    assert await again.batch_exists([_key(1)]) == 0  # removed with the root
+    assert (await again.get_manifest("kvtier", NS))["namespace"] == NS
+    await again.close()

@@ -115,6 +115,13 @@ def test_prefetch_deadlines_passing_at_each_rank_s_own_moment_are_agreed(tmp_pat
     codes, logs, outs = run_ranks(tmp_path, "timeout")
     assert codes == [0, 0], logs
     r0, r1 = (json.loads(o.read_text()) for o in outs)
+    # main: a closed cache kept the process group, so destroy_process_group left gloo's
+    # threads and rank 0's TCPStore server running into interpreter exit, where rank 0
+    # once aborted ("terminate called without an active exception", exit -6)
+    assert r0["threads_left"] == r1["threads_left"] == [], (
+        r0["threads_left"],
+        r1["threads_left"],
+    )
     assert r0["decisions"] == r1["decisions"]
     assert r0["collectives"] == r1["collectives"]
     assert (

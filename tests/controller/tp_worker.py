@@ -10,6 +10,7 @@ at its own moment. Either way the ranks must agree on every decision and finish.
 """
 
 import json
+import os
 import random
 import sys
 import threading
@@ -156,16 +157,30 @@ def main() -> None:
         cache.tree.sanity_check()
         cache.check_accounting()
     cache.close()
+    dist.destroy_process_group()  # as an engine does, the cache closed (and alive)
     with open(out, "w") as f:
         json.dump(
             {
                 "decisions": decisions,
                 "collectives": cache.agreement.collectives,
                 "stats": cache.stats()["counters"],
+                "threads_left": distributed_threads(),
             },
             f,
         )
-    dist.destroy_process_group()
+
+
+def distributed_threads() -> list[str]:
+    """This process's native threads of torch.distributed (gloo's loops, rank 0's TCPStore
+    server): a joinable one still there at interpreter exit can abort the rank."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # ended meanwhile
+            continue
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
 
 
 if __name__ == "__main__":

@@ -99,3 +99,74 @@ def test_the_engine_sets_its_torch_threads(monkeypatch):
         assert torch_threads() == (2, "OMP_NUM_THREADS")
     finally:
         torch.set_num_threads(before)
+
+
+def _fair_engine(tmp_path, **kwargs):
+    model = TinyTransformer(ModelConfig(seed=0))
+    config = load_config(
+        "default",
+        {"pool": {"size": 512}, "store": {"backend": "memory"}},
+        env={},
+    )
+    cache = TieredCache(with_weights(config, model))
+    return cache, model, Engine(cache, model, **kwargs)
+
+
+def _steps_until(engine, ticket: str, limit: int) -> tuple[int, list]:
+    """Scheduler steps until `ticket`'s request ends (at most `limit`), and what ended."""
+    ended = []
+    for step in range(1, limit + 1):
+        ended += engine.step()
+        if any(r.ticket == ticket for r in ended):
+            return step, ended
+    return limit + 1, ended
+
+
+def test_a_short_request_is_not_starved_by_long_decodes(tmp_path):
+    """main: `tierctl serve` ran requests strictly in order, and one whose KV did not fit
+    beside the running ones stopped every request behind it: a 3-token request waited
+    74.7 s behind 8 requests generating 1,900 tokens each (0.02 s alone). Here four
+    requests of 300 tokens each fill the pool one at a time; a request of 3 tokens and 2
+    outputs behind them starts beside the first and ends within a few steps (main: after
+    the four, ~1,200 steps). Counted in scheduler steps, not seconds."""
+    cache, model, engine = _fair_engine(tmp_path)
+    vocab = model.config.vocab
+    for i in range(4):
+        engine.submit(Turn(f"long{i}", 0, tuple(range(i, i + 8)), 292))
+    short = engine.submit(Turn("short", 0, (5, 6, 7), 2))
+    steps, ended = _steps_until(engine, short, 50)
+    assert steps <= 4, steps  # its prefill, its second token, nothing behind the longs
+    [r] = [r for r in ended if r.ticket == short]
+    assert (
+        r.error is None and len(r.output) == 2 and all(0 <= t < vocab for t in r.output)
+    )
+    assert engine.passed_over >= 3  # the three longs that waited
+    done = engine.run([])  # the longs all finish, in order
+    assert sorted(r.session for r in done) == ["long0", "long1", "long2", "long3"]
+    assert all(r.error is None and len(r.output) == 292 for r in done)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_a_request_passed_over_max_passed_times_starts_next(tmp_path):
+    """A stream of short requests cannot starve a long one: once `max_passed` requests
+    started ahead of it, nothing else starts until it fits (then it does)."""
+    cache, model, engine = _fair_engine(tmp_path, max_passed=3)
+    running = engine.submit(Turn("running", 0, tuple(range(8)), 292))
+    engine.step()  # it holds most of the pool
+    waiting = engine.submit(Turn("long", 0, tuple(range(50, 58)), 292))
+    shorts = [engine.submit(Turn(f"s{i}", 0, (i, i + 1), 1)) for i in range(6)]
+    ended = []
+    for _ in range(20):
+        ended += [r.ticket for r in engine.step()]
+    # three shorts started ahead of it and ended; the rest wait for it (unbounded, they
+    # would have ended within these steps too)
+    assert set(shorts[:3]) <= set(ended) and not set(shorts[3:]) & set(ended), ended
+    assert engine.passed_over == 3
+    while engine.pending():
+        ended += [r.ticket for r in engine.step()]
+    assert sorted(ended) == sorted([running, waiting, *shorts])
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()

@@ -3,6 +3,7 @@ slow clients dropped, limits on bodies and JSON, auth, an idle server that still
 A real uvicorn server on a loopback port in each test; waits for hangs are bounded."""
 
 import http.client
+import inspect
 import json
 import os
 import random
@@ -330,3 +331,42 @@ def test_loopback_hosts_bind(cache_home, capsys):
     )  # main: listed as loopback, could not bind
     assert listener.url.startswith("http://[::1]:")
     listener.sock.close()
+
+
+def test_session_ids_are_bounded_and_their_bytes_counted(serving):
+    """main: a session id of any length was kept with its history (300 ids of ~900 KB:
+    +266 MiB); an id is at most 256 bytes of UTF-8, and /stats counts the ids' bytes."""
+    listener, _ = serving(sessions=8)
+    conn = connect(listener)
+    for long_id in ("x" * 257, "é" * 129, "s" * 900_000):
+        status, body = post(
+            conn,
+            "/generate",
+            {"prompt": [1, 2], "max_new_tokens": 1, "session": long_id},
+        )
+        assert status == 400 and "at most 256 bytes (UTF-8)" in body["error"], body
+        assert len(body["error"]) < 200  # the id is not echoed back whole
+    for ok_id in ("k" * 256, "é" * 128, "a"):
+        status, _ = post(
+            conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 1, "session": ok_id}
+        )
+        assert status == 200
+    s = json.loads(urllib_get(listener, "/stats"))["sessions"]
+    assert s["sessions"] == 3 and s["session_id_bytes"] == 256 + 256 + 1, s
+
+
+def test_the_output_cap_is_a_setting_and_named_when_exceeded(serving):
+    """main: any request could generate 4,096 tokens, holding its batch row that long; the
+    cap is --max-new-tokens (default 1,024), and a request over it is a 400 naming it."""
+    listener, server = serving(max_new_tokens=8)
+    conn = connect(listener)
+    status, body = post(conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 9})
+    assert status == 400
+    assert body["error"] == (
+        "max_new_tokens=9: must be an integer in [1, 8] (--max-new-tokens)"
+    )
+    status, body = post(conn, "/generate", {"prompt": [1, 2], "max_new_tokens": 8})
+    assert status == 200 and len(body["output"]) == 8
+    assert inspect.signature(Server).parameters["max_new_tokens"].default == 1024
+    stats = json.loads(urllib_get(listener, "/stats"))["server"]
+    assert stats["passed_over"] == 0

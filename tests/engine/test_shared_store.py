@@ -89,3 +89,29 @@ def test_two_servers_share_a_redis_store_and_tenants_stay_apart(url):
     )
     other = summary(replay(url, env={"KVTIER_NAMESPACE_MODEL_ID": "another-model"}))
     assert other["hit_tokens"]["storage"] == 0 and other["bytes"]["store_to_host"] == 0
+
+
+def test_purge_by_salt_finds_a_namespace_whose_manifest_redis_evicted(
+    url, capsys, monkeypatch, tmp_path
+):
+    """main: under allkeys-lru Redis evicts the manifest (read once per 64 backups, it is
+    the coldest key), and `purge --tenant SALT` found the namespace by its manifest alone:
+    0 pages deleted. The config makes the namespace's id with the salt: all are found."""
+    import redis
+
+    from kvtier.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("KVTIER_STORE_URL", url)
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_SALT", "acme")
+    assert main(["replay", "--config", "redis", "--requests", "10"]) == 0
+    client = redis.Redis.from_url(url)
+    manifests = list(client.scan_iter("*manifest*"))
+    pages = [k for k in client.scan_iter("kvtier/*") if k not in manifests]
+    assert len(manifests) == 1 and len(pages) > 10
+    client.delete(*manifests)  # what allkeys-lru did
+    capsys.readouterr()
+    monkeypatch.delenv("KVTIER_NAMESPACE_TENANT_SALT")
+    assert main(["store", "purge", "--config", "redis", "--tenant", "acme"]) == 0
+    assert f"deleted {len(pages)} pages" in capsys.readouterr().out
+    assert list(client.scan_iter("kvtier/*")) == []

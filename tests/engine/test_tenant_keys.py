@@ -352,3 +352,82 @@ def test_purge_tenant_works_from_the_key_when_the_manifest_is_gone(
     assert main(["store", "purge", "--tenant"]) == 0
     assert f"deleted {len(keyed)} pages" in capsys.readouterr().out
     assert set(page_files(cache_home)) == plain
+
+
+def _manifests(root: Path) -> dict[str, Path]:
+    """namespace id -> its manifest file."""
+    return {m.parent.name: m for m in root.rglob("manifest.json")}
+
+
+def _pages_by_namespace(root: Path) -> dict[str, set[Path]]:
+    out: dict[str, set[Path]] = {}
+    for p in page_files(root):
+        out.setdefault(p.parents[2].name, set()).add(p)
+    return out
+
+
+def test_an_edited_manifest_does_not_hide_a_tenants_pages_from_its_purge(
+    cache_home, capsys, monkeypatch
+):
+    """main: purge --tenant went by the manifest's key id; a co-tenant who rewrote the
+    manifest to name another key hid every page ("deleted 0 pages"). The pages authenticate
+    under the tenant's key: they are found whatever the manifest says."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert replay(capsys, "--requests", "10")[0] == 0
+    [(ns, manifest)] = _manifests(cache_home).items()
+    pages = _pages_by_namespace(cache_home)[ns]
+    assert len(pages) > 10
+    m = json.loads(manifest.read_text())
+    m["tenant_key_id"] = parse_keys(KEY_B, "k").current.key_id.hex()
+    manifest.write_text(json.dumps(m))
+    assert main(["store", "purge", "--tenant"]) == 0
+    assert f"deleted {len(pages)} pages" in capsys.readouterr().out
+    assert page_files(cache_home) == []
+
+
+def test_a_manifest_naming_a_tenants_key_does_not_make_its_purge_delete_anothers_pages(
+    cache_home, capsys, monkeypatch
+):
+    """main: a manifest planted in tenant B's namespace with tenant A's key id made A's
+    purge delete all of B's pages. B's pages do not authenticate under A's key: kept."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_B)
+    assert replay(capsys, "--requests", "10")[0] == 0
+    [(ns_b, manifest_b)] = _manifests(cache_home).items()
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert replay(capsys, "--requests", "10")[0] == 0
+    by_ns = _pages_by_namespace(cache_home)
+    [ns_a] = set(by_ns) - {ns_b}
+    planted = json.loads(_manifests(cache_home)[ns_a].read_text())
+    manifest_b.write_text(json.dumps({**planted, "namespace": ns_b}))
+    assert main(["store", "purge", "--tenant"]) == 0
+    assert f"deleted {len(by_ns[ns_a])} pages" in capsys.readouterr().out
+    assert _pages_by_namespace(cache_home) == {ns_b: by_ns[ns_b]}
+
+
+def test_a_salt_purge_deletes_the_namespaces_made_with_it_and_says_what_it_cannot_prove(
+    cache_home, capsys, monkeypatch
+):
+    """Without a key, a salt's namespaces are those whose id the salt makes: an edited
+    manifest (its salt digest gone) hides none of them, and a manifest copied into another
+    tenant's namespace (naming this salt's digest) deletes none of that tenant's pages; the
+    purge says it kept them."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_SALT", "other")
+    assert replay(capsys, "--requests", "8")[0] == 0
+    [ns_other] = _manifests(cache_home)
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_SALT", "acme")
+    assert replay(capsys, "--requests", "8")[0] == 0
+    manifests = _manifests(cache_home)
+    [ns_acme] = set(manifests) - {ns_other}
+    by_ns = _pages_by_namespace(cache_home)
+    acme = json.loads(manifests[ns_acme].read_text())
+    manifests[ns_other].write_text(json.dumps({**acme, "namespace": ns_other}))
+    manifests[ns_acme].write_text(json.dumps({**acme, "tenant": None}))
+    monkeypatch.delenv("KVTIER_NAMESPACE_TENANT_SALT")
+    assert main(["store", "purge", "--tenant", "acme"]) == 0
+    out = capsys.readouterr().out
+    assert f"deleted {len(by_ns[ns_acme])} pages" in out
+    assert (
+        f"not proven the tenant's: {len(by_ns[ns_other])} pages of namespaces whose "
+        "manifest names this salt but whose id it does not make" in out
+    )
+    assert _pages_by_namespace(cache_home) == {ns_other: by_ns[ns_other]}

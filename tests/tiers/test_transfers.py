@@ -1,4 +1,5 @@
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -364,8 +365,7 @@ def test_small_page_copies_keep_the_gil(layout, ps):
 def test_a_copy_plan_over_many_pages_keeps_the_gil():
     """A plan finds whole pages of 60,000 pages (a long prompt's load at page size 4) and
     counts their continuations in pieces, without letting the GIL go: one numpy pass over
-    them did (`first % ps`, `first // ps`, the pages times the page size). Small enough to
-    run well within `gil_watch`'s interval on a loaded machine."""
+    them did (`first % ps`, `first // ps`, the pages times the page size)."""
     from kvtier.tiers.mirror import _continuing, _whole_pages
 
     pages = np.arange(1, 60_001, dtype=np.int64)
@@ -450,3 +450,24 @@ def test_merging_runs_and_the_stores_page_views_keep_the_gil():
     assert moved == [0, 0]
     assert runs(s, d) == _runs_reference(s, d, 0) and len(runs(s, d)) == 20_000
     assert len(mirror.page_views(pages)) == 200_000
+
+
+def test_gil_watch_counts_hand_offs_not_time():
+    """`gil_watch` counts the times the GIL was let go, whatever the block's length: a
+    block that holds the GIL longer than the old watch's half-second interval (what a
+    process descheduled on a loaded machine looks like to it) counted as a release there,
+    and made the tests above fail at load 6-9. A block that sleeps lets it go, and is
+    counted."""
+
+    def busy():
+        end = time.monotonic() + 0.4  # three of them: past the old interval
+        while time.monotonic() < end:
+            pass
+
+    def sleeps():
+        for _ in range(10):
+            time.sleep(0.01)
+
+    with gil_watch() as progress:
+        assert progress(busy) == 0
+        assert progress(sleeps) > 0
