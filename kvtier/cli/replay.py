@@ -106,7 +106,7 @@ def run(args, default_config: str) -> int:
     from kvtier.engine.workloads import generate, load_trace
 
     model = TinyTransformer(ModelConfig(seed=args.seed))
-    config = with_weights(load_config(args.config or default_config), model)
+    config = with_weights(load_config(args.config, base=default_config), model)
     turns = (
         load_trace(args.trace, model.config.vocab)
         if args.trace

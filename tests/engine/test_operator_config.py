@@ -1,0 +1,103 @@
+"""What an operator's own config file and environment meet on the command line: a file of
+only `store:` over the shipped default, errors that name the user's file and line, and
+variables of kvtier's prefix that are not kvtier's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.config import load_config
+from kvtier.errors import KvtierConfigError
+
+
+def test_a_file_of_only_store_overrides_the_shipped_default_key_by_key(
+    tmp_path, capsys
+):
+    """`tierctl replay --config mine.yaml` with a file of only `store:` once failed on a pool
+    geometry the user never wrote (the dataclass defaults, not the shipped default)."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("# mine\nstore:\n  backend: memory\n")
+    assert main(["config", "--config", str(mine)]) == 0
+    out = capsys.readouterr().out
+    assert f"store.backend = 'memory'  (file {mine}, line 3)" in out
+    assert "pool.num_kv_heads = 2  (shipped config default)" in out
+    assert (
+        "store.root" not in out
+    )  # the default's file-store options went with its backend
+    assert main(["replay", "--config", str(mine), "--requests", "2"]) == 0
+    assert "requests                 2" in capsys.readouterr().out
+
+
+def test_a_typo_in_a_store_only_file_names_the_users_file_and_line(tmp_path, capsys):
+    """`store: {backnd: file}` was blamed on `store.backend='none'`, a value the user never
+    wrote; the error names the key the typo is close to, the file and the line."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "store:\n  backend: memory\n  capacity_bytes: 1048576\n  backnd: file\n"
+    )
+    assert main(["replay", "--config", str(mine)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "tierctl: store.backnd: unknown key (did you mean 'backend'?); allowed with "
+        "store.backend='memory': backend, key_prefix"
+    ), err
+    assert err.endswith(f"(file {mine}, line 4)"), err
+    # without the shipped default beneath (an engine's load_config): not blamed on 'none'
+    only = tmp_path / "only.yaml"
+    only.write_text("\nstore:\n  backnd: file\n")
+    with pytest.raises(KvtierConfigError) as exc:
+        load_config(only, env={})
+    assert "store.backend is not set" in str(exc.value)
+    assert "not allowed with store.backend='none'" not in str(exc.value)
+    assert str(exc.value).endswith(f"(file {only}, line 3)")
+    section = tmp_path / "section.yaml"
+    section.write_text("store:\n  backend: memory\nstroe: {}\n")
+    with pytest.raises(KvtierConfigError, match=r"did you mean 'store'\?.*line 3\)$"):
+        load_config(section, env={})
+
+
+def test_an_unknown_kvtier_variable_is_one_warning_not_a_failed_start(tmp_path):
+    """A deployment setting an unrelated `KVTIER_HOME` could not start (exit 2)."""
+    env = {
+        **os.environ,
+        "KVTIER_HOME": "/srv/kvtier",
+        "KVTIER_STOR_BACKEND": "memory",
+        "KVTIER_STORE_BACKEND": "memory",
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.getcwd(), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "store.backend = 'memory'  (env KVTIER_STORE_BACKEND)" in run.stdout
+    warnings = run.stderr.strip().splitlines()
+    assert len(warnings) == 2, warnings
+    assert any(
+        w.startswith("env KVTIER_STOR_BACKEND: no such setting, ignored")
+        and "did you mean KVTIER_STORE_BACKEND?" in w
+        for w in warnings
+    ), warnings
+    assert any(
+        w.startswith("env KVTIER_HOME: no such setting, ignored") for w in warnings
+    )
+    bad = {**env, "KVTIER_POOL_SIZE": "lots"}
+    run = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "config"],
+        capture_output=True,
+        text=True,
+        env=bad,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "pool.size='lots': expected an integer (env KVTIER_POOL_SIZE)" in run.stderr
