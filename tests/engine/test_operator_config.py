@@ -101,3 +101,31 @@ def test_an_unknown_kvtier_variable_is_one_warning_not_a_failed_start(tmp_path):
     )
     assert run.returncode == 2
     assert "pool.size='lots': expected an integer (env KVTIER_POOL_SIZE)" in run.stderr
+
+
+def test_bench_vllm_tier_without_vllm_is_one_line_naming_the_install():
+    """`tierctl bench vllm_tier` on a machine without vLLM printed a raw traceback."""
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"  # import vllm raises ImportError
+        "from kvtier.cli.main import main\n"
+        "sys.exit(main(['bench', 'vllm_tier', '--repeat', '1']))\n"
+    )
+    env = {**os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.getcwd(), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert lines[0].startswith(
+        "tierctl bench vllm_tier: needs vLLM 0.33.0's offloading classes"
+    )
+    assert "pip install --no-deps vllm==0.33.0" in lines[0]
+    assert "requirements-engines.txt" in lines[0]
