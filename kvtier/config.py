@@ -346,9 +346,8 @@ def _from_env(env: Mapping[str, str]) -> dict:
     return out
 
 
-_warned_env: set[str] = (
-    set()
-)  # variables already warned about: one warning each per process
+# the variables already warned about: one warning each per process
+_warned_env: set[str] = set()
 
 
 def _warn_unknown_env(name: str) -> None:
@@ -443,15 +442,16 @@ def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
             )
         return base
     unknown = [k for k in rest if k not in allowed]
-    if (
-        unknown
-    ):  # a typo of a common key is named as one: all of the store's keys listed
+    if unknown:  # all of the store's keys are listed: a typo of a common key is named
         k = unknown[0]
         keys = [*_STORE_COMMON, *(f.name for f in dataclasses.fields(options_cls))]
         near = difflib.get_close_matches(str(k), keys, n=1)
+        backend = f"store.backend={base.backend!r}"
+        if not sources.get("store.backend", "").startswith("file"):
+            backend += f" ({sources.get('store.backend', 'default')})"
         raise KvtierConfigError(
             f"store.{k}: unknown key{f' (did you mean {near[0]!r}?)' if near else ''}; "
-            f"allowed with store.backend={base.backend!r}: {', '.join(keys)} "
+            f"allowed with {backend}: {', '.join(keys)} "
             f"({sources.get(f'store.{k}', 'default')})"
         )
     options = (

@@ -368,7 +368,8 @@ def test_switching_backend_by_env_drops_the_files_other_options(tmp_path):
     assert cfg.store.backend == "memory" and "store.url" not in explain(cfg)
     with pytest.raises(
         KvtierConfigError,
-        match=r"store.url: unknown key; allowed with store.backend='memory': backend, "
+        match=r"store.url: unknown key; allowed with store.backend='memory' \(env "
+        r"KVTIER_STORE_BACKEND\): backend, "
         r"key_prefix, timeout_s, required, page_tokens, capacity_bytes \(env KVTIER_STORE_URL\)",
     ):
         load_config(
