@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -20,6 +21,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.servers import IN_CI
 
 ROOT = Path(__file__).resolve().parents[1]
 BARE = re.compile(r"(?<![\w/.@-])kvtier(\[[\w,-]*\])?(?![\w/.[-])(?!\s*@)")
@@ -127,6 +130,8 @@ def test_the_engine_docs_install_keeps_the_engines_torch(
     run in such an environment, would put 2.13.0 in their place. The docs' command, run
     as written in a fresh venv that holds the engine's torch, installs kvtier and leaves
     that torch alone."""
+    if importlib.util.find_spec("ensurepip") is None and not IN_CI:
+        pytest.skip("this Python has no ensurepip: python3 -m venv cannot seed pip")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"

@@ -32,7 +32,7 @@ COUNTERS = frozenset(
         "probes", "probe_keys", "lookup_hits", "lookup_misses", "lookup_retries",
         "exists_calls", "sets", "set_failures", "set_bytes", "gets", "hits", "misses",
         "get_bytes", "frame_failures", "errors", "timeouts", "evictions", "deletes",
-        "breaker_trips", "calls_skipped_store_down",
+        "breaker_trips", "calls_skipped_store_down", "disk_full_evictions", "touched",
     }
 )  # fmt: skip
 
