@@ -354,7 +354,9 @@ def _warn_unknown_env(name: str) -> None:
     if name in _warned_env:
         return
     _warned_env.add(name)
-    near = difflib.get_close_matches(name, _env_settings(), n=1, cutoff=0.6)
+    n = len(ENV_PREFIX)  # compared without the prefix every name shares
+    near = difflib.get_close_matches(name[n:], [s[n:] for s in _env_settings()], n=1)
+    near = [ENV_PREFIX + s for s in near]
     log.warning(
         "env %s: no such setting, ignored (%s; settings are KVTIER_<SECTION>_<KEY> with a "
         "section of %s)",
