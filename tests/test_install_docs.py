@@ -120,16 +120,9 @@ def wheels(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(
-    ("doc", "engine_torch"), [("sglang.md", "2.14.1"), ("vllm.md", "2.14.0")]
-)
-def test_the_engine_docs_install_keeps_the_engines_torch(
-    tmp_path, wheels, doc, engine_torch
-):
-    """SGLang 0.5.23 pins torch 2.14.1 and vLLM 0.33.0 2.14.0; the README's set-up line,
-    run in such an environment, would put 2.13.0 in their place. The docs' command, run
-    as written in a fresh venv that holds the engine's torch, installs kvtier and leaves
-    that torch alone."""
+def _venv_with_torch(tmp_path, wheels, torch: str) -> tuple[Path, dict]:
+    """A fresh venv holding `torch` (a stand-in of that version), and the environment
+    that keeps pip on the wheel folder and off this machine's pip configuration."""
     if importlib.util.find_spec("ensurepip") is None and not IN_CI:
         pytest.skip("this Python has no ensurepip: python3 -m venv cannot seed pip")
     venv = tmp_path / "venv"
@@ -144,17 +137,21 @@ def test_the_engine_docs_install_keeps_the_engines_torch(
         "PYTHONPATH": "",
     }
     pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run(pip + [f"torch=={engine_torch}"], check=True, env=env, timeout=300)
-    wheel = next(wheels.glob("kvtier-*.whl"))
+    subprocess.run(pip + [f"torch=={torch}"], check=True, env=env, timeout=300)
+    return python, env
+
+
+def _run_install_block(tmp_path, wheels, doc: str, python: Path, env: dict):
+    """The doc's Install commands as written, pointed at this venv and the built wheel."""
     commands = _install_block(doc)
     assert "/path/to/kvtier" in commands and "torch.__version__" in commands
     script = (
         commands.replace("/tmp/engine-torch.txt", str(tmp_path / "engine-torch.txt"))
-        .replace("/path/to/kvtier", str(wheel))
+        .replace("/path/to/kvtier", str(next(wheels.glob("kvtier-*.whl"))))
         .replace("pip install", f"{python} -m pip install")
         .replace("python -c", f"{python} -c")
     )
-    out = subprocess.run(
+    return subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script],
         capture_output=True,
         text=True,
@@ -162,20 +159,52 @@ def test_the_engine_docs_install_keeps_the_engines_torch(
         cwd=tmp_path,
         timeout=600,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    versions = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "from importlib.metadata import version as v; "
-            "print(v('torch'), v('kvtier'))",
-        ],
+
+
+def _installed(python: Path, env: dict) -> list[str]:
+    code = (
+        "from importlib.metadata import version, PackageNotFoundError\n"
+        "for name in ('torch', 'kvtier'):\n"
+        "    try:\n        print(version(name))\n"
+        "    except PackageNotFoundError:\n        print('-')\n"
+    )
+    out = subprocess.run(  # not from the source tree: its kvtier.egg-info would answer
+        [str(python), "-c", code],
         capture_output=True,
         text=True,
         check=True,
         env=env,
-    ).stdout.split()
-    assert versions == [engine_torch, "0.1.0"]
+        cwd=python.parent,
+    )
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize(
+    ("doc", "engine_torch"), [("sglang.md", "2.14.1"), ("vllm.md", "2.14.0")]
+)
+def test_the_engine_docs_install_keeps_the_engines_torch(
+    tmp_path, wheels, doc, engine_torch
+):
+    """SGLang 0.5.23 pins torch 2.14.1 and vLLM 0.33.0 2.14.0; the README's set-up line,
+    run in such an environment, would put 2.13.0 in their place. The docs' command, run
+    as written in a fresh venv that holds the engine's torch, installs kvtier and leaves
+    that torch alone."""
+    python, env = _venv_with_torch(tmp_path, wheels, engine_torch)
+    out = _run_install_block(tmp_path, wheels, doc, python, env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _installed(python, env) == [engine_torch, "0.1.0"]
+
+
+def test_a_torch_outside_the_supported_range_stops_the_install_and_stays(
+    tmp_path, wheels
+):
+    """The docs say so: with a torch kvtier does not support (2.15.0 here), the command
+    stops with pip's conflict instead of replacing the engine's torch."""
+    python, env = _venv_with_torch(tmp_path, wheels, "2.15.0")
+    out = _run_install_block(tmp_path, wheels, "sglang.md", python, env)
+    assert out.returncode != 0
+    assert "conflict" in (out.stdout + out.stderr).lower()
+    assert _installed(python, env) == ["2.15.0", "-"]
 
 
 def test_pyproject_says_which_torch_it_supports():
