@@ -185,6 +185,7 @@ def load_config(
     )
     merged: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
+    backend_of: dict[str, str] = {}  # store option -> the backend named when it was set
     for origin, layer in layers:
         for section, values in layer.items():
             where = _where(origin, lines, section)
@@ -210,8 +211,11 @@ def load_config(
             for key, value in values.items():
                 target[key] = value
                 sources[f"{section}.{key}"] = _where(origin, lines, f"{section}.{key}")
+            if section == "store":
+                backend = str(target.get("backend", StoreConfig.backend))
+                backend_of.update((key, backend) for key in values)
     built = {
-        name: _build_section(name, merged.get(name, {}), sources)
+        name: _build_section(name, merged.get(name, {}), sources, backend_of)
         for name in _SECTIONS
         if name in merged
     }
@@ -377,12 +381,17 @@ def _env_settings() -> list[str]:
     return sorted(names)
 
 
-def _build_section(name: str, values: dict | None, sources: dict[str, str]) -> Any:
+def _build_section(
+    name: str,
+    values: dict | None,
+    sources: dict[str, str],
+    backend_of: Mapping[str, str],
+) -> Any:
     if values is None:
         return None
     cls = _SECTIONS[name]
     if name == "store":
-        return _build_store(values, sources)
+        return _build_store(values, sources, backend_of)
     return _make(name, cls, values, sources)
 
 
@@ -393,10 +402,14 @@ def _layer(origin: str) -> int:
     return next(i for i, o in enumerate(_ORDER) if origin.startswith(o))
 
 
-def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
+def _build_store(
+    values: dict, sources: dict[str, str], backend_of: Mapping[str, str]
+) -> StoreConfig:
     """A later layer that switches the backend (`KVTIER_STORE_BACKEND=memory` over a redis
     file) drops the earlier layers' options that the new backend does not take, with a note;
-    options the backend does not take from the same or a later layer are errors."""
+    options the backend does not take from the same or a later layer are errors. A backend
+    without a config class (a plugin whose options are a dict) takes every option written
+    while it was the backend named (`backend_of`), and none written for another."""
     from kvtier.backends.registry import resolve
 
     common = {k: values[k] for k in _STORE_COMMON if k in values}
@@ -416,8 +429,15 @@ def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
     dropped = [
         k
         for k in rest
-        if k not in allowed
-        and _layer(sources.get(f"store.{k}", "file")) < backend_layer
+        if (
+            k not in allowed
+            and _layer(sources.get(f"store.{k}", "file")) < backend_layer
+        )
+        or (
+            options_cls is None
+            and base.backend != "none"
+            and backend_of.get(k, base.backend) != base.backend
+        )
     ]
     for k in dropped:
         log.info(

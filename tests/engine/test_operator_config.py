@@ -130,3 +130,38 @@ def test_bench_vllm_tier_without_vllm_is_one_line_naming_the_install():
     )
     assert "pip install --no-deps vllm==0.33.0" in lines[0]
     assert "requirements-engines.txt" in lines[0]
+
+
+class SchemalessStore:
+    """A plugin store without a `config_class`: its options reach it as a dict, so kvtier
+    cannot tell which keys it takes."""
+
+
+def test_a_plugin_store_without_a_config_class_gets_only_the_options_written_for_it(
+    tmp_path, capsys
+):
+    """A file naming such a plugin under tierctl's shipped default handed it the file
+    store's root, capacity_bytes and fsync (and `tierctl config` listed them as its
+    options): the options of a backend that a later layer switched away from go with it,
+    as a built-in backend's do."""
+    from kvtier.cli.main import default_config
+
+    backend = "tests.engine.test_operator_config:SchemalessStore"
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"store:\n  backend: {backend}\n  endpoint: tcp://x\n")
+    cfg = load_config(mine, base=default_config(), env={})
+    assert cfg.store.options == {"endpoint": "tcp://x"}
+    assert main(["config", "--config", str(mine)]) == 0
+    out = capsys.readouterr().out
+    assert f"store.endpoint = 'tcp://x'  (file {mine}, line 3)" in out
+    assert "store.root" not in out and "store.fsync" not in out
+    # the same backend named again by a later layer keeps the options written for it
+    again = load_config(
+        mine, base=default_config(), env={"KVTIER_STORE_BACKEND": backend}
+    )
+    assert again.store.options == {"endpoint": "tcp://x"}
+    # switched to by the environment over the shipped default: only the env's options
+    env = {"KVTIER_STORE_BACKEND": backend, "KVTIER_STORE_ENDPOINT": "tcp://y"}
+    assert load_config(None, base=default_config(), env=env).store.options == {
+        "endpoint": "tcp://y"
+    }
