@@ -136,9 +136,8 @@ class KvtierStorageBase:
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
         self.counters = {"get_pages": 0, "get_ok": 0, "set_pages": 0, "set_ok": 0}
-        self._export = (
-            None  # kvtier's counters in SGLang's /metrics (integrations/observe.py)
-        )
+        # kvtier's counters in SGLang's /metrics (integrations/observe.py)
+        self._export = None
 
     @staticmethod
     async def _build(config: KvtierConfig) -> Store:
@@ -167,7 +166,11 @@ class KvtierStorageBase:
         )
         self._export = sglang_export(
             lambda: flat_series("kvtier_storage", self.kvtier_stats()),
-            {"tp_rank": str(self.storage_config.tp_rank), "namespace": ns.id},
+            {  # DP attention: tp_rank is group-local, and MLA is one namespace for all
+                "tp_rank": str(self.storage_config.tp_rank),
+                "dp_rank": str(getattr(self.storage_config, "dp_rank", 0) or 0),
+                "namespace": ns.id,
+            },
         )
 
     def on_host_pools_registered(self) -> None:
