@@ -612,8 +612,8 @@ def test_data_parallel_ranks_sharing_an_mla_namespace_are_apart_in_sglangs_metri
 ):
     """With DP attention each DP rank's scheduler has the attention-group-local tp_rank 0,
     and MLA KV is one namespace for every rank: labelled only tp_rank and namespace, the
-    ranks' numbers were one series (in one process the second rank's metric overwrote the
-    first's; across processes gauges showed whichever rank wrote last)."""
+    ranks' numbers were one series (here 4, both ranks' pages in one sum; across processes
+    each gauge showed whichever rank wrote last)."""
     backends = []
     for dp_rank, pages in ((0, 3), (1, 1)):
         path = write_yaml(
