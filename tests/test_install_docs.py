@@ -2,11 +2,14 @@
 hint says a bare `pip install kvtier`; and the engine docs' command, run in a fresh venv
 holding SGLang's or vLLM's torch pin, installs kvtier and leaves that torch in place.
 
-The venv test is offline: pip resolves with `--no-index` over a folder holding the kvtier
-wheel built from this tree, a stand-in `torch` of the engine's version (and 2.13.0, the
-README's pin, so a downgrade would be possible), and a stand-in of each of kvtier's
-dependencies at a version its requirement allows. Only the resolver's choice is under
-test; a stand-in is a dist-info and an empty module."""
+The venv test is offline: pip resolves with `--no-index` over a folder holding a kvtier
+wheel with this tree's metadata (name, version, Python and dependencies from
+pyproject.toml), a stand-in `torch` of the engine's version (and 2.13.0, the README's pin,
+so a downgrade would be possible), and a stand-in of each of kvtier's dependencies at a
+version its requirement allows. Only the resolver's choice is under test; a stand-in is a
+dist-info and an empty module. Nothing is built from the tree: a build would need
+setuptools in this interpreter (neither the test extra nor .ci/run installs it) and write
+build/ and kvtier.egg-info into the source tree."""
 
 from __future__ import annotations
 
@@ -55,13 +58,17 @@ def test_no_doc_or_hint_says_pip_install_kvtier_from_an_index():
     assert not BARE.search(" kvtier[plot] @ file:///src/kvtier")
 
 
-def _wheel(folder: Path, name: str, version: str, module: str | None = None) -> None:
-    """A stand-in wheel: `name` at `version`, an empty module, no dependencies."""
-    module = module or re.sub(r"[-.]", "_", name).lower()
+def _wheel(
+    folder: Path, name: str, version: str, metadata: tuple[str, ...] = ()
+) -> None:
+    """A stand-in wheel: `name` at `version`, an empty module, and `metadata` lines
+    (`Requires-Dist: ...`; none: no dependencies)."""
+    module = re.sub(r"[-.]", "_", name).lower()
     dist = f"{re.sub(r'[-.]', '_', name)}-{version}"
+    head = "".join(f"{line}\n" for line in metadata)
     files = {
         f"{module}/__init__.py": f"__version__ = {version!r}\n",
-        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{head}",
         f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = []
@@ -75,15 +82,28 @@ def _wheel(folder: Path, name: str, version: str, module: str | None = None) -> 
             z.writestr(path, body)
 
 
-def _stand_ins(folder: Path) -> None:
-    """kvtier's dependencies, each at a version its requirement allows (not torch)."""
-    import tomllib
+def _project() -> dict:
+    """pyproject.toml's [project] table (tomllib: Python 3.11+)."""
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
+
+def _stand_ins(folder: Path) -> None:
+    """kvtier with this tree's metadata, and its dependencies, each at a version its
+    requirement allows (not torch)."""
     from packaging.requirements import Requirement
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "dependencies"
-    ]
+    project = _project()
+    deps = project["dependencies"]
+    _wheel(
+        folder,
+        project["name"],
+        project["version"],
+        (
+            f"Requires-Python: {project['requires-python']}",
+            *(f"Requires-Dist: {d}" for d in deps),
+        ),
+    )
     for line in deps:
         req = Requirement(line)
         if req.name == "torch":
@@ -106,14 +126,6 @@ def _install_block(doc: str) -> str:
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("wheels")
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-        + ["-q", "-w", str(folder), str(ROOT)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr
     for version in ("2.13.0", "2.14.0", "2.14.1", "2.15.0"):
         _wheel(folder, "torch", version)
     _stand_ins(folder)
@@ -192,7 +204,7 @@ def test_the_engine_docs_install_keeps_the_engines_torch(
     python, env = _venv_with_torch(tmp_path, wheels, engine_torch)
     out = _run_install_block(tmp_path, wheels, doc, python, env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert _installed(python, env) == [engine_torch, "0.1.0"]
+    assert _installed(python, env) == [engine_torch, _project()["version"]]
 
 
 def test_a_torch_outside_the_supported_range_stops_the_install_and_stays(
@@ -209,13 +221,9 @@ def test_a_torch_outside_the_supported_range_stops_the_install_and_stays(
 
 def test_pyproject_says_which_torch_it_supports():
     """The package's torch range takes the engines' pins and CI's."""
-    import tomllib
-
     from packaging.requirements import Requirement
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "dependencies"
-    ]
+    deps = _project()["dependencies"]
     torch = next(Requirement(d) for d in deps if Requirement(d).name == "torch")
     assert all(torch.specifier.contains(v) for v in ("2.13.0", "2.14.0", "2.14.1"))
     assert not torch.specifier.contains("2.15.0")  # untested: pip says so, not a crash
