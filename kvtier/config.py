@@ -158,7 +158,9 @@ def load_config(
     """Build a KvtierConfig from defaults, a YAML file, the environment and `overrides`.
 
     `base` (tierctl passes its shipped `default`): a config read first, which the file at
-    `path` overrides key by key, so a file of only `store:` keeps the base's pool."""
+    `path` overrides key by key, so a file of only `store:` keeps the base's pool. A file
+    whose `store:` names a backend replaces the base's store section whole (the store an
+    engine's adapter, which reads the file alone, would open)."""
     env = os.environ if env is None else env
     layers: list[tuple[str, dict]] = []
     lines: dict[str, int] = {}
@@ -208,6 +210,13 @@ def load_config(
             target = merged.get(section)
             if target is None:
                 target = merged[section] = {}
+            if section == "store" and origin.startswith("file") and "backend" in values:
+                # a user's file naming its backend brings its whole store section, as an
+                # engine reads the file alone: the shipped default's store is not mixed in
+                for key in [k for k in target if _is_shipped(sources, f"store.{k}")]:
+                    del target[key]
+                    sources.pop(f"store.{key}", None)
+                    backend_of.pop(key, None)
             for key, value in values.items():
                 target[key] = value
                 sources[f"{section}.{key}"] = _where(origin, lines, f"{section}.{key}")
@@ -220,6 +229,10 @@ def load_config(
         if name in merged
     }
     return KvtierConfig(**built, sources=sources)
+
+
+def _is_shipped(sources: Mapping[str, str], name: str) -> bool:
+    return sources.get(name, "").startswith("shipped")
 
 
 def _where(origin: str, lines: Mapping[str, int], name: str) -> str:

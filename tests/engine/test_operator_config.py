@@ -165,3 +165,32 @@ def test_a_plugin_store_without_a_config_class_gets_only_the_options_written_for
     assert load_config(None, base=default_config(), env=env).store.options == {
         "endpoint": "tcp://y"
     }
+
+
+def test_a_file_naming_its_store_backend_gets_that_stores_settings_as_an_engine_does(
+    tmp_path, capsys
+):
+    """The same YAML meant one store to an engine (its adapters read it alone) and another
+    to tierctl: `store: {backend: file, root: R}` took the shipped demo's capacity_bytes of
+    2 GiB (and timeout_s 10) under tierctl, where the engine holds the file store's 16 GiB,
+    so a `tierctl serve` or `replay` on the engine's shared root evicted everyone's pages
+    down to 2 GiB, and `tierctl config` showed settings the engine never uses. A file that
+    names its backend brings its whole store section; the rest still comes key by key."""
+    from kvtier.cli.main import default_config
+
+    mine = tmp_path / "engine.yaml"
+    mine.write_text(f"store:\n  backend: file\n  root: {tmp_path / 'l3'}\n")
+    engine = load_config(mine, env={})  # what an engine's adapter reads
+    tierctl = load_config(mine, base=default_config(), env={})
+    assert tierctl.store == engine.store
+    assert tierctl.store.options.capacity_bytes == 16 << 30
+    assert tierctl.pool.num_kv_heads == 2  # the shipped pool, as before
+    assert main(["config", "--config", str(mine)]) == 0
+    out = capsys.readouterr().out
+    assert "store.capacity_bytes = 17179869184  (default)" in out
+    assert "store.timeout_s = 5.0  (default)" in out
+    # without a backend the file's keys go on the shipped default's store, key by key
+    mine.write_text(f"store:\n  root: {tmp_path / 'l3'}\n")
+    tierctl = load_config(mine, base=default_config(), env={})
+    assert tierctl.store.backend == "file"
+    assert tierctl.store.options.capacity_bytes == 2 << 30
