@@ -8,6 +8,7 @@ value and what is allowed. `explain(config)` prints where every value came from.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import os
 import types
@@ -151,12 +152,23 @@ def load_config(
     path: str | os.PathLike | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     env: Mapping[str, str] | None = None,
+    *,
+    base: str | os.PathLike | None = None,
 ) -> KvtierConfig:
-    """Build a KvtierConfig from defaults, a YAML file, the environment and `overrides`."""
+    """Build a KvtierConfig from defaults, a YAML file, the environment and `overrides`.
+
+    `base` (tierctl passes its shipped `default`): a config read first, which the file at
+    `path` overrides key by key, so a file of only `store:` keeps the base's pool. A file
+    whose `store:` names a backend replaces the base's store section whole (the store an
+    engine's adapter, which reads the file alone, would open)."""
     env = os.environ if env is None else env
     layers: list[tuple[str, dict]] = []
+    lines: dict[str, int] = {}
+    if base is not None and (path is None or config_path(path) != config_path(base)):
+        layers.append((f"shipped config {Path(base).stem}", _read_yaml(base)[0]))
     if path is not None:
-        layers.append((f"file {config_path(path)}", _read_yaml(path)))
+        data, lines = _read_yaml(path)
+        layers.append((f"file {config_path(path)}", data))
     layers.append(("env", _from_env(env)))
     if overrides is not None and not isinstance(overrides, Mapping):
         raise KvtierConfigError(
@@ -175,38 +187,64 @@ def load_config(
     )
     merged: dict[str, dict[str, Any]] = {}
     sources: dict[str, str] = {}
+    backend_of: dict[str, str] = {}  # store option -> the backend named when it was set
     for origin, layer in layers:
         for section, values in layer.items():
+            where = _where(origin, lines, section)
             if section not in _SECTIONS:
+                near = difflib.get_close_matches(str(section), _SECTIONS, n=1)
                 raise KvtierConfigError(
-                    f"{section!r}: unknown section; allowed: {', '.join(_SECTIONS)}"
+                    f"{section!r}: unknown section"
+                    f"{f' (did you mean {near[0]!r}?)' if near else ''}; "
+                    f"allowed: {', '.join(_SECTIONS)}{f' ({where})' if where else ''}"
                 )
             if values is None and section == "mirror":  # `mirror: null`: no host tier
                 merged[section] = None
-                sources["mirror"] = origin
+                sources["mirror"] = where
                 continue
             if not isinstance(values, Mapping):
                 raise KvtierConfigError(
                     mask_credentials(
                         f"{section}: expected a mapping of keys, got {values!r}"
                     )
+                    + (f" ({where})" if where else "")
                 )
             target = merged.get(section)
             if target is None:
                 target = merged[section] = {}
+            if section == "store" and origin.startswith("file") and "backend" in values:
+                # a user's file naming its backend brings its whole store section, as an
+                # engine reads the file alone: the shipped default's store is not mixed in
+                for key in [k for k in target if _is_shipped(sources, f"store.{k}")]:
+                    del target[key]
+                    sources.pop(f"store.{key}", None)
+                    backend_of.pop(key, None)
             for key, value in values.items():
                 target[key] = value
-                sources[f"{section}.{key}"] = (
-                    origin
-                    if origin != "env"
-                    else f"env {ENV_PREFIX}{section.upper()}_{key.upper()}"
-                )
+                sources[f"{section}.{key}"] = _where(origin, lines, f"{section}.{key}")
+            if section == "store":
+                backend = str(target.get("backend", StoreConfig.backend))
+                backend_of.update((key, backend) for key in values)
     built = {
-        name: _build_section(name, merged.get(name, {}), sources)
+        name: _build_section(name, merged.get(name, {}), sources, backend_of)
         for name in _SECTIONS
         if name in merged
     }
     return KvtierConfig(**built, sources=sources)
+
+
+def _is_shipped(sources: Mapping[str, str], name: str) -> bool:
+    return sources.get(name, "").startswith("shipped")
+
+
+def _where(origin: str, lines: Mapping[str, int], name: str) -> str:
+    """Where a setting came from: the user's file and line, the env variable, ..."""
+    if origin == "env":
+        section, _, key = name.partition(".")
+        return f"env {ENV_PREFIX}{section.upper()}_{key.upper()}" if key else origin
+    if origin.startswith("file") and name in lines:
+        return f"{origin}, line {lines[name]}"
+    return origin
 
 
 def refuse_store_pages(config: KvtierConfig, where: str) -> None:
@@ -277,24 +315,43 @@ def config_path(path: str | os.PathLike) -> Path:
     )
 
 
-def _read_yaml(path: str | os.PathLike) -> dict:
+def _read_yaml(path: str | os.PathLike) -> tuple[dict, dict[str, int]]:
+    """The file's sections, and the line of each section and `section.key` (from PyYAML's
+    node marks), so that an error names the line the user wrote."""
     p = config_path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        text = p.read_text()
+        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise KvtierConfigError(
             f"config file {str(p)!r}: not valid YAML: {mask_credentials(str(exc))}"
         ) from None
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise KvtierConfigError(
             f"config file {str(p)!r}: expected a mapping of sections, got {type(data).__name__}"
         )
-    return data
+    return data, _lines(node)
+
+
+def _lines(node: yaml.Node) -> dict[str, int]:
+    lines: dict[str, int] = {}
+    for key, value in node.value:
+        section = str(key.value)
+        lines[section] = key.start_mark.line + 1
+        if isinstance(value, yaml.MappingNode):
+            for k, _ in value.value:
+                lines[f"{section}.{k.value}"] = k.start_mark.line + 1
+    return lines
 
 
 def _from_env(env: Mapping[str, str]) -> dict:
+    """`KVTIER_<SECTION>_<KEY>` variables by section. A variable of this prefix whose
+    section is no section (an unrelated `KVTIER_HOME`, a typo of a section) is warned about
+    once per process, naming the nearest setting, and ignored; a known section's unknown
+    key or bad value is an error (`_make`)."""
     out: dict[str, dict[str, str]] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name in _OTHER_ENV:
@@ -302,34 +359,72 @@ def _from_env(env: Mapping[str, str]) -> dict:
         rest = name[len(ENV_PREFIX) :].lower()
         section, _, key = rest.partition("_")
         if section not in _SECTIONS or not key:
-            raise KvtierConfigError(
-                f"env {name}: no such setting; use KVTIER_<SECTION>_<KEY> with a section of "
-                f"{', '.join(_SECTIONS)} (other variables: {', '.join(sorted(_OTHER_ENV))})"
-            )
+            _warn_unknown_env(name)
+            continue
         out.setdefault(section, {})[key] = value
     return out
 
 
-def _build_section(name: str, values: dict | None, sources: dict[str, str]) -> Any:
+# the variables already warned about: one warning each per process
+_warned_env: set[str] = set()
+
+
+def _warn_unknown_env(name: str) -> None:
+    if name in _warned_env:
+        return
+    _warned_env.add(name)
+    n = len(ENV_PREFIX)  # compared without the prefix every name shares
+    near = difflib.get_close_matches(name[n:], [s[n:] for s in _env_settings()], n=1)
+    near = [ENV_PREFIX + s for s in near]
+    log.warning(
+        "env %s: no such setting, ignored (%s; settings are KVTIER_<SECTION>_<KEY> with a "
+        "section of %s)",
+        name,
+        f"did you mean {near[0]}?" if near else "no setting is close",
+        ", ".join(_SECTIONS),
+    )
+
+
+def _env_settings() -> list[str]:
+    """Every variable name a setting of a section takes, and the other variables read."""
+    names = set(_OTHER_ENV)
+    for section, cls in _SECTIONS.items():
+        keys = [f.name for f in dataclasses.fields(cls) if f.init]
+        if section == "store":
+            keys = [k for k in keys if k != "options"]
+        names.update(f"{ENV_PREFIX}{section}_{k}".upper() for k in keys)
+    return sorted(names)
+
+
+def _build_section(
+    name: str,
+    values: dict | None,
+    sources: dict[str, str],
+    backend_of: Mapping[str, str],
+) -> Any:
     if values is None:
         return None
     cls = _SECTIONS[name]
     if name == "store":
-        return _build_store(values, sources)
+        return _build_store(values, sources, backend_of)
     return _make(name, cls, values, sources)
 
 
-_ORDER = ("file", "env", "arg")
+_ORDER = ("shipped", "file", "env", "arg")
 
 
 def _layer(origin: str) -> int:
     return next(i for i, o in enumerate(_ORDER) if origin.startswith(o))
 
 
-def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
+def _build_store(
+    values: dict, sources: dict[str, str], backend_of: Mapping[str, str]
+) -> StoreConfig:
     """A later layer that switches the backend (`KVTIER_STORE_BACKEND=memory` over a redis
     file) drops the earlier layers' options that the new backend does not take, with a note;
-    options the backend does not take from the same or a later layer are errors."""
+    options the backend does not take from the same or a later layer are errors. A backend
+    without a config class (a plugin whose options are a dict) takes every option written
+    while it was the backend named (`backend_of`), and none written for another."""
     from kvtier.backends.registry import resolve
 
     common = {k: values[k] for k in _STORE_COMMON if k in values}
@@ -349,8 +444,15 @@ def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
     dropped = [
         k
         for k in rest
-        if k not in allowed
-        and _layer(sources.get(f"store.{k}", "file")) < backend_layer
+        if (
+            k not in allowed
+            and _layer(sources.get(f"store.{k}", "file")) < backend_layer
+        )
+        or (
+            options_cls is None
+            and base.backend != "none"
+            and backend_of.get(k, base.backend) != base.backend
+        )
     ]
     for k in dropped:
         log.info(
@@ -365,11 +467,30 @@ def _build_store(values: dict, sources: dict[str, str]) -> StoreConfig:
     if base.backend == "none":
         if rest:
             k = next(iter(rest))
+            why = (
+                f"not allowed with store.backend='none' ({sources['store.backend']})"
+                if "store.backend" in sources
+                else "unknown key; store.backend is not set (its default, 'none', takes "
+                f"no options): allowed are {', '.join(_STORE_COMMON)} and the options "
+                "of the backend it names"
+            )
             raise KvtierConfigError(
-                f"store.{k}: not allowed with store.backend='none' "
-                f"({sources.get(f'store.{k}', 'default')})"
+                f"store.{k}: {why} ({sources.get(f'store.{k}', 'default')})"
             )
         return base
+    unknown = [k for k in rest if k not in allowed]
+    if unknown:  # all of the store's keys are listed: a typo of a common key is named
+        k = unknown[0]
+        keys = [*_STORE_COMMON, *(f.name for f in dataclasses.fields(options_cls))]
+        near = difflib.get_close_matches(str(k), keys, n=1)
+        backend = f"store.backend={base.backend!r}"
+        if not sources.get("store.backend", "").startswith("file"):
+            backend += f" ({sources.get('store.backend', 'default')})"
+        raise KvtierConfigError(
+            f"store.{k}: unknown key{f' (did you mean {near[0]!r}?)' if near else ''}; "
+            f"allowed with {backend}: {', '.join(keys)} "
+            f"({sources.get(f'store.{k}', 'default')})"
+        )
     options = (
         _make("store", options_cls, rest, sources)
         if options_cls is not None

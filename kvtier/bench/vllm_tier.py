@@ -9,7 +9,8 @@ Both sides use one store configuration and the rows of one real vLLM primary reg
 store, direct store, ..., then tier load, direct load, ...); each figure is the best round. The tier's
 extra cost is a hand-off to its store thread and back, and its key and index bookkeeping.
 
-Run: python benchmarks/vllm_tier.py   (needs vLLM 0.33.0: pip install --no-deps vllm==0.33.0)
+Run: python benchmarks/vllm_tier.py   (needs vLLM 0.33.0: pip install --no-deps vllm==0.33.0
+and the pure-Python imports in requirements-engines.txt)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -197,7 +199,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     )
     p.add_argument("--only", nargs="*", choices=["file", "redis"], help="store names")
     args = p.parse_args(argv)
+    _require_vllm(prog or "vllm_tier")
     run(args.repeat, args.only)
+
+
+def _require_vllm(prog: str) -> None:
+    """Without vLLM's offloading classes there is nothing to measure: one line naming the
+    install, exit 2 (as `tierctl`'s other missing pieces), not a traceback."""
+    try:
+        import vllm.v1.kv_offload.tiering.spec  # noqa: F401
+    except ImportError as exc:
+        sys.stderr.write(
+            f"{prog}: needs vLLM 0.33.0's offloading classes ({exc}): pip install "
+            "--no-deps vllm==0.33.0 and its pure-Python imports, requirements-engines.txt "
+            "in a kvtier clone (README: Run the tests)\n"
+        )
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

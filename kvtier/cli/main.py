@@ -99,7 +99,7 @@ def _config(args) -> int:
     from kvtier.engine.engine import torch_threads
 
     threads, origin = torch_threads()
-    print(explain(load_config(args.config or default_config())))
+    print(explain(load_config(args.config, base=default_config())))
     print(
         f"engine.torch_threads = {threads}  ({origin}; tierctl replay and serve run the reference model with it)"
     )

@@ -10,6 +10,12 @@ import sys
 from kvtier.errors import KvtierConfigError
 
 
+# kvtier is installed from a clone, not PyPI: its `plot` extra is matplotlib
+PLOT_INSTALL = (
+    "pip install matplotlib (or, in a kvtier clone, pip install -e '.[plot]')"
+)
+
+
 def add_arguments(p) -> None:
     p.add_argument(
         "--config",
@@ -87,7 +93,7 @@ def check_arguments(args) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise KvtierConfigError(
-                "--plot needs matplotlib: pip install 'kvtier[plot]'"
+                f"--plot needs matplotlib: {PLOT_INSTALL}"
             ) from None
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -106,7 +112,7 @@ def run(args, default_config: str) -> int:
     from kvtier.engine.workloads import generate, load_trace
 
     model = TinyTransformer(ModelConfig(seed=args.seed))
-    config = with_weights(load_config(args.config or default_config), model)
+    config = with_weights(load_config(args.config, base=default_config), model)
     turns = (
         load_trace(args.trace, model.config.vocab)
         if args.trace
@@ -293,9 +299,7 @@ def _plot(results, path: str, summary: dict, workload: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit(
-            "tierctl: --plot needs matplotlib: pip install 'kvtier[plot]'"
-        ) from None
+        raise SystemExit(f"tierctl: --plot needs matplotlib: {PLOT_INSTALL}") from None
     totals = {"device": 0, "host": 0, "store": 0}
     prompt, series = 0, {k: [] for k in totals}
     for r in results:

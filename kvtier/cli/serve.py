@@ -156,6 +156,7 @@ class Server:
         max_new_tokens: int = MAX_NEW_TOKENS,
     ) -> None:
         from kvtier.cache import TieredCache
+        from kvtier.cli.main import default_config
         from kvtier.cli.replay import with_weights
         from kvtier.config import load_config
         from kvtier.engine.engine import Engine
@@ -164,7 +165,9 @@ class Server:
         from kvtier.engine.sessions import Histories
 
         self.model = TinyTransformer(ModelConfig(seed=seed))
-        self.cache = TieredCache(with_weights(load_config(config_path), self.model))
+        self.cache = TieredCache(
+            with_weights(load_config(config_path, base=default_config()), self.model)
+        )
         self.histories = Histories(sessions, session_ttl_s)
         self.engine = Engine(
             self.cache, self.model, max_batch=batch, histories=self.histories

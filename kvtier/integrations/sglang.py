@@ -42,6 +42,7 @@ from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
+from kvtier.integrations.observe import flat_series, sglang_export, startup_line
 from kvtier.integrations.loop import (
     LoopThread,
     breaker_for,
@@ -135,6 +136,8 @@ class KvtierStorageBase:
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
         self.counters = {"get_pages": 0, "get_ok": 0, "set_pages": 0, "set_ok": 0}
+        # kvtier's counters in SGLang's /metrics (integrations/observe.py)
+        self._export = None
 
     @staticmethod
     async def _build(config: KvtierConfig) -> Store:
@@ -150,14 +153,24 @@ class KvtierStorageBase:
         self.namespace = self._namespace(mem_pool_host)
         dummy = mem_pool_host.get_dummy_flat_data_page()
         self.page_bytes = dummy.numel() * dummy.element_size()
+        ns = self.namespace
         log.info(
-            "kvtier: SGLang L3 on the %s store, namespace %s (%s, %s, %d tokens/page, %d B/page)",
-            self.store.name,
-            self.namespace.id,
-            self.namespace.dtype,
-            self.namespace.layout,
-            self.namespace.page_size,
-            self.page_bytes,
+            startup_line(
+                "SGLang storage backend",
+                self.kvtier_config,
+                ns.id,
+                self.tenant.key_id,
+                f"SGLang device -> SGLang host ({ns.dtype}, {ns.page_size} tokens and "
+                f"{self.page_bytes} B/page) -> kvtier store {self.store.name}",
+            )
+        )
+        self._export = sglang_export(
+            lambda: flat_series("kvtier_storage", self.kvtier_stats()),
+            {  # DP attention: tp_rank is group-local, and MLA is one namespace for all
+                "tp_rank": str(self.storage_config.tp_rank),
+                "dp_rank": str(getattr(self.storage_config, "dp_rank", 0) or 0),
+                "namespace": ns.id,
+            },
         )
 
     def on_host_pools_registered(self) -> None:
@@ -297,6 +310,8 @@ class KvtierStorageBase:
                 bw.append(
                     good * self.page_bytes / elapsed / 1e9
                 )  # GB/s, as SGLang's histograms expect
+        if self._export is not None:
+            self._export.tick()
 
     # -- host pool pages -------------------------------------------------------------------
 
@@ -356,6 +371,8 @@ class KvtierStorageBase:
 
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """How many of `keys`, from the first, the store holds."""
+        if self._export is not None:
+            self._export.tick()
         return self._exists(keys)
 
     def get(
@@ -481,6 +498,8 @@ class KvtierStorageBase:
         if self._closed:
             return
         self._closed = True
+        if self._export is not None:  # the last numbers reach SGLang's /metrics
+            self._export.export()
         try:
             self._loop.run(self.store.close())
         except StoreError as exc:

@@ -10,7 +10,7 @@ short) and the row write of `write_cache_indices` when its batch is allocated, a
 `release_kv_cache` (checkpoint = insert + re-match + row rewrite, free of duplicate and
 partial-page slots, unlock = dec_lock_ref, row free) when it finishes.
 
-`pip install --no-deps sglang==0.5.23` plus its pure-Python imports (`.ci/run` lists them)
+`pip install --no-deps sglang==0.5.23` plus its pure-Python imports (requirements-engines.txt)
 puts the package on disk; its package `__init__`s import the whole runtime. `load()` imports
 each `sglang.*` module under its real name and turns one whose own code raises at import
 into an inert stub (`is_*`/`use_*`/`can_*` say False, other names are empty classes). On a

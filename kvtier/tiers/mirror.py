@@ -217,7 +217,8 @@ class HostMirror:
             self.io == "kernel" and importlib.util.find_spec("triton") is None
         ):  # an optional dependency
             raise ValueError(
-                "mirror.io='kernel' needs triton: pip install 'kvtier[cuda]' (or mirror.io: direct)"
+                "mirror.io='kernel' needs triton: pip install triton (kvtier's cuda extra; "
+                "or mirror.io: direct)"
             )
 
     def _allocate(self, pages: int) -> list[list[torch.Tensor]]:

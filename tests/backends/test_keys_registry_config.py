@@ -302,7 +302,7 @@ def test_every_shipped_config_loads_by_name():
     for name in shipped_configs():
         cfg = load_config(name, env={})
         assert cfg.store.backend in ("file", "memory", "redis", "s3")
-        assert cfg.sources["pool.size"].endswith(f"kvtier/configs/{name}.yaml")
+        assert f"kvtier/configs/{name}.yaml, line " in cfg.sources["pool.size"]
 
 
 def test_the_wheel_ships_the_configs(tmp_path):
@@ -368,7 +368,9 @@ def test_switching_backend_by_env_drops_the_files_other_options(tmp_path):
     assert cfg.store.backend == "memory" and "store.url" not in explain(cfg)
     with pytest.raises(
         KvtierConfigError,
-        match=r"store.url: unknown key; allowed: capacity_bytes \(env KVTIER_STORE_URL\)",
+        match=r"store.url: unknown key; allowed with store.backend='memory' \(env "
+        r"KVTIER_STORE_BACKEND\): backend, "
+        r"key_prefix, timeout_s, required, page_tokens, capacity_bytes \(env KVTIER_STORE_URL\)",
     ):
         load_config(
             p,
@@ -521,9 +523,29 @@ async def test_file_store_root_count_survives_a_lost_or_damaged_usage_file(tmp_p
     await store.close()
 
 
-def test_unknown_kvtier_variables_are_errors():
-    with pytest.raises(KvtierConfigError, match="env KVTIER_FOO_BAR: no such setting"):
-        load_config(None, env={"KVTIER_FOO_BAR": "1"})
+def test_unknown_kvtier_variables_are_warned_about_once_and_ignored(caplog):
+    """A deployment's unrelated `KVTIER_HOME` (a variable of our prefix whose section is
+    none of ours) once stopped every start (exit 2): it is a warning naming the variable and
+    the nearest setting, given once per process, and the variable is ignored. A known
+    section's unknown key or bad value is still an error."""
+    caplog.set_level("WARNING", logger="kvtier.config")
+    env = {"KVTIER_HOME_DIR_X1": "/srv", "KVTIER_POOOL_SIZE": "64"}
+    assert load_config(None, env=env) == load_config(None, env={})
+    load_config(None, env=env)  # a second load: no second warning
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert any(
+        m.startswith("env KVTIER_POOOL_SIZE: no such setting, ignored")
+        and "did you mean KVTIER_POOL_SIZE?" in m
+        for m in warned
+    ), warned
+    assert any(m.startswith("env KVTIER_HOME_DIR_X1: no such setting") for m in warned)
+    with pytest.raises(KvtierConfigError, match="pool.colour: unknown key"):
+        load_config(None, env={"KVTIER_POOL_COLOUR": "red"})
+    with pytest.raises(
+        KvtierConfigError, match="pool.size='lots': expected an integer"
+    ):
+        load_config(None, env={"KVTIER_POOL_SIZE": "lots"})
     load_config(
         None, env={"KVTIER_DEBUG_POOL": "1", "KVTIER_SERVE_TOKEN": "t"}
     )  # read elsewhere: fine
@@ -703,7 +725,7 @@ def test_a_bad_key_in_a_key_file_is_refused_without_showing_it(tmp_path):
 BAD = {
     "unknown section": (
         "poool: {size: 1}",
-        "'poool': unknown section; allowed: namespace, pool",
+        "'poool': unknown section (did you mean 'pool'?); allowed: namespace, pool",
     ),
     "unknown key": (
         "pool: {size: 16, num_layers: 1, sise: 3}",
@@ -731,11 +753,13 @@ BAD = {
     ),
     "bad store key": (
         "store: {backend: file, rooot: /tmp}",
-        "store.rooot: unknown key; allowed: root, capacity_bytes",
+        "store.rooot: unknown key (did you mean 'root'?); allowed with store.backend='file': "
+        "backend, key_prefix, timeout_s, required, page_tokens, root, capacity_bytes",
     ),
     "options without backend": (
         "store: {root: /tmp}",
-        "store.root: not allowed with store.backend='none'",
+        "store.root: unknown key; store.backend is not set (its default, 'none', takes no "
+        "options)",
     ),
     "bad redis url": (
         "store: {backend: redis, url: 'http://x'}",

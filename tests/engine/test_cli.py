@@ -219,7 +219,8 @@ def test_invalid_config_exits_2(tmp_path, capsys):
     assert (
         err
         == "tierctl: pool.colour: unknown key; allowed: size, num_layers, page_size, attention, "
-        f"num_kv_heads, head_dim, v_head_dim, kv_lora_rank, rope_dim, dtype, device (file {bad})"
+        f"num_kv_heads, head_dim, v_head_dim, kv_lora_rank, rope_dim, dtype, device (file {bad}, "
+        "line 1)"
     )
 
 

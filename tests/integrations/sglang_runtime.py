@@ -129,10 +129,12 @@ def storage_config(
     tp_size=1,
     page_first=True,
     extra=None,
+    dp_rank=0,
 ):
     return sg.hicache_storage.HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
+        dp_rank=dp_rank,
         pp_rank=0,
         pp_size=1,
         attn_cp_rank=0,

@@ -8,6 +8,7 @@ an S3 endpoint. SGLang is loaded by tests/integrations/sglang_runtime.py.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -18,8 +19,10 @@ import pytest
 import torch
 import yaml
 
+import kvtier
 from kvtier.errors import KvtierConfigError
 from tests.integrations import sglang_runtime as rt
+from tests.integrations.prom_multiproc import multiproc, scrape  # noqa: F401
 from tests.servers import IN_CI, free_port
 
 STORES = ["file", "redis", "redis_cluster", "s3"]
@@ -80,6 +83,7 @@ def attach(
     tp_rank=0,
     tp_size=1,
     model="meta-llama/Llama-3.1-8B",
+    dp_rank=0,
     **extra,
 ):
     """What SGLang's cache controller does: the factory's `dynamic` backend, then the pool."""
@@ -89,6 +93,7 @@ def attach(
         mla=mla,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        dp_rank=dp_rank,
         extra={
             "backend_name": "kvtier",
             "module_path": "kvtier.integrations.sglang",
@@ -560,3 +565,80 @@ def test_module_imports_without_sglang():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert "ERR" in out and "pip install --no-deps sglang==0.5.23" in out
+
+
+# -- kvtier inside a running SGLang: the start-up line and SGLang's own /metrics ----------
+
+
+def test_the_storage_backend_logs_one_start_line_and_reaches_sglangs_metrics(
+    sg,
+    multiproc,  # noqa: F811
+    tmp_path,
+    caplog,
+):
+    """Its counters never reached SGLang's metrics endpoint and its start-up line named
+    neither kvtier's version, the tenant key id nor the tiers."""
+    caplog.set_level(logging.INFO, logger="kvtier.integrations.sglang")
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = make_pool(sg, "mha", "page_first")
+    backend = attach(sg, pool, path, tp_rank=0)
+    ns = backend.namespace.id
+    lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("kvtier ")
+    ]
+    assert lines == [
+        f"kvtier {kvtier.__version__} SGLang storage backend: store file (kvtier), "
+        f"namespace {ns}, tenant key none, tiers SGLang device -> SGLang host "
+        f"({backend.namespace.dtype}, {pool.page_size} tokens and {backend.page_bytes} "
+        "B/page) -> kvtier store file"
+    ]
+    keys = page_keys(3)
+    assert backend.batch_set_v1(keys, fill(pool, 3, seed=1)) == [True] * 3
+    assert backend.batch_exists(keys + page_keys(1)) == 3
+    backend.close()  # its last numbers are exported as it closes
+    got = scrape(multiproc)
+    labels = (("dp_rank", "0"), ("namespace", ns), ("tp_rank", "0"))
+    assert got[("kvtier_storage_set_ok_total", labels)] == 3
+    assert got[("kvtier_storage_set_pages_total", labels)] == 3
+    assert got[("kvtier_storage_sets_total", labels)] == 3
+    assert got[("kvtier_storage_store_down", labels)] == 0
+    assert got[("kvtier_storage_breaker_trips_total", labels)] == 0
+
+
+def test_data_parallel_ranks_sharing_an_mla_namespace_are_apart_in_sglangs_metrics(
+    sg,
+    multiproc,  # noqa: F811
+    tmp_path,
+):
+    """With DP attention each DP rank's scheduler has the attention-group-local tp_rank 0,
+    and MLA KV is one namespace for every rank: labelled only tp_rank and namespace, the
+    ranks' numbers were one series (here 4, both ranks' pages in one sum; across processes
+    each gauge showed whichever rank wrote last)."""
+    backends = []
+    for dp_rank, pages in ((0, 3), (1, 1)):
+        path = write_yaml(
+            tmp_path, {"backend": "file", "root": str(tmp_path / f"l3-{dp_rank}")}
+        )
+        pool = make_pool(sg, "mla", "page_first")
+        backend = attach(sg, pool, path, mla=True, dp_rank=dp_rank)
+        keys = page_keys(pages)
+        assert (
+            backend.batch_set_v1(keys, fill(pool, pages, seed=dp_rank))
+            == [True] * pages
+        )
+        backends.append(backend)
+    ns = {b.namespace.id for b in backends}
+    assert len(ns) == 1  # the same namespace: only the rank labels set them apart
+    for backend in backends:
+        backend.close()
+    got = scrape(multiproc)
+    sets = {
+        labels: value
+        for (name, labels), value in got.items()
+        if name == "kvtier_storage_set_ok_total"
+    }
+    (namespace,) = ns
+    assert sets == {
+        (("dp_rank", "0"), ("namespace", namespace), ("tp_rank", "0")): 3,
+        (("dp_rank", "1"), ("namespace", namespace), ("tp_rank", "0")): 1,
+    }

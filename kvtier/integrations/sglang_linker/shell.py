@@ -23,6 +23,7 @@ from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import Namespace
 from kvtier.integrations.loop import tenant_of
+from kvtier.integrations.observe import linker_series, sglang_export, startup_line
 from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -216,15 +217,22 @@ class KvtierLinker(UnifiedCacheLinker):
         self.layer_done_counter = self.core.counter
         self.pools = {PoolName.KV: pool}
         self.forward_stream = forward_stream
+        host = f"{self.core.mirror.allocator.num_pages} pages x {self.core.mirror.page_bytes} B"
+        tiers = f"SGLang device -> kvtier host ({host}, {config.mirror.layout})"
+        if store is not None:
+            tiers += f" -> kvtier store {store.name}"
         log.info(
-            "kvtier linker: host tier %d pages of %d B (%s), store %s, namespace %s (tp %d/%d)",
-            self.core.mirror.allocator.num_pages,
-            self.core.mirror.page_bytes,
-            config.mirror.layout,
-            config.store.backend,
-            ns.id,
-            rank,
-            size,
+            startup_line(
+                "SGLang linker",
+                config,
+                ns.id,
+                tenant.key_id,
+                f"{tiers}; tp {rank}/{size}",
+            )
+        )
+        self._export = sglang_export(  # kvtier's counters in SGLang's /metrics
+            lambda: linker_series(self.stats()),
+            {"tp_rank": str(rank), "namespace": ns.id},
         )
 
     def record_offload_ready(self) -> list:
@@ -254,6 +262,8 @@ class KvtierLinker(UnifiedCacheLinker):
         return self.core.offload(list(kv.keys or []), kv.device_indices)
 
     def num_completed_offloads(self) -> int:
+        if self._export is not None:  # SGLang asks every step, on the scheduler thread
+            self._export.tick()
         return self.core.num_completed_offloads()
 
     def pop_completed_offload(self) -> bool:
@@ -264,6 +274,8 @@ class KvtierLinker(UnifiedCacheLinker):
 
     def close(self) -> None:
         self.core.close()
+        if self._export is not None:  # the last numbers reach SGLang's /metrics
+            self._export.export()
 
     def stats(self) -> dict:
         return self.core.stats()

@@ -50,7 +50,9 @@ from kvtier.integrations.loop import (
     tenant_of,
 )
 from kvtier.integrations.vllm.index import Answer, LookupIndex, Probe
+from kvtier.integrations.observe import startup_line
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
+from kvtier.integrations.vllm.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 _ANSWERS = {
@@ -71,7 +73,7 @@ class _Done:
     answered: bool = True  # False: the call failed as a whole (breaker, timeout): nothing learnt of its keys
 
 
-class KvtierTier(SecondaryTierManager):
+class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stats hooks
     medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(
@@ -132,11 +134,14 @@ class KvtierTier(SecondaryTierManager):
             "load_ok": 0,
         }
         log.info(
-            "kvtier: vLLM secondary tier on the %s store, namespace %s (%s, %d B/row)",
-            self.store.name,
-            self.namespace.id,
-            self.namespace.model_id,
-            self.block_size_bytes,
+            startup_line(
+                "vLLM secondary tier",
+                s.config,
+                self.namespace.id,
+                self.tenant.key_id,
+                f"vLLM GPU -> vLLM CPU primary -> kvtier store {self.store.name} "
+                f"({self.namespace.model_id}, {self.block_size_bytes} B/row)",
+            )
         )
 
     @staticmethod
