@@ -29,6 +29,10 @@ from kvtier.errors import KvtierConfigError
 
 log = logging.getLogger(__name__)
 MAX_NEW_TOKENS = 1024  # per request: a longer generation holds its batch row that long
+# decode steps a request runs before it yields its batch row to a waiting one (its KV is
+# cached and it goes on later where it stopped): a short request never waits for long
+# decodes to end
+TIME_SLICE = 64
 MAX_SESSION_ID = 256  # bytes of a session id, UTF-8: a name or a UUID, never a document
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -89,6 +93,13 @@ def add_arguments(p) -> None:
         help=f"the most tokens one request may generate (default {MAX_NEW_TOKENS})",
     )
     p.add_argument(
+        "--time-slice",
+        type=int,
+        default=TIME_SLICE,
+        help="decode steps a request runs before a waiting request may take its batch "
+        f"row; it goes on later from the cache (default {TIME_SLICE})",
+    )
+    p.add_argument(
         "--sessions",
         type=int,
         default=4096,
@@ -129,6 +140,7 @@ def check_arguments(args) -> None:
         ("--batch", args.batch),
         ("--sessions", args.sessions),
         ("--max-new-tokens", args.max_new_tokens),
+        ("--time-slice", args.time_slice),
     ):
         if value < 1:
             raise KvtierConfigError(f"serve {flag} {value}: must be an integer >= 1")
@@ -154,6 +166,7 @@ class Server:
         session_ttl_s: float | None = 3600.0,
         max_queue: int = 1024,
         max_new_tokens: int = MAX_NEW_TOKENS,
+        time_slice: int | None = TIME_SLICE,
     ) -> None:
         from kvtier.cache import TieredCache
         from kvtier.cli.main import default_config
@@ -170,7 +183,11 @@ class Server:
         )
         self.histories = Histories(sessions, session_ttl_s)
         self.engine = Engine(
-            self.cache, self.model, max_batch=batch, histories=self.histories
+            self.cache,
+            self.model,
+            max_batch=batch,
+            histories=self.histories,
+            time_slice=time_slice,
         )
         self.loop = EngineLoop(self.engine, max_queue=max_queue)
         self.max_new_tokens = max_new_tokens
@@ -349,6 +366,7 @@ def run(args, default_config: str) -> int:
         session_ttl_s=args.session_ttl,
         max_queue=args.max_queue,
         max_new_tokens=args.max_new_tokens,
+        time_slice=args.time_slice,
     )
     try:
         listener = Listener(

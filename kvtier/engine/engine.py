@@ -67,6 +67,7 @@ class _Active:
         0  # prompt tokens whose KV the tree holds (cached at acquire, or by a chunk)
     )
     remember: bool = True  # grow the session's history when it finishes
+    decoded: int = 0  # decode steps since it (re)started: its time slice so far
 
 
 @dataclass(slots=True)
@@ -77,6 +78,9 @@ class _Queued:
     turn: Turn
     remember: bool = True
     passed_over: int = 0  # requests started ahead of it while it did not fit
+    # a request preempted at the end of its time slice: what it has output so far, which
+    # it keeps (its prompt and outputs are cached; it goes on where it stopped)
+    resume: Result | None = None
 
 
 class Engine:
@@ -91,7 +95,15 @@ class Engine:
 
     A request that does not fit the pool beside the running ones is passed over by later
     ones that do (a short request never waits behind long decodes that leave it room), at
-    most `max_passed` times: then nothing starts ahead of it until it fits."""
+    most `max_passed` times: then nothing starts ahead of it until it fits.
+
+    `time_slice` (decode steps; None: off): with requests waiting and the batch full, a
+    request that has decoded that many steps since it started is preempted, the longest
+    running first. Its prompt and outputs so far are cached (`cache_finished`) and it
+    queues again, ahead of its session's later turns, keeping its outputs: resumed, its
+    prompt is the old one and those outputs, mostly a cache hit, and it goes on where it
+    stopped. So a short request never waits for long decodes to end, and the outputs are
+    the ones an uninterrupted run gives (greedy decoding over the same KV)."""
 
     def __init__(
         self,
@@ -104,6 +116,7 @@ class Engine:
         histories: Histories | None = None,
         share_prefixes: bool = True,
         max_passed: int | None = None,
+        time_slice: int | None = None,
     ) -> None:
         """`report_prefill`: tell the cache how fast this model prefills (each forward's
         prefill tokens and seconds), so that it skips store loads slower than that.
@@ -120,6 +133,10 @@ class Engine:
         # requests that may start ahead of one that does not fit (None: 4 batches' worth)
         self.max_passed = 4 * max_batch if max_passed is None else max_passed
         self.passed_over = 0  # starts ahead of a request that did not fit
+        if time_slice is not None and time_slice < 1:
+            raise ValueError(f"time_slice={time_slice!r}: must be >= 1 or None (off)")
+        self.time_slice = time_slice
+        self.sliced = 0  # requests preempted at the end of their time slice
         self.rows = ReqToTokenPool(max_batch, max_context)
         self.histories = histories if histories is not None else Histories()
         self.page_size = cache.page_size
@@ -170,12 +187,13 @@ class Engine:
         )
         while (
             ready
-            and self._fits(parked[ready[0]][1], parked[ready[0]][0].turn, active)
+            and self._fits(self._need(*parked[ready[0]]), active)
             and not self._load_must_wait(parked[ready[0]][1])
         ):
             rid = ready.popleft()
             q, prompt = parked.pop(rid)
             self._acquire(rid, q, prompt, active, done, parked)
+        self._end_slices(done)
         self._admit(done)
         if active:
             self._step(active, keep_logits, done, waiting)
@@ -209,8 +227,8 @@ class Engine:
                 passed.add(q.turn.session)  # its turns run in order
                 i += 1
                 continue
-            prompt = self._prompt(q.turn)
-            if not self._fits(prompt, q.turn, active):
+            prompt = self._prompt_of(q)
+            if not self._fits(self._need(q, prompt), active):
                 if q.passed_over >= self.max_passed:
                     break  # passed over enough: it starts next, when room frees
                 too_big.append(q)
@@ -230,6 +248,51 @@ class Engine:
                 big.passed_over += 1
             self.passed_over += len(too_big)
             self._start(q, prompt, active, parked, done)
+
+    def _end_slices(self, done: list) -> None:
+        """With the batch full and a request waiting, preempt the one that has decoded
+        longest past its time slice (at most one a step: the slot it frees is taken by
+        the first waiting request that fits)."""
+        active, waiting = self._active, self._waiting
+        if (
+            self.time_slice is None
+            or not waiting
+            or len(active) + len(self._parked) < self.max_batch
+        ):
+            return
+        over = [a for a in active if a.decoded >= self.time_slice]
+        if not over:
+            return
+        a = max(over, key=lambda a: a.decoded)  # the first such on a tie
+        active.remove(a)
+        fed = np.asarray(a.fed, dtype=np.int64)  # all but the last output have K/V
+        try:
+            self.cache.cache_finished(a.rid, fed, self.rows.read(a.row, len(fed)))
+        except TransferError as exc:  # the cache released it already
+            a.result.error = str(exc)
+        self.rows.free(torch.tensor([a.row], dtype=torch.int64))
+        if a.result.error is not None:
+            done.append(a.result)
+            return
+        q = _Queued(a.ticket, a.turn, a.remember, resume=a.result)
+        later = next(
+            (i for i, w in enumerate(waiting) if w.turn.session == a.turn.session),
+            len(waiting),
+        )
+        waiting.insert(later, q)  # before its session's later turns
+        self.sliced += 1
+
+    def _prompt_of(self, q: _Queued) -> list[int]:
+        """What the request feeds: a resumed one its prompt and its outputs so far."""
+        if q.resume is not None:
+            return q.resume.prompt + q.resume.output
+        return self._prompt(q.turn)
+
+    @staticmethod
+    def _need(q: _Queued, prompt: list[int]) -> int:
+        """Tokens of KV the request holds when it ends."""
+        done = len(q.resume.output) if q.resume is not None else 0
+        return len(prompt) + q.turn.output_len - done
 
     def _prompt(self, turn: Turn) -> list[int]:
         """The session's history, then the turn's tokens; a turn that already starts with
@@ -278,13 +341,12 @@ class Engine:
             q.turn.session == turn.session for q, _ in parked.values()
         )
 
-    def _fits(self, prompt: list[int], turn: Turn, active: list[_Active]) -> bool:
+    def _fits(self, need: int, active: list[_Active]) -> bool:
         """A new request must fit what the pool can free (a lone request is always tried)."""
         if not active:
             return True
-        need = len(prompt) + turn.output_len
         reserved = sum(
-            len(a.prompt) + a.turn.output_len - a.pos for a in active
+            len(a.result.prompt) + a.turn.output_len - a.pos for a in active
         )  # still to allocate
         room = self.cache.room()
         return need + reserved + self.page_size * (len(active) + 1) <= room
@@ -293,7 +355,7 @@ class Engine:
         self, q: _Queued, prompt: list[int], active: list, parked: dict, done: list
     ) -> None:
         turn = q.turn
-        need = len(prompt) + turn.output_len
+        need = self._need(q, prompt)
         limit = min(self.cache.config.pool.size - self.page_size, self.max_context)
         if not turn.output_len or need > limit:
             why = (
@@ -337,7 +399,7 @@ class Engine:
         row = int(self.rows.alloc(1)[0])
         self.rows.write(row, 0, got.indices)
         turn = q.turn
-        result = Result(
+        result = q.resume or Result(
             turn.session,
             turn.turn,
             prompt,
@@ -448,6 +510,7 @@ class Engine:
                 self._keep_chunk(a)
                 continue
             a.result.output.append(int(lg[-1].argmax()))
+            a.decoded += 1
             if keep_logits:
                 a.result.logits.append(lg[-1].clone())
 
@@ -487,7 +550,7 @@ class Engine:
             a.result.error = str(exc)
         self.rows.free(torch.tensor([a.row], dtype=torch.int64))
         if a.result.error is None and a.remember:
-            self.histories.put(a.turn.session, a.prompt + a.result.output)
+            self.histories.put(a.turn.session, a.result.prompt + a.result.output)
         return a.result
 
     def _fail(self, a: _Active, why: str) -> Result:

@@ -81,6 +81,7 @@ class EngineLoop:
             "held_back": self.engine.held_back,
             "preempted": self.engine.preempted,
             "passed_over": self.engine.passed_over,
+            "sliced": self.engine.sliced,
         }
 
     def close(self, timeout: float = 30.0) -> None:

@@ -12,6 +12,7 @@ from kvtier.engine.engine import (
     infinite_hit_rate,
     set_torch_threads,
     torch_threads,
+    verify,
 )
 from kvtier.engine.model import ModelConfig, TinyTransformer
 from kvtier.engine.sessions import Histories
@@ -170,3 +171,76 @@ def test_a_request_passed_over_max_passed_times_starts_next(tmp_path):
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
+
+
+def _sliced_engine(tmp_path, time_slice):
+    model = TinyTransformer(ModelConfig(seed=0))
+    config = load_config(
+        "default",
+        {"pool": {"size": 2048}, "store": {"backend": "memory"}},
+        env={},
+    )
+    cache = TieredCache(with_weights(config, model))
+    return cache, model, Engine(cache, model, max_batch=4, time_slice=time_slice)
+
+
+@pytest.mark.parametrize("time_slice", [None, 8])
+def test_a_short_request_takes_a_batch_row_within_two_time_slices(tmp_path, time_slice):
+    """The batch full of long decodes and more queued (the pool holds them all): without a
+    time slice, a 3-token request behind eight requests of 120 outputs waits for two
+    generations of them (~240 steps; `tierctl serve` waited 74.7 s behind 8 requests of
+    1,900 tokens). With one, the running requests yield their rows in turn and it ends
+    within two slices and a few steps, while every output equals an uncached run."""
+    cache, model, engine = _sliced_engine(tmp_path, time_slice)
+    for i in range(8):
+        engine.submit(Turn(f"long{i}", 0, tuple(range(i, i + 8)), 120))
+    short = engine.submit(Turn("short", 0, (5, 6, 7), 2))
+    ended = []
+    steps = 0
+    while engine.pending():
+        steps += 1
+        got = engine.step(keep_logits=True)
+        ended += got
+        if any(r.ticket == short for r in got):
+            short_steps = steps
+    if time_slice is None:
+        assert short_steps > 200 and engine.sliced == 0
+    else:
+        assert short_steps <= 2 * (time_slice + 1) + 6, short_steps
+        assert engine.sliced >= 4  # the first four yielded, and went on later
+    assert sorted(r.session for r in ended) == sorted(
+        [f"long{i}" for i in range(8)] + ["short"]
+    )
+    for r in ended:
+        assert r.error is None
+        verify(model, r)  # greedy tokens and logits of an uninterrupted, uncached run
+    assert all(len(r.output) == 120 for r in ended if r.session != "short")
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_a_sessions_next_turn_waits_for_its_preempted_turn(tmp_path):
+    """A turn preempted at the end of its slice queues ahead of its session's next turn,
+    which then starts from the whole finished turn (history = its prompt and all of its
+    outputs, not the part before the slice ended)."""
+    cache, model, engine = _sliced_engine(tmp_path, 4)
+    for i in range(4):
+        engine.submit(Turn(f"other{i}", 0, tuple(range(20 + i, 28 + i)), 40))
+    first = engine.submit(Turn("s", 0, tuple(range(8)), 30))
+    second = engine.submit(Turn("s", 1, (9, 10, 11), 5))
+    done = {r.ticket: r for r in engine.run([], keep_logits=True)}
+    assert engine.sliced >= 1
+    a, b = done[first], done[second]
+    assert a.error is None and b.error is None and len(a.output) == 30
+    assert b.prompt == a.prompt + a.output + [9, 10, 11]
+    for r in done.values():
+        verify(model, r)
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_a_time_slice_below_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"time_slice=0: must be >= 1 or None"):
+        _sliced_engine(tmp_path, 0)
