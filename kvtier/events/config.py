@@ -71,7 +71,7 @@ class EventsConfig:
     )
     token_ids: bool | None = None  # None: sent without a tenant key, withheld with one
     max_subscriptions: int = (
-        1024  # held by the PUB socket at once; past it every peer is dropped (counted)
+        256  # held by the PUB socket at once; past it every peer is dropped (counted)
     )
     max_replays: int = (
         8  # replays served or unread at once; requests past it get no reply (counted)

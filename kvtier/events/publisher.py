@@ -44,7 +44,10 @@ from kvtier.events.wire import Encoder
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = object()
-HANDSHAKE_BYTES = 512  # a CURVE handshake command fits; a replay request is 8 bytes
+# the longest message a peer may send past the topic: a replay request is 8 bytes, a
+# subscription a topic; a handshake's commands must fit too (CURVE's INITIATE is ~300)
+NULL_HANDSHAKE_BYTES, CURVE_HANDSHAKE_BYTES = 64, 512
+SUBSCRIPTION_RCVHWM = 16  # subscription messages queued per peer
 REPLAY_WINDOW = 1 << 20  # bytes a replay may have sent that its peer has not taken
 REPLAY_RCVHWM = 100  # replay requests queued per peer
 REPLAY_SNDHWM = 1000  # replay messages queued per peer
@@ -106,6 +109,9 @@ class ZmqPublisher:
             config.replay_endpoint, config.data_parallel_rank
         )
         self._keys = config.curve_keys()
+        self._overhead = (
+            NULL_HANDSHAKE_BYTES if self._keys is None else CURVE_HANDSHAKE_BYTES
+        )
         # a ZAP handler serves one context: CURVE gets a context of its own
         self._own_ctx = context is None and self._keys is not None
         self._ctx = (
@@ -166,9 +172,9 @@ class ZmqPublisher:
         """XPUB: a SUB subscribes as to PUB; NODROP lets us see a full queue; VERBOSER hands
         up every subscription and cancellation (those of a peer that left included), so the
         thread knows how many the socket holds."""
-        sock = self._socket(zmq.XPUB, len(self.topic) + HANDSHAKE_BYTES, self.endpoint)
+        sock = self._socket(zmq.XPUB, len(self.topic) + self._overhead, self.endpoint)
         sock.setsockopt(zmq.SNDHWM, self.config.hwm)
-        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
         sock.setsockopt(zmq.XPUB_NODROP, 1)
         sock.setsockopt(zmq.XPUB_VERBOSER, 1)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -180,7 +186,7 @@ class ZmqPublisher:
         return sock
 
     def _open_replay(self) -> zmq.Socket:
-        sock = self._socket(zmq.ROUTER, HANDSHAKE_BYTES, self.replay_endpoint)
+        sock = self._socket(zmq.ROUTER, self._overhead, self.replay_endpoint)
         sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         sock.setsockopt(zmq.SNDHWM, REPLAY_SNDHWM)
         sock.setsockopt(
@@ -255,21 +261,28 @@ class ZmqPublisher:
 
     def _drain_subscriptions(self) -> None:
         """XPUB hands (un)subscribe messages up (first byte 1 or 0): read, counted; past
-        `max_subscriptions` held, the socket is reopened."""
-        dropped = 0
-        while self._pub.poll(0):
-            msg = self._pub.recv(zmq.NOBLOCK)
+        `max_subscriptions` held, the socket is reopened. ZMQ adds a subscription to the
+        socket's trie when it takes it from the peer's queue, before this reads it: the
+        queue is short (`SUBSCRIPTION_RCVHWM`) and the reads are `recv`s, which take
+        commands (more of the queue) once per 100 messages, so the trie holds at most a
+        few queues more than this has counted."""
+        left = 0
+        while True:
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
             if msg[:1] == b"\x01":
                 self.counters["subscriptions"] += 1
                 self._held += 1
             elif msg[:1] == b"\x00":
                 self.counters["unsubscriptions"] += 1
                 self._held = max(0, self._held - 1)
-                dropped += 1
+                left += 1
             if self._held > self.config.max_subscriptions:
                 self._reset_pub()
                 return
-        if dropped >= 64:  # peers left: what they subscribed is freed
+        if left >= 64:  # peers left: what they subscribed is freed
             self._schedule_trim()
 
     def _reset_pub(self) -> None:
