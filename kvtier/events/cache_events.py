@@ -12,7 +12,7 @@ tenant key (docs/security.md, "KV events") the page hashes are the store keys' t
 event names each page by `EventHashes`: a keyed hash of its page hash under a subkey of
 its own, from which no store key follows (nor the reverse), and the same page always
 gets the same name, so parents still chain; and `token_ids` are withheld unless
-`events.token_ids` is true. Store evictions are not seen by the cache: `STORAGE` says
+`events.tokens` is true. Store evictions are not seen by the cache: `STORAGE` says
 stored, never removed.
 """
 
@@ -187,6 +187,11 @@ class CacheEvents:
             events, self.pending = self.pending, []
             self.publisher.publish(events)
 
+    def stats(self) -> dict:
+        """The publisher's counters (docs/events.md), or none for one without them."""
+        stats = getattr(self.publisher, "stats", None)
+        return {} if stats is None else stats()
+
     def close(self) -> None:
         self.flush()
         self.publisher.close()
@@ -200,5 +205,5 @@ def cache_events(
     if config is None:
         return None
     names = None if keys is None else EventHashes(keys.current.event_key)
-    token_ids = config.token_ids if config.token_ids is not None else keys is None
+    token_ids = config.tokens if config.tokens is not None else keys is None
     return CacheEvents(ZmqPublisher(config), tree, names, token_ids)

@@ -69,7 +69,9 @@ class EventsConfig:
     curve_allowed_keys: str | None = (
         None  # file or directory of the subscribers' public keys
     )
-    token_ids: bool | None = None  # None: sent without a tenant key, withheld with one
+    tokens: bool | None = (
+        None  # BlockStored token_ids; None: sent without a tenant key, withheld with one
+    )
     max_subscriptions: int = (
         256  # held by the PUB socket at once; past it every peer is dropped (counted)
     )

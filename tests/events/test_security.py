@@ -320,7 +320,7 @@ def keyed_cache(root, ipc, token_ids=None):  # noqa: F811
         "events": {"endpoint": ipc[0], "replay_endpoint": ipc[1], "topic": "kv@test"},
     }
     if token_ids is not None:
-        doc["events"]["token_ids"] = token_ids
+        doc["events"]["tokens"] = token_ids
     return TieredCache(load_config(None, doc, env={}))
 
 
@@ -395,7 +395,7 @@ def tree_pages_raw(cache, tier) -> list[bytes]:
     return out
 
 
-def test_token_ids_true_sends_them_with_a_tenant_key(tmp_path, ipc):  # noqa: F811
+def test_tokens_true_sends_token_ids_with_a_tenant_key(tmp_path, ipc):  # noqa: F811
     cache = keyed_cache(tmp_path / "l3", ipc, token_ids=True)
     sub = Subscriber(*ipc, topic="kv@test")
     try:
