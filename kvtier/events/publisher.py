@@ -151,6 +151,7 @@ class ZmqPublisher:
                 f"events: cannot open endpoint {self.endpoint!r} / replay {self.replay_endpoint!r}: "
                 f"{exc}"
             ) from exc
+        log.info("kv events: %s", self.describe())
         self._closed = False
         self._thread = threading.Thread(
             target=self._run, name="kvtier-events", daemon=True
@@ -199,6 +200,18 @@ class ZmqPublisher:
             sock.close(0)
             raise
         return sock
+
+    def describe(self) -> str:
+        """Where it listens and who may connect (never a key)."""
+        where = f"{'bound to' if self.config.bind else 'connected to'} {self.endpoint}"
+        replay = f", replay bound to {self.replay_endpoint}" if self._replay else ""
+        if self._keys is not None:
+            who = f"CURVE, {len(self._keys.allowed)} subscriber keys allowed"
+        elif self.config.insecure:
+            who = "no authentication (events.insecure)"
+        else:
+            who = "no authentication (loopback or ipc only)"
+        return f"PUB {where}{replay}; {who}"
 
     def publish(self, events: list[dict[str, Any]], ts: float | None = None) -> bool:
         """Hand one batch to the publisher thread; False (counted, logged) if it cannot take it."""
@@ -295,16 +308,15 @@ class ZmqPublisher:
         )
         self._pub.close(0)
         self._held = 0
-        deadline = time.monotonic() + 5.0
+        tries = 0
         while True:  # the old socket's listener closes on ZMQ's I/O thread
             try:
                 self._pub = self._open_pub()
                 break
             except zmq.ZMQError as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"kv events: cannot reopen {self.endpoint!r}: {exc}"
-                    ) from exc
+                tries += 1
+                if tries % 500 == 0:  # every ~5 s: someone else holds the address
+                    log.error("kv events: cannot reopen %r: %s", self.endpoint, exc)
                 time.sleep(0.01)
         self._schedule_trim()
 

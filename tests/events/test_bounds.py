@@ -16,6 +16,7 @@ import zmq
 
 from kvtier.events.subscriber import Subscriber
 from tests.events.test_publisher import ipc, wait_for  # noqa: F401
+from tests.events.test_security import free_port
 
 BUDGET_MIB = 64
 TOPIC = "kv@pod-7d9f8b6c5-x2x4q@meta-llama/Llama-3.1-8B-Instruct"  # 56 bytes
@@ -79,8 +80,8 @@ class Child:
 def child(ipc):  # noqa: F811
     made = []
 
-    def make(batches: int = 10, size: int = 256, **config) -> Child:
-        made.append(Child(ipc, batches, size, **config))
+    def make(batches: int = 10, size: int = 256, endpoints=None, **config) -> Child:
+        made.append(Child(endpoints or ipc, batches, size, **config))
         return made[-1]
 
     yield make
@@ -105,12 +106,15 @@ def publishing_continues(c: Child, ipc) -> None:  # noqa: F811
         sub.close()
 
 
-def test_20000_subscriptions_leave_the_publisher_bounded(child, ipc):  # noqa: F811
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_20000_subscriptions_leave_the_publisher_bounded(child, ipc, transport):  # noqa: F811
     """Before: the PUB kept every distinct subscription, still held after the peer left
     (7.9 GiB for 200,000 long ones). Now a subscription is at most the topic and a
     handshake's length (longer ones drop the connection), and past max_subscriptions
-    held the socket reopens, which frees them."""
-    c = child()
+    held the socket reopens, which frees them (over tcp too: its listener rebinds)."""
+    if transport == "tcp":
+        ipc = tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    c = child(endpoints=ipc)
     ctx = zmq.Context()
     peer = ctx.socket(zmq.SUB)
     peer.setsockopt(zmq.SNDHWM, 0)  # every subscription goes out

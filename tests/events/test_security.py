@@ -80,6 +80,10 @@ def test_a_loopback_endpoint_listens_on_loopback_only_and_a_subscriber_there_rec
         f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}", topic="kv@p@m"
     )
     try:
+        assert pub.describe() == (
+            f"PUB bound to tcp://{host}:{port}, replay bound to "
+            f"tcp://{host}:{replay_port}; no authentication (loopback or ipc only)"
+        )
         assert listening(port) == {host.strip("[]")}
         assert listening(replay_port) == {host.strip("[]")}
         wait_for(lambda: pub.stats()["subscriptions"] >= 1, "the subscription")
