@@ -112,7 +112,8 @@ class ZmqPublisher:
         self._overhead = (
             NULL_HANDSHAKE_BYTES if self._keys is None else CURVE_HANDSHAKE_BYTES
         )
-        # a ZAP handler serves one context: CURVE gets a context of its own
+        # a ZAP handler serves one context: CURVE gets a context of its own (a caller's
+        # context given with CURVE keys must not have another ZAP handler)
         self._own_ctx = context is None and self._keys is not None
         self._ctx = (
             zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
@@ -161,10 +162,8 @@ class ZmqPublisher:
     def _socket(self, kind: int, max_msg: int, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
-        if ":" in (tcp_host(endpoint) or ""):
-            sock.setsockopt(
-                zmq.IPV6, 1
-            )  # tcp://[::1]:P: ZMQ takes IPv6 addresses only so
+        if ":" in (tcp_host(endpoint) or ""):  # tcp://[::1]:P
+            sock.setsockopt(zmq.IPV6, 1)  # ZMQ takes an IPv6 address only with this
         if self._keys is not None:
             serve_curve(sock, self._keys)
         return sock
