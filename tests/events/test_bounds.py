@@ -91,9 +91,9 @@ def child(ipc):  # noqa: F811
 
 def publishing_continues(c: Child, ipc) -> None:  # noqa: F811
     """A new subscriber gets the next batch live, and a replay of it."""
+    held = c.stats()["subscriptions"]  # before it subscribes
     sub = Subscriber(*ipc, topic=TOPIC)
     try:
-        held = c.stats()["subscriptions"]
         wait_for(
             lambda: sub.sub.poll(0) or c.stats()["subscriptions"] > held,
             "the new subscription",
