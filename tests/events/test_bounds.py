@@ -195,3 +195,34 @@ def test_a_300_mib_frame_leaves_the_publisher_bounded(child, ipc):  # noqa: F811
         ctx.term()
     publishing_continues(c, ipc)
     c.assert_bounded()
+
+
+def test_a_peer_that_leaves_gives_back_its_subscriptions(ipc):  # noqa: F811
+    """The count the limit is checked against: what a peer subscribed is handed back when
+    it leaves, so peers that come and go never add up to a reopen."""
+    from kvtier.events.config import EventsConfig
+    from kvtier.events.publisher import ZmqPublisher
+
+    pub = ZmqPublisher(EventsConfig(endpoint=ipc[0], topic=TOPIC))
+    try:
+        for _ in range(3):
+            ctx = zmq.Context()
+            peer = ctx.socket(zmq.SUB)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(ipc[0])
+            for i in range(200):
+                peer.setsockopt(
+                    zmq.SUBSCRIBE, TOPIC[:20].encode() + i.to_bytes(2, "big")
+                )
+            wait_for(
+                lambda: peer.poll(0) or pub.stats()["subscriptions_held"] == 200,  # noqa: B023 (called before the loop moves on)
+                "200 subscriptions held",
+            )
+            peer.close()
+            ctx.term()
+            wait_for(lambda: pub.stats()["subscriptions_held"] == 0, "them given back")
+        stats = pub.stats()
+        assert (stats["subscriptions"], stats["unsubscriptions"]) == (600, 600)
+        assert stats["subscription_resets"] == 0
+    finally:
+        pub.close()
