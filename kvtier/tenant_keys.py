@@ -37,7 +37,7 @@ def _derive(secret: bytes, purpose: bytes, size: int) -> bytes:
 class TenantKey:
     """One tenant key's subkeys. Its repr and str name only its id."""
 
-    __slots__ = ("key_id", "hash_key", "mac_key", "aead_key")
+    __slots__ = ("key_id", "hash_key", "mac_key", "aead_key", "event_key")
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) != KEY_BYTES:
@@ -46,6 +46,7 @@ class TenantKey:
         self.hash_key = _derive(secret, b"page-hash", 32)
         self.mac_key = _derive(secret, b"frame-mac", 32)
         self.aead_key = _derive(secret, b"frame-aead", 32)
+        self.event_key = _derive(secret, b"event-hash", 32)  # KV events' block hashes
 
     def page_hash(self, hash_algo: str) -> KeyedHash:
         """The keyed page hash that stands in for `hash_algo` (same digest size)."""

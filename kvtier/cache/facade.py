@@ -180,7 +180,9 @@ class TieredCache:
         self.stats_obj = CacheStats()
         # KV events for routers (docs/events.md): rank 0 speaks for all ranks (they hold the same pages)
         self.events = (
-            cache_events(config.events, self.tree) if agreement.rank == 0 else None
+            cache_events(config.events, self.tree, keys)
+            if agreement.rank == 0
+            else None
         )
         self.tree.set_observer(self.events)
         self._wire(device_allocator, clock)

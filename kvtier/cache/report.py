@@ -54,6 +54,8 @@ def stats(cache) -> dict:
         "tiers": tiers,
         "queues": {**c.queue_sizes(), **_request_ages(cache)},
     }
+    if cache.events is not None:
+        out["events"] = cache.events.stats()
     if c.store is not None:
         out["store"] = {
             **c.store.stats(),

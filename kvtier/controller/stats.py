@@ -91,6 +91,12 @@ class CacheStats:
         return out
 
 
+# the KV event publisher's numbers that are levels now; the others only grow
+EVENT_GAUGES = frozenset(
+    ("queued", "unsent", "buffered", "subscriptions_held", "replays_open")
+)
+
+
 class PrometheusCollector:
     """Registered on a cache's own CollectorRegistry; reads `stats()` at scrape time."""
 
@@ -130,6 +136,13 @@ class PrometheusCollector:
                     f"kvtier store {name.replace('_', ' ')}",
                     value=value,
                 )
+        for name, value in stats.get("events", {}).items():  # docs/events.md
+            family = GaugeMetricFamily if name in EVENT_GAUGES else CounterMetricFamily
+            yield family(
+                f"kvtier_events_{name}",
+                f"kvtier events {name.replace('_', ' ')}",
+                value=value,
+            )
         for op, h in self.cache.stats_obj.latency.items():
             buckets = [(str(b), c) for b, c in zip(BUCKETS_S, h.cumulative())] + [
                 ("+Inf", h.count)

@@ -19,6 +19,21 @@ class Message:
     payload: bytes
 
 
+@dataclass(slots=True, frozen=True)
+class ClientKeys:
+    """A subscriber's CURVE keys (Z85): the publisher's public key, and its own pair,
+    whose public half the publisher's `events.curve_allowed_keys` lists."""
+
+    server: bytes
+    public: bytes
+    secret: bytes = field(repr=False)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey = self.server
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
 class Subscriber:
     def __init__(
         self,
@@ -27,14 +42,23 @@ class Subscriber:
         topic: str = "",
         context: zmq.Context | None = None,
         rcvhwm: int = 1000,
+        curve: ClientKeys | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
-        self.sub = self._ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
+        self.curve = curve
+        self.sub = self._socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sub.setsockopt(zmq.IPV6, int("[" in endpoint))
         self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_endpoint = replay_endpoint
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
+        return sock
 
     def recv(self, timeout_ms: int = 5000) -> Message | None:
         if not self.sub.poll(timeout_ms):
@@ -46,8 +70,8 @@ class Subscriber:
         """Every batch the publisher still keeps from `start_seq` on, up to its end marker."""
         if self.replay_endpoint is None:
             raise ValueError("replay: this subscriber has no replay_endpoint")
-        req = self._ctx.socket(zmq.DEALER)
-        req.setsockopt(zmq.LINGER, 0)
+        req = self._socket(zmq.DEALER)
+        req.setsockopt(zmq.IPV6, int("[" in self.replay_endpoint))
         req.connect(self.replay_endpoint)
         try:
             req.send_multipart((b"", start_seq.to_bytes(8, "big")))

@@ -1,0 +1,228 @@
+"""Whatever peers do, the publisher's memory stays bounded and it keeps publishing: many
+subscriptions, replays nobody reads, a huge frame. The publisher runs alone in a process
+(tests/events/rss_publisher.py) so its RSS, and its peak RSS since the attack began, are
+its own; the peers are this process. Over ipc only."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from kvtier.events.subscriber import Subscriber
+from tests.events.test_publisher import ipc, wait_for  # noqa: F401
+from tests.events.test_security import free_port
+
+BUDGET_MIB = 64
+TOPIC = "kv@pod-7d9f8b6c5-x2x4q@meta-llama/Llama-3.1-8B-Instruct"  # 56 bytes
+
+
+class Child:
+    """The publisher's process: `ask("rss")` -> its memory and stats."""
+
+    def __init__(self, ipc, batches: int, size: int, **config) -> None:  # noqa: F811
+        root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.events.rss_publisher",
+                *ipc,
+                str(batches),
+                str(size),
+                json.dumps({"topic": TOPIC, **config}),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", root)},
+        )
+        self.start = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"the publisher process ended (rc {self.proc.wait()})"
+        return json.loads(line)
+
+    def ask(self, cmd: str = "rss") -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stats(self) -> dict:
+        return self.ask()["stats"]
+
+    def assert_bounded(self) -> dict:
+        now = self.ask()
+        grew, peak = now["rss"] - self.start["rss"], now["peak"] - self.start["rss"]
+        assert peak < BUDGET_MIB, f"peak RSS grew {peak:.0f} MiB (now +{grew:.0f})"
+        assert grew < BUDGET_MIB, f"RSS grew {grew:.0f} MiB"
+        return now
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def child(ipc):  # noqa: F811
+    made = []
+
+    def make(batches: int = 10, size: int = 256, endpoints=None, **config) -> Child:
+        made.append(Child(endpoints or ipc, batches, size, **config))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def publishing_continues(c: Child, ipc) -> None:  # noqa: F811
+    """A new subscriber gets the next batch live, and a replay of it."""
+    held = c.stats()["subscriptions"]  # before it subscribes
+    sub = Subscriber(*ipc, topic=TOPIC)
+    try:
+        wait_for(
+            lambda: sub.sub.poll(0) or c.stats()["subscriptions"] > held,
+            "the new subscription",
+        )
+        n = c.ask("publish")["stats"]["batches"]
+        got = sub.recv(timeout_ms=20000)
+        assert got is not None and got.seq == n - 1
+        assert [m.seq for m in sub.replay(n - 1, timeout_ms=20000)] == [n - 1]
+    finally:
+        sub.close()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_20000_subscriptions_leave_the_publisher_bounded(child, ipc, transport):  # noqa: F811
+    """Before: the PUB kept every distinct subscription, still held after the peer left
+    (7.9 GiB for 200,000 long ones). Now a subscription is at most the topic and a
+    handshake's length (longer ones drop the connection), and past max_subscriptions
+    held the socket reopens, which frees them (over tcp too: its listener rebinds)."""
+    if transport == "tcp":
+        ipc = tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    c = child(endpoints=ipc)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.SUB)
+    peer.setsockopt(zmq.SNDHWM, 0)  # every subscription goes out
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(ipc[0])
+    rnd = random.Random(7)
+    try:
+        for _ in range(20_000):
+            peer.setsockopt(zmq.SUBSCRIBE, rnd.randbytes(len(TOPIC) + 40))
+        wait_for(
+            lambda: (
+                (s := c.stats()).get("subscription_resets", 0) >= 1
+                or s["subscriptions"] >= 20_000
+            ),
+            "the publisher to read the subscriptions",
+            timeout=60,
+        )
+    finally:
+        peer.close()
+        ctx.term()
+    c.assert_bounded()
+    publishing_continues(c, ipc)
+    assert c.stats()["subscription_resets"] >= 1
+
+
+def test_1000_unread_replays_leave_the_publisher_bounded(child, ipc):  # noqa: F811
+    """Before: each request queued a copy of the whole buffer for a peer that never read
+    it (+1.2 GiB for 1,800, still held after they left). Now at most max_replays are open,
+    each with a window of unread bytes; the rest get no reply, counted; when the peers
+    leave their replays close and a reader's replay is served."""
+    c = child(batches=100, size=2048)
+    ctx = zmq.Context()
+    peers = []
+    try:
+        for _ in range(10):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(ipc[1])
+            peers.append(d)
+        for d in peers:
+            for _ in range(100):
+                d.send_multipart((b"", (0).to_bytes(8, "big")))
+        wait_for(
+            lambda: (s := c.stats())["replays"] + s.get("replays_dropped", 0) >= 1000,
+            "the publisher to read the 1,000 requests",
+            timeout=60,
+        )
+        c.assert_bounded()
+        assert c.stats()["replays_dropped"] > 0
+    finally:
+        for d in peers:
+            d.close()
+        ctx.term()
+    wait_for(lambda: c.stats()["replays_open"] == 0, "the replays to close")
+    publishing_continues(c, ipc)
+    c.assert_bounded()
+
+
+def test_a_300_mib_frame_leaves_the_publisher_bounded(child, ipc):  # noqa: F811
+    """Before: the replay ROUTER read it whole (peak +600 MiB). Now a message longer than
+    a request drops its connection unread."""
+    c = child()
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(ipc[1])
+    try:
+        frame = zmq.Frame(bytes(300 << 20), track=True)
+        tracker = frame.tracker
+        peer.send(frame, copy=False)
+        del frame
+        wait_for(  # sent whole, or its connection dropped; polls attach the connection
+            lambda: peer.poll(0) or tracker.done, "the frame to go", timeout=60
+        )
+    finally:
+        peer.close()
+        ctx.term()
+    publishing_continues(c, ipc)
+    c.assert_bounded()
+
+
+def test_a_peer_that_leaves_gives_back_its_subscriptions(ipc):  # noqa: F811
+    """The count the limit is checked against: what a peer subscribed is handed back when
+    it leaves, so peers that come and go never add up to a reopen."""
+    from kvtier.events.config import EventsConfig
+    from kvtier.events.publisher import ZmqPublisher
+
+    pub = ZmqPublisher(EventsConfig(endpoint=ipc[0], topic=TOPIC))
+    try:
+        for _ in range(3):
+            ctx = zmq.Context()
+            peer = ctx.socket(zmq.SUB)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(ipc[0])
+            for i in range(200):
+                peer.setsockopt(
+                    zmq.SUBSCRIBE, TOPIC[:20].encode() + i.to_bytes(2, "big")
+                )
+            wait_for(
+                lambda: peer.poll(0) or pub.stats()["subscriptions_held"] == 200,  # noqa: B023 (called before the loop moves on)
+                "200 subscriptions held",
+            )
+            peer.close()
+            ctx.term()
+            wait_for(lambda: pub.stats()["subscriptions_held"] == 0, "them given back")
+        stats = pub.stats()
+        assert (stats["subscriptions"], stats["unsubscriptions"]) == (600, 600)
+        assert stats["subscription_resets"] == 0
+    finally:
+        pub.close()
