@@ -315,6 +315,50 @@ def test_a_corrupted_stored_block_is_a_miss(kind, request, tmp_path, rigs):
     assert t.kvtier_stats()["frame_failures"] == 1
 
 
+@pytest.mark.parametrize("kind", STORES)
+def test_a_block_that_fails_verification_is_forgotten(kind, request, tmp_path, rigs):
+    """A corrupted row failed its promotion, left the index, and the next request's probe
+    found the file again: HIT, promoted, failed, recomputed, on every request. The row
+    is deleted from the store and remembered unreadable: the next lookup of that key is
+    a MISS with no probe and no promotion (the other keys still HIT), a new engine's
+    probe misses it, and once vLLM recomputed and cascaded it, it is a HIT again."""
+    from vllm.v1.kv_offload.base import Medium
+
+    from kvtier.hashing import make_key
+    from kvtier.integrations.vllm.keys import page_hash_of
+
+    section = store_section(kind, request, tmp_path)
+    cfg = conf(section)
+    keys = new_keys(3)
+    written = rigs(cfg).store(keys)
+    reader = rigs(cfg)
+    t = reader.tier
+    bad = make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1]))
+    corrupt(kind, request, t, bad, section)
+    seen, got = reader.load(keys)
+    assert names(seen)[1] == ["RETRY", "HIT_PENDING", "MISS"]
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    reader.events.clear()
+    reader.mgr.reset_cache()
+    reader.mgr.on_reset_flushed()
+    promoted = t.counters["load_keys"]
+    seen, got = reader.load(keys, "next")
+    assert names(seen) == [["HIT_PENDING", "HIT"], ["MISS"], ["HIT_PENDING", "HIT"]]
+    assert t.counters["load_keys"] == promoted + 2  # keys[1] was not promoted again
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    assert t._loop.run(t.store.batch_exists([bad])) == 0
+    seen, _ = rigs(cfg).load([keys[1]])
+    assert names(seen) == [["RETRY", "MISS"]]
+    again = reader.store([keys[1]], "recomputed")
+    assert [k for e in reader.events if e.medium is Medium.STORAGE for k in e.keys] == [
+        keys[1]
+    ]
+    reader.mgr.reset_cache()
+    reader.mgr.on_reset_flushed()
+    seen, got = reader.load([keys[1]], "after")
+    assert names(seen) == [["HIT_PENDING", "HIT"]] and got == again
+
+
 def test_a_black_hole_store_does_not_stall_lookup(rigs):
     """A redis endpoint that accepts and never answers: lookup answers RETRY at once while
     the probe waits out its timeout, then MISS; once the breaker is open, stores fail fast

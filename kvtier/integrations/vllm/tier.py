@@ -222,13 +222,20 @@ class KvtierTier(SecondaryTierManager):
     async def _load(self, job: TransferJob) -> None:
         """Verified rows into the pinned primary rows, each copied in once it verified
         (`read_staged`: a read given up on stuck writes into no row vLLM frees and reuses).
-        A row that misses or fails verification is False; vLLM frees its primary row unread."""
+        A row that misses or fails verification is False; vLLM frees its primary row unread,
+        and the row is deleted from the store before the job is reported (a probe after it
+        misses it)."""
         start = time.perf_counter()
         keys = list(job.keys)
         full = self.store_keys(keys)
         rows = self._rows(job.chunk_ids)
         ok = await read_staged(self.breaker, self.store, full, rows)
         answered, ok = ok is not None, ok or [False] * len(keys)
+        bad = [k for k, good in zip(full, ok) if not good]
+        if (
+            answered and bad
+        ):  # missing or corrupt: no later probe finds it, here or elsewhere
+            await guarded(self.breaker, lambda: self.store.delete(bad), 0)
         self._outcomes.put(
             (
                 "job",
@@ -287,7 +294,7 @@ class KvtierTier(SecondaryTierManager):
         else:
             self.counters["store_ok"] += len(good)
             for k in good:
-                self.index.remember(k)
+                self.index.stored(k)
             if good and self._events is not None:
                 self._events.append(
                     OffloadingEvent(
@@ -311,7 +318,8 @@ class KvtierTier(SecondaryTierManager):
         )
 
     def _lost(self, key: OffloadKey) -> None:
-        """A load found `key` missing or bad: announced gone if it was announced stored."""
+        """A load found `key` missing or bad: announced gone if it was announced stored;
+        a MISS from then on (index.py), until this tier stores it again."""
         if key in self.index.present and self._events is not None:
             self._events.append(
                 OffloadingEvent(
@@ -322,7 +330,7 @@ class KvtierTier(SecondaryTierManager):
                     ownership=self.tier_type,
                 )
             )
-        self.index.forget(key)
+        self.index.forget(key, unreadable=True)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._take_outcomes()
