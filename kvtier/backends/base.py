@@ -107,6 +107,9 @@ async def _quietly(task: asyncio.Future) -> BaseException | None:
 
 class Store(ABC):
     name = "store"
+    # True where a call given up on (timed out, its threads abandoned) writes none of the
+    # caller's buffers afterwards (`batch_get_into`): an engine may read into its own memory.
+    reads_end_with_call = False
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         if (

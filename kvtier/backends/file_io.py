@@ -8,17 +8,20 @@ more, then checked (header, length, checksum) before the caller may use the buff
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import itertools
 import os
+import sys
 from functools import partial
-import queue
 import socket
 import stat
 import threading
 import uuid
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvtier.backends import frame, seal
@@ -125,15 +128,16 @@ def _read_upto(fd: int, n: int) -> bytes:
 
 def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     """One thread job of `batch_get_into` for a store with a tenant key: each page of
-    `items` (path, ns, h, view) read and authenticated (and decrypted) by `codec` into its
-    view (`_read_sealed_page`); True, or the FrameError or OSError in its place. Once
-    `stop` is set (the job was abandoned) it reads into no further buffer."""
+    `items` (path, ns, h, view) read and authenticated (and decrypted) by `codec` in this
+    thread's own buffer, then copied into its view (`_read_sealed_page`); True, or the
+    FrameError or OSError in its place. Once `stop` is set (the job was given up on) it
+    writes no further buffer of the caller's (`copy_out`)."""
     out: list = []
     for path, ns, h, view in items:
         if stop is not None and stop.is_set():
             break
         try:
-            _read_sealed_page(codec, path, ns, h, view)
+            _read_sealed_page(codec, path, ns, h, view, stop)
             out.append(True)
         except (FrameError, OSError) as exc:
             out.append(exc)
@@ -147,23 +151,29 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
 _READ_PAGE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
-def _open_page(path: str) -> int:
+def _open_page(path: str) -> tuple[int, int]:
+    """The page file's descriptor and device (`_in_memory`)."""
     fd = os.open(path, _READ_PAGE)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file: not a page", path)
-    return fd
+    return fd, st.st_dev
 
 
-def _read_sealed_page(codec, path: str, ns: str, h: bytes, view: memoryview) -> None:
-    """Header, body and a byte more in one readv: an authenticated page straight into the
-    caller's buffer, an encrypted one into this thread's scratch buffer, decrypted from
-    there (`SealedCodec.read_into`)."""
-    fd = _open_page(path)
+def _read_sealed_page(
+    codec, path: str, ns: str, h: bytes, view: memoryview, stop
+) -> None:
+    """Header, body and a byte more in one readv into this thread's buffers, the page
+    authenticated (an encrypted one decrypted) there (`SealedCodec.read_into`), then
+    copied into the caller's `view` (`copy_out`)."""
+    staged = _staging(len(view))
+    fd, _ = _open_page(path)
     try:
-        codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, view, _scratch)
+        codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, staged, _scratch)
     finally:
         os.close(fd)
+    copy_out(stop, view, staged)
 
 
 def _preadv_all(fd: int, bufs: list, offset: int) -> int:
@@ -189,165 +199,151 @@ _SCRATCH = threading.local()
 def _scratch(n: int) -> memoryview:
     """A buffer of at least `n` bytes that this I/O thread keeps (its biggest page's),
     so an encrypted read does not fault in fresh memory every time."""
-    buf = getattr(_SCRATCH, "buf", None)
+    return _kept("buf", n)
+
+
+def _staging(n: int) -> memoryview:
+    """This I/O thread's buffer of exactly `n` bytes where a page is read and checked
+    before it is copied into the caller's (another than `_scratch`'s)."""
+    return _kept("staging", n)[:n]
+
+
+def _kept(name: str, n: int) -> memoryview:
+    """A buffer of at least `n` bytes this thread keeps under `name`. A thread given up
+    on (stuck) keeps its own: a read it resumes lands there, never in a buffer reused."""
+    buf = getattr(_SCRATCH, name, None)
     if buf is None or len(buf) < n:
-        buf = _SCRATCH.buf = bytearray(n)
+        buf = bytearray(n)
+        setattr(_SCRATCH, name, buf)
     return memoryview(buf)
+
+
+def copy_out(stop, dst: memoryview, src: memoryview) -> None:
+    """Copy a checked page (or part) into the caller's buffer, unless its job was given
+    up on (`_writing`). The copy never blocks (both are memory), and numpy lets the GIL
+    go for a big one."""
+    with _writing(stop):
+        np.copyto(
+            np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+        )
+
+
+@contextlib.contextmanager
+def _writing(stop):
+    """Around a write into the caller's buffer that cannot block: under `stop.writing`
+    (io_threads.StopFlag), which `stop.set()` takes, and only while `stop` is not set, so
+    once the call gave up no byte lands in the buffer, which its owner may reuse at once.
+    OSError (ECANCELED) once it is set."""
+    if stop is None:
+        yield
+        return
+    with stop.writing:
+        if stop.is_set():
+            raise OSError(
+                errno.ECANCELED,
+                "the read was given up on: the caller's buffer is not written",
+            )
+        yield
 
 
 _HASH_CHUNK = (
     1 << 20
 )  # big pages are written in chunks of this many bytes, hashed in cache
-_READ_CHUNK = 2 << 20  # and read in chunks of this many, hashed on a hashing thread
-_HASH_AWAY = 1 << 20  # pages this big are checked on a hashing thread as they are read
+_READ_CHUNK = 256 << 10  # pages are read in chunks of this many bytes, hashed in cache
 
 
-def read_pages_into(hashers, items: list[tuple], stop=None) -> list:
+def read_pages_into(items: list[tuple], stop=None) -> list:
     """One thread job of `batch_get_into`: every page of `items` (path, ns, h, view) read
-    into its view and checked (`_read_page`); True, or the FrameError or OSError in its
-    place. Pages of `_HASH_AWAY` bytes or more are read in chunks that a thread of
-    `hashers` hashes as they arrive (`_Hashing`), while this one reads on: the checksum
-    pass costs a fifth of the read done here, next to nothing that way. The job returns
-    only after its hashing ended: no hashing thread reads the caller's buffers after the
-    call. Once `stop` is set (the job was abandoned) it reads into no further buffer."""
+    and checked into its view (`_read_page`); True, or the FrameError or OSError in its
+    place. Once `stop` is set (the job was given up on) it writes no further buffer of
+    the caller's (`copy_out`)."""
     out: list = []
-    hashing = None
+    for path, ns, h, view in items:
+        if stop is not None and stop.is_set():
+            break
+        try:
+            out.append(_read_page(path, ns, h, view, stop))
+        except (FrameError, OSError) as exc:
+            out.append(exc)
+    return out
+
+
+def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
+    """The header, then the payload in chunks, each hashed while it is in cache, then a
+    check that no byte follows. A file in memory (`_in_memory`) is read straight into
+    `view` (`_read_direct`); any other through this thread's buffer (`_read_staged`),
+    so a read that blocks (a hung mount) blocks into that buffer, and the caller's gets
+    only copies. FrameError where it is not the page asked for (`view` may then hold
+    part of it, which the caller must not use)."""
+    size = len(view)
+    fd, device = _open_page(path)
     try:
-        for path, ns, h, view in items:
-            if stop is not None and stop.is_set():
+        length, checksum = frame.check_header(os.pread(fd, frame.HEADER_SIZE, 0), ns, h)
+        if length != size:
+            raise FrameError(f"page is {length} bytes, the buffer {size}")
+        read = _read_direct if _in_memory(fd, device) else _read_staged
+        hasher, done = xxhash.xxh3_64(), 0
+        while done < size:
+            got = read(fd, view[done : done + _READ_CHUNK], done, hasher, stop)
+            if got == 0:
                 break
-            streamed = hashers is not None and len(view) >= _HASH_AWAY
-            if streamed and hashing is None:
-                hashing = _Hashing(hashers)
-            try:
-                checksum = _read_page(path, ns, h, view, hashing if streamed else None)
-            except OSError as exc:
-                checksum = exc
-            finally:
-                if streamed:
-                    hashing.end_page()
-            if isinstance(checksum, (FrameError, OSError)):
-                out.append(checksum)
-            elif streamed:
-                out.append((checksum, hashing.pages - 1))
-            else:
-                out.append(_checked(checksum, xxhash.xxh3_64_intdigest(view)))
-    finally:
-        digests = hashing.close() if hashing is not None else []
-    return [_checked(r[0], digests[r[1]]) if isinstance(r, tuple) else r for r in out]
-
-
-_END_PAGE = object()
-
-
-class _Hashing:
-    """The xxh3-64 of each page of one reading job, made on a thread of `hashers` from the
-    chunks `update` is given, in order; `end_page()` ends a page, `close()` waits for
-    the digests (one per page). One hashing task per job, never more: it waits only on
-    its own job, so a pool of hashers as big as the I/O pool cannot deadlock. The
-    streaming hasher lets go of the GIL while it hashes (the one-shot
-    `xxh3_64_intdigest` does not)."""
-
-    def __init__(self, hashers) -> None:
-        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
-        self.pages = 0
-        self._digests = hashers.submit(self._run)
-
-    def update(self, chunk: memoryview) -> None:
-        self._chunks.put(chunk)
-
-    def end_page(self) -> None:
-        self._chunks.put(_END_PAGE)
-        self.pages += 1
-
-    def close(self) -> list[int]:
-        self._chunks.put(None)
-        return self._digests.result()
-
-    def _run(self) -> list[int]:
-        digests, hasher = [], xxhash.xxh3_64()
-        while (chunk := self._chunks.get()) is not None:
-            if chunk is _END_PAGE:
-                digests.append(hasher.intdigest())
-                hasher.reset()
-            else:
-                hasher.update(chunk)
-        return digests
-
-
-def _checked(want: int, got: int):
-    return True if got == want else FrameError("checksum mismatch")
-
-
-def _read_page(
-    path: str, ns: str, h: bytes, view: memoryview, hasher=None
-) -> int | FrameError:
-    """Header, payload (straight into the caller's buffer) and one byte more; then the
-    header and the length (no byte more) are checked. With a `hasher`, the payload is read
-    in chunks, each given to it as soon as it is in the buffer. The checksum the payload
-    must have, or why it is not the page asked for (the buffer may then hold garbage,
-    which the caller must not use: `batch_get_into`)."""
-    header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
-    fd = _open_page(path)
-    try:
-        n = (
-            _read_whole(fd, header, view, extra)
-            if hasher is None
-            else _read_chunks(fd, header, view, extra, hasher)
-        )
+            done += got
+        trailing = done == size and os.pread(fd, 1, frame.HEADER_SIZE + size)
     finally:
         os.close(fd)
+    if trailing:
+        raise FrameError("trailing bytes after the payload")
+    if done != size:
+        raise FrameError(f"payload is {done} bytes, the frame says {length}")
+    if hasher.intdigest() != checksum:
+        raise FrameError("checksum mismatch")
+    return True
+
+
+def _read_direct(fd: int, dst: memoryview, at: int, hasher, stop) -> int:
+    """Payload bytes from `at` on straight into the caller's `dst`, under the call's stop
+    flag (`copy_out`'s rule): the file is memory, so the read cannot block."""
+    with _writing(stop):
+        got = os.preadv(fd, [dst], frame.HEADER_SIZE + at)
+    hasher.update(dst[:got])
+    return got
+
+
+def _read_staged(fd: int, dst: memoryview, at: int, hasher, stop) -> int:
+    """Payload bytes from `at` on into this thread's buffer, hashed there, then copied
+    into the caller's `dst` (`copy_out`)."""
+    buf = _staging(len(dst))
+    got = os.preadv(fd, [buf], frame.HEADER_SIZE + at)
+    hasher.update(buf[:got])
+    copy_out(stop, dst[:got], buf[:got])
+    return got
+
+
+# Filesystems whose files are memory (tmpfs, ramfs): a read of one cannot block on a
+# device or a server, so it may go straight into the caller's buffer.
+_MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
+_IN_MEMORY: dict[int, bool] = {}  # st_dev -> its filesystem is memory
+
+
+def _in_memory(fd: int, device: int) -> bool:
+    known = _IN_MEMORY.get(device)
+    if known is None:
+        known = _IN_MEMORY[device] = _fs_type(fd) in _MEMORY_FILESYSTEMS
+    return known
+
+
+def _fs_type(fd: int) -> int | None:
+    """`fstatfs(fd).f_type` (Linux), or None where it cannot be asked."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        length, checksum = frame.check_header(header[:n], ns, h)
-        if length != len(view):
-            raise FrameError(f"page is {length} bytes, the buffer {len(view)}")
-        if n != frame.HEADER_SIZE + length:
-            raise FrameError(
-                "trailing bytes after the payload"
-                if n > frame.HEADER_SIZE + length
-                else f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}"
-            )
-    except FrameError as exc:
-        return exc
-    return checksum
-
-
-def _read_whole(fd: int, header: bytearray, view: memoryview, extra: bytearray) -> int:
-    """One readv of header, payload and a byte more (short reads go on); bytes read."""
-    n = os.readv(fd, [header, view, extra])
-    while frame.HEADER_SIZE <= n < frame.HEADER_SIZE + len(view):
-        got = os.preadv(fd, [view[n - frame.HEADER_SIZE :], extra], n)
-        if got == 0:
-            break
-        n += got
-    return n
-
-
-def _read_chunks(
-    fd: int, header: bytearray, view: memoryview, extra: bytearray, hasher
-) -> int:
-    """The header, then the payload in chunks (each given to `hasher`), then a byte more;
-    bytes read. A page of one chunk is read whole (one readv, as `_read_whole`)."""
-    if len(view) <= _READ_CHUNK:
-        n = _read_whole(fd, header, view, extra)
-        hasher.update(
-            view
-        )  # a short read fails the length check: its digest goes unused
-        return n
-    n = os.readv(fd, [header, view[:_READ_CHUNK]])
-    if n < frame.HEADER_SIZE:
-        return n
-    got = n - frame.HEADER_SIZE
-    hasher.update(view[:got])
-    while got < len(view):
-        k = os.preadv(fd, [view[got : got + _READ_CHUNK]], frame.HEADER_SIZE + got)
-        if k == 0:
-            break
-        hasher.update(view[got : got + k])
-        got += k
-    if got == len(view):
-        got += os.preadv(fd, [extra], frame.HEADER_SIZE + got)
-    return frame.HEADER_SIZE + got
+        libc = ctypes.CDLL(None, use_errno=True)
+        out = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
+        if libc.fstatfs(fd, out) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return ctypes.c_long.from_buffer(out).value
 
 
 def _parent(path: str) -> str:

@@ -50,10 +50,20 @@ class Probe:
 
 
 class LookupIndex:
-    def __init__(self, capacity: int) -> None:
+    """`lookup` answers `hit`, `miss` or `retry` (the engine's own values, so the caller
+    maps nothing per key; `Answer`'s by default)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        hit: object = Answer.HIT,
+        miss: object = Answer.MISS,
+        retry: object = Answer.RETRY,
+    ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"index_keys={capacity!r}: must be an integer >= 1")
         self.capacity = capacity
+        self._hit, self._miss, self._retry = hit, miss, retry
         self.present: OrderedDict[bytes, None] = OrderedDict()
         self.verdicts: dict[bytes, Verdict] = {}
         self.unreadable: OrderedDict[bytes, None] = OrderedDict()
@@ -63,11 +73,12 @@ class LookupIndex:
         self.in_flight = 0  # probes sent and not yet applied
         self.probes = self.probe_keys = self.hits = self.misses = self.retries = 0
 
-    def lookup(self, key: bytes, request_id: str) -> Answer:
+    def lookup(self, key: bytes, request_id: str):
+        """HIT, MISS or RETRY (as given to the constructor): a dict lookup or two."""
         if key in self.present:
             self.present.move_to_end(key)
             self.hits += 1
-            return Answer.HIT
+            return self._hit
         verdict = self.verdicts.get(key)
         if verdict is None:
             verdict = self.verdicts[key] = Verdict(self._next_generation)
@@ -79,15 +90,19 @@ class LookupIndex:
                     (key, verdict.generation)
                 )
         verdict.requests.add(request_id)
-        self._by_request.setdefault(request_id, set()).add(key)
-        if verdict.found is None:
+        asked = self._by_request.get(request_id)
+        if asked is None:
+            asked = self._by_request[request_id] = set()
+        asked.add(key)
+        found = verdict.found
+        if found is None:
             self.retries += 1
-            return Answer.RETRY
-        if verdict.found:
+            return self._retry
+        if found:
             self.hits += 1
-            return Answer.HIT
+            return self._hit
         self.misses += 1
-        return Answer.MISS
+        return self._miss
 
     def take_probes(self) -> list[Probe]:
         """The probes to send now: one per request that queued keys this step."""
