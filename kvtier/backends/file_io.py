@@ -8,7 +8,6 @@ more, then checked (header, length, checksum) before the caller may use the buff
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import itertools
@@ -166,11 +165,18 @@ def _read_sealed_page(
 ) -> None:
     """Header, body and a byte more in one readv into this thread's buffers, the page
     authenticated (an encrypted one decrypted) there (`SealedCodec.read_into`), then
-    copied into the caller's `view` (`copy_out`)."""
-    staged = _staging(len(view))
-    fd, _ = _open_page(path)
+    copied into the caller's `view` (`copy_out`); a file in memory (`_in_memory`) is
+    read and checked in `view` itself, under the call's stop flag (`_writing`): neither
+    the read nor the check can block."""
+    fd, device = _open_page(path)
     try:
-        codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, staged, _scratch)
+        read = lambda bufs: _preadv_all(fd, bufs, 0)
+        if _in_memory(fd, device):
+            with _writing(stop):
+                codec.read_into(read, ns, h, view, _scratch)
+            return
+        staged = _staging(len(view))
+        codec.read_into(read, ns, h, staged, _scratch)
     finally:
         os.close(fd)
     copy_out(stop, view, staged)
@@ -228,22 +234,32 @@ def copy_out(stop, dst: memoryview, src: memoryview) -> None:
         )
 
 
-@contextlib.contextmanager
-def _writing(stop):
+class _writing:
     """Around a write into the caller's buffer that cannot block: under `stop.writing`
     (io_threads.StopFlag), which `stop.set()` takes, and only while `stop` is not set, so
     once the call gave up no byte lands in the buffer, which its owner may reuse at once.
-    OSError (ECANCELED) once it is set."""
-    if stop is None:
-        yield
-        return
-    with stop.writing:
-        if stop.is_set():
-            raise OSError(
-                errno.ECANCELED,
-                "the read was given up on: the caller's buffer is not written",
-            )
-        yield
+    OSError (ECANCELED) once it is set. (A class: a generator context costs microseconds
+    a chunk.)"""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, stop) -> None:
+        self.lock = None if stop is None else stop.writing
+        if self.lock is not None:
+            self.lock.acquire()
+            if stop.is_set():
+                self.lock.release()
+                raise OSError(
+                    errno.ECANCELED,
+                    "the read was given up on: the caller's buffer is not written",
+                )
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 _HASH_CHUNK = (
@@ -269,54 +285,51 @@ def read_pages_into(items: list[tuple], stop=None) -> list:
 
 
 def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
-    """The header, then the payload in chunks, each hashed while it is in cache, then a
-    check that no byte follows. A file in memory (`_in_memory`) is read straight into
-    `view` (`_read_direct`); any other through this thread's buffer (`_read_staged`),
-    so a read that blocks (a hung mount) blocks into that buffer, and the caller's gets
-    only copies. FrameError where it is not the page asked for (`view` may then hold
-    part of it, which the caller must not use)."""
-    size = len(view)
+    """The payload in chunks (the header read with the first, a byte more with the last:
+    none may follow), each hashed while it is in cache. A file in memory (`_in_memory`)
+    is read straight into `view`, under the call's stop flag (`_writing`); any other
+    through this thread's buffer, copied in (`copy_out`), so a read that blocks (a hung
+    mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
+    may then hold part of it, which the caller must not use)."""
+    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
     fd, device = _open_page(path)
     try:
-        length, checksum = frame.check_header(os.pread(fd, frame.HEADER_SIZE, 0), ns, h)
-        if length != size:
-            raise FrameError(f"page is {length} bytes, the buffer {size}")
-        read = _read_direct if _in_memory(fd, device) else _read_staged
-        hasher, done = xxhash.xxh3_64(), 0
-        while done < size:
-            got = read(fd, view[done : done + _READ_CHUNK], done, hasher, stop)
-            if got == 0:
-                break
+        buf = None if _in_memory(fd, device) else _staging(min(_READ_CHUNK, size))
+        hasher, done, at = xxhash.xxh3_64(), 0, 0
+        while True:
+            k = min(_READ_CHUNK, size - done)
+            into = view[done : done + k] if buf is None else buf[:k]
+            last = done + k == size
+            bufs = ([header] if done == 0 else []) + [into] + ([extra] if last else [])
+            if buf is None:
+                with _writing(stop):
+                    n = _preadv_all(fd, bufs, at)
+            else:
+                n = _preadv_all(fd, bufs, at)
+            at += n
+            if done == 0:
+                length, checksum = frame.check_header(
+                    header[: min(n, frame.HEADER_SIZE)], ns, h
+                )
+                if length != size:
+                    raise FrameError(f"page is {length} bytes, the buffer {size}")
+                n -= frame.HEADER_SIZE
+            got = min(n, k)
+            if n > k:
+                raise FrameError("trailing bytes after the payload")
+            hasher.update(into[:got])
+            if buf is not None:
+                copy_out(stop, view[done : done + got], into[:got])
             done += got
-        trailing = done == size and os.pread(fd, 1, frame.HEADER_SIZE + size)
+            if got < k or last:
+                break
     finally:
         os.close(fd)
-    if trailing:
-        raise FrameError("trailing bytes after the payload")
     if done != size:
         raise FrameError(f"payload is {done} bytes, the frame says {length}")
     if hasher.intdigest() != checksum:
         raise FrameError("checksum mismatch")
     return True
-
-
-def _read_direct(fd: int, dst: memoryview, at: int, hasher, stop) -> int:
-    """Payload bytes from `at` on straight into the caller's `dst`, under the call's stop
-    flag (`copy_out`'s rule): the file is memory, so the read cannot block."""
-    with _writing(stop):
-        got = os.preadv(fd, [dst], frame.HEADER_SIZE + at)
-    hasher.update(dst[:got])
-    return got
-
-
-def _read_staged(fd: int, dst: memoryview, at: int, hasher, stop) -> int:
-    """Payload bytes from `at` on into this thread's buffer, hashed there, then copied
-    into the caller's `dst` (`copy_out`)."""
-    buf = _staging(len(dst))
-    got = os.preadv(fd, [buf], frame.HEADER_SIZE + at)
-    hasher.update(buf[:got])
-    copy_out(stop, dst[:got], buf[:got])
-    return got
 
 
 # Filesystems whose files are memory (tmpfs, ramfs): a read of one cannot block on a
@@ -431,7 +444,14 @@ def _write_page(fd: int, page: frame.Frame) -> None:
             _write_all(fd, chunk, frame.HEADER_SIZE + off)
         _write_all(fd, memoryview(page.header_with(hasher.intdigest())), 0)
         return
-    header, payload = page  # a sealed page's body is its ciphertext
+    if (
+        not page.codec.keyed
+    ):  # the streaming hasher lets the GIL go, the one-shot does not
+        hasher = xxhash.xxh3_64()
+        hasher.update(payload)
+        header = page.header_with(hasher.intdigest())
+    else:
+        header, payload = page  # a sealed page's body is its ciphertext
     n = os.writev(fd, [header, payload])
     if n < len(header) + len(payload):  # a short write: finish the rest
         rest = (

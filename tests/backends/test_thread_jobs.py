@@ -195,3 +195,43 @@ def test_pages_in_memory_are_read_straight_in(tmp_path):
             assert file_io._in_memory(fd, device)
         finally:
             os.close(fd)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_sealed_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
+    encrypt, tmp_path, monkeypatch
+):
+    """With a tenant key a page is read and authenticated in the I/O thread's buffer and
+    copied in only if the call still wants it: given up on during the read, the caller's
+    buffer stays untouched."""
+    import os
+    import threading
+
+    from kvtier.backends import file_io
+    from kvtier.backends.io_threads import StopFlag
+    from kvtier.backends.seal import SealedCodec
+    from kvtier.tenant_keys import parse_keys
+
+    codec = SealedCodec(parse_keys("a1" * 32, "test").current_only(), encrypt)
+    ns, h, payload = "ab" * 16, bytes([3]) * 32, os.urandom(3 * file_io._READ_CHUNK)
+    header, body = codec.seal(ns, h, payload)
+    path = tmp_path / "page"
+    path.write_bytes(bytes(header) + bytes(body))
+    stop, buf = StopFlag(), bytearray(len(payload))
+    real = os.preadv
+
+    def read_then_give_up(fd, bufs, offset, *flags):
+        n = real(fd, bufs, offset, *flags)
+        threading.Event.set(stop)  # the call gave up while the page was read
+        return n
+
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: False)
+    assert file_io.read_sealed_into(codec, [(str(path), ns, h, memoryview(buf))]) == [
+        True
+    ]
+    assert buf == payload
+    buf[:] = bytes(len(buf))
+    monkeypatch.setattr(os, "preadv", read_then_give_up)
+    [got] = file_io.read_sealed_into(codec, [(str(path), ns, h, memoryview(buf))], stop)
+    assert isinstance(got, OSError) and "given up on" in str(got)
+    assert buf == bytes(len(buf))
