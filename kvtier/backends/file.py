@@ -226,15 +226,18 @@ class FileStore(Store):
         return out
 
     async def _run_jobs(self, jobs: list[tuple]) -> list:
-        """Each `(fn, items)` as one thread job, `fn(stop)`; their results. A job still stuck
+        """Each `(fn, items)` as one thread job, `fn(stop)` (a StopFlag of its own); their results. A job still stuck
         `timeout_s` after the call's own timeout is abandoned (io_threads.py): the keys of its
         items (their first element, a key or a path) are never asked again by this process."""
-        stop = StopFlag()
-        cfs = [self._pool.submit(fn, stop) for fn, _ in jobs]
+        stops = [
+            StopFlag() for _ in jobs
+        ]  # one each: a job's copies never wait on another's
+        cfs = [self._pool.submit(fn, stop) for (fn, _), stop in zip(jobs, stops)]
         self._calls_in_flight += 1
 
         def give_up() -> int:
-            stop.set()
+            for stop in stops:
+                stop.set()
             for _, items in jobs:
                 for item in items:
                     self._hang(item[0] if isinstance(item, tuple) else item)

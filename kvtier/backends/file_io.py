@@ -301,9 +301,9 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
             into = view[done : done + k] if buf is None else buf[:k]
             last = done + k == size
             bufs = ([header] if done == 0 else []) + [into] + ([extra] if last else [])
-            if buf is None:
+            if buf is None:  # memory: a read short of what was asked ended the file
                 with _writing(stop):
-                    n = _preadv_all(fd, bufs, at)
+                    n = os.preadv(fd, bufs, at)
             else:
                 n = _preadv_all(fd, bufs, at)
             at += n

@@ -597,3 +597,15 @@ def test_a_malformed_tenant_key_is_refused_without_showing_it():
     with pytest.raises(ValueError, match="tenant_key") as err:
         rt.Rig({"store": {"backend": "file"}, "namespace": {"tenant_key": bad}})
     assert bad not in str(err.value) and not leaks_key(str(err.value))
+
+
+def test_the_file_store_gets_a_thread_for_each_job_in_flight(tmp_path, rigs):
+    """The file store's default keeps half the cores for an engine's scheduler: one I/O
+    thread on two cores for every job vLLM keeps in flight, where vLLM's own fs tier gives
+    each job a thread. The tier raises it to JOB_THREADS; a larger setting is kept."""
+    from kvtier.integrations.vllm.tier import JOB_THREADS
+
+    section = {"backend": "file", "root": str(tmp_path / "l3")}
+    assert rigs(conf(section)).tier.store.config.max_concurrency == JOB_THREADS
+    more = {**section, "max_concurrency": JOB_THREADS + 4}
+    assert rigs(conf(more)).tier.store.config.max_concurrency == JOB_THREADS + 4

@@ -57,9 +57,8 @@ from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_name
 log = logging.getLogger(__name__)
 
 
-JOB_THREADS = (
-    8  # the file store's I/O threads at least: vLLM keeps several jobs in flight
-)
+# the file store's I/O threads at least: vLLM keeps several jobs in flight
+JOB_THREADS = 8
 
 
 def with_job_threads(options):
