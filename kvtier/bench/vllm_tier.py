@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import itertools
 import os
 import tempfile
@@ -213,8 +212,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p.add_argument("--dir", default="/dev/shm", help="fs: where both tiers' files go")
     p.add_argument("--only", nargs="*", choices=["file", "redis"], help="store names")
     args = p.parse_args(argv)
-    if importlib.util.find_spec("vllm") is None:
-        print(f"vllm tier: skipped, vLLM is not installed ({INSTALL_HINT})")
+    try:
+        import vllm.v1.kv_offload.tiering.spec  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"vllm tier: skipped, vLLM's tiering does not import ({exc}; {INSTALL_HINT})"
+        )
         return
     if args.baseline == "fs":
         from kvtier.bench.vllm_fs import run as run_fs
