@@ -292,7 +292,15 @@ class FileStore(Store):
             job, [(self._file(k), ns, h, v) for k, ns, h, v in items]
         )
         results = dict(zip([it[0] for it in items], got))
-        return [self._after_read(k, results.get(k)) for k in keys]
+        return [self._read_into_result(k, results.get(k)) for k in keys]
+
+    def _read_into_result(self, key: str, result):
+        """`_after_read`, except that an error other than the file missing stays itself:
+        `batch_get_into` tells its caller the page may be good (`errors`)."""
+        after = self._after_read(key, result)
+        if isinstance(result, OSError) and not isinstance(result, FileNotFoundError):
+            return result
+        return after
 
     def _after_read(self, key: str, result):
         """A page that cannot be read is a miss and leaves the index (it would fail again)."""

@@ -136,6 +136,7 @@ async def read_staged(
     keys: list[str],
     views: list[memoryview],
     pool: StagingPool | None = None,
+    errors: set[str] | None = None,
 ) -> list[bool] | None:
     """`store.batch_get_into(keys, views)` behind the breaker, never writing an engine's
     `views` once the call was given up on stuck (a hung mount: the engine frees and
@@ -145,16 +146,18 @@ async def read_staged(
     copied into `views` only for pages that verified, once the call returned. A `views`
     entry whose page failed may hold garbage. None: the call failed as a whole (the
     breaker skipped the store, a timeout, an error), which says nothing of whether the
-    store holds the pages."""
+    store holds the pages; nor does a key put in `errors` (`Store.batch_get_into`)."""
     if store.reads_end_with_call:
-        return await guarded(breaker, lambda: store.batch_get_into(keys, views), None)
+        return await guarded(
+            breaker, lambda: store.batch_get_into(keys, views, errors), None
+        )
     staged = [
         np.empty(len(v), dtype=np.uint8) if pool is None else pool.take(len(v))
         for v in views
     ]
     ok = await guarded(
         breaker,
-        lambda: store.batch_get_into(keys, [memoryview(s) for s in staged]),
+        lambda: store.batch_get_into(keys, [memoryview(s) for s in staged], errors),
         None,
     )
     for view, page, good in zip(views, staged, ok or []):

@@ -359,6 +359,46 @@ def test_a_block_that_fails_verification_is_forgotten(kind, request, tmp_path, r
     assert names(seen) == [["HIT_PENDING", "HIT"]] and got == again
 
 
+def test_a_row_a_transient_error_kept_from_being_read_is_not_deleted(
+    request, tmp_path, rigs, monkeypatch
+):
+    """A row the file store could not read for a passing reason (too many open files) was
+    taken for a bad one: deleted from the store and remembered unreadable, a good block
+    lost. Nothing is learnt of such a row: its promotion fails, the file stays, and the
+    next request's probe finds it and promotes it."""
+    import errno
+
+    from kvtier.backends import file_io
+    from kvtier.hashing import make_key
+    from kvtier.integrations.vllm.keys import page_hash_of
+
+    cfg = conf(store_section("file", request, tmp_path))
+    keys = new_keys(3)
+    written = rigs(cfg).store(keys)
+    reader = rigs(cfg)
+    t = reader.tier
+    busy = make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1]))
+    failing = {t.store._file(busy)}
+    real = file_io._open_page
+
+    def open_page(path):
+        if path in failing:
+            failing.discard(path)
+            raise OSError(errno.EMFILE, "Too many open files", path)
+        return real(path)
+
+    monkeypatch.setattr(file_io, "_open_page", open_page)
+    seen, got = reader.load(keys)
+    assert not failing  # the error was met
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    assert t._loop.run(t.store.batch_exists([busy])) == 1
+    assert t.index.stats()["index_unreadable"] == 0
+    reader.mgr.reset_cache()
+    reader.mgr.on_reset_flushed()
+    seen, got = reader.load(keys, "next")
+    assert got == written
+
+
 def test_a_black_hole_store_does_not_stall_lookup(rigs):
     """A redis endpoint that accepts and never answers: lookup answers RETRY at once while
     the probe waits out its timeout, then MISS; once the breaker is open, stores fail fast

@@ -81,6 +81,9 @@ class _Done:
     seconds: float
     nbytes: int
     answered: bool = True  # False: the call failed as a whole (breaker, timeout): nothing learnt of its keys
+    unknown: frozenset = (
+        frozenset()
+    )  # keys whose read failed on an error: nothing learnt of them
 
 
 class KvtierTier(SecondaryTierManager):
@@ -249,9 +252,12 @@ class KvtierTier(SecondaryTierManager):
         keys = list(job.keys)
         full = self.store_keys(keys)
         rows = self._rows(job.chunk_ids)
-        ok = await read_staged(self.breaker, self.store, full, rows, self._staging)
+        errors: set[str] = set()
+        ok = await read_staged(
+            self.breaker, self.store, full, rows, self._staging, errors
+        )
         answered, ok = ok is not None, ok or [False] * len(keys)
-        bad = [k for k, good in zip(full, ok) if not good]
+        bad = [k for k, good in zip(full, ok) if not good and k not in errors]
         if (
             answered and bad
         ):  # missing or corrupt: no later probe finds it, here or elsewhere
@@ -265,6 +271,7 @@ class KvtierTier(SecondaryTierManager):
                     time.perf_counter() - start,
                     sum(ok) * self.block_size_bytes,
                     answered,
+                    frozenset(k for k, f in zip(keys, full) if f in errors),
                 ),
             )
         )
@@ -325,9 +332,9 @@ class KvtierTier(SecondaryTierManager):
             for k, g in zip(keys, ok):
                 if g:
                     self.index.remember(k)
-                elif done.answered:
+                elif done.answered and k not in done.unknown:
                     self._lost(k)
-                else:  # the call failed as a whole: recomputed, not promoted again, not announced gone
+                else:  # the call failed as a whole, or this row on an error: recomputed, not promoted again, not announced gone
                     self.index.forget(k)
             partial = None if all(ok) else good
         else:
