@@ -150,14 +150,12 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
 _READ_PAGE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
-def _open_page(path: str) -> tuple[int, int]:
-    """The page file's descriptor and device (`_in_memory`)."""
+def _open_page(path: str) -> int:
     fd = os.open(path, _READ_PAGE)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file: not a page", path)
-    return fd, st.st_dev
+    return fd
 
 
 def _read_sealed_page(
@@ -168,10 +166,10 @@ def _read_sealed_page(
     copied into the caller's `view` (`copy_out`); a file in memory (`_in_memory`) is
     read and checked in `view` itself, under the call's stop flag (`_writing`): neither
     the read nor the check can block."""
-    fd, device = _open_page(path)
+    fd = _open_page(path)
     try:
         read = lambda bufs: _preadv_all(fd, bufs, 0)
-        if _in_memory(fd, device):
+        if _in_memory(fd):
             with _writing(stop):
                 codec.read_into(read, ns, h, view, _scratch)
             return
@@ -292,9 +290,9 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
     mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
     may then hold part of it, which the caller must not use)."""
     size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
-    fd, device = _open_page(path)
+    fd = _open_page(path)
     try:
-        buf = None if _in_memory(fd, device) else _staging(min(_READ_CHUNK, size))
+        buf = None if _in_memory(fd) else _staging(min(_READ_CHUNK, size))
         hasher, done, at = xxhash.xxh3_64(), 0, 0
         while True:
             k = min(_READ_CHUNK, size - done)
@@ -335,14 +333,16 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
 # Filesystems whose files are memory (tmpfs, ramfs): a read of one cannot block on a
 # device or a server, so it may go straight into the caller's buffer.
 _MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
-_IN_MEMORY: dict[int, bool] = {}  # st_dev -> its filesystem is memory
 
 
-def _in_memory(fd: int, device: int) -> bool:
-    known = _IN_MEMORY.get(device)
-    if known is None:
-        known = _IN_MEMORY[device] = _fs_type(fd) in _MEMORY_FILESYSTEMS
-    return known
+def _in_memory(fd: int) -> bool:
+    """Whether the open file `fd` is on such a filesystem: asked of each file, never
+    remembered by device number, which names a filesystem only while it is mounted (an
+    NFS mount made after a tmpfs was unmounted may get its anonymous number)."""
+    return _fs_type(fd) in _MEMORY_FILESYSTEMS
+
+
+_LIBC: list = []  # the C library, once loaded
 
 
 def _fs_type(fd: int) -> int | None:
@@ -350,7 +350,9 @@ def _fs_type(fd: int) -> int | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        libc = _LIBC[0]
         out = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
         if libc.fstatfs(fd, out) != 0:
             return None
