@@ -1,4 +1,5 @@
-"""The vLLM tier against its store called directly. See kvtier/bench/vllm_tier.py."""
+"""The vLLM tier against vLLM's own fs tier (or its store called directly). See
+kvtier/bench/vllm_tier.py."""
 
 from kvtier.bench.vllm_tier import main
 

@@ -113,6 +113,9 @@ async def _quietly(task: asyncio.Future) -> BaseException | None:
 
 class Store(ABC):
     name = "store"
+    # True where a call given up on (timed out, its threads abandoned) writes none of the
+    # caller's buffers afterwards (`batch_get_into`): an engine may read into its own memory.
+    reads_end_with_call = False
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         if (
@@ -181,12 +184,18 @@ class Store(ABC):
         return out
 
     async def batch_get_into(
-        self, keys: Sequence[str], buffers: Sequence[memoryview]
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        errors: set[str] | None = None,
     ) -> list[bool]:
         """Read each page's payload into the caller's writable buffer (a host page view).
 
         True where the buffer now holds the verified page; False for a miss. A False buffer
-        may hold garbage: the caller must not use it.
+        may hold garbage: the caller must not use it. `errors`, where given, gets the keys
+        whose read failed for a reason that says nothing of the page (an I/O error such as
+        too many open files): the store may well hold it, good, so it must not be
+        deleted or taken for bad.
         """
         parsed = self._check(keys)
         if len(buffers) != len(keys):
@@ -200,6 +209,8 @@ class Store(ABC):
             "batch_get_into", self._get_into(list(keys), parsed, views)
         )
         results = self._one_each("batch_get_into", results, len(keys))
+        if errors is not None:
+            errors.update(k for k, r in zip(keys, results) if isinstance(r, OSError))
         return [
             self._count_read(k, r, len(v)) is not None
             for k, r, v in zip(keys, results, views)
@@ -534,7 +545,9 @@ class Store(ABC):
 
     def _count_read(self, key: str, result: IntoResult, nbytes: int = 0):
         self.counters.gets += 1
-        if result is None:
+        if result is None or isinstance(
+            result, OSError
+        ):  # an error: counted by the store
             self.counters.misses += 1
             return None
         if isinstance(result, FrameError):

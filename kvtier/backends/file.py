@@ -21,7 +21,6 @@ import errno
 import fcntl
 import os
 import socket
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from kvtier.backends.file_io import (
     write_pages,
     write_small,
 )
-from kvtier.backends.io_threads import IoThreads, settle_jobs
+from kvtier.backends.io_threads import IoThreads, StopFlag, settle_jobs
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 from kvtier.validate import check_positive, io_threads
@@ -78,6 +77,7 @@ class FileStoreConfig:
 class FileStore(Store):
     config_class = FileStoreConfig
     name = "file"
+    reads_end_with_call = True  # file_io.copy_out: an abandoned read writes no buffer
 
     def __init__(
         self, config: FileStoreConfig = FileStoreConfig(), timeout_s: float = 30.0
@@ -96,6 +96,9 @@ class FileStore(Store):
             0  # pages evicted because the disk filled before the capacity
         )
         self._hung: set[str] = set()  # keys of calls abandoned stuck: never asked again
+        self._calls_in_flight = (
+            0  # calls whose thread jobs run (`_jobs` shares the pool)
+        )
         self._inside = InsideRoot(
             self._root_str, self.complain
         )  # page directories checked to stay under it
@@ -113,8 +116,6 @@ class FileStore(Store):
             ) from None
         # daemon threads: a call stuck in the kernel (a hung mount) is abandoned, not waited on
         self._pool = IoThreads(config.max_concurrency, "kvtier-file")
-        # checksums of big pages read, made while the I/O threads read the next (file_io)
-        self._hashers = IoThreads(config.max_concurrency, "kvtier-file-hash")
 
     @contextlib.contextmanager
     def _shared(self):
@@ -212,9 +213,12 @@ class FileStore(Store):
         return await self._jobs(partial(run_all, fn), items)
 
     async def _jobs(self, job, items: list[tuple]) -> list:
-        """`job(share)` over `items` split into `max_concurrency` thread jobs; the results,
-        one per item, in order."""
-        groups = min(self.config.max_concurrency, len(items))
+        """`job(share)` over `items` split into thread jobs; the results, one per item, in
+        order. The threads are shared by the calls in flight: each call takes its share
+        (`max_concurrency` over the calls running), at least one, so one call alone uses
+        them all and many at once cost no more thread jobs than there are threads."""
+        share = max(1, self.config.max_concurrency // (self._calls_in_flight + 1))
+        groups = min(share, len(items))
         done = await self._run_jobs(
             [(partial(job, items[g::groups]), items[g::groups]) for g in range(groups)]
         )
@@ -224,22 +228,29 @@ class FileStore(Store):
         return out
 
     async def _run_jobs(self, jobs: list[tuple]) -> list:
-        """Each `(fn, items)` as one thread job, `fn(stop)`; their results. A job still stuck
+        """Each `(fn, items)` as one thread job, `fn(stop)` (a StopFlag of its own); their results. A job still stuck
         `timeout_s` after the call's own timeout is abandoned (io_threads.py): the keys of its
         items (their first element, a key or a path) are never asked again by this process."""
-        stop = threading.Event()
-        cfs = [self._pool.submit(fn, stop) for fn, _ in jobs]
+        stops = [
+            StopFlag() for _ in jobs
+        ]  # one each: a job's copies never wait on another's
+        cfs = [self._pool.submit(fn, stop) for (fn, _), stop in zip(jobs, stops)]
+        self._calls_in_flight += 1
 
         def give_up() -> int:
-            stop.set()
+            for stop in stops:
+                stop.set()
             for _, items in jobs:
                 for item in items:
                     self._hang(item[0] if isinstance(item, tuple) else item)
             return self._pool.abandon(cfs)
 
-        return await settle_jobs(
-            [asyncio.wrap_future(cf) for cf in cfs], self.timeout_s, give_up
-        )
+        try:
+            return await settle_jobs(
+                [asyncio.wrap_future(cf) for cf in cfs], self.timeout_s, give_up
+            )
+        finally:
+            self._calls_in_flight -= 1
 
     def _hang(self, key_or_path: str) -> None:
         key = (
@@ -277,13 +288,21 @@ class FileStore(Store):
         job = (
             partial(read_sealed_into, self.codec)
             if self.codec.keyed
-            else partial(read_pages_into, self._hashers)
+            else read_pages_into
         )
         got = await self._jobs(
             job, [(self._file(k), ns, h, v) for k, ns, h, v in items]
         )
         results = dict(zip([it[0] for it in items], got))
-        return [self._after_read(k, results.get(k)) for k in keys]
+        return [self._read_into_result(k, results.get(k)) for k in keys]
+
+    def _read_into_result(self, key: str, result):
+        """`_after_read`, except that an error other than the file missing stays itself:
+        `batch_get_into` tells its caller the page may be good (`errors`)."""
+        after = self._after_read(key, result)
+        if isinstance(result, OSError) and not isinstance(result, FileNotFoundError):
+            return result
+        return after
 
     def _after_read(self, key: str, result):
         """A page that cannot be read is a miss and leaves the index (it would fail again)."""
@@ -439,7 +458,6 @@ class FileStore(Store):
     async def _close(self) -> None:
         """Threads not stuck are joined (within `timeout_s` in all); stuck ones are left."""
         self._pool.shutdown(wait=True, timeout=self.timeout_s)
-        self._hashers.shutdown(wait=True, timeout=self.timeout_s)
 
     def touch(self, keys) -> None:
         for key in keys:

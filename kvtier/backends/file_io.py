@@ -8,17 +8,19 @@ more, then checked (header, length, checksum) before the caller may use the buff
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import os
+import sys
 from functools import partial
-import queue
 import socket
 import stat
 import threading
 import uuid
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvtier.backends import frame, seal
@@ -125,15 +127,16 @@ def _read_upto(fd: int, n: int) -> bytes:
 
 def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     """One thread job of `batch_get_into` for a store with a tenant key: each page of
-    `items` (path, ns, h, view) read and authenticated (and decrypted) by `codec` into its
-    view (`_read_sealed_page`); True, or the FrameError or OSError in its place. Once
-    `stop` is set (the job was abandoned) it reads into no further buffer."""
+    `items` (path, ns, h, view) read and authenticated (and decrypted) by `codec` in this
+    thread's own buffer, then copied into its view (`_read_sealed_page`); True, or the
+    FrameError or OSError in its place. Once `stop` is set (the job was given up on) it
+    writes no further buffer of the caller's (`copy_out`)."""
     out: list = []
     for path, ns, h, view in items:
         if stop is not None and stop.is_set():
             break
         try:
-            _read_sealed_page(codec, path, ns, h, view)
+            _read_sealed_page(codec, path, ns, h, view, stop)
             out.append(True)
         except (FrameError, OSError) as exc:
             out.append(exc)
@@ -155,15 +158,26 @@ def _open_page(path: str) -> int:
     return fd
 
 
-def _read_sealed_page(codec, path: str, ns: str, h: bytes, view: memoryview) -> None:
-    """Header, body and a byte more in one readv: an authenticated page straight into the
-    caller's buffer, an encrypted one into this thread's scratch buffer, decrypted from
-    there (`SealedCodec.read_into`)."""
+def _read_sealed_page(
+    codec, path: str, ns: str, h: bytes, view: memoryview, stop
+) -> None:
+    """Header, body and a byte more in one readv into this thread's buffers, the page
+    authenticated (an encrypted one decrypted) there (`SealedCodec.read_into`), then
+    copied into the caller's `view` (`copy_out`); a file in memory (`_in_memory`) is
+    read and checked in `view` itself, under the call's stop flag (`_writing`): neither
+    the read nor the check can block."""
     fd = _open_page(path)
     try:
-        codec.read_into(lambda bufs: _preadv_all(fd, bufs, 0), ns, h, view, _scratch)
+        read = lambda bufs: _preadv_all(fd, bufs, 0)
+        if _in_memory(fd):
+            with _writing(stop):
+                codec.read_into(read, ns, h, view, _scratch)
+            return
+        staged = _staging(len(view))
+        codec.read_into(read, ns, h, staged, _scratch)
     finally:
         os.close(fd)
+    copy_out(stop, view, staged)
 
 
 def _preadv_all(fd: int, bufs: list, offset: int) -> int:
@@ -189,165 +203,162 @@ _SCRATCH = threading.local()
 def _scratch(n: int) -> memoryview:
     """A buffer of at least `n` bytes that this I/O thread keeps (its biggest page's),
     so an encrypted read does not fault in fresh memory every time."""
-    buf = getattr(_SCRATCH, "buf", None)
+    return _kept("buf", n)
+
+
+def _staging(n: int) -> memoryview:
+    """This I/O thread's buffer of exactly `n` bytes where a page is read and checked
+    before it is copied into the caller's (another than `_scratch`'s)."""
+    return _kept("staging", n)[:n]
+
+
+def _kept(name: str, n: int) -> memoryview:
+    """A buffer of at least `n` bytes this thread keeps under `name`. A thread given up
+    on (stuck) keeps its own: a read it resumes lands there, never in a buffer reused."""
+    buf = getattr(_SCRATCH, name, None)
     if buf is None or len(buf) < n:
-        buf = _SCRATCH.buf = bytearray(n)
+        buf = bytearray(n)
+        setattr(_SCRATCH, name, buf)
     return memoryview(buf)
+
+
+def copy_out(stop, dst: memoryview, src: memoryview) -> None:
+    """Copy a checked page (or part) into the caller's buffer, unless its job was given
+    up on (`_writing`). The copy never blocks (both are memory), and numpy lets the GIL
+    go for a big one."""
+    with _writing(stop):
+        np.copyto(
+            np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+        )
+
+
+class _writing:
+    """Around a write into the caller's buffer that cannot block: under `stop.writing`
+    (io_threads.StopFlag), which `stop.set()` takes, and only while `stop` is not set, so
+    once the call gave up no byte lands in the buffer, which its owner may reuse at once.
+    OSError (ECANCELED) once it is set. (A class: a generator context costs microseconds
+    a chunk.)"""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, stop) -> None:
+        self.lock = None if stop is None else stop.writing
+        if self.lock is not None:
+            self.lock.acquire()
+            if stop.is_set():
+                self.lock.release()
+                raise OSError(
+                    errno.ECANCELED,
+                    "the read was given up on: the caller's buffer is not written",
+                )
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 _HASH_CHUNK = (
     1 << 20
 )  # big pages are written in chunks of this many bytes, hashed in cache
-_READ_CHUNK = 2 << 20  # and read in chunks of this many, hashed on a hashing thread
-_HASH_AWAY = 1 << 20  # pages this big are checked on a hashing thread as they are read
+_READ_CHUNK = 256 << 10  # pages are read in chunks of this many bytes, hashed in cache
 
 
-def read_pages_into(hashers, items: list[tuple], stop=None) -> list:
+def read_pages_into(items: list[tuple], stop=None) -> list:
     """One thread job of `batch_get_into`: every page of `items` (path, ns, h, view) read
-    into its view and checked (`_read_page`); True, or the FrameError or OSError in its
-    place. Pages of `_HASH_AWAY` bytes or more are read in chunks that a thread of
-    `hashers` hashes as they arrive (`_Hashing`), while this one reads on: the checksum
-    pass costs a fifth of the read done here, next to nothing that way. The job returns
-    only after its hashing ended: no hashing thread reads the caller's buffers after the
-    call. Once `stop` is set (the job was abandoned) it reads into no further buffer."""
+    and checked into its view (`_read_page`); True, or the FrameError or OSError in its
+    place. Once `stop` is set (the job was given up on) it writes no further buffer of
+    the caller's (`copy_out`)."""
     out: list = []
-    hashing = None
-    try:
-        for path, ns, h, view in items:
-            if stop is not None and stop.is_set():
-                break
-            streamed = hashers is not None and len(view) >= _HASH_AWAY
-            if streamed and hashing is None:
-                hashing = _Hashing(hashers)
-            try:
-                checksum = _read_page(path, ns, h, view, hashing if streamed else None)
-            except OSError as exc:
-                checksum = exc
-            finally:
-                if streamed:
-                    hashing.end_page()
-            if isinstance(checksum, (FrameError, OSError)):
-                out.append(checksum)
-            elif streamed:
-                out.append((checksum, hashing.pages - 1))
-            else:
-                out.append(_checked(checksum, xxhash.xxh3_64_intdigest(view)))
-    finally:
-        digests = hashing.close() if hashing is not None else []
-    return [_checked(r[0], digests[r[1]]) if isinstance(r, tuple) else r for r in out]
+    for path, ns, h, view in items:
+        if stop is not None and stop.is_set():
+            break
+        try:
+            out.append(_read_page(path, ns, h, view, stop))
+        except (FrameError, OSError) as exc:
+            out.append(exc)
+    return out
 
 
-_END_PAGE = object()
-
-
-class _Hashing:
-    """The xxh3-64 of each page of one reading job, made on a thread of `hashers` from the
-    chunks `update` is given, in order; `end_page()` ends a page, `close()` waits for
-    the digests (one per page). One hashing task per job, never more: it waits only on
-    its own job, so a pool of hashers as big as the I/O pool cannot deadlock. The
-    streaming hasher lets go of the GIL while it hashes (the one-shot
-    `xxh3_64_intdigest` does not)."""
-
-    def __init__(self, hashers) -> None:
-        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
-        self.pages = 0
-        self._digests = hashers.submit(self._run)
-
-    def update(self, chunk: memoryview) -> None:
-        self._chunks.put(chunk)
-
-    def end_page(self) -> None:
-        self._chunks.put(_END_PAGE)
-        self.pages += 1
-
-    def close(self) -> list[int]:
-        self._chunks.put(None)
-        return self._digests.result()
-
-    def _run(self) -> list[int]:
-        digests, hasher = [], xxhash.xxh3_64()
-        while (chunk := self._chunks.get()) is not None:
-            if chunk is _END_PAGE:
-                digests.append(hasher.intdigest())
-                hasher.reset()
-            else:
-                hasher.update(chunk)
-        return digests
-
-
-def _checked(want: int, got: int):
-    return True if got == want else FrameError("checksum mismatch")
-
-
-def _read_page(
-    path: str, ns: str, h: bytes, view: memoryview, hasher=None
-) -> int | FrameError:
-    """Header, payload (straight into the caller's buffer) and one byte more; then the
-    header and the length (no byte more) are checked. With a `hasher`, the payload is read
-    in chunks, each given to it as soon as it is in the buffer. The checksum the payload
-    must have, or why it is not the page asked for (the buffer may then hold garbage,
-    which the caller must not use: `batch_get_into`)."""
-    header, extra = bytearray(frame.HEADER_SIZE), bytearray(1)
+def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
+    """The payload in chunks (the header read with the first, a byte more with the last:
+    none may follow), each hashed while it is in cache. A file in memory (`_in_memory`)
+    is read straight into `view`, under the call's stop flag (`_writing`); any other
+    through this thread's buffer, copied in (`copy_out`), so a read that blocks (a hung
+    mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
+    may then hold part of it, which the caller must not use)."""
+    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
     fd = _open_page(path)
     try:
-        n = (
-            _read_whole(fd, header, view, extra)
-            if hasher is None
-            else _read_chunks(fd, header, view, extra, hasher)
-        )
+        buf = None if _in_memory(fd) else _staging(min(_READ_CHUNK, size))
+        hasher, done, at = xxhash.xxh3_64(), 0, 0
+        while True:
+            k = min(_READ_CHUNK, size - done)
+            into = view[done : done + k] if buf is None else buf[:k]
+            last = done + k == size
+            bufs = ([header] if done == 0 else []) + [into] + ([extra] if last else [])
+            if buf is None:  # memory: a read short of what was asked ended the file
+                with _writing(stop):
+                    n = os.preadv(fd, bufs, at)
+            else:
+                n = _preadv_all(fd, bufs, at)
+            at += n
+            if done == 0:
+                length, checksum = frame.check_header(
+                    header[: min(n, frame.HEADER_SIZE)], ns, h
+                )
+                if length != size:
+                    raise FrameError(f"page is {length} bytes, the buffer {size}")
+                n -= frame.HEADER_SIZE
+            got = min(n, k)
+            if n > k:
+                raise FrameError("trailing bytes after the payload")
+            hasher.update(into[:got])
+            if buf is not None:
+                copy_out(stop, view[done : done + got], into[:got])
+            done += got
+            if got < k or last:
+                break
     finally:
         os.close(fd)
+    if done != size:
+        raise FrameError(f"payload is {done} bytes, the frame says {length}")
+    if hasher.intdigest() != checksum:
+        raise FrameError("checksum mismatch")
+    return True
+
+
+# Filesystems whose files are memory (tmpfs, ramfs): a read of one cannot block on a
+# device or a server, so it may go straight into the caller's buffer.
+_MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
+
+
+def _in_memory(fd: int) -> bool:
+    """Whether the open file `fd` is on such a filesystem: asked of each file, never
+    remembered by device number, which names a filesystem only while it is mounted (an
+    NFS mount made after a tmpfs was unmounted may get its anonymous number)."""
+    return _fs_type(fd) in _MEMORY_FILESYSTEMS
+
+
+_LIBC: list = []  # the C library, once loaded
+
+
+def _fs_type(fd: int) -> int | None:
+    """`fstatfs(fd).f_type` (Linux), or None where it cannot be asked."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        length, checksum = frame.check_header(header[:n], ns, h)
-        if length != len(view):
-            raise FrameError(f"page is {length} bytes, the buffer {len(view)}")
-        if n != frame.HEADER_SIZE + length:
-            raise FrameError(
-                "trailing bytes after the payload"
-                if n > frame.HEADER_SIZE + length
-                else f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}"
-            )
-    except FrameError as exc:
-        return exc
-    return checksum
-
-
-def _read_whole(fd: int, header: bytearray, view: memoryview, extra: bytearray) -> int:
-    """One readv of header, payload and a byte more (short reads go on); bytes read."""
-    n = os.readv(fd, [header, view, extra])
-    while frame.HEADER_SIZE <= n < frame.HEADER_SIZE + len(view):
-        got = os.preadv(fd, [view[n - frame.HEADER_SIZE :], extra], n)
-        if got == 0:
-            break
-        n += got
-    return n
-
-
-def _read_chunks(
-    fd: int, header: bytearray, view: memoryview, extra: bytearray, hasher
-) -> int:
-    """The header, then the payload in chunks (each given to `hasher`), then a byte more;
-    bytes read. A page of one chunk is read whole (one readv, as `_read_whole`)."""
-    if len(view) <= _READ_CHUNK:
-        n = _read_whole(fd, header, view, extra)
-        hasher.update(
-            view
-        )  # a short read fails the length check: its digest goes unused
-        return n
-    n = os.readv(fd, [header, view[:_READ_CHUNK]])
-    if n < frame.HEADER_SIZE:
-        return n
-    got = n - frame.HEADER_SIZE
-    hasher.update(view[:got])
-    while got < len(view):
-        k = os.preadv(fd, [view[got : got + _READ_CHUNK]], frame.HEADER_SIZE + got)
-        if k == 0:
-            break
-        hasher.update(view[got : got + k])
-        got += k
-    if got == len(view):
-        got += os.preadv(fd, [extra], frame.HEADER_SIZE + got)
-    return frame.HEADER_SIZE + got
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        libc = _LIBC[0]
+        out = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
+        if libc.fstatfs(fd, out) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return ctypes.c_long.from_buffer(out).value
 
 
 def _parent(path: str) -> str:
@@ -435,7 +446,14 @@ def _write_page(fd: int, page: frame.Frame) -> None:
             _write_all(fd, chunk, frame.HEADER_SIZE + off)
         _write_all(fd, memoryview(page.header_with(hasher.intdigest())), 0)
         return
-    header, payload = page  # a sealed page's body is its ciphertext
+    if (
+        not page.codec.keyed
+    ):  # the streaming hasher lets the GIL go, the one-shot does not
+        hasher = xxhash.xxh3_64()
+        hasher.update(payload)
+        header = page.header_with(hasher.intdigest())
+    else:
+        header, payload = page  # a sealed page's body is its ciphertext
     n = os.writev(fd, [header, payload])
     if n < len(header) + len(payload):  # a short write: finish the rest
         rest = (

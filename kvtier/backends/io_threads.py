@@ -11,8 +11,10 @@ by `shutdown`), nor the pool's capacity, nor the call that waits on it. Here:
   a job may still touch the caller's buffers), except that once the call is cancelled it
   waits at most `grace_s` more: jobs still running then are abandoned, their `stop` event
   set (a job checks it between pages: it touches no further buffer), and `StoreAbandoned`
-  raised. The caller's buffers of those jobs may still be written by the stuck threads:
-  whoever owns them keeps them out of use for good (the storage worker quarantines them).
+  raised. A job that writes the caller's buffers only through `StopFlag.writing` (the
+  file store's reads) writes none of them from then on; other buffers of those jobs may
+  still be written by the stuck threads: whoever owns them keeps them out of use for good
+  (the storage worker quarantines them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ from queue import SimpleQueue
 from collections.abc import Callable
 
 from kvtier.errors import StoreAbandoned
+
+
+class StopFlag(threading.Event):
+    """A call's `stop` for its thread jobs: set when the call gives up on them. A job
+    holds `writing` around every write into the caller's buffers and checks `is_set()`
+    inside it; `set()` takes `writing`, so once it returned no job writes those buffers
+    (it waits at most for one copy in progress, which never blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = threading.Lock()
+
+    def set(self) -> None:
+        with self.writing:
+            super().set()
 
 
 class IoThreads(Executor):

@@ -1,5 +1,7 @@
-"""The vLLM tier's cost over its store: cascades and promotions through `KvtierTier`
-against the same store called directly with the same rows, measured in the same run.
+"""The vLLM tier against vLLM's own file-system tier (the default, `--baseline fs`:
+kvtier/bench/vllm_fs.py), or its cost over its store (`--baseline store`): cascades and
+promotions through `KvtierTier` against the same store called directly with the same
+rows, measured in the same run.
 
 Both sides use one store configuration and the rows of one real vLLM primary region
 (`TieringOffloadingSpec.get_manager()` over /dev/shm). The tier side submits one
@@ -9,8 +11,8 @@ Both sides use one store configuration and the rows of one real vLLM primary reg
 store, direct store, ..., then tier load, direct load, ...); each figure is the best round. The tier's
 extra cost is a hand-off to its store thread and back, and its key and index bookkeeping.
 
-Run: python benchmarks/vllm_tier.py   (needs vLLM 0.33.0: pip install --no-deps vllm==0.33.0
-and the pure-Python imports in requirements-engines.txt)
+Run: python benchmarks/vllm_tier.py [--baseline fs|store]   (needs vLLM 0.33.0: pip install
+--no-deps vllm==0.33.0 and the pure-Python imports in requirements-engines.txt)
 """
 
 from __future__ import annotations
@@ -197,10 +199,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         default=9,
         help="alternating rounds; each side keeps its best",
     )
+    p.add_argument(
+        "--baseline",
+        choices=["fs", "store"],
+        default="fs",
+        help="fs: vLLM's own file-system tier on the same rows and directory kind "
+        "(kvtier/bench/vllm_fs.py); store: kvtier's store called directly",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=9, help="fs: alternating rounds (medians)"
+    )
+    p.add_argument("--dir", default="/dev/shm", help="fs: where both tiers' files go")
     p.add_argument("--only", nargs="*", choices=["file", "redis"], help="store names")
     args = p.parse_args(argv)
     _require_vllm(prog or "vllm_tier")
-    run(args.repeat, args.only)
+    if args.baseline == "fs":
+        from kvtier.bench.vllm_fs import run as run_fs
+
+        run_fs(args.rounds, args.dir)
+    else:
+        run(args.repeat, args.only)
 
 
 def _require_vllm(prog: str) -> None:

@@ -105,28 +105,66 @@ def breaker_for(store_name: str, c: ControllerConfig) -> Breaker:
     )
 
 
+class StagingPool:
+    """Buffers where `read_staged` reads pages of a store that cannot promise
+    `reads_end_with_call`, before they are copied into an engine's memory: reused, so a
+    call faults in no fresh memory, and at most `limit_bytes` kept. The store's loop
+    thread alone uses it. The buffers of a call that failed are dropped, never reused: a
+    thread it abandoned may still write them."""
+
+    def __init__(self, limit_bytes: int = 64 << 20) -> None:
+        self.limit_bytes, self.kept = limit_bytes, 0
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        free = self._free.get(nbytes)
+        if free:
+            self.kept -= nbytes
+            return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, bufs: list[np.ndarray]) -> None:
+        for buf in bufs:
+            if self.kept + buf.size <= self.limit_bytes:
+                self._free.setdefault(buf.size, []).append(buf)
+                self.kept += buf.size
+
+
 async def read_staged(
-    breaker: Breaker, store: Store, keys: list[str], views: list[memoryview]
+    breaker: Breaker,
+    store: Store,
+    keys: list[str],
+    views: list[memoryview],
+    pool: StagingPool | None = None,
+    errors: set[str] | None = None,
 ) -> list[bool] | None:
-    """`store.batch_get_into(keys, views)` behind the breaker, read into buffers of kvtier's
-    own and copied into the engine's `views` only for pages that verified, once the call
-    returned. A call given up on stuck (a hung mount) is a miss while its thread may still
-    write: into these buffers, never into an engine's page that it freed and reused.
-    None: the call failed as a whole (the breaker skipped the store, a timeout, an error),
-    which says nothing of whether the store holds the pages."""
-    staging = np.empty(sum(len(v) for v in views), dtype=np.uint8)
-    staged, at = [], 0
-    for v in views:
-        staged.append(staging[at : at + len(v)])
-        at += len(v)
+    """`store.batch_get_into(keys, views)` behind the breaker, never writing an engine's
+    `views` once the call was given up on stuck (a hung mount: the engine frees and
+    reuses them). A store whose reads end with the call (`reads_end_with_call`: the
+    file store copies each checked chunk in under the call's stop flag) reads straight
+    into them; any other reads into buffers of kvtier's own (from `pool` where given),
+    copied into `views` only for pages that verified, once the call returned. A `views`
+    entry whose page failed may hold garbage. None: the call failed as a whole (the
+    breaker skipped the store, a timeout, an error), which says nothing of whether the
+    store holds the pages; nor does a key put in `errors` (`Store.batch_get_into`)."""
+    if store.reads_end_with_call:
+        return await guarded(
+            breaker, lambda: store.batch_get_into(keys, views, errors), None
+        )
+    staged = [
+        np.empty(len(v), dtype=np.uint8) if pool is None else pool.take(len(v))
+        for v in views
+    ]
     ok = await guarded(
         breaker,
-        lambda: store.batch_get_into(keys, [memoryview(s) for s in staged]),
+        lambda: store.batch_get_into(keys, [memoryview(s) for s in staged], errors),
         None,
     )
     for view, page, good in zip(views, staged, ok or []):
         if good:  # numpy's copy lets the GIL go for a big page: the engine's threads run meanwhile
             np.copyto(np.frombuffer(view, dtype=np.uint8), page)
+    if ok is not None and pool is not None:
+        pool.give(staged)
     return ok
 
 

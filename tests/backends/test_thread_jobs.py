@@ -113,74 +113,146 @@ def _framed_files(tmp_path, sizes: list[int]):
     return out
 
 
-def test_file_reads_hashed_on_a_hashing_thread_keep_each_page_its_own_checksum(
-    tmp_path,
-):
-    """Big pages are hashed on a hashing thread, one digest per page in read order: a page
-    that failed in between (cut short after its chunks went to the hasher, damaged, gone)
-    must not shift the digests of those after it."""
+def test_file_reads_in_chunks_check_each_page_on_its_own(tmp_path):
+    """Pages are read in chunks through the I/O thread's buffer, hashed there and copied
+    into the caller's: pages of one chunk, of exactly one chunk, over it, cut short by a
+    byte, with a byte too many, with a flipped last byte or gone each get their own
+    verdict, and only the good ones their bytes."""
     from kvtier.backends import file_io
     from kvtier.backends.frame import FrameError
 
-    big, small = file_io._READ_CHUNK + 3 * 4096, 4096  # a big page spans two chunks
-    files = _framed_files(tmp_path, [big, big, big, big, big, small, big])
-    with open(
-        files[1][0], "r+b"
-    ) as f:  # cut short: its chunks were hashed, then it failed
+    chunk = file_io._READ_CHUNK
+    sizes = [chunk + 3 * 4096, chunk + 3 * 4096, chunk, 2 * chunk + 1, chunk + 3 * 4096]
+    files = _framed_files(tmp_path, sizes + [4096, 2 * chunk, 4096])
+    with open(files[1][0], "r+b") as f:  # cut short by a byte
         f.truncate(len(open(files[1][0], "rb").read()) - 1)
-    flipped = bytearray(open(files[3][0], "rb").read())
+    flipped = bytearray(open(files[4][0], "rb").read())
     flipped[-1] ^= 1
-    open(files[3][0], "wb").write(flipped)
-    (tmp_path / "page-4").unlink()
+    open(files[4][0], "wb").write(flipped)
+    with open(files[7][0], "ab") as f:  # a byte too many
+        f.write(b"x")
+    (tmp_path / "page-5").unlink()
     bufs = [bytearray(len(p)) for *_, p in files]
-    with ThreadPoolExecutor(1) as hashers:
-        got = file_io.read_pages_into(
-            hashers,
-            [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)],
-        )
-    assert [got[0], got[2], got[5], got[6]] == [True] * 4
-    assert isinstance(got[1], FrameError) and isinstance(got[3], FrameError)
-    assert isinstance(got[4], FileNotFoundError)
+    got = file_io.read_pages_into(
+        [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)]
+    )
+    assert [got[i] for i in (0, 2, 3, 6)] == [True] * 4
+    assert [type(got[i]) for i in (1, 4, 7)] == [FrameError] * 3
+    assert isinstance(got[5], FileNotFoundError)
     assert [bytes(b) for i, b in enumerate(bufs) if got[i] is True] == [
         p for i, (*_, p) in enumerate(files) if got[i] is True
     ]
 
 
-def test_a_file_read_job_that_raises_leaves_no_hashing_task_waiting(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
+    in_memory, tmp_path, monkeypatch
 ):
-    """A read that raises past the per-page OSError handling (here a buffer that cannot be
-    written) still ends the job's hashing: the hashing thread is free again, not parked
-    for ever on chunks that will never come (it would hold a pool thread, and the
-    caller's buffers, after the call)."""
+    """Once the call gave up on a read job (its StopFlag set), the job writes nothing more
+    into the caller's buffers, even mid-page: the owner reuses them at once (a vLLM row).
+    Both ways a chunk lands there: copied from the I/O thread's buffer, and read straight
+    in (a file in memory, tmpfs)."""
+    import os
+    import threading
+
+    from kvtier.backends import file_io
+    from kvtier.backends.io_threads import StopFlag
+
+    chunk = file_io._READ_CHUNK
+    [(path, ns, h, _)] = _framed_files(tmp_path, [3 * chunk])
+    stop, buf = StopFlag(), bytearray(3 * chunk)
+    real = os.preadv
+
+    def read_then_give_up(fd, bufs, offset, *flags):
+        n = real(fd, bufs, offset, *flags)
+        # the call gives up meanwhile: its set() waits for a write into `buf` in progress
+        # (this one, read straight in), so the flag is up once it ended
+        threading.Event.set(stop)
+        return n
+
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd: in_memory)
+    monkeypatch.setattr(os, "preadv", read_then_give_up)
+    [got] = file_io.read_pages_into([(path, ns, h, memoryview(buf))], stop)
+    assert isinstance(got, OSError) and "given up on" in str(got)
+    assert buf[chunk if in_memory else 0 :] == bytes(
+        len(buf) - (chunk if in_memory else 0)
+    )
+
+
+def test_pages_in_memory_are_read_straight_in(tmp_path):
+    """A page file on tmpfs is read into the caller's buffer, not copied through the I/O
+    thread's: its filesystem is memory, so the read cannot block."""
+    import os
+    import tempfile
+
     from kvtier.backends import file_io
 
-    started = []
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
+        fd = file_io._open_page(f.name)
+        try:
+            assert file_io._in_memory(fd)
+        finally:
+            os.close(fd)
 
-    class Recorded(file_io._Hashing):
-        def __init__(self, hashers):
-            super().__init__(hashers)
-            started.append(self)
 
-    monkeypatch.setattr(file_io, "_Hashing", Recorded)
-    files = _framed_files(tmp_path, [file_io._HASH_AWAY, file_io._HASH_AWAY])
-    items = [
-        (
-            files[0][0],
-            files[0][1],
-            files[0][2],
-            memoryview(bytearray(file_io._HASH_AWAY)),
-        ),
-        (files[1][0], files[1][1], files[1][2], memoryview(bytes(file_io._HASH_AWAY))),
-    ]  # read-only
-    hashers = ThreadPoolExecutor(1)
-    try:
-        with pytest.raises(BufferError):
-            file_io.read_pages_into(hashers, items)
-        assert len(started) == 1 and started[0]._digests.done()
-    finally:
-        for (
-            hashing
-        ) in started:  # a failed run must not leave the thread parked past the test
-            hashing.close()
-        hashers.shutdown(wait=True)
+def test_whether_a_page_is_in_memory_is_asked_of_its_own_file(tmp_path, monkeypatch):
+    """A device number names a filesystem only while it is mounted: an NFS mount made
+    after a tmpfs was unmounted may get the tmpfs's anonymous number. A page there taken
+    for memory would be read under the call's stop flag, so a server that hangs would
+    hang the call's give-up (StopFlag.set waits for that read), and the loop with it."""
+    import os
+
+    from kvtier.backends import file_io
+
+    page = tmp_path / "page"
+    page.write_bytes(b"x")
+    types = iter([0x01021994, 0x6969])  # tmpfs, then NFS on the same device number
+    monkeypatch.setattr(file_io, "_fs_type", lambda fd: next(types))
+    for want in (True, False):
+        fd = file_io._open_page(str(page))
+        try:
+            assert file_io._in_memory(fd) is want
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_sealed_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
+    encrypt, tmp_path, monkeypatch
+):
+    """With a tenant key a page is read and authenticated in the I/O thread's buffer and
+    copied in only if the call still wants it: given up on during the read, the caller's
+    buffer stays untouched."""
+    import os
+    import threading
+
+    from kvtier.backends import file_io
+    from kvtier.backends.io_threads import StopFlag
+    from kvtier.backends.seal import SealedCodec
+    from kvtier.tenant_keys import parse_keys
+
+    codec = SealedCodec(parse_keys("a1" * 32, "test").current_only(), encrypt)
+    ns, h, payload = "ab" * 16, bytes([3]) * 32, os.urandom(3 * file_io._READ_CHUNK)
+    header, body = codec.seal(ns, h, payload)
+    path = tmp_path / "page"
+    path.write_bytes(bytes(header) + bytes(body))
+    stop, buf = StopFlag(), bytearray(len(payload))
+    real = os.preadv
+
+    def read_then_give_up(fd, bufs, offset, *flags):
+        n = real(fd, bufs, offset, *flags)
+        threading.Event.set(stop)  # the call gave up while the page was read
+        return n
+
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd: False)
+    assert file_io.read_sealed_into(codec, [(str(path), ns, h, memoryview(buf))]) == [
+        True
+    ]
+    assert buf == payload
+    buf[:] = bytes(len(buf))
+    monkeypatch.setattr(os, "preadv", read_then_give_up)
+    [got] = file_io.read_sealed_into(codec, [(str(path), ns, h, memoryview(buf))], stop)
+    assert isinstance(got, OSError) and "given up on" in str(got)
+    assert buf == bytes(len(buf))

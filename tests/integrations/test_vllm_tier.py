@@ -315,6 +315,90 @@ def test_a_corrupted_stored_block_is_a_miss(kind, request, tmp_path, rigs):
     assert t.kvtier_stats()["frame_failures"] == 1
 
 
+@pytest.mark.parametrize("kind", STORES)
+def test_a_block_that_fails_verification_is_forgotten(kind, request, tmp_path, rigs):
+    """A corrupted row failed its promotion, left the index, and the next request's probe
+    found the file again: HIT, promoted, failed, recomputed, on every request. The row
+    is deleted from the store and remembered unreadable: the next lookup of that key is
+    a MISS with no probe and no promotion (the other keys still HIT), a new engine's
+    probe misses it, and once vLLM recomputed and cascaded it, it is a HIT again."""
+    from vllm.v1.kv_offload.base import Medium
+
+    from kvtier.hashing import make_key
+    from kvtier.integrations.vllm.keys import page_hash_of
+
+    section = store_section(kind, request, tmp_path)
+    cfg = conf(section)
+    keys = new_keys(3)
+    written = rigs(cfg).store(keys)
+    reader = rigs(cfg)
+    t = reader.tier
+    bad = make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1]))
+    corrupt(kind, request, t, bad, section)
+    seen, got = reader.load(keys)
+    assert names(seen)[1] == ["RETRY", "HIT_PENDING", "MISS"]
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    reader.events.clear()
+    reader.mgr.reset_cache()
+    reader.mgr.on_reset_flushed()
+    promoted = t.counters["load_keys"]
+    seen, got = reader.load(keys, "next")
+    assert names(seen) == [["HIT_PENDING", "HIT"], ["MISS"], ["HIT_PENDING", "HIT"]]
+    assert t.counters["load_keys"] == promoted + 2  # keys[1] was not promoted again
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    assert t._loop.run(t.store.batch_exists([bad])) == 0
+    seen, _ = rigs(cfg).load([keys[1]])
+    assert names(seen) == [["RETRY", "MISS"]]
+    again = reader.store([keys[1]], "recomputed")
+    assert [k for e in reader.events if e.medium is Medium.STORAGE for k in e.keys] == [
+        keys[1]
+    ]
+    reader.mgr.reset_cache()
+    reader.mgr.on_reset_flushed()
+    seen, got = reader.load([keys[1]], "after")
+    assert names(seen) == [["HIT_PENDING", "HIT"]] and got == again
+
+
+def test_a_row_a_transient_error_kept_from_being_read_is_not_deleted(
+    request, tmp_path, rigs, monkeypatch
+):
+    """A row the file store could not read for a passing reason (too many open files) was
+    taken for a bad one: deleted from the store and remembered unreadable, a good block
+    lost. Nothing is learnt of such a row: its promotion fails, the file stays, and the
+    next request's probe finds it and promotes it."""
+    import errno
+
+    from kvtier.backends import file_io
+    from kvtier.hashing import make_key
+    from kvtier.integrations.vllm.keys import page_hash_of
+
+    cfg = conf(store_section("file", request, tmp_path))
+    keys = new_keys(3)
+    written = rigs(cfg).store(keys)
+    reader = rigs(cfg)
+    t = reader.tier
+    busy = make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1]))
+    failing = {t.store._file(busy)}
+    real = file_io._open_page
+
+    def open_page(path):
+        if path in failing:
+            failing.discard(path)
+            raise OSError(errno.EMFILE, "Too many open files", path)
+        return real(path)
+
+    monkeypatch.setattr(file_io, "_open_page", open_page)
+    seen, got = reader.load(keys)
+    assert not failing  # the error was met
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+    assert t._loop.run(t.store.batch_exists([busy])) == 1
+    assert t.index.stats()["index_unreadable"] == 0
+    reader.mgr.reset_cache()
+    reader.mgr.on_reset_flushed()
+    seen, got = reader.load(keys, "next")
+    assert got == written
+
+
 def test_a_black_hole_store_does_not_stall_lookup(rigs):
     """A redis endpoint that accepts and never answers: lookup answers RETRY at once while
     the probe waits out its timeout, then MISS; once the breaker is open, stores fail fast
@@ -553,3 +637,15 @@ def test_a_malformed_tenant_key_is_refused_without_showing_it():
     with pytest.raises(ValueError, match="tenant_key") as err:
         rt.Rig({"store": {"backend": "file"}, "namespace": {"tenant_key": bad}})
     assert bad not in str(err.value) and not leaks_key(str(err.value))
+
+
+def test_the_file_store_gets_a_thread_for_each_job_in_flight(tmp_path, rigs):
+    """The file store's default keeps half the cores for an engine's scheduler: one I/O
+    thread on two cores for every job vLLM keeps in flight, where vLLM's own fs tier gives
+    each job a thread. The tier raises it to JOB_THREADS; a larger setting is kept."""
+    from kvtier.integrations.vllm.tier import JOB_THREADS
+
+    section = {"backend": "file", "root": str(tmp_path / "l3")}
+    assert rigs(conf(section)).tier.store.config.max_concurrency == JOB_THREADS
+    more = {**section, "max_concurrency": JOB_THREADS + 4}
+    assert rigs(conf(more)).tier.store.config.max_concurrency == JOB_THREADS + 4

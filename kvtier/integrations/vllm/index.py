@@ -4,7 +4,11 @@ Two maps, both owned by the thread that holds vLLM's manager lock (the tier's ca
 
 - `present`: keys this tier knows the store holds: written by one of its store jobs, or
   found by a probe. Bounded (least recently used out); a key that a load then finds
-  missing (the store evicted it) leaves it.
+  missing (the store evicted it) or bad leaves it.
+- `unreadable`: keys a load found missing or bad (bounded likewise): MISS for every
+  request from then on, without a probe, until a store job of this tier writes the key
+  again (vLLM recomputed the block and cascades it). The tier also deletes the row from
+  the store, which is what tells other processes.
 - `verdicts`: what a probe said of a key some live request asked for. A key in neither
   map starts a probe: it is queued under its request and the lookup answers RETRY; at
   the end of the step (`take_probes`) each request's queued keys become one
@@ -46,38 +50,59 @@ class Probe:
 
 
 class LookupIndex:
-    def __init__(self, capacity: int) -> None:
+    """`lookup` answers `hit`, `miss` or `retry` (the engine's own values, so the caller
+    maps nothing per key; `Answer`'s by default)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        hit: object = Answer.HIT,
+        miss: object = Answer.MISS,
+        retry: object = Answer.RETRY,
+    ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"index_keys={capacity!r}: must be an integer >= 1")
         self.capacity = capacity
+        self._hit, self._miss, self._retry = hit, miss, retry
         self.present: OrderedDict[bytes, None] = OrderedDict()
         self.verdicts: dict[bytes, Verdict] = {}
+        self.unreadable: OrderedDict[bytes, None] = OrderedDict()
         self._by_request: dict[str, set[bytes]] = {}
         self._queued: dict[str, list[tuple[bytes, int]]] = {}
         self._next_generation = 0
         self.in_flight = 0  # probes sent and not yet applied
         self.probes = self.probe_keys = self.hits = self.misses = self.retries = 0
 
-    def lookup(self, key: bytes, request_id: str) -> Answer:
+    def lookup(self, key: bytes, request_id: str):
+        """HIT, MISS or RETRY (as given to the constructor): a dict lookup or two."""
         if key in self.present:
             self.present.move_to_end(key)
             self.hits += 1
-            return Answer.HIT
+            return self._hit
         verdict = self.verdicts.get(key)
         if verdict is None:
             verdict = self.verdicts[key] = Verdict(self._next_generation)
             self._next_generation += 1
-            self._queued.setdefault(request_id, []).append((key, verdict.generation))
+            if key in self.unreadable:
+                verdict.found = False
+            else:
+                self._queued.setdefault(request_id, []).append(
+                    (key, verdict.generation)
+                )
         verdict.requests.add(request_id)
-        self._by_request.setdefault(request_id, set()).add(key)
-        if verdict.found is None:
+        asked = self._by_request.get(request_id)
+        if asked is None:
+            asked = self._by_request[request_id] = set()
+        asked.add(key)
+        found = verdict.found
+        if found is None:
             self.retries += 1
-            return Answer.RETRY
-        if verdict.found:
+            return self._retry
+        if found:
             self.hits += 1
-            return Answer.HIT
+            return self._hit
         self.misses += 1
-        return Answer.MISS
+        return self._miss
 
     def take_probes(self) -> list[Probe]:
         """The probes to send now: one per request that queued keys this step."""
@@ -105,26 +130,39 @@ class LookupIndex:
             verdict = self.verdicts.get(key)
             if verdict is None or verdict.generation != gen:
                 continue  # released meanwhile, or asked again since
-            verdict.found = i < run
+            found = i < run and key not in self.unreadable  # a load failed it meanwhile
+            verdict.found = found
             if not verdict.requests:
                 del self.verdicts[key]
-            if i < run:
+            if found:
                 self.remember(key)
 
     def remember(self, key: bytes) -> None:
-        """The store holds `key` (a store job wrote it, or a probe found it)."""
+        """The store holds `key` (a probe found it)."""
         self.present[key] = None
         self.present.move_to_end(key)
         while len(self.present) > self.capacity:
             self.present.popitem(last=False)
 
-    def forget(self, key: bytes) -> None:
-        """A load found `key` missing or bad: MISS for the requests that hold a verdict on
-        it (they recompute; asking again would promote it again), unknown for new ones."""
+    def stored(self, key: bytes) -> None:
+        """A store job of this tier wrote `key`: readable again if a load had found it bad."""
+        self.unreadable.pop(key, None)
+        self.remember(key)
+
+    def forget(self, key: bytes, unreadable: bool = False) -> None:
+        """A load could not give `key`: MISS for the requests that hold a verdict on it
+        (they recompute; asking again would promote it again). With `unreadable` (the
+        store answered, and the row was missing or bad) MISS for new requests too;
+        without (the call failed as a whole: nothing learnt of it) unknown for them."""
         self.present.pop(key, None)
         verdict = self.verdicts.get(key)
         if verdict is not None and verdict.found is not None:
             verdict.found = False
+        if unreadable:
+            self.unreadable[key] = None
+            self.unreadable.move_to_end(key)
+            while len(self.unreadable) > self.capacity:
+                self.unreadable.popitem(last=False)
 
     def release(self, request_id: str) -> None:
         """A request finished: its verdicts go unless another request holds them, or their
@@ -150,6 +188,7 @@ class LookupIndex:
         return {
             "index_present": len(self.present),
             "index_verdicts": len(self.verdicts),
+            "index_unreadable": len(self.unreadable),
             "probes": self.probes,
             "probe_keys": self.probe_keys,
             "probes_in_flight": self.in_flight,

@@ -17,6 +17,7 @@ the store and the breaker and hands outcomes back through one queue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -44,22 +45,33 @@ from kvtier.controller.cpus import check_cpus
 from kvtier.hashing import key_maker
 from kvtier.integrations.loop import (
     LoopThread,
+    StagingPool,
     breaker_for,
     guarded,
     read_staged,
     tenant_of,
 )
-from kvtier.integrations.vllm.index import Answer, LookupIndex, Probe
 from kvtier.integrations.observe import startup_line
+from kvtier.integrations.vllm.index import LookupIndex, Probe
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
 from kvtier.integrations.vllm.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
-_ANSWERS = {
-    Answer.HIT: LookupResult.HIT,
-    Answer.MISS: LookupResult.MISS,
-    Answer.RETRY: LookupResult.RETRY,
-}
+
+
+# the file store's I/O threads at least: vLLM keeps several jobs in flight
+JOB_THREADS = 8
+
+
+def with_job_threads(options):
+    """A store's options with `max_concurrency` (the file store's I/O threads) raised to
+    `JOB_THREADS`: the store's default keeps half the cores for an engine's scheduler,
+    which on two cores is one thread for every job vLLM has in flight, where vLLM's own
+    fs tier gives each job a thread. A larger setting is kept."""
+    threads = getattr(options, "max_concurrency", None)
+    if not isinstance(threads, int) or threads >= JOB_THREADS:
+        return options
+    return dataclasses.replace(options, max_concurrency=JOB_THREADS)
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +83,9 @@ class _Done:
     seconds: float
     nbytes: int
     answered: bool = True  # False: the call failed as a whole (breaker, timeout): nothing learnt of its keys
+    unknown: frozenset = (
+        frozenset()
+    )  # keys whose read failed on an error: nothing learnt of them
 
 
 class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stats hooks
@@ -111,8 +126,12 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             self._loop.close()  # vLLM shuts down only the tiers it got
             raise
         self.breaker = breaker_for(self.store.name, s.config.controller)
-        self.index = LookupIndex(s.index_keys)
+        self.index = LookupIndex(
+            s.index_keys, LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+        )
+        self._staging = StagingPool()  # the loop thread's, for stores that need it
         self._outcomes: queue.SimpleQueue = queue.SimpleQueue()  # loop thread -> caller
+        self._landed = False  # set after each outcome is queued: the caller drains then
         self._futures: dict[
             Future, TransferJob | Probe
         ] = {}  # every job and probe on the loop, until it ended
@@ -147,7 +166,9 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     @staticmethod
     async def _build(config: KvtierConfig) -> Store:
         return build_store(
-            config.store.backend, config.store.options, config.store.timeout_s
+            config.store.backend,
+            with_job_threads(config.store.options),
+            config.store.timeout_s,
         )
 
     def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
@@ -158,8 +179,10 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     # -- lookups: never wait on the network (index.py) -------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._take_outcomes()
-        return _ANSWERS[self.index.lookup(key, req_context.req_id)]
+        """A dict lookup of the index (and, once something landed since, the outcomes)."""
+        if self._landed:
+            self._take_outcomes()
+        return self.index.lookup(key, req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._take_outcomes()
@@ -169,7 +192,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     async def _probe(self, probe: Probe) -> None:
         full = self.store_keys(probe.keys)
         run = await guarded(self.breaker, lambda: self.store.batch_exists(full), 0)
-        self._outcomes.put(("probe", probe, run))
+        self._post(("probe", probe, run))
 
     # -- jobs --------------------------------------------------------------------------------
 
@@ -200,7 +223,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         written = await guarded(
             self.breaker, lambda: self._set(full, rows), [False] * len(keys)
         )
-        self._outcomes.put(
+        self._post(
             (
                 "job",
                 _Done(
@@ -225,16 +248,26 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         return await self.store.batch_set(full, rows)
 
     async def _load(self, job: TransferJob) -> None:
-        """Verified rows into the pinned primary rows, each copied in once it verified
-        (`read_staged`: a read given up on stuck writes into no row vLLM frees and reuses).
-        A row that misses or fails verification is False; vLLM frees its primary row unread."""
+        """Verified rows into the pinned primary rows (`read_staged`: a read given up on
+        stuck writes into no row vLLM frees and reuses).
+        A row that misses or fails verification is False; vLLM frees its primary row unread,
+        and the row is deleted from the store before the job is reported (a probe after it
+        misses it)."""
         start = time.perf_counter()
         keys = list(job.keys)
         full = self.store_keys(keys)
         rows = self._rows(job.chunk_ids)
-        ok = await read_staged(self.breaker, self.store, full, rows)
+        errors: set[str] = set()
+        ok = await read_staged(
+            self.breaker, self.store, full, rows, self._staging, errors
+        )
         answered, ok = ok is not None, ok or [False] * len(keys)
-        self._outcomes.put(
+        bad = [k for k, good in zip(full, ok) if not good and k not in errors]
+        if (
+            answered and bad
+        ):  # missing or corrupt: no later probe finds it, here or elsewhere
+            await guarded(self.breaker, lambda: self.store.delete(bad), 0)
+        self._post(
             (
                 "job",
                 _Done(
@@ -243,6 +276,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                     time.perf_counter() - start,
                     sum(ok) * self.block_size_bytes,
                     answered,
+                    frozenset(k for k, f in zip(keys, full) if f in errors),
                 ),
             )
         )
@@ -251,10 +285,22 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         if self._closed:
             coro.close()
             raise RuntimeError("kvtier vLLM tier: shut down")
-        self._futures[self._loop.submit(coro)] = what
+        fut = self._loop.submit(coro)
+        self._futures[fut] = what
+        fut.add_done_callback(lambda f: self._post(("ended", f)))
+
+    def _post(self, item: tuple) -> None:
+        """Hand an outcome to the caller's thread (from the loop thread)."""
+        self._outcomes.put(item)
+        self._landed = (
+            True  # after the put: a drain that cleared it first sees the item
+        )
 
     def _take_outcomes(self) -> None:
         """Apply what the loop thread finished (caller's thread: it owns the index)."""
+        if not self._landed:
+            return  # nothing was queued since the last drain
+        self._landed = False
         while True:
             try:
                 item = self._outcomes.get_nowait()
@@ -262,18 +308,25 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                 break
             if item[0] == "probe":
                 self.index.apply(item[1], item[2])
-            else:
+            elif item[0] == "job":
                 self._finish(item[1])
-        for fut in [f for f in self._futures if f.done()]:
-            what = self._futures.pop(fut)
-            if (
-                fut.exception() is not None
-            ):  # a bug, not a store failure: say it, fail its keys, never hang vLLM
-                log.error("kvtier vLLM tier: a store task failed: %r", fut.exception())
-                if isinstance(what, Probe):
-                    self.index.apply(what, 0)
-                else:
-                    self._finish(_Done(what, [False] * len(what.keys), 0.0, 0))
+            else:
+                self._ended(item[1])
+
+    def _ended(self, fut: Future) -> None:
+        """A job's or probe's coroutine ended (after it posted its outcome, if it did);
+        a second call for it (`drain_jobs`, then its callback) does nothing."""
+        what = self._futures.pop(fut, None)
+        if what is None:
+            return
+        if (
+            fut.exception() is not None
+        ):  # a bug, not a store failure: say it, fail its keys, never hang vLLM
+            log.error("kvtier vLLM tier: a store task failed: %r", fut.exception())
+            if isinstance(what, Probe):
+                self.index.apply(what, 0)
+            else:
+                self._finish(_Done(what, [False] * len(what.keys), 0.0, 0))
 
     def _finish(self, done: _Done) -> None:
         job, ok = done.job, done.ok
@@ -284,15 +337,15 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             for k, g in zip(keys, ok):
                 if g:
                     self.index.remember(k)
-                elif done.answered:
+                elif done.answered and k not in done.unknown:
                     self._lost(k)
-                else:  # the call failed as a whole: recomputed, not promoted again, not announced gone
+                else:  # the call failed as a whole, or this row on an error: recomputed, not promoted again, not announced gone
                     self.index.forget(k)
             partial = None if all(ok) else good
         else:
             self.counters["store_ok"] += len(good)
             for k in good:
-                self.index.remember(k)
+                self.index.stored(k)
             if good and self._events is not None:
                 self._events.append(
                     OffloadingEvent(
@@ -316,7 +369,8 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         )
 
     def _lost(self, key: OffloadKey) -> None:
-        """A load found `key` missing or bad: announced gone if it was announced stored."""
+        """A load found `key` missing or bad: announced gone if it was announced stored;
+        a MISS from then on (index.py), until this tier stores it again."""
         if key in self.index.present and self._events is not None:
             self._events.append(
                 OffloadingEvent(
@@ -327,7 +381,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                     ownership=self.tier_type,
                 )
             )
-        self.index.forget(key)
+        self.index.forget(key, unreadable=True)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._take_outcomes()
@@ -340,6 +394,8 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         queued for the next `get_finished_jobs`."""
         wait(list(self._futures))
         self._take_outcomes()
+        for fut in list(self._futures):  # ended, and its callback may not have run yet
+            self._ended(fut)
 
     def has_pending_work(self) -> bool:
         self._take_outcomes()
