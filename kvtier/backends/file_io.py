@@ -335,14 +335,29 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
 # Filesystems whose files are memory (tmpfs, ramfs): a read of one cannot block on a
 # device or a server, so it may go straight into the caller's buffer.
 _MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
-_IN_MEMORY: dict[int, bool] = {}  # st_dev -> its filesystem is memory
+
+
+_NOT_IN_MEMORY: set[int] = set()  # devices whose filesystem was found not memory
 
 
 def _in_memory(fd: int, device: int) -> bool:
-    known = _IN_MEMORY.get(device)
-    if known is None:
-        known = _IN_MEMORY[device] = _fs_type(fd) in _MEMORY_FILESYSTEMS
-    return known
+    """Whether the open file `fd` (on `device`) is on such a filesystem. Only a "no" is
+    remembered by device number, which names a filesystem only while it is mounted: an
+    NFS mount made after a tmpfs was unmounted may get its anonymous number, and a page
+    there taken for memory would be read under the stop flag (a hung server would hang
+    `StopFlag.set`). A "no" remembered wrongly costs a copy; a "yes" is asked of each
+    file (fstatfs of a file in memory is cheap; on NFS it is a round trip, so not asked
+    again)."""
+    if device in _NOT_IN_MEMORY:
+        return False
+    if _fs_type(fd) in _MEMORY_FILESYSTEMS:
+        return True
+    if len(_NOT_IN_MEMORY) < 1024:
+        _NOT_IN_MEMORY.add(device)
+    return False
+
+
+_LIBC: list = []  # the C library, once loaded
 
 
 def _fs_type(fd: int) -> int | None:
@@ -350,7 +365,9 @@ def _fs_type(fd: int) -> int | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        libc = _LIBC[0]
         out = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
         if libc.fstatfs(fd, out) != 0:
             return None
