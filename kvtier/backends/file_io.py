@@ -150,12 +150,14 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
 _READ_PAGE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
-def _open_page(path: str) -> int:
+def _open_page(path: str) -> tuple[int, int]:
+    """The page file's descriptor and device (`_in_memory`)."""
     fd = os.open(path, _READ_PAGE)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise OSError(errno.EINVAL, "not a regular file: not a page", path)
-    return fd
+    return fd, st.st_dev
 
 
 def _read_sealed_page(
@@ -166,10 +168,10 @@ def _read_sealed_page(
     copied into the caller's `view` (`copy_out`); a file in memory (`_in_memory`) is
     read and checked in `view` itself, under the call's stop flag (`_writing`): neither
     the read nor the check can block."""
-    fd = _open_page(path)
+    fd, device = _open_page(path)
     try:
         read = lambda bufs: _preadv_all(fd, bufs, 0)
-        if _in_memory(fd):
+        if _in_memory(fd, device):
             with _writing(stop):
                 codec.read_into(read, ns, h, view, _scratch)
             return
@@ -290,9 +292,9 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
     mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
     may then hold part of it, which the caller must not use)."""
     size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
-    fd = _open_page(path)
+    fd, device = _open_page(path)
     try:
-        buf = None if _in_memory(fd) else _staging(min(_READ_CHUNK, size))
+        buf = None if _in_memory(fd, device) else _staging(min(_READ_CHUNK, size))
         hasher, done, at = xxhash.xxh3_64(), 0, 0
         while True:
             k = min(_READ_CHUNK, size - done)
@@ -335,11 +337,24 @@ def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
 _MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
 
 
-def _in_memory(fd: int) -> bool:
-    """Whether the open file `fd` is on such a filesystem: asked of each file, never
-    remembered by device number, which names a filesystem only while it is mounted (an
-    NFS mount made after a tmpfs was unmounted may get its anonymous number)."""
-    return _fs_type(fd) in _MEMORY_FILESYSTEMS
+_NOT_IN_MEMORY: set[int] = set()  # devices whose filesystem was found not memory
+
+
+def _in_memory(fd: int, device: int) -> bool:
+    """Whether the open file `fd` (on `device`) is on such a filesystem. Only a "no" is
+    remembered by device number, which names a filesystem only while it is mounted: an
+    NFS mount made after a tmpfs was unmounted may get its anonymous number, and a page
+    there taken for memory would be read under the stop flag (a hung server would hang
+    `StopFlag.set`). A "no" remembered wrongly costs a copy; a "yes" is asked of each
+    file (fstatfs of a file in memory is cheap; on NFS it is a round trip, so not asked
+    again)."""
+    if device in _NOT_IN_MEMORY:
+        return False
+    if _fs_type(fd) in _MEMORY_FILESYSTEMS:
+        return True
+    if len(_NOT_IN_MEMORY) < 1024:
+        _NOT_IN_MEMORY.add(device)
+    return False
 
 
 _LIBC: list = []  # the C library, once loaded

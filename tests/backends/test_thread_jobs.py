@@ -218,6 +218,28 @@ def test_whether_a_page_is_in_memory_is_asked_of_its_own_file(tmp_path, monkeypa
             os.close(fd)
 
 
+def test_whether_a_page_is_in_memory_is_asked_of_its_own_file(tmp_path, monkeypatch):
+    """A device number names a filesystem only while it is mounted: an NFS mount made
+    after a tmpfs was unmounted may get the tmpfs's anonymous number. A page there taken
+    for memory would be read under the call's stop flag, so a server that hangs would
+    hang the call's give-up (StopFlag.set waits for that read), and the loop with it."""
+    import os
+
+    from kvtier.backends import file_io
+
+    page = tmp_path / "page"
+    page.write_bytes(b"x")
+    types = iter([0x01021994, 0x6969])  # tmpfs, then NFS on the same device number
+    monkeypatch.setattr(file_io, "_fs_type", lambda fd: next(types))
+    monkeypatch.setattr(file_io, "_NOT_IN_MEMORY", set())
+    for want in (True, False):
+        fd, device = file_io._open_page(str(page))
+        try:
+            assert file_io._in_memory(fd, device) is want
+        finally:
+            os.close(fd)
+
+
 @pytest.mark.parametrize("encrypt", [False, True])
 def test_a_sealed_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
     encrypt, tmp_path, monkeypatch
