@@ -20,7 +20,6 @@ from kvtier.backends import seal
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import KEY_FORMAT_VERSION, Namespace, tenant_digest
 
-BATCH = 256
 TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes whose namespace ids a config may make
 
 
@@ -122,13 +121,13 @@ async def tenant_pages(store, prefix: str, spaces: dict, config, salt, keys):
     for ns in mine:
         out.victims += [k for k, _ in spaces[ns]["keys"]]
     if keys is not None:
+        from kvtier.cli.store import check_batches
+
         codec = seal.SealedCodec(keys)
         for ns, s in spaces.items():
             if ns in mine:
                 continue
-            page_keys = [k for k, _ in s["keys"]]
-            for start in range(0, len(page_keys), BATCH):
-                chunk = page_keys[start : start + BATCH]
+            for chunk in check_batches(s):
                 verdicts = await store.check(chunk, codec)
                 found = [k for k, why in zip(chunk, verdicts) if why is None]
                 out.victims += found
