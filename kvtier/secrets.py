@@ -14,8 +14,12 @@ _SECRET_FIELD = re.compile(
 )
 
 
-# `user:password@` anywhere in a text: a URL, or what was meant as one (`redis//u:pw@h`)
-_CREDENTIALS = re.compile(r"([^\s'\"/@:,\[\]]*):[^\s'\"@/]+@")
+# `user:password@` anywhere in a text: a URL (its scheme kept), or what was meant as one
+# (`redis//u:pw@h`). The password runs to the last '@' of the word: a client splits the user
+# info there (urllib), so a password may hold '@' or '/', and none of it is shown
+_CREDENTIALS = re.compile(
+    r"((?:[A-Za-z][A-Za-z0-9+.\-]*:/+)?[^\s'\"/@:,\[\]]*):[^\s'\"]+@"
+)
 # settings not secret in `tierctl config` but never quoted in an error: an operator may
 # use a customer's name as the salt, and an error goes to logs others read
 _UNQUOTED_IN_ERRORS = ("tenant_salt",)

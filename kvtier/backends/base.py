@@ -316,7 +316,9 @@ class Store(ABC):
                 codec.decode(blob, ns, h)
                 out.append(None)
             except FrameError as exc:
-                out.append(exc)
+                # without its traceback: the read's frames would keep the value read
+                # (anyone can plant a huge one) alive in a cycle until a collection
+                out.append(exc.with_traceback(None))
         return out
 
     async def put_manifest(

@@ -324,7 +324,10 @@ class RedisStore(Store):
         await self.client.set(name, bytes(data), ex=self.config.ttl_s)
 
     async def _get_meta(self, name):
-        return await self.client.getrange(name, 0, MANIFEST_LIMIT) or None
+        """A manifest of at most MANIFEST_LIMIT bytes (a longer one is none), or None where
+        missing or of another type (a list anyone could put there): never an error that
+        stops `store ls` or a purge."""
+        return await self._prefix_of(name, MANIFEST_LIMIT) or None
 
     def touch(self, keys) -> None:
         """Pages that just left host: their copies here are now the ones that count, yet

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.backends.base import FRAME_SLACK, MANIFEST_LIMIT, Store, StoredPage
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
+from kvtier.secrets import mask_credentials, redact_url
 from kvtier.validate import check_positive
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
@@ -44,7 +45,11 @@ class S3StoreConfig:
             raise ValueError("bucket='': name the bucket")
 
     def __repr__(self) -> str:  # never print credentials
-        return f"S3StoreConfig(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint_url={self.endpoint_url!r})"
+        return f"S3StoreConfig(bucket={self.bucket!r}, prefix={self.prefix!r}, endpoint_url={self._endpoint()!r})"
+
+    def _endpoint(self) -> str | None:
+        """endpoint_url as it may be shown: a password in it (`http://user:pw@host`) masked."""
+        return None if self.endpoint_url is None else redact_url(self.endpoint_url)
 
 
 class S3Store(Store):
@@ -235,16 +240,16 @@ class S3Store(Store):
             return StoreTimeout(f"s3.{op}: {type(exc).__name__}")
         if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectionClosedError)):
             return StoreUnavailable(
-                f"s3.{op}: {type(exc).__name__}: cannot reach {self.config.endpoint_url or 'AWS'}"
+                f"s3.{op}: {type(exc).__name__}: cannot reach {self.config._endpoint() or 'AWS'}"
             )
-        if isinstance(exc, bex.ClientError):
-            return StoreError(f"s3.{op}: {_code(exc)}: {exc}")
+        if isinstance(exc, bex.ClientError):  # botocore's text may quote the URL
+            return StoreError(mask_credentials(f"s3.{op}: {_code(exc)}: {exc}"))
         if isinstance(exc, bex.BotoCoreError):
-            return StoreError(f"s3.{op}: {type(exc).__name__}: {exc}")
+            return StoreError(mask_credentials(f"s3.{op}: {type(exc).__name__}: {exc}"))
         return super()._map_error(op, exc)
 
     def _extra_stats(self):
-        return {"bucket": self.config.bucket, "endpoint_url": self.config.endpoint_url}
+        return {"bucket": self.config.bucket, "endpoint_url": self.config._endpoint()}
 
 
 def _code(exc) -> str:

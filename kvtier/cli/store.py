@@ -27,6 +27,9 @@ from kvtier.errors import KvtierConfigError, KvtierError, StoreError
 from kvtier.hashing import split_key
 
 BATCH = 256
+# bytes of pages one check reads at once, by their listed sizes (one page at least): each
+# value is bounded by max_page_bytes, but anyone who can write the store lists 256 huge ones
+BATCH_BYTES = 64 << 20
 
 
 def add_arguments(p) -> None:
@@ -144,7 +147,14 @@ class _Progress:
 
 async def _by_namespace(store, prefix: str, what: str) -> dict[str, dict]:
     spaces: dict[str, dict] = defaultdict(
-        lambda: {"pages": 0, "bytes": 0, "oldest": None, "newest": None, "keys": []}
+        lambda: {
+            "pages": 0,
+            "bytes": 0,
+            "oldest": None,
+            "newest": None,
+            "keys": [],
+            "sizes": [],
+        }
     )
     progress = _Progress(what)
     async for batch in store.scan(BATCH):
@@ -156,6 +166,7 @@ async def _by_namespace(store, prefix: str, what: str) -> dict[str, dict]:
             s["pages"] += 1
             s["bytes"] += p.size
             s["keys"].append((p.key, p.mtime))
+            s["sizes"].append(p.size)
             if p.mtime is not None:
                 s["oldest"] = (
                     p.mtime if s["oldest"] is None else min(s["oldest"], p.mtime)
@@ -236,6 +247,21 @@ async def _du(store, prefix, args) -> int:
     return 0
 
 
+def check_batches(space: dict):
+    """A namespace's page keys (its listing, `_by_namespace`) in batches to read at once: at
+    most BATCH pages and BATCH_BYTES by their listed sizes, one page at least."""
+    chunk: list[str] = []
+    total = 0
+    for (key, _), size in zip(space["keys"], space["sizes"]):
+        if chunk and (len(chunk) == BATCH or total + size > BATCH_BYTES):
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(key)
+        total += size or 0  # a plugin that lists no size: counted by pages
+    if chunk:
+        yield chunk
+
+
 class _AnyFrame:
     """The codec for a namespace without a manifest: a plain frame is checked as plain, a
     sealed one with the config's keys (ForeignKey where it names a key not given)."""
@@ -280,8 +306,7 @@ async def _verify(store, prefix, args) -> int:
         if codec is None:
             foreign += len(page_keys)
             continue
-        for start in range(0, len(page_keys), BATCH):
-            chunk = page_keys[start : start + BATCH]
+        for chunk in check_batches(s):
             verdicts = await store.check(chunk, codec)
             for k, why in zip(chunk, verdicts):
                 if why is None:

@@ -20,7 +20,6 @@ from kvtier.backends import seal
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import KEY_FORMAT_VERSION, Namespace, tenant_digest
 
-BATCH = 256
 TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes whose namespace ids a config may make
 
 
@@ -89,6 +88,8 @@ async def tenant_pages(store, prefix: str, spaces: dict, config, salt, keys):
     manifests = {ns: await store.get_manifest(prefix, ns) for ns in spaces}
     key_ids = list(keys.ids) if keys is not None else []
     mine: set[str] = set()
+    named: list[str] = []  # namespaces whose manifest names the salt's digest, unproven
+    sealed: dict[str, int] = {}  # namespace id -> its pages that authenticate
     if salt is not None:
         revisions = {config.namespace.revision} | {
             m.get("revision") for m in manifests.values() if isinstance(m, dict)
@@ -96,25 +97,21 @@ async def tenant_pages(store, prefix: str, spaces: dict, config, salt, keys):
         if config.namespace.revision is None:
             revisions.add(reference_revision())
         derived = config_namespaces(config, salt, key_ids, revisions)
-        named, unnamed = 0, 0
+        unnamed = 0
         for ns, m in manifests.items():
             ours_by_key = keys is None or (m or {}).get("tenant_key_id") in (
                 None,
                 *key_ids,
             )
-            if ns in derived or (
-                isinstance(m, dict) and ours_by_key and made_with(m, ns, salt)
-            ):
+            made = isinstance(m, dict) and made_with(m, ns, salt)
+            if ns in derived or (made and ours_by_key):
                 mine.add(ns)
+            elif made:  # the salt's, with another key: its holder's, not unproven
+                continue
             elif isinstance(m, dict) and m.get("tenant") == tenant_digest(salt):
-                named += spaces[ns]["pages"]  # an edited or copied manifest
+                named.append(ns)  # an edited or copied manifest
             elif m is None and keys is None:
                 unnamed += spaces[ns]["pages"]
-        if named:
-            out.unproven.append(
-                f"{named} pages of namespaces whose manifest names this salt but whose id "
-                "it does not make (an edited or copied manifest): kept"
-            )
         if unnamed:
             out.unproven.append(
                 f"{unnamed} pages of namespaces without a manifest, whose id this config "
@@ -124,15 +121,23 @@ async def tenant_pages(store, prefix: str, spaces: dict, config, salt, keys):
     for ns in mine:
         out.victims += [k for k, _ in spaces[ns]["keys"]]
     if keys is not None:
+        from kvtier.cli.store import check_batches
+
         codec = seal.SealedCodec(keys)
         for ns, s in spaces.items():
             if ns in mine:
                 continue
-            page_keys = [k for k, _ in s["keys"]]
-            for start in range(0, len(page_keys), BATCH):
-                chunk = page_keys[start : start + BATCH]
+            for chunk in check_batches(s):
                 verdicts = await store.check(chunk, codec)
-                out.victims += [k for k, why in zip(chunk, verdicts) if why is None]
+                found = [k for k, why in zip(chunk, verdicts) if why is None]
+                out.victims += found
+                sealed[ns] = sealed.get(ns, 0) + len(found)
+    kept = sum(spaces[ns]["pages"] - sealed.get(ns, 0) for ns in named)
+    if kept:  # what the seal found is deleted, not kept
+        out.unproven.append(
+            f"{kept} pages of namespaces whose manifest names this salt but whose id "
+            "it does not make (an edited or copied manifest): kept"
+        )
     return out
 
 

@@ -276,3 +276,29 @@ async def test_a_scan_maps_its_errors_like_any_store_call(s3_server):
                 pass
     finally:
         await store.close()
+
+
+async def test_an_s3_endpoint_url_with_a_password_is_never_shown():
+    """An endpoint_url may carry credentials (`http://user:password@host`, as MinIO's
+    examples write it): its errors, its repr and its stats show `user:***@`, never the
+    password (the old code quoted the URL whole in "cannot reach ...", repr and stats)."""
+    pw = "Sekr1tPW"
+    url = f"http://ak:x@{pw}@127.0.0.1:{free_port()}"  # a password holding an '@'
+    store = S3Store(
+        S3StoreConfig(
+            endpoint_url=url,
+            max_attempts=1,
+            connect_timeout_s=0.5,
+            access_key_id="x",
+            secret_access_key="y",
+        ),
+        timeout_s=2.0,
+    )
+    try:
+        with pytest.raises(StoreUnavailable, match="cannot reach") as err:
+            await store.batch_get([new_key()])
+        shown = [str(err.value), repr(store.config), repr(store.stats())]
+        assert all(pw not in s for s in shown), shown
+        assert "http://ak:***@127.0.0.1:" in str(err.value)
+    finally:
+        await store.close()

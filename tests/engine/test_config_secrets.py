@@ -38,6 +38,11 @@ def one_line(argv, capsys) -> str:
             {"KVTIER_STORE_URL": f"redis//app:{PW}@db:6379/0"},
             "url='redis//app:***@db:6379/0': must start with redis://",
         ),
+        (  # a password holding an '@' (redis-py splits user info at the last one)
+            f'store: {{backend: redis, url: "http://app:x@{PW}@db:6379/0"}}\n',
+            {},
+            "url='http://app:***@db:6379/0': must start with redis://",
+        ),
         (  # the cluster config's URL
             f'store: {{backend: redis, cluster: true, url: "ftp://app:{PW}@n1:7000/0"}}\n',
             {},
@@ -155,3 +160,23 @@ def test_a_device_or_huge_tenant_key_file_is_refused_without_reading_it_whole(
     done = _tierctl_config(tmp_path, str(huge))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "larger than 65536 bytes" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "url,masked",
+    [
+        (f"redis://app:x@{PW}@db:6379/0", "redis://app:***@db:6379/0"),
+        (f"redis://app:x/{PW}@db:6379/0", "redis://app:***@db:6379/0"),
+        (f"rediss://:x@{PW}@db:6379", "rediss://:***@db:6379"),
+    ],
+)
+def test_tierctl_config_masks_a_password_holding_an_at_or_a_slash(
+    url, masked, tmp_path, capsys
+):
+    """old: `store.url = 'redis://app:***@Sekr1tPW@db:6379/0'`: the mask stopped at the
+    password's first '@' (or was not made at a '/') and printed the rest of it."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f'store: {{backend: redis, url: "{url}"}}\n')
+    assert main(["config", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert PW not in out and f"store.url = {masked!r}" in out, out

@@ -115,3 +115,30 @@ def test_purge_by_salt_finds_a_namespace_whose_manifest_redis_evicted(
     assert main(["store", "purge", "--config", "redis", "--tenant", "acme"]) == 0
     assert f"deleted {len(pages)} pages" in capsys.readouterr().out
     assert list(client.scan_iter("kvtier/*")) == []
+
+
+def test_a_manifest_key_of_another_type_does_not_stop_a_purge(
+    url, capsys, monkeypatch, tmp_path
+):
+    """Anyone who can write the store can put a list where a namespace's manifest belongs
+    (a page key of another type is already a miss). The old code raised WRONGTYPE out of
+    get_manifest, so every `store ls` and every tenant's `purge --tenant` failed (exit 2,
+    nothing deleted); a manifest of another type is none, as on the file store."""
+    import redis
+
+    from kvtier.cli.main import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("KVTIER_STORE_URL", url)
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_SALT", "acme")
+    assert main(["replay", "--config", "redis", "--requests", "10"]) == 0
+    client = redis.Redis.from_url(url)
+    [manifest] = list(client.scan_iter("*manifest*"))
+    pages = [k for k in client.scan_iter("kvtier/*") if k != manifest]
+    client.delete(manifest)
+    client.rpush(manifest, b"planted")
+    capsys.readouterr()
+    assert main(["store", "ls", "--config", "redis"]) == 0
+    assert main(["store", "purge", "--config", "redis", "--tenant"]) == 0
+    assert f"deleted {len(pages)} pages" in capsys.readouterr().out
+    assert list(client.scan_iter("kvtier/*")) == [manifest]

@@ -431,3 +431,48 @@ def test_a_salt_purge_deletes_the_namespaces_made_with_it_and_says_what_it_canno
         "manifest names this salt but whose id it does not make" in out
     )
     assert _pages_by_namespace(cache_home) == {ns_other: by_ns[ns_other]}
+
+
+def test_a_purge_with_the_key_does_not_count_pages_it_deletes_as_kept(
+    cache_home, capsys, monkeypatch
+):
+    """A namespace of the tenant that the purge's config does not make (another page size)
+    whose manifest a co-tenant edited is not proven by its salt, yet every page of it
+    authenticates under the tenant's key and is deleted. The old count said all of them
+    were kept ("not proven the tenant's: N pages ... kept" beside "deleted N pages"): what
+    is deleted is not counted as kept."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_SALT", "acme")
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    monkeypatch.setenv("KVTIER_POOL_PAGE_SIZE", "32")
+    assert replay(capsys, "--requests", "8")[0] == 0
+    [(ns, manifest)] = _manifests(cache_home).items()
+    pages = _pages_by_namespace(cache_home)[ns]
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**m, "model_id": "edited"}))  # salt digest kept
+    monkeypatch.delenv("KVTIER_POOL_PAGE_SIZE")  # the purge's config: page size 16
+    assert main(["store", "purge", "--tenant"]) == 0
+    out = capsys.readouterr().out
+    assert f"deleted {len(pages)} pages" in out
+    assert "not proven" not in out, out
+    assert page_files(cache_home) == []
+
+
+def test_a_purge_with_the_key_leaves_another_key_holders_namespace_of_its_salt_unremarked(
+    cache_home, capsys, monkeypatch
+):
+    """Two tenants with one salt and their own keys (docs/security.md): A's purge leaves
+    B's namespace alone, as it is B's by its id, and does not report its pages as "not
+    proven" under an "edited or copied manifest" (the old count did: B's manifest is
+    intact)."""
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_SALT", "acme")
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_B)
+    assert replay(capsys, "--requests", "8")[0] == 0
+    [ns_b] = _manifests(cache_home)
+    monkeypatch.setenv("KVTIER_NAMESPACE_TENANT_KEY", KEY_A)
+    assert replay(capsys, "--requests", "8")[0] == 0
+    by_ns = _pages_by_namespace(cache_home)
+    [ns_a] = set(by_ns) - {ns_b}
+    assert main(["store", "purge", "--tenant"]) == 0
+    out = capsys.readouterr().out
+    assert f"deleted {len(by_ns[ns_a])} pages" in out and "not proven" not in out, out
+    assert _pages_by_namespace(cache_home) == {ns_b: by_ns[ns_b]}
