@@ -294,6 +294,11 @@ def _options_items(options: Any) -> list[tuple[str, Any]]:
     return sorted(dict(options).items())
 
 
+def shipped_default() -> str:
+    """The path of the config `tierctl` reads beneath a user's file (`default`)."""
+    return str(shipped_configs()["default"])
+
+
 def shipped_configs() -> dict[str, Path]:
     """The configs inside the package, by name (`default`, `redis`, ...)."""
     from importlib.resources import files

@@ -293,7 +293,7 @@ def _config(
     )
 
 
-def _kvtier(
+def kvtier_arm(
     trace,
     size: int,
     page: int,
@@ -357,7 +357,7 @@ def run(
     if store not in STORES:
         raise ValueError(f"store={store!r}: allowed are {', '.join(STORES)}")
     arms = {
-        "kvtier": lambda: _kvtier(
+        "kvtier": lambda: kvtier_arm(
             trace,
             size,
             page,
@@ -367,7 +367,7 @@ def run(
             store=store,
             page_tokens=page_tokens,
         ),
-        "device": lambda: _kvtier(trace, size, page, in_flight, cpus, tiers=False),
+        "device": lambda: kvtier_arm(trace, size, page, in_flight, cpus, tiers=False),
         "bare": lambda: bare_tree(trace, page),
     }
     if why_not is None:

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import yaml
 
-from kvtier.bench.cache import _kvtier, infinite_bound, store_page_tokens
+from kvtier.bench.cache import kvtier_arm, infinite_bound, store_page_tokens
 from kvtier.bench.hicache_cpu import Shims
 from kvtier.bench.trace import multiturn
 
@@ -508,7 +508,7 @@ def urc_arm(
 
 def tiered_arm(trace, size: int, page: int, in_flight: int) -> ArmRun:
     cpu0 = time.process_time()
-    sched, _ = _kvtier(
+    sched, _ = kvtier_arm(
         trace,
         size,
         page,

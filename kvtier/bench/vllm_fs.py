@@ -34,7 +34,7 @@ JOBS = 4  # jobs in flight at once
 LOOKUP_PASSES = 200  # lookups of every key per timed lookup round
 
 
-def _size(nbytes: int) -> str:
+def human_size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
@@ -265,7 +265,7 @@ def report(rows: Rounds, n: int, size: int, label: str) -> str:
     for m in ("lookup hit", "lookup miss"):
         k, v = (rows.median(m, s) * 1e9 / keys for s in ("kvtier", "vllm"))
         parts.append(f"{m} {k:4.0f} vs {v:4.0f} ns/key ({1 / rows.ratio(m):.2f}x)")
-    return f"{label} {n:3d} x {_size(size)}: " + " | ".join(parts)
+    return f"{label} {n:3d} x {human_size(size)}: " + " | ".join(parts)
 
 
 def run(rounds: int = 9, base: str = "/dev/shm") -> list[str]:
@@ -283,7 +283,7 @@ def run(rounds: int = 9, base: str = "/dev/shm") -> list[str]:
             summary.append(
                 f"vllm tier: store {rows.ratio('store'):.2f}x, load "
                 f"{rows.ratio('load'):.2f}x vLLM fs tier, lookup {lookup:.2f}x "
-                f"(rows {n} x {_size(size)}{', tenant key' if key else ''})"
+                f"(rows {n} x {human_size(size)}{', tenant key' if key else ''})"
             )
     for line in summary:
         print(line)

@@ -23,7 +23,6 @@ import itertools
 import os
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -31,56 +30,20 @@ import numpy as np
 from kvtier.backends.registry import build_store
 from kvtier.bench import servers
 from kvtier.bench.timing import alternate
+from kvtier.bench.vllm_fs import human_size, manager
 from kvtier.hashing import make_key
 
 SHAPES = [(64, 256 << 10), (16, 1 << 20), (4, 8 << 20)]  # (rows per job, bytes per row)
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
 def _manager(kvtier_config: dict, rows: int, row_bytes: int):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
+    """vLLM's manager with KvtierTier as its one secondary tier."""
     tier = {
         "type": "KvtierTier",
         "module_path": "kvtier.integrations.vllm",
         "kvtier_config": kvtier_config,
     }
-    config = OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(
-                tokens_per_block=16, layer_names=("layer.0",), group_id=0
-            ),
-        ),
-        worker_kv_bytes_per_block=row_bytes,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": rows * row_bytes, "secondary_tiers": [tier]},
-        engine_id=f"kvtierbench{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name="bench", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
-    return TieringOffloadingSpec(config).get_manager()
+    return manager(tier, rows, row_bytes)
 
 
 def _pair(
@@ -171,7 +134,7 @@ def run(
                     set_r.append(gbs["tier set"] / gbs["direct set"])
                     get_r.append(gbs["tier get"] / gbs["direct get"])
                     print(
-                        f"{name:6s} {n:3d} x {_size(size)}: tier set {gbs['tier set']:6.2f} get "
+                        f"{name:6s} {n:3d} x {human_size(size)}: tier set {gbs['tier set']:6.2f} get "
                         f"{gbs['tier get']:6.2f} GB/s | store direct set {gbs['direct set']:6.2f} get "
                         f"{gbs['direct get']:6.2f} GB/s"
                     )

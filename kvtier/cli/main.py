@@ -22,11 +22,12 @@ from kvtier.errors import KvtierConfigError, KvtierError
 EXIT_USAGE = 2
 
 
-def default_config() -> str:
-    """The default config shipped inside the package (kvtier/configs/default.yaml)."""
-    from kvtier.config import shipped_configs
+def shipped_default() -> str:
+    """kvtier.config.shipped_default, imported when a command runs (`--help` imports no
+    torch)."""
+    from kvtier.config import shipped_default
 
-    return str(shipped_configs()["default"])
+    return shipped_default()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         "replay", help="run the reference engine on a workload, print hits per tier"
     )
     replay.add_arguments(r)
-    r.set_defaults(func=lambda a: replay.run(a, default_config()))
+    r.set_defaults(func=lambda a: replay.run(a, shipped_default()))
     s = sub.add_parser(
         "serve",
         help="the reference engine behind HTTP (/generate /metrics /stats /flush)",
     )
     serve.add_arguments(s)
-    s.set_defaults(func=lambda a: serve.run(a, default_config()))
+    s.set_defaults(func=lambda a: serve.run(a, shipped_default()))
     st = sub.add_parser(
         "stats", help="per-tier stats of a running server, or a store's contents"
     )
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "store", help="maintain an L3 store: ls, du, verify [--prune], purge"
     )
     store.add_arguments(so)
-    so.set_defaults(func=lambda a: store.run(a, default_config()))
+    so.set_defaults(func=lambda a: store.run(a, shipped_default()))
     b = sub.add_parser(
         "bench", help="benchmarks against baselines measured in the same run"
     )
@@ -99,7 +100,7 @@ def _config(args) -> int:
     from kvtier.engine.engine import torch_threads
 
     threads, origin = torch_threads()
-    print(explain(load_config(args.config, base=default_config())))
+    print(explain(load_config(args.config, base=shipped_default())))
     print(
         f"engine.torch_threads = {threads}  ({origin}; tierctl replay and serve run the reference model with it)"
     )

@@ -169,7 +169,7 @@ class Server:
         time_slice: int | None = TIME_SLICE,
     ) -> None:
         from kvtier.cache import TieredCache
-        from kvtier.cli.main import default_config
+        from kvtier.config import shipped_default
         from kvtier.cli.replay import with_weights
         from kvtier.config import load_config
         from kvtier.engine.engine import Engine
@@ -179,7 +179,7 @@ class Server:
 
         self.model = TinyTransformer(ModelConfig(seed=seed))
         self.cache = TieredCache(
-            with_weights(load_config(config_path, base=default_config()), self.model)
+            with_weights(load_config(config_path, base=shipped_default()), self.model)
         )
         self.histories = Histories(sessions, session_ttl_s)
         self.engine = Engine(

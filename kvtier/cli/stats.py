@@ -30,10 +30,10 @@ def add_arguments(p) -> None:
 
 def _store_from(config_path: str):
     from kvtier.backends.registry import build_store
-    from kvtier.cli.main import default_config
+    from kvtier.config import shipped_default
     from kvtier.config import load_config
 
-    cfg = load_config(config_path, base=default_config())
+    cfg = load_config(config_path, base=shipped_default())
     if cfg.store.backend == "none":
         raise KvtierConfigError(
             f"{config_path}: store.backend is 'none': no store here"

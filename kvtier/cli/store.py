@@ -93,10 +93,10 @@ def _age(text: str) -> float:
 
 def _store_from(config_path: str):
     from kvtier.backends.registry import build_store
-    from kvtier.cli.main import default_config
+    from kvtier.config import shipped_default
     from kvtier.config import load_config
 
-    cfg = load_config(config_path, base=default_config())
+    cfg = load_config(config_path, base=shipped_default())
     if cfg.store.backend == "none":
         raise KvtierConfigError(
             f"{config_path}: store.backend is 'none': no store here"
@@ -403,7 +403,9 @@ async def _tenant_pages(store, prefix, spaces: dict, args) -> list[str]:
             "purge --tenant: give a SALT, or a --config with namespace.tenant_salt or "
             "namespace.tenant_key"
         )
-    found = await tenant_pages(store, prefix, spaces, args.loaded_config, salt, keys)
+    found = await tenant_pages(
+        store, prefix, spaces, args.loaded_config, salt, keys, batches=check_batches
+    )
     for line in found.unproven:
         print(f"not proven the tenant's: {line}")
     return found.victims

@@ -79,11 +79,14 @@ def config_namespaces(
     }
 
 
-async def tenant_pages(store, prefix: str, spaces: dict, config, salt, keys):
+async def tenant_pages(
+    store, prefix: str, spaces: dict, config, salt, keys, *, batches
+):
     """The tenant's pages among `spaces` (namespace id -> its listing): by its salt
     (`salt`: namespaces made with it; None: none) and by its key ring (`keys`: pages that
     authenticate; None: none). A namespace of the salt made with a key not in `keys` is
-    another key holder's and left alone when `keys` is given."""
+    another key holder's and left alone when `keys` is given. `batches(listing)` yields
+    a namespace's keys in the batches one check reads (tierctl store's bound)."""
     out = Attribution()
     manifests = {ns: await store.get_manifest(prefix, ns) for ns in spaces}
     key_ids = list(keys.ids) if keys is not None else []
@@ -121,13 +124,11 @@ async def tenant_pages(store, prefix: str, spaces: dict, config, salt, keys):
     for ns in mine:
         out.victims += [k for k, _ in spaces[ns]["keys"]]
     if keys is not None:
-        from kvtier.cli.store import check_batches
-
         codec = seal.SealedCodec(keys)
         for ns, s in spaces.items():
             if ns in mine:
                 continue
-            for chunk in check_batches(s):
+            for chunk in batches(s):
                 verdicts = await store.check(chunk, codec)
                 found = [k for k, why in zip(chunk, verdicts) if why is None]
                 out.victims += found

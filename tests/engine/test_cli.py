@@ -8,7 +8,8 @@ import urllib.request
 
 import pytest
 
-from kvtier.cli.main import default_config, main
+from kvtier.cli.main import main
+from kvtier.config import shipped_default
 from kvtier.cli.serve import Limits, Listener, Server
 from kvtier.cli.serve_app import build_app
 from tests.backends.stores import new_key
@@ -72,7 +73,7 @@ def test_replay_skips_store_loads_slower_than_the_prefill_rate(cache_home, capsy
 def test_stats_config_inspects_a_filled_file_store(cache_home, tmp_path, capsys):
     assert main(["replay", "--requests", "8"]) == 0
     capsys.readouterr()
-    assert main(["stats", "--config", default_config(), "--json"]) == 0
+    assert main(["stats", "--config", shipped_default(), "--json"]) == 0
     inv = json.loads(capsys.readouterr().out)
     assert (
         inv["store"] == "file"
@@ -80,12 +81,12 @@ def test_stats_config_inspects_a_filled_file_store(cache_home, tmp_path, capsys)
         and inv["bytes"] > 0
         and len(inv["namespaces"]) == 1
     )
-    assert main(["stats", "--config", default_config()]) == 0
+    assert main(["stats", "--config", shipped_default()]) == 0
     assert "pages" in capsys.readouterr().out
 
 
 def test_serve_and_stats_url_end_to_end(cache_home, capsys):
-    server = Server(default_config())
+    server = Server(shipped_default())
     listener = Listener(
         build_app(server), "127.0.0.1", 0, Limits(log_level="warning")
     ).start()
@@ -505,7 +506,7 @@ def test_store_ls_du_verify_prune_purge_on_a_filled_file_store(cache_home, capsy
 
 
 def test_serve_token_body_cap_and_unknown_paths(cache_home):
-    server = Server(default_config())
+    server = Server(shipped_default())
     listener = Listener(
         build_app(server, token="s3cret", max_body=4096),
         "127.0.0.1",

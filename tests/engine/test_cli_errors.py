@@ -149,7 +149,7 @@ def test_the_manifest_comes_back_when_the_store_lost_it(cache_home, monkeypatch)
     Redis eviction, a TTL) never again, and `store purge --tenant` then deleted none of the
     tenant's pages."""
     from kvtier.cache import TieredCache
-    from kvtier.cli.main import default_config
+    from kvtier.config import shipped_default
     from kvtier.cli.replay import with_weights
     from kvtier.config import load_config
     from kvtier.controller import storage
@@ -159,7 +159,7 @@ def test_the_manifest_comes_back_when_the_store_lost_it(cache_home, monkeypatch)
 
     monkeypatch.setattr(storage, "MANIFEST_CHECK_EVERY", 1)
     model = TinyTransformer(ModelConfig(seed=0))
-    cache = TieredCache(with_weights(load_config(default_config()), model))
+    cache = TieredCache(with_weights(load_config(shipped_default()), model))
     engine = Engine(cache, model)
     turns = generate("multiturn", 16, model.config.vocab, 0)
     engine.run(turns[:4])

@@ -144,12 +144,12 @@ def test_a_plugin_store_without_a_config_class_gets_only_the_options_written_for
     store's root, capacity_bytes and fsync (and `tierctl config` listed them as its
     options): the options of a backend that a later layer switched away from go with it,
     as a built-in backend's do."""
-    from kvtier.cli.main import default_config
+    from kvtier.config import shipped_default
 
     backend = "tests.engine.test_operator_config:SchemalessStore"
     mine = tmp_path / "mine.yaml"
     mine.write_text(f"store:\n  backend: {backend}\n  endpoint: tcp://x\n")
-    cfg = load_config(mine, base=default_config(), env={})
+    cfg = load_config(mine, base=shipped_default(), env={})
     assert cfg.store.options == {"endpoint": "tcp://x"}
     assert main(["config", "--config", str(mine)]) == 0
     out = capsys.readouterr().out
@@ -157,12 +157,12 @@ def test_a_plugin_store_without_a_config_class_gets_only_the_options_written_for
     assert "store.root" not in out and "store.fsync" not in out
     # the same backend named again by a later layer keeps the options written for it
     again = load_config(
-        mine, base=default_config(), env={"KVTIER_STORE_BACKEND": backend}
+        mine, base=shipped_default(), env={"KVTIER_STORE_BACKEND": backend}
     )
     assert again.store.options == {"endpoint": "tcp://x"}
     # switched to by the environment over the shipped default: only the env's options
     env = {"KVTIER_STORE_BACKEND": backend, "KVTIER_STORE_ENDPOINT": "tcp://y"}
-    assert load_config(None, base=default_config(), env=env).store.options == {
+    assert load_config(None, base=shipped_default(), env=env).store.options == {
         "endpoint": "tcp://y"
     }
 
@@ -176,12 +176,12 @@ def test_a_file_naming_its_store_backend_gets_that_stores_settings_as_an_engine_
     so a `tierctl serve` or `replay` on the engine's shared root evicted everyone's pages
     down to 2 GiB, and `tierctl config` showed settings the engine never uses. A file that
     names its backend brings its whole store section; the rest still comes key by key."""
-    from kvtier.cli.main import default_config
+    from kvtier.config import shipped_default
 
     mine = tmp_path / "engine.yaml"
     mine.write_text(f"store:\n  backend: file\n  root: {tmp_path / 'l3'}\n")
     engine = load_config(mine, env={})  # what an engine's adapter reads
-    tierctl = load_config(mine, base=default_config(), env={})
+    tierctl = load_config(mine, base=shipped_default(), env={})
     assert tierctl.store == engine.store
     assert tierctl.store.options.capacity_bytes == 16 << 30
     assert tierctl.pool.num_kv_heads == 2  # the shipped pool, as before
@@ -191,6 +191,6 @@ def test_a_file_naming_its_store_backend_gets_that_stores_settings_as_an_engine_
     assert "store.timeout_s = 5.0  (default)" in out
     # without a backend the file's keys go on the shipped default's store, key by key
     mine.write_text(f"store:\n  root: {tmp_path / 'l3'}\n")
-    tierctl = load_config(mine, base=default_config(), env={})
+    tierctl = load_config(mine, base=shipped_default(), env={})
     assert tierctl.store.backend == "file"
     assert tierctl.store.options.capacity_bytes == 2 << 30

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from kvtier.cli.main import default_config, main
+from kvtier.cli.main import main
+from kvtier.config import shipped_default
 from kvtier.cli.serve import Limits, Listener, Server, _is_loopback
 from kvtier.cli.serve_app import build_app, json_depth
 
@@ -30,7 +31,7 @@ def serving(cache_home):
     started = []
 
     def start(token=None, max_body=1 << 20, client_timeout=10.0, **kwargs):
-        server = Server(default_config(), **kwargs)
+        server = Server(shipped_default(), **kwargs)
         listener = Listener(
             build_app(server, token, max_body),
             "127.0.0.1",
