@@ -122,6 +122,7 @@ class ZmqPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._replays: dict[bytes, _Replay] = {}
         self._held = 0  # subscriptions the PUB holds now
+        self._replays_unread = 0  # payload bytes sent to replay peers, not yet taken
         self._trim_due: float | None = None
         self._complain = Complaints(log, "kv events: ")
         self.counters = {
@@ -337,13 +338,15 @@ class ZmqPublisher:
             return False
         while self._replay.poll(0):
             self._take_request(self._replay.recv_multipart())
-        busy = False
+        busy, unread = False, 0
         for client, r in list(self._replays.items()):
             r.release()
+            unread += r.unread_bytes  # what its peer has not taken since the last turn
             if not r.ended:
                 busy |= self._advance(r)
             if r.finished:
                 del self._replays[client]
+        self._replays_unread = unread
         return busy
 
     def _take_request(self, frames: list[bytes]) -> None:
@@ -385,7 +388,9 @@ class ZmqPublisher:
     def _send_replay(self, r: _Replay, frames: tuple[bytes, bytes, bytes]) -> bool:
         """One message to `r`'s peer, its payload the buffer's bytes; False when its queue
         is full (try again later) or it left (the replay ends)."""
-        payload = zmq.Frame(frames[2], track=True)
+        # copy=False: pyzmq copies a payload under 64 KiB by default, and a copy's tracker
+        # is done at once, which would leave the window empty whatever the peer holds
+        payload = zmq.Frame(frames[2], track=True, copy=False)
         try:
             self._replay.send_multipart(
                 (r.client, b"", frames[0], frames[1], payload),
@@ -406,7 +411,8 @@ class ZmqPublisher:
     def stats(self) -> dict:
         """Counters; `queued`: batches waiting for the thread; `unsent`: batches handed over
         and not yet sent (or kept for replay), the one the thread is encoding included;
-        `subscriptions_held` and `replays_open`: what peers hold now."""
+        `subscriptions_held`, `replays_open` and `replays_unread_bytes`: what peers hold
+        now."""
         return {
             **self.counters,
             "queued": self._queue.qsize(),
@@ -414,6 +420,7 @@ class ZmqPublisher:
             "buffered": len(self._buffer),
             "subscriptions_held": self._held,
             "replays_open": len(self._replays),
+            "replays_unread_bytes": self._replays_unread,
         }
 
     def wait_sent(self, timeout: float = 5.0) -> bool:

@@ -226,3 +226,37 @@ def test_a_peer_that_leaves_gives_back_its_subscriptions(ipc):  # noqa: F811
         assert stats["subscription_resets"] == 0
     finally:
         pub.close()
+
+
+def test_unread_replays_of_small_batches_hold_their_window_only(child, ipc):  # noqa: F811
+    """A replay's window counts the bytes ZMQ still holds for a peer that does not read.
+    pyzmq copies a payload under 64 KiB into its own message unless told not to, and a
+    copy's tracker is done at once: the window stayed empty, and each of max_replays
+    peers that never read was queued up to 1,000 copies of the buffer's batches (here
+    8 x 300 x 60 KB: +138 MiB). Sent as the buffer's own bytes, each holds its 1 MiB."""
+    c = child(batches=300, size=60_000)
+    ctx = zmq.Context()
+    peers = []
+    try:
+        for _ in range(8):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(ipc[1])
+            d.send_multipart((b"", (0).to_bytes(8, "big")))
+            peers.append(d)
+        wait_for(  # every replay ended, or each filled its window (the peers never read)
+            lambda: (
+                (s := c.stats())["replays"] == 8
+                and (s["replays_open"] == 0 or s["replays_unread_bytes"] >= 8 << 20)
+            ),
+            "the 8 replays to send what they may",
+        )
+        c.assert_bounded()
+        assert c.stats()["replays_open"] == 8  # unread, so not over
+    finally:
+        for d in peers:
+            d.close()
+        ctx.term()
+    wait_for(lambda: c.stats()["replays_open"] == 0, "the replays to close")
+    publishing_continues(c, ipc)
