@@ -93,7 +93,14 @@ class CacheStats:
 
 # the KV event publisher's numbers that are levels now; the others only grow
 EVENT_GAUGES = frozenset(
-    ("queued", "unsent", "buffered", "subscriptions_held", "replays_open")
+    (
+        "queued",
+        "unsent",
+        "buffered",
+        "subscriptions_held",
+        "replays_open",
+        "replays_unread_bytes",
+    )
 )
 
 

@@ -15,12 +15,13 @@ counted and logged. `stats()` has the counts.
 
 What peers can make it hold is bounded (docs/security.md, "KV events"): a message from a
 peer is at most a topic plus a handshake's worth of bytes (`ZMQ_MAXMSGSIZE`; a bigger one
-drops that connection before it is read); the PUB holds at most `max_subscriptions`
-subscriptions, past which it is reopened, which drops every peer and frees what they
-subscribed (they reconnect and subscribe again); at most `max_replays` replays are served
-or unread at once, one per peer, each with at most `REPLAY_WINDOW` bytes sent that the
-peer has not taken (the payloads are the buffer's own bytes, not copies); a request past
-that gets no reply (counted). Every socket has its HWMs.
+drops that connection before it is read); the PUB takes at most `max_subscriptions`
+subscriptions that cannot match the topic (a peer can cancel one it never made, so they
+count until the socket reopens), past which it is reopened, which drops every peer and
+frees what they subscribed (they reconnect and subscribe again); at most `max_replays`
+replays are served or unread at once, one per peer, each with at most `REPLAY_WINDOW`
+bytes sent that the peer has not taken (the payloads are the buffer's own bytes, not
+copies); a request past that gets no reply (counted). Every socket has its HWMs.
 """
 
 from __future__ import annotations
@@ -121,7 +122,11 @@ class ZmqPublisher:
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._replays: dict[bytes, _Replay] = {}
-        self._held = 0  # subscriptions the PUB holds now
+        self._held = 0  # subscriptions to a prefix of the topic the PUB holds now
+        self._stray = (
+            0  # others it took since it opened (docs/events.md, "Subscriptions")
+        )
+        self._replays_unread = 0  # payload bytes sent to replay peers, not yet taken
         self._trim_due: float | None = None
         self._complain = Complaints(log, "kv events: ")
         self.counters = {
@@ -277,21 +282,33 @@ class ZmqPublisher:
         socket's trie when it takes it from the peer's queue, before this reads it: the
         queue is short (`SUBSCRIPTION_RCVHWM`) and the reads are `recv`s, which take
         commands (more of the queue) once per 100 messages, so the trie holds at most a
-        few queues more than this has counted."""
+        few queues more than this has counted.
+
+        Only a prefix of the topic can match a message; a peer holds at most one of each
+        (ZMQ keeps a set per peer), so they cost what connections do and are not limited.
+        Every other subscription counts against the limit until the socket reopens: ZMQ
+        also hands up a cancellation of a subscription the peer never made, so a peer could
+        uncount what it holds (cancel from a second connection what the first subscribed)
+        and grow the trie without end."""
         left = 0
         while True:
             try:
                 msg = self._pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            matches = self.topic.startswith(msg[1:])
             if msg[:1] == b"\x01":
                 self.counters["subscriptions"] += 1
-                self._held += 1
+                if matches:
+                    self._held += 1
+                else:
+                    self._stray += 1
             elif msg[:1] == b"\x00":
                 self.counters["unsubscriptions"] += 1
-                self._held = max(0, self._held - 1)
+                if matches:
+                    self._held = max(0, self._held - 1)
                 left += 1
-            if self._held > self.config.max_subscriptions:
+            if self._stray > self.config.max_subscriptions:
                 self._reset_pub()
                 return
         if left >= 64:  # peers left: what they subscribed is freed
@@ -306,7 +323,7 @@ class ZmqPublisher:
             "subscriber; they reconnect, and replay what they missed",
         )
         self._pub.close(0)
-        self._held = 0
+        self._held = self._stray = 0
         tries = 0
         while True:  # the old socket's listener closes on ZMQ's I/O thread
             try:
@@ -337,13 +354,15 @@ class ZmqPublisher:
             return False
         while self._replay.poll(0):
             self._take_request(self._replay.recv_multipart())
-        busy = False
+        busy, unread = False, 0
         for client, r in list(self._replays.items()):
             r.release()
+            unread += r.unread_bytes  # what its peer has not taken since the last turn
             if not r.ended:
                 busy |= self._advance(r)
             if r.finished:
                 del self._replays[client]
+        self._replays_unread = unread
         return busy
 
     def _take_request(self, frames: list[bytes]) -> None:
@@ -385,7 +404,9 @@ class ZmqPublisher:
     def _send_replay(self, r: _Replay, frames: tuple[bytes, bytes, bytes]) -> bool:
         """One message to `r`'s peer, its payload the buffer's bytes; False when its queue
         is full (try again later) or it left (the replay ends)."""
-        payload = zmq.Frame(frames[2], track=True)
+        # copy=False: pyzmq copies a payload under 64 KiB by default, and a copy's tracker
+        # is done at once, which would leave the window empty whatever the peer holds
+        payload = zmq.Frame(frames[2], track=True, copy=False)
         try:
             self._replay.send_multipart(
                 (r.client, b"", frames[0], frames[1], payload),
@@ -406,14 +427,16 @@ class ZmqPublisher:
     def stats(self) -> dict:
         """Counters; `queued`: batches waiting for the thread; `unsent`: batches handed over
         and not yet sent (or kept for replay), the one the thread is encoding included;
-        `subscriptions_held` and `replays_open`: what peers hold now."""
+        `subscriptions_held`, `replays_open` and `replays_unread_bytes`: what peers hold
+        now."""
         return {
             **self.counters,
             "queued": self._queue.qsize(),
             "unsent": self._queue.unfinished_tasks,
             "buffered": len(self._buffer),
-            "subscriptions_held": self._held,
+            "subscriptions_held": self._held + self._stray,
             "replays_open": len(self._replays),
+            "replays_unread_bytes": self._replays_unread,
         }
 
     def wait_sent(self, timeout: float = 5.0) -> bool:
