@@ -24,7 +24,7 @@ class ArmResult:
 
 def sglang_unavailable() -> str | None:
     """Why SGLang's cache cannot be driven in this process, or None when it can."""
-    from kvtier.integrations.sglang_device import Unavailable, load
+    from kvtier.bench.sglang_device import Unavailable, load
 
     try:
         load()
@@ -39,7 +39,7 @@ def sglang_device(trace, size: int, page: int, in_flight: int) -> ArmResult:
     (match + lock) while its tokens fit free + evictable slots, the batch allocated in one
     `alloc_for_extend`-equivalent call (prompt and output together, as kvtier's arm
     allocates them), then each released into the tree."""
-    from kvtier.integrations.sglang_device import DeviceCache
+    from kvtier.bench.sglang_device import DeviceCache
 
     longest = max(len(t.prompt) + len(t.output) for t in trace)
     dc = DeviceCache(size, page, max_running=in_flight, max_context=longest + page)

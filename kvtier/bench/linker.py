@@ -106,9 +106,9 @@ class _NativeFinder(importlib.abc.MetaPathFinder):
 
 
 def load_sglang() -> SimpleNamespace:
-    """SGLang's modules this benchmark drives (kvtier.integrations.sglang_device's loader,
+    """SGLang's modules this benchmark drives (kvtier.bench.sglang_device's loader,
     plus the unified radix cache and its test kit). Raises Unavailable."""
-    from kvtier.integrations import sglang_device as sd
+    from kvtier.bench import sglang_device as sd
 
     try:
         base = sd.load()
@@ -276,7 +276,7 @@ class UrcArm:
                 components=set(self.cache.components),
                 config={
                     "linker": "KvtierLinker",
-                    "linker_module_path": "kvtier.integrations.sglang_linker",
+                    "linker_module_path": "kvtier.integrations.sglang.linker",
                     "linker_extra_config": {"kvtier_config": path},
                 },
             )

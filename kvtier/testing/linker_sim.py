@@ -32,7 +32,7 @@ import torch
 
 from kvtier.controller.breaker import BreakerConfig
 from kvtier.hashing import Namespace
-from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
+from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.testing.misuse import Violation
 from kvtier.testing.parts import SimStore, SimStreams
 from kvtier.tiers.indices import page_slots

@@ -103,7 +103,7 @@ def _forget() -> None:
     for name in [
         n
         for n in sys.modules
-        if n.startswith("kvtier.integrations.sglang_linker.shell")
+        if n.startswith("kvtier.integrations.sglang.linker.shell")
     ]:
         del sys.modules[name]
 
@@ -141,7 +141,7 @@ def load() -> types.SimpleNamespace:
     mods["fx"].get_device = lambda *a, **k: (
         "cpu"
     )  # 0.5.23's get_device() raises without an accelerator
-    from kvtier.integrations.sglang_linker import shell
+    from kvtier.integrations.sglang.linker import shell
 
     mods["shell"] = shell
     mods["stubbed"] = frozenset(_FINDER.stubbed)

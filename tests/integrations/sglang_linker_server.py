@@ -80,7 +80,7 @@ class Server:
             components=set(self.cache.components),
             config={
                 "linker": "KvtierLinker",
-                "linker_module_path": "kvtier.integrations.sglang_linker",
+                "linker_module_path": "kvtier.integrations.sglang.linker",
                 "linker_extra_config": {"kvtier_config": yaml_path},
             },
         )

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.hashing import Namespace
-from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
+from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.testing.linker_sim import page_keys
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig
@@ -164,7 +164,7 @@ def test_host_index_evicts_the_coldest_unpinned_pages_in_order():
     """Eviction takes pages off the LRU's cold end, exactly in order; a lookup's touch makes
     a page the newest; a pinned page is out of the LRU until its last pin goes, then the
     newest; a reservation short of unpinned pages evicts nothing."""
-    from kvtier.integrations.sglang_linker.host_index import HostIndex
+    from kvtier.integrations.sglang.linker.host_index import HostIndex
     from kvtier.tiers.allocator import PagedAllocator
 
     index = HostIndex(PagedAllocator(6 * PS, PS))

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.hashing import Namespace
-from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
+from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.testing.linker_sim import page_keys
 from kvtier.tiers.mirror import MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool, PoolConfig

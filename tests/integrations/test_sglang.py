@@ -558,7 +558,7 @@ def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
 def test_module_imports_without_sglang():
     code = (
         "import sys; sys.modules['sglang'] = None\n"
-        "import kvtier.integrations.sglang as m\n"
+        "import kvtier.integrations.sglang.storage as m\n"
         "try:\n    m.KvtierStorage\nexcept ImportError as e:\n    print('ERR', e)\n"
     )
     out = subprocess.run(

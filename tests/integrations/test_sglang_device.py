@@ -1,6 +1,6 @@
 """The SGLang baseline of benchmarks/cache.py: SGLang 0.5.23's own RadixCache, ReqToTokenPool
 and token allocators on CPU, driven per request as its scheduler drives them
-(kvtier/integrations/sglang_device.py). It runs in a child process: loading SGLang by its
+(kvtier/bench/sglang_device.py). It runs in a child process: loading SGLang by its
 real module names must not meet tests/integrations/sglang_runtime.py's bare packages."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _CHILD = r"""
 import json, sys
 from kvtier.bench.cache_arms import sglang_device, sglang_unavailable, bare_tree
 from kvtier.bench.trace import multiturn
-from kvtier.integrations.sglang_device import EXPECTED_STUBS, load
+from kvtier.bench.sglang_device import EXPECTED_STUBS, load
 why = sglang_unavailable()
 if why is not None:
     print(json.dumps({"missing": why})); sys.exit(0)

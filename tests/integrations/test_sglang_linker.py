@@ -25,7 +25,7 @@ import torch
 from kvtier.bench.servers import BlackHole
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import make_key
-from kvtier.integrations.sglang import page_hash_of
+from kvtier.integrations.sglang.storage import page_hash_of
 from tests.integrations import sglang_linker_runtime as rt
 from tests.integrations.sglang_linker_server import (
     TOKENS,
@@ -84,7 +84,7 @@ def scraped(linker) -> dict[str, float]:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvtier.integrations.sglang_linker import LinkerCollector
+    from kvtier.integrations.sglang.linker import LinkerCollector
 
     registry = CollectorRegistry()
     registry.register(LinkerCollector(linker))
@@ -404,11 +404,11 @@ def test_a_load_failing_on_one_rank_fails_on_both(sg, tmp_path):
 
 
 def test_the_module_imports_without_sglang():
-    """`import kvtier.integrations.sglang_linker` needs no SGLang; `KvtierLinker` then
+    """`import kvtier.integrations.sglang.linker` needs no SGLang; `KvtierLinker` then
     fails naming the install."""
     code = (
         "import sys; sys.modules['sglang'] = None\n"
-        "import kvtier.integrations.sglang_linker as m\n"
+        "import kvtier.integrations.sglang.linker as m\n"
         "try:\n    m.KvtierLinker\nexcept ImportError as exc:\n    print(exc)\n"
     )
     out = subprocess.run(

@@ -21,7 +21,7 @@ def test_the_linker_logs_one_start_line_and_reaches_sglangs_metrics(
     """LinkerCollector was never registered where SGLang's /metrics reads (a collector in
     the scheduler process is invisible to its multiprocess scrape), and the start-up line
     named neither kvtier's version nor the tenant key id."""
-    caplog.set_level(logging.INFO, logger="kvtier.integrations.sglang_linker.shell")
+    caplog.set_level(logging.INFO, logger="kvtier.integrations.sglang.linker.shell")
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
     server = Server(sg, path)
     linker = server.linker

@@ -1,6 +1,6 @@
 """`KvtierLinker`: SGLang 0.5.23's `UnifiedCacheLinker` over kvtier's `LinkerCore`.
 
-The one place that imports SGLang (from `kvtier.integrations.sglang_linker.__getattr__`).
+The one place that imports SGLang (from `kvtier.integrations.sglang.linker.__getattr__`).
 SGLang builds it in the cache-owning worker as `KvtierLinker(server_args, params, *,
 components, extra_config, forward_stream)` and attaches it with `init_cache_linker`;
 `pools`, `layer_done_counter` and `forward_stream` are the attributes SGLang reads.
@@ -24,7 +24,7 @@ from kvtier.errors import KvtierConfigError
 from kvtier.hashing import Namespace
 from kvtier.integrations.loop import tenant_of
 from kvtier.integrations.observe import linker_series, sglang_export, startup_line
-from kvtier.integrations.sglang_linker.core import LinkerCore, LinkerSettings
+from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)

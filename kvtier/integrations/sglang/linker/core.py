@@ -46,9 +46,9 @@ from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.storage import BackupOp
 from kvtier.controller.streams import Handle, TransferError, TransferStream, make_stream
 from kvtier.hashing import KeyedHash, Namespace
-from kvtier.integrations.sglang_linker.host_index import HostIndex
-from kvtier.integrations.sglang_linker.metrics import LinkerCounters
-from kvtier.integrations.sglang_linker.store_io import LinkerStore, StoreRead
+from kvtier.integrations.sglang.linker.host_index import HostIndex
+from kvtier.integrations.sglang.linker.metrics import LinkerCounters
+from kvtier.integrations.sglang.linker.store_io import LinkerStore, StoreRead
 from kvtier.tiers.indices import concat, page_slots, slots_of
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool

@@ -42,6 +42,7 @@ from kvtier.config import KvtierConfig, load_config, refuse_store_pages
 from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
+from kvtier.integrations.sglang import INSTALL_HINT
 from kvtier.integrations.observe import flat_series, sglang_export, startup_line
 from kvtier.integrations.loop import (
     LoopThread,
@@ -53,8 +54,7 @@ from kvtier.integrations.loop import (
 
 log = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = f"pip install --no-deps sglang=={SGLANG_VERSION}"
+
 _HEX_HASH = re.compile(
     r"[0-9a-f]{32}|[0-9a-f]{64}"
 )  # fullmatch: `$` would pass a trailing newline
