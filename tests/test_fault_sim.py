@@ -91,3 +91,25 @@ def test_fault_sim_with_store_pages_of_several_pages_finds_no_violation():
     ]
     out = io.StringIO()
     assert run(1200, seed=13, episode=300, out=out, setups=setups) == 0, out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--ranks", "2"], ["--linker"]],
+    ids=["own cache", "2 ranks", "linker"],
+)
+def test_the_action_log_of_a_seed_is_written_and_the_same_on_every_run(tmp_path, flags):
+    """`--actions FILE`: every episode's actions, one a line, named by episode (and rank);
+    two runs of one seed write the same file, so two versions of the code can be compared
+    by it."""
+    from kvtier.testing.sim_cli import main
+
+    logs = []
+    for run_no in range(2):
+        path = tmp_path / f"actions{run_no}.txt"
+        args = ["--steps", "120", "--seed", "3", "--episode", "60"]
+        assert main([*args, *flags, "--actions", str(path)]) == 0
+        logs.append(path.read_text().splitlines())
+    episodes = {line.split(":")[0] for line in logs[0]}
+    assert len(episodes) == (4 if "--ranks" in flags else 2), episodes
+    assert len(logs[0]) > 20 and logs[0] == logs[1]

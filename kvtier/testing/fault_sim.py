@@ -595,9 +595,11 @@ def run(
     allow_kernel: bool = False,
     out=sys.stdout,
     setups: list[Setup] | None = None,
+    actions=None,
 ) -> int:
     """Run `steps` steps in episodes of `episode` steps; returns the number of violations.
-    Each episode draws its setup from its seed, or takes the next of `setups`."""
+    Each episode draws its setup from its seed, or takes the next of `setups`. `actions`,
+    a text file or None, receives every episode's action log (`write_actions`)."""
     master = random.Random(seed)
     done = violations = 0
     while done < steps:
@@ -620,9 +622,17 @@ def run(
                 sim._auto(sim.cache.controller.close)
             except Exception:
                 pass
+        write_actions(actions, f"episode {ep_seed}", sim.log)
         done += n
     print(f"fault sim: {steps} steps, {violations} violations", file=out)
     return violations
+
+
+def write_actions(actions, who: str, log: list[str]) -> None:
+    """One line per action of an episode, `<who>: <action>`, to `actions` (None: nothing):
+    the record two versions of the code are compared by, seed for seed."""
+    if actions is not None:
+        actions.writelines(f"{who}: {line}\n" for line in log)
 
 
 def report(

@@ -33,6 +33,7 @@ import torch
 from kvtier.controller.breaker import BreakerConfig
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
+from kvtier.testing.fault_sim import write_actions
 from kvtier.testing.misuse import Violation
 from kvtier.testing.parts import SimStore, SimStreams
 from kvtier.tiers.indices import page_slots
@@ -483,8 +484,9 @@ def report(
         print(f"    {line}", file=out)
 
 
-def run_episode(ep_seed: int, steps: int, plant: str | None = None):
-    """(step, exception, setup, log) of the first violation, or None."""
+def run_episode(ep_seed: int, steps: int, plant: str | None = None, actions=None):
+    """(step, exception, setup, log) of the first violation, or None. `actions`: a text
+    file for the episode's action log, or None."""
     setup = LinkerSetup.draw(random.Random(ep_seed))
     sim, i = LinkerSim(ep_seed, setup, plant), 0
     try:
@@ -497,19 +499,26 @@ def run_episode(ep_seed: int, steps: int, plant: str | None = None):
             sim.core.close()
         except Exception:
             pass
+        write_actions(actions, f"linker episode {ep_seed}", sim.log)
         return i, exc, setup, sim.log
+    write_actions(actions, f"linker episode {ep_seed}", sim.log)
     return None
 
 
 def run(
-    steps: int, seed: int, episode: int = 400, plant: str | None = None, out=sys.stdout
+    steps: int,
+    seed: int,
+    episode: int = 400,
+    plant: str | None = None,
+    out=sys.stdout,
+    actions=None,
 ) -> int:
     master = random.Random(seed)
     done = violations = 0
     while done < steps:
         ep_seed = master.randrange(1 << 30)
         n = min(episode, steps - done)
-        failure = run_episode(ep_seed, n, plant)
+        failure = run_episode(ep_seed, n, plant, actions)
         if failure is not None:
             violations += 1
             step, exc, setup, log = failure

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from kvtier.testing import fault_sim, linker_sim, tp_sim
-from kvtier.testing.fault_sim import FaultSim, Setup, report
+from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(linker_sim.PLANTED),
         help="--linker with a known bug, to be found",
     )
+    p.add_argument(
+        "--actions",
+        metavar="FILE",
+        help="write every episode's actions to FILE, one a line (to compare two versions)",
+    )
     args = p.parse_args(argv)
     if (args.linker or args.plant) and args.ranks != 1:
         p.error(
@@ -61,23 +66,40 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.CRITICAL
     )  # the simulator causes failures on purpose
     torch.set_num_threads(1)
+    if args.actions is None:
+        return _main(args, None)
+    with open(args.actions, "w") as actions:
+        return _main(args, actions)
+
+
+def _main(args, actions) -> int:
     if args.linker or args.plant:
-        return _linker(args)
+        return _linker(args, actions)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
     if args.episode_seed is None:
         if args.ranks > 1:
             return (
-                1 if tp_sim.run(args.steps, args.seed, args.ranks, args.episode) else 0
+                1
+                if tp_sim.run(
+                    args.steps, args.seed, args.ranks, args.episode, actions=actions
+                )
+                else 0
             )
         return (
-            1 if fault_sim.run(args.steps, args.seed, args.episode, allow_kernel) else 0
+            1
+            if fault_sim.run(
+                args.steps, args.seed, args.episode, allow_kernel, actions=actions
+            )
+            else 0
         )
     setup = Setup.draw(random.Random(args.episode_seed), allow_kernel)
     on = f" on {args.ranks} ranks" if args.ranks > 1 else ""
     failure = (
-        tp_sim.run_episode(args.episode_seed, setup, args.steps, args.ranks)
+        tp_sim.run_episode(
+            args.episode_seed, setup, args.steps, args.ranks, actions=actions
+        )
         if args.ranks > 1
-        else _one_rank(args.episode_seed, setup, args.steps)
+        else _one_rank(args.episode_seed, setup, args.steps, actions)
     )
     if failure is not None:
         rank, step, exc, log = failure
@@ -91,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     return int(failure is not None)
 
 
-def _one_rank(ep_seed: int, setup: Setup, steps: int) -> tuple | None:
+def _one_rank(ep_seed: int, setup: Setup, steps: int, actions) -> tuple | None:
     sim, step = FaultSim(ep_seed, setup), 0
     try:
         for step in range(steps):  # noqa: B007 (reported on a failure)
@@ -99,15 +121,21 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int) -> tuple | None:
         sim.close()
     except Exception as exc:
         return 0, step, exc, sim.log
+    finally:
+        write_actions(actions, f"episode {ep_seed}", sim.log)
     return None
 
 
-def _linker(args) -> int:
+def _linker(args, actions) -> int:
     if args.episode_seed is None:
         return (
-            1 if linker_sim.run(args.steps, args.seed, args.episode, args.plant) else 0
+            1
+            if linker_sim.run(
+                args.steps, args.seed, args.episode, args.plant, actions=actions
+            )
+            else 0
         )
-    failure = linker_sim.run_episode(args.episode_seed, args.steps, args.plant)
+    failure = linker_sim.run_episode(args.episode_seed, args.steps, args.plant, actions)
     if failure is not None:
         step, exc, setup, log = failure
         linker_sim.report(

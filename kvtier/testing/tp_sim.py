@@ -27,7 +27,7 @@ import threading
 import xxhash
 
 from kvtier.controller.tp import Agreement
-from kvtier.testing.fault_sim import FaultSim, Setup, report
+from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
 from kvtier.testing.misuse import Violation
 
 
@@ -182,7 +182,12 @@ def _short(values: list) -> str:
 
 
 def run_episode(
-    ep_seed: int, setup: Setup, steps: int, ranks: int, timeout_s: float = 60.0
+    ep_seed: int,
+    setup: Setup,
+    steps: int,
+    ranks: int,
+    timeout_s: float = 60.0,
+    actions=None,
 ) -> tuple | None:
     """One episode on `ranks` ranks; None, or (rank, step, exception, that rank's log) of
     the first failure."""
@@ -222,6 +227,8 @@ def run_episode(
             rendezvous.abort()
 
     on_ranks(rank_main, ranks)
+    for r, sim in enumerate(sims):
+        write_actions(actions, f"episode {ep_seed} rank {r}", sim.log)
     if not failures:
         return None
     for sim in sims:  # stop every rank's threads (the episode is over either way)
@@ -236,7 +243,12 @@ def run_episode(
 
 
 def run(
-    steps: int, seed: int, ranks: int = 2, episode: int = 400, out=sys.stdout
+    steps: int,
+    seed: int,
+    ranks: int = 2,
+    episode: int = 400,
+    out=sys.stdout,
+    actions=None,
 ) -> int:
     """`steps` steps in episodes of `episode`, on `ranks` ranks; the number of violations."""
     master = random.Random(seed)
@@ -245,7 +257,7 @@ def run(
         ep_seed = master.randrange(1 << 30)
         setup = Setup.draw(random.Random(ep_seed), allow_kernel=False)
         n = min(episode, steps - done)
-        failure = run_episode(ep_seed, setup, n, ranks)
+        failure = run_episode(ep_seed, setup, n, ranks, actions=actions)
         if failure is not None:
             violations += 1
             rank, step, exc, log = failure
