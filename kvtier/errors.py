@@ -2,6 +2,7 @@
 and how repeated failures are logged."""
 
 import logging
+from collections.abc import Awaitable
 
 
 class KvtierError(Exception):
@@ -17,12 +18,26 @@ class StoreError(KvtierError):
 
 
 class StoreTimeout(StoreError):
-    """An L3 store operation did not finish within its configured timeout."""
+    """An L3 store operation did not finish within its configured timeout.
+
+    `settled`: None, or an awaitable that ends once the call has really stopped touching
+    the caller's buffers (a timed-out thread job finishes its page first); its result is
+    a `StoreAbandoned` when the call's threads were given up on stuck. Buffers are the
+    caller's again only after it."""
+
+    def __init__(self, message: str = "", settled: Awaitable | None = None) -> None:
+        super().__init__(message)
+        self.settled = settled
 
 
 class StoreAbandoned(StoreTimeout):
     """A store call stuck in the kernel (a hung mount) was given up on: its threads may still
     write the buffers it was given, which stay out of use for good."""
+
+
+class StoreDown(StoreError):
+    """The breaker kept a call from the store: it is down after failed calls (no call was
+    made, so nothing is known of the keys)."""
 
 
 class StoreUnavailable(StoreError):

@@ -469,11 +469,10 @@ class Store(ABC):
                 "timeout",
                 f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}",
             )
-            exc = StoreTimeout(
-                f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}"
+            raise StoreTimeout(
+                f"{self.name}.{op}: no answer within timeout_s={self.timeout_s}",
+                settled=asyncio.ensure_future(_quietly(task)),
             )
-            exc.settled = asyncio.ensure_future(_quietly(task))
-            raise exc
         try:
             return task.result()
         except StoreTimeout as exc:

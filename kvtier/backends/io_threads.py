@@ -58,7 +58,7 @@ class IoThreads(Executor):
 
     def _spawn(self) -> None:
         """A thread started by the thread that submits (the store's loop thread): it keeps
-        to that thread's CPUs (controller/cpus.py), as a ThreadPoolExecutor's would."""
+        to that thread's CPUs (storeio/cpus.py), as a ThreadPoolExecutor's would."""
         t = threading.Thread(
             target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True
         )

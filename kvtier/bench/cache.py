@@ -43,7 +43,7 @@ from kvtier.bench.cache_arms import bare_tree, sglang_device, sglang_unavailable
 from kvtier.bench.trace import multiturn
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
-from kvtier.controller.cpus import allowed_cpus, format_cpu_list
+from kvtier.storeio.cpus import allowed_cpus, format_cpu_list
 from kvtier.errors import KvtierConfigError
 from kvtier.tree import RadixKey, RadixTree
 

@@ -45,11 +45,11 @@ from kvtier.cache.writes import Writes
 from kvtier.config import KvtierConfig, load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import CacheController
-from kvtier.controller.cpus import check_cpus
+from kvtier.storeio.cpus import check_cpus
 from kvtier.controller.layer_waiter import LayerWaiter
 from kvtier.controller.speed import prefill_rate
 from kvtier.controller.stats import CacheStats, PrometheusCollector
-from kvtier.controller.streams import make_stream
+from kvtier.tiers.streams import make_stream
 from kvtier.controller.tp import Agreement
 from kvtier.errors import LogOnce, TransferError
 from kvtier.events.cache_events import cache_events

@@ -15,7 +15,8 @@ from kvtier.cache.slots import Part, Slots
 from kvtier.controller.config import ControllerConfig, PrefetchPolicy
 from kvtier.controller.stats import CacheStats
 from kvtier.controller import store_pages
-from kvtier.controller.storage import Outcome, PageKeys, PrefetchOp
+from kvtier.controller.storage import Outcome, PrefetchOp
+from kvtier.storeio.ops import PageKeys
 from kvtier.tree import KnownHashes, MatchResult, RadixKey, TreeNode
 from kvtier.tree.key import same_prefix
 

@@ -14,8 +14,8 @@ import numpy as np
 from kvtier.controller.config import ControllerConfig, WritePolicy
 from kvtier.controller.controller import CacheController
 from kvtier.controller.stats import CacheStats, Counters
-from kvtier.controller import store_pages
-from kvtier.controller.storage import PageKeys
+from kvtier.cache import page_groups
+from kvtier.storeio.ops import PageKeys
 from kvtier.tiers.indices import Repeats
 from kvtier.tree import RadixTree, Tier, TreeNode
 from kvtier.tree.check import tier_slots
@@ -194,7 +194,7 @@ class Slots:
         if storage.group > 1:  # a store page is keyed by its last page (store_pages.py)
             g, ps = storage.group, self.page_size
             chains = [
-                n.hashes[(g - 1 - store_pages.tokens_above(n) // ps) % g :: g]
+                n.hashes[(g - 1 - page_groups.tokens_above(n) // ps) % g :: g]
                 for n in nodes
             ]
         count = sum(map(len, chains))

@@ -16,7 +16,8 @@ from kvtier.controller.config import ControllerConfig, WritePolicy
 from kvtier.controller.controller import WriteOp
 from kvtier.controller.stats import CacheStats
 from kvtier.controller import store_pages
-from kvtier.controller.storage import BackupOp, PageKeys
+from kvtier.cache import page_groups
+from kvtier.storeio.ops import BackupOp, PageKeys
 from kvtier.tree import Tier, TreeNode
 
 log = logging.getLogger(__name__)
@@ -185,12 +186,12 @@ class Writes(Part):
         if (
             group > 1
         ):  # store pages of several pages: those whose last page is the node's (store_pages.py)
-            first = store_pages.tokens_above(node) // ps
+            first = page_groups.tokens_above(node) // ps
             last = store_pages.ends(first, len(pages), group)
             if not last:
                 return  # none: a longer sequence's backup stores its pages
             lead, deferred = (
-                store_pages.lead_in(node, first % group, ps, Tier.HOST),
+                page_groups.lead_in(node, first % group, ps, Tier.HOST),
                 len(pages) - last[-1] - 1,
             )
         keys = PageKeys(

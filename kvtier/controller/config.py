@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.controller.cpus import parse_cpu_list
+from kvtier.storeio.breaker import BreakerConfig
+from kvtier.storeio.cpus import parse_cpu_list
 
 
 class WritePolicy(str, Enum):
@@ -46,6 +47,14 @@ class ControllerConfig:
     # CPUs for kvtier's own threads, as `taskset -c` lists them ("1-3"): keep the scheduler's
     # core out (docs/design.md §7). null: they run wherever the process may.
     cpus: str | int | None = None
+
+    def breaker_config(self) -> BreakerConfig:
+        """The store breaker's settings (every client of the store runtime uses them)."""
+        return BreakerConfig(
+            self.store_down_after_failures,
+            self.store_probe_backoff_s,
+            self.store_probe_max_backoff_s,
+        )
 
     def __post_init__(self) -> None:
         for name in (

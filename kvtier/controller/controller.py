@@ -24,11 +24,11 @@ from typing import Generic, NamedTuple, TypeVar
 import numpy as np
 
 from kvtier.backends.base import Store
-from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.config import ControllerConfig
-from kvtier.controller.cpus import check_cpus, confine
-from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
-from kvtier.controller.streams import Handle, make_stream
+from kvtier.storeio.cpus import check_cpus, confine
+from kvtier.controller.storage import PrefetchOp, StorageWorker
+from kvtier.storeio.ops import BackupOp
+from kvtier.tiers.streams import Handle, make_stream
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.tiers.indices import check_slots, concat, page_slots
 from kvtier.tiers.mirror import HostMirror
@@ -127,11 +127,7 @@ class CacheController:
             confine(t.native_id, cpus)  # they start no threads of their own: no race
         self.storage = None
         if store is not None and mirror is not None:
-            breaker = BreakerConfig(
-                config.store_down_after_failures,
-                config.store_probe_backoff_s,
-                config.store_probe_max_backoff_s,
-            )
+            breaker = config.breaker_config()
             self.storage = StorageWorker(
                 store,
                 mirror,

@@ -7,7 +7,7 @@ import operator
 
 import numpy as np
 
-from kvtier.controller.streams import Handle
+from kvtier.tiers.streams import Handle
 from kvtier.errors import TransferError
 from kvtier.controller.tp import Agreement
 

@@ -7,23 +7,21 @@ kG..kG+G-1), keyed by the hash of its last page, whose chain covers every token 
 a key names one content. A sequence's pages past its last whole store page are not stored
 until a longer sequence covers them: the backup of the node that holds a store page's last
 page stores it, reading the pages before its first one from its ancestors' host copies
-(`lead_in`, protected with it: host copies form a prefix from the root). The scheduler
-counts device pages as before: present, granted and landed are device pages.
+(`lead_in`, kvtier/cache/page_groups.py, protected with it: host copies form a prefix
+from the root). The scheduler counts device pages as before: present, granted and landed
+are device pages.
 
 A read lands in a buffer of its own and is copied into the granted host pages only once
 it verified: a read abandoned stuck writes into that buffer, never into a host page."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvtier.tree import TreeNode
-
-# `worker` below is the StorageWorker (storage.py, which imports this module), `op` its
-# PrefetchOp or BackupOp: named in the docstrings, not imported.
+# `worker` below is the StorageWorker (storage.py, which imports this module), through its
+# public calls, `op` its PrefetchOp or BackupOp: named in the docstrings, not imported.
 
 
 def ends(first: int, count: int, group: int) -> range:
@@ -32,35 +30,11 @@ def ends(first: int, count: int, group: int) -> range:
     return range((group - 1 - first) % group, count, group)
 
 
-def tokens_above(node: TreeNode) -> int:
-    """Tokens on the path above `node` (a node an eviction just removed keeps its parent)."""
-    n, depth = node.parent, 0
-    while n is not None and n.parent is not None:
-        depth += len(n)
-        n = n.parent
-    return depth
-
-
-def lead_in(node: TreeNode, pages: int, page_size: int, host: int) -> np.ndarray:
-    """Host pages of the last `pages` pages above `node`, oldest first (fewer where an
-    ancestor has no host copy: then its first store page is not stored)."""
-    want, parts, n = pages * page_size, [], node.parent
-    while want > 0 and n is not None and n.parent is not None:
-        slots = n.values[host]
-        if slots is None:
-            break
-        take = min(want, len(slots))
-        parts.append(slots[len(slots) - take :: page_size] // page_size)
-        want -= take
-        n = n.parent
-    return np.concatenate(parts[::-1]) if parts else np.empty(0, np.int64)
-
-
 async def exists(worker, op) -> tuple[int, int]:
     """(Device pages the store holds, store pages they are in): the leading run of whole
     store pages within the op's pages."""
     last = ends(op.keys.first, len(op.keys), worker.group)
-    found = await worker._guarded(worker.store.batch_exists(op.keys.at(last)))
+    found = await worker.call(lambda: worker.store.batch_exists(op.keys.at(last)))
     return (last[found - 1] + 1 if found else 0), found
 
 
@@ -75,12 +49,12 @@ async def read(worker, op, pages: np.ndarray) -> str | None:
             return "stopped"
         batch = wanted[start : start + worker.chunk]
         async with (
-            worker._slots
+            worker.read_slots
         ):  # bounds the buffers in flight (max_inflight_prefetch_bytes)
             buffers = [bytearray(g * pb) for _ in batch]
             asked = worker.clock()
-            ok = await worker._guarded(
-                worker.store.batch_get_into(op.keys.at(batch), buffers)
+            ok = await worker.call(
+                partial(worker.store.batch_get_into, op.keys.at(batch), buffers)
             )
             worker.speed.observe_read(len(batch) * g, worker.clock() - asked)
         bad = next((i for i, good in enumerate(ok) if not good), len(ok))
@@ -98,7 +72,7 @@ async def read(worker, op, pages: np.ndarray) -> str | None:
                 g * pb
             )  # the whole store page crossed, the pages skipped too
             op.landed = hi  # after its bytes are in place
-        worker._moved()
+        worker.moved()
         if bad < len(ok):
             return "partial"
     return None
@@ -119,10 +93,12 @@ async def backup(worker, op) -> list[bool]:
     )  # filled call by call: a later call that raises keeps these
     for start in range(0, len(whole), worker.chunk):
         batch = whole[start : start + worker.chunk]
-        views = worker._payloads(pages[batch[0] + at : batch[-1] + at + g])
+        views = worker.payloads(pages[batch[0] + at : batch[-1] + at + g])
         base = batch[0] + at
         payloads = [b"".join(views[e + at - base : e + at - base + g]) for e in batch]
-        ok = await worker._guarded(worker.store.batch_set(keys.at(batch), payloads))
+        ok = await worker.call(
+            partial(worker.store.batch_set, keys.at(batch), payloads)
+        )
         for last, good in zip(batch, ok):
             if good:
                 op.store_bytes += g * worker.mirror.page_bytes  # its lead-in pages too

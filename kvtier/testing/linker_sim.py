@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.controller.breaker import BreakerConfig
+from kvtier.storeio.breaker import BreakerConfig
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.testing.fault_sim import write_actions
@@ -236,7 +236,7 @@ class LinkerSim:
             for _ in range(40):
                 await asyncio.sleep(0)
 
-        asyncio.run_coroutine_threadsafe(spin(), self.core.l3.worker.loop).result(30)
+        asyncio.run_coroutine_threadsafe(spin(), self.core.l3.loop).result(30)
 
     def check(self) -> None:
         problems = self.core.check_accounting()

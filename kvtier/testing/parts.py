@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from kvtier.backends.base import verify_into
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
-from kvtier.controller.streams import Handle, TransferStream
+from kvtier.tiers.streams import Handle, TransferStream
 from kvtier.errors import TransferError
 
 

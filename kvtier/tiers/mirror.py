@@ -203,7 +203,7 @@ class HostMirror:
         ] = {}  # _page_arrays
         self.io = config.io
         # GPU pool: copies are asynchronous DMA from/to pinned memory on the transfer
-        # stream; whoever needs the bytes waits on that stream's events (controller/streams.py)
+        # stream; whoever needs the bytes waits on that stream's events (tiers/streams.py)
         self._async = pool.device.type == "cuda" and self.pinned
         if (
             self.io == "kernel"

@@ -6,13 +6,14 @@ from kvtier.cache.prefetch import Ended, PrefetchState
 from kvtier.controller.controller import Finished
 from kvtier.controller.storage import PrefetchOp
 from kvtier.controller.tp import Agreement
+from kvtier.storeio.ops import Phase
 from kvtier.tree import RadixKey, RadixTree
 
 
 def live_prefetches():
     root = RadixTree(page_size=1).root
     ops = [PrefetchOp("a", ["k"], tokens=1), PrefetchOp("b", ["k", "l"], tokens=2)]
-    ops[0].present, ops[0].landed, ops[0].finished = 3, 2, True
+    ops[0].present, ops[0].landed, ops[0].phase = 3, 2, Phase.FINISHED
     ops[1].present = None  # the store has not answered yet
     key = RadixKey([1, 2])
     states = [PrefetchState(op, key, key, 0, root, None) for op in ops]

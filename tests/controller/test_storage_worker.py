@@ -10,7 +10,8 @@ def test_ops_submitted_together_wake_the_storage_loop_once():
 
     import torch
 
-    from kvtier.controller.storage import BackupOp, PrefetchOp, StorageWorker
+    from kvtier.controller.storage import PrefetchOp, StorageWorker
+    from kvtier.storeio.ops import BackupOp
     from kvtier.hashing import key_maker
     from kvtier.tiers.mirror import HostMirror, MirrorConfig
     from kvtier.tiers.pool import DeviceKVPool, PoolConfig
@@ -26,8 +27,8 @@ def test_ops_submitted_together_wake_the_storage_loop_once():
     worker.loop.call_soon_threadsafe(
         hold.wait
     )  # the loop is busy while the step submits
-    wake = worker._waker.wake
-    worker._waker.wake = lambda: (wakeups.append(1), wake())[1]
+    wake = worker.store_loop._waker.wake
+    worker.store_loop._waker.wake = lambda: (wakeups.append(1), wake())[1]
     key = key_maker("t", "0" * 32)
     ops = [
         BackupOp([key(bytes([i]) * 32)], torch.tensor([i + 1]), tag=None)
@@ -55,7 +56,7 @@ def test_waker_runs_on_the_loop_thread_and_never_blocks():
     import sys
     import threading
 
-    from kvtier.controller import waker as waker_mod
+    from kvtier.storeio import waker as waker_mod
 
     loop = asyncio.new_event_loop()
     ran, hold = [], threading.Event()
@@ -91,7 +92,7 @@ def test_a_closed_waker_writes_nowhere(tmp_path):
     import asyncio
     import os
 
-    from kvtier.controller.waker import Waker
+    from kvtier.storeio.waker import Waker
 
     loop = asyncio.new_event_loop()
     w = Waker(loop, lambda: None)
@@ -120,8 +121,9 @@ def test_a_store_failing_every_backup_logs_the_first_and_every_100th(
 
     from kvtier.backends import file_io
     from kvtier.backends.file import FileStore, FileStoreConfig
-    from kvtier.controller.breaker import BreakerConfig
-    from kvtier.controller.storage import BackupOp, StorageWorker
+    from kvtier.storeio.breaker import BreakerConfig
+    from kvtier.controller.storage import StorageWorker
+    from kvtier.storeio.ops import BackupOp
     from kvtier.hashing import key_maker
     from kvtier.tiers.mirror import HostMirror, MirrorConfig
     from kvtier.tiers.pool import DeviceKVPool, PoolConfig
@@ -163,7 +165,8 @@ def test_drain_waits_for_a_running_op_and_gives_up_at_its_timeout():
 
     import torch
 
-    from kvtier.controller.storage import BackupOp, StorageWorker
+    from kvtier.controller.storage import StorageWorker
+    from kvtier.storeio.ops import BackupOp
     from kvtier.hashing import key_maker
     from kvtier.tiers.mirror import HostMirror, MirrorConfig
     from kvtier.tiers.pool import DeviceKVPool, PoolConfig

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvtier.controller.streams import CpuTransferStream, make_stream
+from kvtier.tiers.streams import CpuTransferStream, make_stream
 from kvtier.errors import TransferError
 from kvtier.controller.tp import Agreement
 from tests.controller.helpers import StallingStore, fill, make_cache

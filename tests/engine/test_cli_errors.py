@@ -152,12 +152,12 @@ def test_the_manifest_comes_back_when_the_store_lost_it(cache_home, monkeypatch)
     from kvtier.config import shipped_default
     from kvtier.cli.replay import with_weights
     from kvtier.config import load_config
-    from kvtier.controller import storage
+    from kvtier.storeio import writes
     from kvtier.engine.engine import Engine
     from kvtier.engine.model import ModelConfig, TinyTransformer
     from kvtier.engine.workloads import generate
 
-    monkeypatch.setattr(storage, "MANIFEST_CHECK_EVERY", 1)
+    monkeypatch.setattr(writes, "MANIFEST_CHECK_EVERY", 1)
     model = TinyTransformer(ModelConfig(seed=0))
     cache = TieredCache(with_weights(load_config(shipped_default()), model))
     engine = Engine(cache, model)

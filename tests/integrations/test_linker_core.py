@@ -105,7 +105,7 @@ def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_p
     async def hold() -> None:  # the storage thread is busy with another call a moment
         gate.wait(30)
 
-    busy = asyncio.run_coroutine_threadsafe(hold(), core.l3.worker.loop)
+    busy = asyncio.run_coroutine_threadsafe(hold(), core.l3.loop)
     freed = int(core.offloads[0].host_pages[0])
     core.pop_completed_offload()  # its page goes back free
     core.offload(

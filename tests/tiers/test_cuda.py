@@ -44,7 +44,7 @@ def test_pinned_mirror_and_kernel_round_trip_on_gpu(monkeypatch):
 
 @cuda
 def test_cuda_stream_signals_each_layer():
-    from kvtier.controller.streams import CudaTransferStream, Handle
+    from kvtier.tiers.streams import CudaTransferStream, Handle
 
     stream = CudaTransferStream("test", torch.device("cuda"))
     src = torch.randn(4, 1 << 20, device="cuda")

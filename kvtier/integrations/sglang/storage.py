@@ -31,26 +31,22 @@ import logging
 import re
 import threading
 import time
-from typing import Any
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig, load_config, refuse_store_pages
-from kvtier.controller.cpus import check_cpus
 from kvtier.errors import KvtierConfigError, StoreError
 from kvtier.hashing import KeyedHash, Namespace, make_key
 from kvtier.integrations.sglang import INSTALL_HINT
 from kvtier.integrations.observe import flat_series, sglang_export, startup_line
-from kvtier.integrations.loop import (
-    LoopThread,
-    breaker_for,
-    guarded,
-    read_staged,
-    tenant_of,
-)
+from kvtier.integrations.tenant import tenant_of
+from kvtier.storeio.breaker import Breaker
+from kvtier.storeio.call import guarded, read_staged
+from kvtier.storeio.cpus import check_cpus
+from kvtier.storeio.loop import StoreLoop
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +117,10 @@ class KvtierStorageBase:
             config.namespace
         )  # docs/security.md: key id, keyed page keys, sealed store
         c = config.controller
-        self._loop = LoopThread(check_cpus(c.cpus), name="kvtier-sglang-store")
+        self._loop = StoreLoop(check_cpus(c.cpus), name="kvtier-sglang-store")
         self.store: Store = self._loop.run(self._build(config))
         self.tenant.seal(self.store)
-        self.breaker = breaker_for(self.store.name, c)
+        self.breaker = Breaker(self.store.name, c.breaker_config())
         self.mem_pool_host = None
         self.namespace: Namespace | None = None
         self.page_bytes = 0
@@ -245,14 +241,13 @@ class KvtierStorageBase:
 
     # -- store calls -----------------------------------------------------------------------
 
-    async def _guarded(self, call: Callable[[], Awaitable], fallback: Any) -> Any:
-        return await guarded(self.breaker, call, fallback)
-
     def _exists(self, keys: Sequence[str]) -> int:
         full = self._keys(keys)
         if not full:
             return 0
-        return self._loop.run(self._guarded(lambda: self.store.batch_exists(full), 0))
+        return self._loop.run(
+            guarded(self.breaker, lambda: self.store.batch_exists(full), 0)
+        )
 
     def _read(self, keys: Sequence[str], views: list[memoryview]) -> list[bool]:
         full = self._keys(keys)
@@ -278,7 +273,7 @@ class KvtierStorageBase:
                 )
         start = time.perf_counter()
         ok = self._loop.run(
-            self._guarded(lambda: self._set(full, pages), [False] * len(full))
+            guarded(self.breaker, lambda: self._set(full, pages), [False] * len(full))
         )
         self._record(
             "set", self._backup_pgs, self._backup_bw, len(full), sum(ok), start

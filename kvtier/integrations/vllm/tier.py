@@ -3,7 +3,7 @@
 vLLM's `TieringOffloadingManager` keeps GPU copies and its CPU primary tier; this tier sits
 below it. A cascade (`submit_store`) writes primary rows to the store, a promotion
 (`submit_load`) reads them back into the primary rows vLLM pinned for the job. Every store
-call runs on the tier's own loop thread (`integrations/loop.py`) behind kvtier's breaker,
+call runs on the tier's own store loop (kvtier/storeio/) behind kvtier's breaker,
 with kvtier's frames and checksums; the scheduler thread only queues work and polls what
 finished. Rows go to and from the store as views of the shared primary region: no copy
 on this side (a store that reads in place verifies in place). With a tenant key
@@ -41,20 +41,16 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier.backends.base import Store
 from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig
-from kvtier.controller.cpus import check_cpus
 from kvtier.hashing import key_maker
-from kvtier.integrations.loop import (
-    LoopThread,
-    StagingPool,
-    breaker_for,
-    guarded,
-    read_staged,
-    tenant_of,
-)
 from kvtier.integrations.observe import startup_line
 from kvtier.integrations.vllm.index import LookupIndex, Probe
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
 from kvtier.integrations.vllm.metrics import TierMetrics
+from kvtier.integrations.tenant import tenant_of
+from kvtier.storeio.breaker import Breaker
+from kvtier.storeio.call import StagingPool, guarded, read_staged
+from kvtier.storeio.cpus import check_cpus
+from kvtier.storeio.loop import StoreLoop
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +115,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         self._flat = primary_kv_view.cast(
             "B"
         )  # rows addressed by byte offset (2-D views cannot be indexed)
-        self._loop = LoopThread(
+        self._loop = StoreLoop(
             check_cpus(s.config.controller.cpus), name="kvtier-vllm-store"
         )
         try:
@@ -128,7 +124,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         except BaseException:
             self._loop.close()  # vLLM shuts down only the tiers it got
             raise
-        self.breaker = breaker_for(self.store.name, s.config.controller)
+        self.breaker = Breaker(self.store.name, s.config.controller.breaker_config())
         self.index = LookupIndex(
             s.index_keys, LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
         )

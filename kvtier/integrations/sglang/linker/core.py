@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from kvtier.backends.base import Store
-from kvtier.controller.breaker import BreakerConfig
-from kvtier.controller.storage import BackupOp
-from kvtier.controller.streams import Handle, TransferError, TransferStream, make_stream
+from kvtier.storeio.breaker import BreakerConfig
+from kvtier.storeio.ops import BackupOp
+from kvtier.tiers.streams import Handle, TransferError, TransferStream, make_stream
 from kvtier.hashing import KeyedHash, Namespace
 from kvtier.integrations.sglang.linker.host_index import HostIndex
 from kvtier.integrations.sglang.linker.metrics import LinkerCounters

@@ -18,11 +18,10 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCache
 
 from kvtier.backends.registry import build_store
 from kvtier.config import KvtierConfig, load_config, refuse_store_pages
-from kvtier.controller.breaker import BreakerConfig
-from kvtier.controller.cpus import check_cpus
+from kvtier.storeio.cpus import check_cpus
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import Namespace
-from kvtier.integrations.loop import tenant_of
+from kvtier.integrations.tenant import tenant_of
 from kvtier.integrations.observe import linker_series, sglang_export, startup_line
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.tiers.pool import DeviceKVPool
@@ -195,11 +194,7 @@ class KvtierLinker(UnifiedCacheLinker):
             ns,
             config.store.key_prefix,
             config.mirror,
-            BreakerConfig(
-                c.store_down_after_failures,
-                c.store_probe_backoff_s,
-                c.store_probe_max_backoff_s,
-            ),
+            c.breaker_config(),
             writes_store=not mla or rank == 0,
             max_inflight_bytes=c.max_inflight_prefetch_bytes,
             cpus=check_cpus(c.cpus),

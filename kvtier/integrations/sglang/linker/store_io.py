@@ -1,11 +1,13 @@
-"""The linker's store calls: all on one `StorageWorker`'s event loop, behind its breaker.
+"""The linker's store calls: a client of the store runtime (kvtier/storeio/), all on one
+store loop of its own, behind its breaker.
 
 - `leading_run(keys)`: the store's leading run (`batch_exists`) for a lookup, which SGLang
   waits for: 0 at once while the breaker has the store down, and never waited on past one
   timeout (the store's own ends the call first; the wait here is the backstop).
 - `read(keys, pages)`: store pages into reserved host pages (a `StoreRead`); `landed` is
-  the run of pages that verified. `finished`: no page lands past `landed`; `settled`: the
-  store stopped touching the pages (a read that timed out may still write them until then).
+  the run of pages that verified; its `phase` (storeio/ops.py): FINISHED, no page lands
+  past `landed`; SETTLED, the store stopped touching the pages (a read that timed out may
+  still write them until then); ABANDONED, given up on stuck while it could write them.
 - `write(keys, pages)`: host pages to the store (a `BackupOp`; `finished` once settled).
 
 Each call takes SGLang's page keys; their store keys are made on the storage thread
@@ -14,18 +16,22 @@ Each call takes SGLang's page keys; their store keys are made on the storage thr
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
 from kvtier.backends.base import Store
-from kvtier.controller.storage import BackupOp, PageKeys, StorageWorker
-from kvtier.errors import KvtierError
+from kvtier.errors import Complaints, KvtierError, StoreDown
+from kvtier.storeio.breaker import Breaker
+from kvtier.storeio.call import lifetime, store_call
+from kvtier.storeio.loop import StoreLoop
+from kvtier.storeio.ops import BackupOp, PageKeys, StoreOp
+from kvtier.storeio.writes import Manifest, backup_calls, payloads, write_pages
 from kvtier.hashing import key_maker
 from kvtier.integrations.sglang.storage import page_hash_of
 from kvtier.tiers.mirror import HostMirror
@@ -34,18 +40,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class StoreRead:
+class StoreRead(StoreOp):
     keys: PageKeys  # store keys (made on the storage thread)
     pages: np.ndarray  # host pages, one per key
     landed: int = 0
     answered: bool = (
         False  # the store answered: a page short of `keys` missed or did not verify
     )
-    finished: bool = False
-    settled: bool = False
-    abandoned: bool = (
-        False  # given up on stuck (a hung mount): a thread may still write its pages
-    )
+
+    def writes_pages(self) -> bool:
+        """Its read goes into its host pages (or buffers copied into them once verified)."""
+        return True
 
 
 class LinkerStore:
@@ -63,20 +68,17 @@ class LinkerStore:
             settings.namespace.id,
             settings.keyed_hash,
         )
-        manifest = (
+        self.manifest = Manifest(
             settings.key_prefix,
             self.namespace_id,
             settings.namespace.manifest(mirror.page_bytes),
         )
-        self.worker = StorageWorker(
-            store,
-            mirror,
-            settings.max_inflight_bytes,
-            settings.breaker,
-            clock,
-            settings.cpus,
-            manifest,
-        )
+        self.breaker = Breaker(store.name, settings.breaker, clock)
+        self.store_loop = StoreLoop(settings.cpus, name="kvtier-storage")
+        self.loop = self.store_loop.loop
+        self._complain = Complaints(
+            log
+        )  # a full disk fails every write: not a line each
         self.progress = threading.Event()  # set whenever a read moves
         self.key_of = key_maker(settings.key_prefix, self.namespace_id)
 
@@ -98,13 +100,10 @@ class LinkerStore:
             count=len(engine),
         )
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.worker.loop)
-
     # -- lookup --------------------------------------------------------------------------------
 
     def leading_run(self, keys: Sequence[str]) -> int:
-        fut = self._run(self._exists(self._lazy(keys)))
+        fut = self.store_loop.submit(self._exists(self._lazy(keys)))
         try:
             return fut.result(self.store.timeout_s + 0.5)
         except Exception as exc:
@@ -115,45 +114,33 @@ class LinkerStore:
             return 0
 
     async def _exists(self, keys: PageKeys) -> int:
-        breaker = (
-            self.worker.breaker
-        )  # used on the storage thread only, as StorageWorker does
-        if not breaker.admit():
-            self.counters.lookup_store_skipped += 1
-            return 0
         try:
-            present = await self.store.batch_exists(list(keys))
-        except KvtierError as exc:
-            breaker.failed(str(exc))
+            return await store_call(
+                self.breaker, lambda: self.store.batch_exists(list(keys))
+            )
+        except StoreDown:
+            self.counters.lookup_store_skipped += 1
+        except KvtierError:
             self.counters.lookup_store_errors += 1
-            return 0
-        breaker.succeeded()
-        return present
+        return 0
 
     # -- reads and writes ----------------------------------------------------------------------
 
     def read(self, keys: Sequence[str], pages: np.ndarray) -> StoreRead:
         read = StoreRead(self._lazy(keys), pages)
-        self._run(self._read(read))
+        self.store_loop.submit(
+            lifetime(
+                self.breaker,
+                read,
+                lambda: self._read_pages(read),
+                self.progress.set,
+            )
+        )
         return read
 
-    async def _read(self, read: StoreRead) -> None:
-        settled = None
-        try:
-            settled = await self._read_pages(read)
-        finally:
-            read.finished = True
-            self.progress.set()
-        if settled is not None:
-            read.abandoned = self.worker.breaker.abandoned(await settled)
-        read.settled = True
-        self.progress.set()
-
-    async def _read_pages(self, read: StoreRead):
-        """Returns what to await before the pages are free again (a timed-out call), or None."""
-        breaker, mirror = self.worker.breaker, self.mirror
-        if not breaker.admit():
-            return None
+    async def _read_pages(self, read: StoreRead) -> KvtierError | None:
+        """Returns the failure whose settling frees the pages again (a timed-out call), or None."""
+        mirror = self.mirror
         page_first = mirror.config.layout == "page_first"
         views = (
             mirror.page_views(read.pages)
@@ -161,14 +148,17 @@ class LinkerStore:
             else [bytearray(mirror.page_bytes) for _ in range(len(read.keys))]
         )
         try:
-            ok = await self.store.batch_get_into(list(read.keys), views)
+            ok = await store_call(
+                self.breaker,
+                lambda: self.store.batch_get_into(list(read.keys), views),
+            )
+        except StoreDown:
+            return None
         except KvtierError as exc:
-            breaker.failed(str(exc))
-            return getattr(exc, "settled", None)
+            return exc
         except Exception:  # never leave a read unfinished
             log.exception("kvtier linker: store read failed")
             return None
-        breaker.succeeded()
         run = next((i for i, good in enumerate(ok) if not good), len(ok))
         if not page_first:
             for p, v in zip(read.pages[:run].tolist(), views[:run]):
@@ -189,16 +179,37 @@ class LinkerStore:
 
     def write(self, keys: Sequence[str], pages: np.ndarray) -> BackupOp:
         op = BackupOp(self._lazy(keys), pages.copy(), None)
-        self.worker.submit_backup(op)
+        self.store_loop.start(
+            lifetime(
+                self.breaker,
+                op,
+                lambda: self._write_calls(op),
+                lambda: None,
+                finish_settled=True,
+            )
+        )
         return op
+
+    def _write_calls(self, op: BackupOp) -> Awaitable[KvtierError | None]:
+        write = partial(
+            write_pages,
+            self.breaker,
+            self.store,
+            op,
+            partial(payloads, self.mirror),
+            self.mirror.page_bytes,
+        )
+        return backup_calls(
+            self.breaker, self.store, op, self.manifest, write, self._complain
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def drain(self) -> None:
-        self.worker.drain(4 * self.store.timeout_s)
+        self.store_loop.drain(4 * self.store.timeout_s)
 
     def close(self) -> None:
-        self.worker.close(4 * self.store.timeout_s)
+        self.store_loop.shutdown(self.store, 4 * self.store.timeout_s)
 
     def stats(self) -> dict:
-        return {**self.store.stats(), **self.worker.breaker.stats()}
+        return {**self.store.stats(), **self.breaker.stats()}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtier.config import load_config
-from kvtier.controller.cpus import format_cpu_list, parse_cpu_list
+from kvtier.storeio.cpus import format_cpu_list, parse_cpu_list
 from kvtier.errors import KvtierConfigError
 from tests.controller.helpers import compute, make_cache, read_back, same_kv, settle
 

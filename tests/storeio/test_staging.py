@@ -1,4 +1,4 @@
-"""read_staged (integrations/loop.py): where an adapter's reads land."""
+"""read_staged (storeio/call.py): where an adapter's reads land."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 
 from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.memory import MemoryStore
-from kvtier.controller.breaker import Breaker, BreakerConfig
+from kvtier.storeio.breaker import Breaker, BreakerConfig
 from kvtier.hashing import make_key
-from kvtier.integrations.loop import StagingPool, read_staged
+from kvtier.storeio.call import StagingPool, read_staged
 
 NS = "ab" * 16
 

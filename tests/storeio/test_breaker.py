@@ -5,7 +5,7 @@ exact (docs/design.md, FAILURES: Dynamo #6032)."""
 import pytest
 
 from kvtier.bench.servers import BlackHole
-from kvtier.controller.breaker import Breaker, BreakerConfig
+from kvtier.storeio.breaker import Breaker, BreakerConfig
 from kvtier.engine.engine import Engine, verify
 from kvtier.engine.model import ModelConfig, TinyTransformer
 from kvtier.engine.workloads import generate

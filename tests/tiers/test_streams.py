@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 
-from kvtier.controller import streams
-from kvtier.controller.streams import CpuTransferStream, Handle, _Finisher
+from kvtier.tiers import streams
+from kvtier.tiers.streams import CpuTransferStream, Handle, _Finisher
 from kvtier.errors import TransferError
 
 
