@@ -1,0 +1,175 @@
+"""Over kvtier's own source: every client calls the store through the one store runtime
+(kvtier/storeio/). The breaker-guarded call, an op's settling and the staged read are each
+written once; a second copy (a client that calls `breaker.failed` itself, or fishes
+`settled` out of an exception) fails here. `integrations/` imports nothing of
+`controller/`, and the controller nothing of the tree."""
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+import kvtier
+
+ROOT = Path(kvtier.__file__).parent
+
+
+def sources(under: str = "") -> dict[str, ast.Module]:
+    return {
+        str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+        for p in sorted((ROOT / under).rglob("*.py"))
+    }
+
+
+def functions(tree: ast.Module):
+    """(qualified name, node) of every function, nested ones too."""
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                yield name, child
+                yield from walk(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}{child.name}.")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(tree, "")
+
+
+def breaker_calls(method: str) -> list[str]:
+    """Where `<...breaker>.<method>(...)` is called: "file:function" per call."""
+    found = []
+    for path, tree in sources().items():
+        for name, fn in functions(tree):
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == method
+                    and ast.unparse(node.func.value).endswith("breaker")
+                    and not any(  # a nested function's own calls count for it alone
+                        node in ast.walk(inner)
+                        for _, inner in functions(fn)
+                        if inner is not fn
+                    )
+                ):
+                    found.append(f"{path}:{name}")
+    return found
+
+
+def definitions() -> Counter:
+    counts = Counter()
+    for tree in sources().values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                counts[node.name] += 1
+    return counts
+
+
+def test_the_breaker_guarded_store_call_is_written_once():
+    """The breaker learns a call's outcome in `store_call` alone, and an abandoned call in
+    `settle` alone; the breaker admits whole ops only where a prefetch or a backup starts."""
+    call = "storeio/call.py:store_call"
+    assert breaker_calls("failed") == [call]
+    assert breaker_calls("succeeded") == [call]
+    assert breaker_calls("abandoned") == ["storeio/call.py:settle"]
+    assert sorted(breaker_calls("admit")) == [
+        "controller/storage.py:StorageWorker._prefetch_pages",
+        call,
+        "storeio/writes.py:backup_calls",
+    ]
+
+
+def test_the_staged_read_and_the_ops_lifetime_are_written_once():
+    counts = definitions()
+    for name in (
+        "store_call",
+        "guarded",
+        "lifetime",
+        "read_staged",
+        "StagingPool",
+        "StoreLoop",
+        "Breaker",
+        "Phase",
+        "PageKeys",
+        "BackupOp",
+    ):
+        assert counts[name] == 1, (name, counts[name])
+    for retired in ("LoopThread", "_guarded", "breaker_for"):
+        assert counts[retired] == 0, retired
+    staging = [
+        f"{path}:{name}"
+        for path, tree in sources().items()
+        for name, fn in functions(tree)
+        if any(
+            isinstance(n, ast.Call) and ast.unparse(n.func).endswith("pool.take")
+            for n in ast.walk(fn)
+        )
+    ]
+    assert staging == ["storeio/call.py:read_staged"]
+
+
+def test_settled_is_a_declared_field_never_fished_out():
+    """`StoreTimeout.settled` is declared (errors.py); no `getattr(exc, "settled", ...)`."""
+    from kvtier.errors import StoreAbandoned, StoreTimeout
+
+    assert StoreTimeout("x").settled is None
+    assert StoreAbandoned("x").settled is None
+    fished = [
+        path
+        for path, tree in sources().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == "settled"
+    ]
+    assert fished == []
+
+
+def imports(under: str) -> list[tuple[str, str]]:
+    """(file, module) of every import under `under`, inside functions and
+    TYPE_CHECKING blocks too; `from kvtier import x` names kvtier.x."""
+    found = []
+    for path, tree in sources(under).items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [(path, alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{under}/{path}: a relative import"
+                found.append((path, node.module))
+                found += [(path, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def test_integrations_import_nothing_of_the_controller():
+    bad = [
+        (path, module)
+        for path, module in imports("integrations")
+        if module == "kvtier.controller" or module.startswith("kvtier.controller.")
+    ]
+    assert bad == []
+    assert imports("integrations"), "no import found: the walk is broken"
+
+
+def test_the_controller_imports_nothing_of_the_tree():
+    """The tree helpers store pages need (`tokens_above`, `lead_in`) are the cache's."""
+    bad = [
+        (path, module)
+        for path, module in imports("controller")
+        if module == "kvtier.tree" or module.startswith("kvtier.tree.")
+    ]
+    assert bad == []
+
+
+def test_the_store_runtime_sits_below_controller_and_integrations():
+    bad = [
+        (path, module)
+        for path, module in imports("storeio")
+        if module.startswith(
+            ("kvtier.controller", "kvtier.integrations", "kvtier.cache")
+        )
+    ]
+    assert bad == []
