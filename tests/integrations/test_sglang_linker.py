@@ -25,7 +25,7 @@ import torch
 from kvtier.bench.servers import BlackHole
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import make_key
-from kvtier.integrations.sglang.storage import page_hash_of
+from kvtier.integrations.sglang.keys import page_hash_of
 from tests.integrations import sglang_linker_runtime as rt
 from tests.integrations.sglang_linker_server import (
     TOKENS,

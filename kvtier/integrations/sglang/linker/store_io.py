@@ -27,7 +27,7 @@ from kvtier.backends.base import Store
 from kvtier.controller.storage import BackupOp, PageKeys, StorageWorker
 from kvtier.errors import KvtierError
 from kvtier.hashing import key_maker
-from kvtier.integrations.sglang.storage import page_hash_of
+from kvtier.integrations.sglang.keys import page_hash_of
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
