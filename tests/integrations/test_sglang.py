@@ -3,7 +3,7 @@
 The backend is created the way SGLang creates it (its real `StorageBackendFactory`, the
 `dynamic` backend, then `register_mem_pool_host`) over real host pools (`MHATokenToKVPoolHost`,
 `MLATokenToKVPoolHost`), and talks to real stores: files, redis-server, a redis cluster and
-an S3 endpoint. SGLang is loaded by tests/integrations/sglang_runtime.py.
+an S3 endpoint. SGLang is loaded by kvtier.testing.sglang_loader.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import yaml
 
 import kvtier
 from kvtier.errors import KvtierConfigError
+from kvtier.testing import sglang_loader
 from tests.integrations import sglang_runtime as rt
 from tests.integrations.prom_multiproc import multiproc, scrape  # noqa: F401
 from tests.servers import IN_CI, free_port
@@ -31,8 +32,8 @@ STORES = ["file", "redis", "redis_cluster", "s3"]
 @pytest.fixture(scope="module")
 def sg():
     try:
-        return rt.load()
-    except rt.Missing as exc:
+        return sglang_loader.load()
+    except sglang_loader.Unavailable as exc:
         if IN_CI:
             pytest.fail(f"{exc}; .ci/run must install it")
         pytest.skip(str(exc))
