@@ -572,3 +572,20 @@ def test_a_lookup_names_few_lengths_and_ranks_still_agree_close_to_the_shorter(s
     long, short = restorable(800, 800), restorable(500, 800)
     assert len(long) <= 17 and long[-1] == 800 and short[-1] == 500
     assert 500 - 50 <= max(set(long) & set(short)) <= 500
+
+
+def test_every_override_of_sglangs_linker_says_so(sg):
+    """Each method KvtierLinker defines over SGLang's UnifiedCacheLinker is marked
+    @override, so a rename on SGLang's side is caught by a type checker."""
+    from kvtier.integrations.sglang.linker.shell import KvtierLinker
+
+    base = sg.ucl.UnifiedCacheLinker
+    unmarked = [
+        name
+        for name, fn in vars(KvtierLinker).items()
+        if callable(fn)
+        and not name.startswith("__")
+        and hasattr(base, name)
+        and not getattr(fn, "__override__", False)
+    ]
+    assert unmarked == []
