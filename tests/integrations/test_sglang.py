@@ -544,6 +544,45 @@ def test_controller_cpus_keeps_the_store_threads_off_the_callers_cores(sg, tmp_p
         )
 
 
+def test_the_store_is_built_once_by_the_pool_registration_and_never_after_close(
+    sg, tmp_path
+):
+    """The backend builds its store (and its thread) when SGLang registers the host pool:
+    a second registration is refused, and a backend closed before its pool registered
+    starts no store thread that nothing would ever close."""
+
+    def store_threads() -> int:
+        return sum(t.name == "kvtier-sglang-store" for t in threading.enumerate())
+
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = rt.make_mha_pool(sg)
+    before = store_threads()
+    backend = attach(sg, pool, path)
+    with pytest.raises(RuntimeError, match="called twice"):
+        backend.register_mem_pool_host(pool)
+    assert store_threads() == before + 1
+    backend.close()
+    assert store_threads() == before
+    cfg = rt.storage_config(
+        sg,
+        extra={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KvtierStorage",
+            "kvtier_config": path,
+            "interface_v1": 1,
+        },
+    )
+    early = sg.backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", cfg, pool
+    )
+    assert store_threads() == before  # nothing runs before the pool registers
+    early.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        early.register_mem_pool_host(pool)
+    assert store_threads() == before
+
+
 def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
     pool = rt.make_mha_pool(sg)

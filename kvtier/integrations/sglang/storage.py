@@ -143,6 +143,8 @@ class KvtierStorageBase:
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Name the namespace from the host pool SGLang reads and writes through, and
         build the store (once: SGLang registers one pool per backend)."""
+        if self._closed:  # close() already ran: a store built now would never be closed
+            raise RuntimeError("kvtier SGLang backend: closed")
         if self.stack is not None:
             raise RuntimeError(
                 "kvtier SGLang backend: register_mem_pool_host() called twice"
