@@ -24,7 +24,7 @@ class ArmResult:
 
 def sglang_unavailable() -> str | None:
     """Why SGLang's cache cannot be driven in this process, or None when it can."""
-    from kvtier.bench.sglang_device import Unavailable, load
+    from kvtier.testing.sglang_loader import Unavailable, load
 
     try:
         load()

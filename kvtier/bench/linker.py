@@ -40,9 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import statistics
@@ -50,10 +47,8 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from array import array
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -62,6 +57,7 @@ import yaml
 from kvtier.bench.cache import kvtier_arm, infinite_bound, store_page_tokens
 from kvtier.bench.hicache_cpu import Shims
 from kvtier.bench.trace import multiturn
+from kvtier.testing import sglang_loader
 
 ARMS = ("sglang", "hicache", "hicache_file", "linker", "linker_file", "tieredcache")
 LABELS = {
@@ -72,74 +68,6 @@ LABELS = {
     "linker_file": "kvtier linker, host + kvtier file store",
     "tieredcache": "kvtier TieredCache (own tree), host + file store",
 }
-MORE_MODULES = {
-    "fx": "sglang.test.kits.unified_radix_cache.fixtures",
-    "cfg": "sglang.test.kits.unified_radix_cache.config",
-    "urc": "sglang.srt.mem_cache.unified_radix_cache",
-    "factory": "sglang.srt.mem_cache.unified_cache.linker_factory",
-    "bpc": "sglang.srt.mem_cache.base_prefix_cache",
-    "environ": "sglang.srt.environ",
-    "component_type": "sglang.srt.mem_cache.unified_cache.component_type",
-    "runtime_context": "sglang.srt.runtime_context",
-}
-MORE_STUBS = frozenset({"sglang.benchmark.datasets.mmmu"})
-
-
-class Unavailable(Exception):
-    pass
-
-
-_Ext = importlib.machinery.ExtensionFileLoader
-
-
-class _NativeFinder(importlib.abc.MetaPathFinder):
-    """SGLang's compiled modules (its Rust tree core) load through their own loader: the
-    stub-on-failure wrapper of the module loader cannot create an extension module."""
-
-    def find_spec(self, name, path, target=None):
-        if not name.startswith("sglang."):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and isinstance(spec.loader, _Ext):
-            return spec
-        return None
-
-
-def load_sglang() -> SimpleNamespace:
-    """SGLang's modules this benchmark drives (kvtier.bench.sglang_device's loader,
-    plus the unified radix cache and its test kit). Raises Unavailable."""
-    from kvtier.bench import sglang_device as sd
-
-    try:
-        base = sd.load()
-    except sd.Unavailable as exc:
-        raise Unavailable(str(exc)) from exc
-    finder = next(f for f in sys.meta_path if isinstance(f, sd._Finder))
-    sys.meta_path.insert(0, _NativeFinder())
-    for name in [n for n in sys.modules if n.startswith("sglang.")]:
-        if isinstance(getattr(sys.modules[name], "__loader__", None), _Ext):
-            continue
-        spec = getattr(sys.modules[name], "__spec__", None)
-        if spec is not None and (spec.origin or "").endswith((".so", ".pyd")):
-            del sys.modules[name]  # loaded through a wrapper that cannot build it
-    quiet = logging.getLogger("sglang")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mods = {k: importlib.import_module(v) for k, v in MORE_MODULES.items()}
-    except ImportError as exc:
-        raise Unavailable(f"an SGLang import failed: {exc}") from exc
-    finally:
-        quiet.setLevel(level)
-    bad = set(finder.failed) - sd.EXPECTED_STUBS - MORE_STUBS
-    if bad:
-        raise Unavailable(f"SGLang modules failed to import: {sorted(bad)[:3]}")
-    mods["fx"].get_device = lambda *a, **k: (
-        "cpu"
-    )  # 0.5.23's raises without an accelerator
-    return SimpleNamespace(**vars(base), **mods)
 
 
 @dataclass(slots=True)
@@ -624,8 +552,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = p.parse_args(argv)
     pages = args.page_size or [1, 16]
     try:
-        sg = load_sglang()
-    except Unavailable as exc:
+        sg = sglang_loader.load()
+    except sglang_loader.Unavailable as exc:
         print(
             f"linker benchmark: SGLang cannot be loaded here ({exc}); nothing measured"
         )

@@ -10,149 +10,18 @@ short) and the row write of `write_cache_indices` when its batch is allocated, a
 `release_kv_cache` (checkpoint = insert + re-match + row rewrite, free of duplicate and
 partial-page slots, unlock = dec_lock_ref, row free) when it finishes.
 
-`pip install --no-deps sglang==0.5.23` plus its pure-Python imports (requirements-engines.txt)
-puts the package on disk; its package `__init__`s import the whole runtime. `load()` imports
-each `sglang.*` module under its real name and turns one whose own code raises at import
-into an inert stub (`is_*`/`use_*`/`can_*` say False, other names are empty classes). On a
-CPU-only machine with those imports installed exactly `EXPECTED_STUBS` raise (torchvision
-and a transformers config they need); any other failure is reported by `Unavailable`.
+SGLang's modules come from kvtier's one SGLang loader (`kvtier.testing.sglang_loader`),
+which says why when they cannot be loaded here (`Unavailable`).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import logging
-import sys
-import types
-import warnings
 from array import array
-from typing import Any
 
 import numpy as np
 import torch
 
-VERSION = "0.5.23"
-EXPECTED_STUBS = frozenset(
-    {
-        "sglang.srt.configs.deepseek_ocr",
-        "sglang.srt.multimodal.internvl_utils",
-        "sglang.srt.utils.hf_transformers.common",
-    }
-)
-_MODULES = {
-    "memory_pool": "sglang.srt.mem_cache.memory_pool",
-    "allocator": "sglang.srt.mem_cache.allocator",
-    "radix_cache": "sglang.srt.mem_cache.radix_cache",
-    "cache_init_params": "sglang.srt.mem_cache.cache_init_params",
-    "common": "sglang.srt.mem_cache.common",
-    "allocation": "sglang.srt.mem_cache.allocation",
-    "schedule_batch": "sglang.srt.managers.schedule_batch",
-    "sampling_params": "sglang.srt.sampling.sampling_params",
-    "server_args": "sglang.srt.server_args",
-}
-
-
-class Unavailable(Exception):
-    """SGLang's cache cannot be loaded here; the message says why."""
-
-
-class _Inert(types.ModuleType):
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name.startswith(("is_", "use_", "can_")):
-            value: Any = lambda *a, **k: False
-        else:
-            value = type(
-                name,
-                (),
-                {
-                    "__init__": lambda self, *a, **k: None,
-                    "__init_subclass__": classmethod(lambda cls, **k: None),
-                },
-            )
-        object.__setattr__(self, name, value)
-        return value
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, real: importlib.abc.Loader, failed: dict[str, str]) -> None:
-        self.real, self.failed = real, failed
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module) -> None:
-        try:
-            self.real.exec_module(module)
-        except Exception as exc:  # its own code raised: an inert stub, recorded
-            self.failed[module.__name__] = (
-                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            )
-            module.__class__ = _Inert
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self) -> None:
-        self.failed: dict[str, str] = {}
-
-    def find_spec(self, name, path, target=None):
-        if name != "sglang" and not name.startswith("sglang."):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader, self.failed)
-        return spec
-
-
-_loaded: types.SimpleNamespace | None = None
-
-
-def load() -> types.SimpleNamespace:
-    """SGLang's modules (attributes named as `_MODULES`), loaded once per process, with
-    `stubbed`: the modules that raised at import. Raises Unavailable."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
-    if importlib.util.find_spec("sglang") is None:
-        raise Unavailable(
-            f"sglang is not installed (pip install --no-deps sglang=={VERSION})"
-        )
-    from importlib.metadata import version
-
-    if version("sglang") != VERSION:
-        raise Unavailable(
-            f"sglang {version('sglang')} is installed; this baseline drives {VERSION}"
-        )
-    if "sglang" in sys.modules:
-        raise Unavailable(
-            "sglang was imported in this process by another loader; run this in its own process"
-        )
-    finder = _Finder()
-    sys.meta_path.insert(0, finder)
-    quiet = [logging.getLogger(n) for n in ("sglang", "vllm")]
-    levels = [lg.level for lg in quiet]
-    try:
-        for lg in quiet:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mods = {k: importlib.import_module(v) for k, v in _MODULES.items()}
-    finally:
-        for lg, level in zip(quiet, levels):
-            lg.setLevel(level)
-    unexpected = {k: v for k, v in finder.failed.items() if k not in EXPECTED_STUBS}
-    if unexpected:
-        first = sorted(unexpected.items())[:3]
-        raise Unavailable(
-            f"{len(unexpected)} sglang modules failed to import, e.g. "
-            + "; ".join(f"{k}: {v}" for k, v in first)
-        )
-    _loaded = types.SimpleNamespace(**mods, stubbed=sorted(finder.failed))
-    return _loaded
+from kvtier.testing.sglang_loader import load
 
 
 class DeviceCache:

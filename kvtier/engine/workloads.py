@@ -151,19 +151,3 @@ def _turn(obj: object, where: str, vocab: int) -> Turn:
 def _is_int(value) -> bool:
     """A JSON integer: `true` is a bool, which Python counts as an int."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def write_trace(turns: list[Turn], path: str | Path) -> None:
-    with open(path, "w") as f:
-        for t in turns:
-            f.write(
-                json.dumps(
-                    {
-                        "session": t.session,
-                        "turn": t.turn,
-                        "prompt": list(t.prompt),
-                        "output_len": t.output_len,
-                    }
-                )
-                + "\n"
-            )

@@ -34,6 +34,7 @@ from kvtier.storeio.breaker import BreakerConfig
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.testing.fault_sim import write_actions
+from kvtier.integrations.sglang.linker.loads import Loads
 from kvtier.testing.misuse import Violation
 from kvtier.testing.parts import SimStore, SimStreams
 from kvtier.tiers.indices import page_slots
@@ -44,7 +45,7 @@ LAYERS = 2
 SCRIBBLE = -7.0  # what the simulator writes into a device slot it released
 
 
-class _UnverifiedReadCore(LinkerCore):
+class _UnverifiedReadLoads(Loads):
     """Planted bug: a load does not check that its store reads verified (it waits for them
     to end, then copies whatever the host pages hold)."""
 
@@ -53,15 +54,19 @@ class _UnverifiedReadCore(LinkerCore):
             super()._wait_read(op)
 
 
+class _UnverifiedReadCore(LinkerCore):
+    loads_type = _UnverifiedReadLoads
+
+
 class _EarlyPopCore(LinkerCore):
     """Planted bug: an offload counts as completed before its device -> host copy ran."""
 
     def num_completed_offloads(self) -> int:
-        self._reap()
-        return len(self.offloads)
+        self.store_ops.reap()
+        return len(self.offloads.ops)
 
     def pop_completed_offload(self) -> bool:
-        op = self.offloads[0]
+        op = self.offloads.ops[0]
         if op.handle is not None and not op.handle.done:
             op.handle.done = True  # as if the copy had finished
         return super().pop_completed_offload()
@@ -72,7 +77,7 @@ class _RoomBlindLookupCore(LinkerCore):
     load would find to read it into."""
 
     def lookup(self, rid, keys) -> int:
-        self._reap()
+        self.store_ops.reap()
         end, _ = self.index.run(keys)
         if end < len(keys) and self.l3 is not None:
             end += self.l3.leading_run(keys[end:])
@@ -305,7 +310,7 @@ class LinkerSim:
             return
         if not self.core.load(rid, keys[:agreed], self.slots(pages)):
             raise Violation("load refused a well-formed call (ranks would diverge)")
-        doomed = self.core.queued[rid].doomed
+        doomed = self.core.loads.queued[rid].doomed
         if doomed is not None:  # nothing ran between the lookup and this load
             raise Violation(
                 f"lookup {rid} promised {found} pages its load cannot land: {doomed}"

@@ -356,12 +356,6 @@ class PagedAllocator:
             cursor += k
         return tensor(concat(out))
 
-    def alloc_decode(
-        self, seq_lens: list[int], last_loc: list[int]
-    ) -> torch.Tensor | None:
-        """One slot per request for token seq_len-1 (seq_lens include the new token)."""
-        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_loc)
-
     def free(self, indices: torch.Tensor) -> None:
         """Free the pages that `indices` touch (a partial tail page frees its whole page)."""
         self.free_slots(as_numpy(check_indices("indices", indices)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 from enum import IntEnum
 
 import numpy as np
-import torch
 
 from kvtier.tree.key import RadixKey
 
@@ -60,17 +59,6 @@ class TreeNode:
         self.edge: bytes | None = (
             None  # key.tokens as bytes, made on first compare (matches compare bytes)
         )
-
-    @property
-    def device_value(self) -> torch.Tensor | None:
-        """The node's device slots as a tensor (sharing the tree's numpy `values`: read only)."""
-        v = self.values[Tier.DEVICE]
-        return None if v is None else torch.from_numpy(v)
-
-    @property
-    def host_value(self) -> torch.Tensor | None:
-        v = self.values[Tier.HOST]
-        return None if v is None else torch.from_numpy(v)
 
     @property
     def on_device(self) -> bool:

@@ -822,7 +822,7 @@ def test_a_trailing_newline_makes_no_key_valid():
     """`$` in a regex also matches before a final newline: a key, a prefix or an SGLang
     page hash ending in one was taken as valid (and named a different file)."""
     from kvtier.config import StoreConfig
-    from kvtier.integrations.sglang.storage import page_hash_of
+    from kvtier.integrations.sglang.keys import page_hash_of
 
     k = make_key("kvtier", NS, b"\x01" * 32)
     for bad in (

@@ -1,13 +1,15 @@
 """The central promise: the KV we hand back is the KV that was computed. Every request's
 greedy tokens and logits equal an uncached run, whichever tier its prefix came from."""
 
+import json
+
 import pytest
 
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.engine.engine import Engine, verify
 from kvtier.engine.model import TinyTransformer
-from kvtier.engine.workloads import generate, load_trace, write_trace
+from kvtier.engine.workloads import generate, load_trace
 
 GEOMETRY = {
     "num_layers": 4,
@@ -93,7 +95,16 @@ def test_verify_catches_wrong_kv():
 def test_trace_round_trip_and_bad_traces(tmp_path):
     turns = generate("agent", 5, 512, seed=3)
     path = tmp_path / "t.jsonl"
-    write_trace(turns, path)
+    lines = [
+        {
+            "session": t.session,
+            "turn": t.turn,
+            "prompt": list(t.prompt),
+            "output_len": t.output_len,
+        }
+        for t in turns
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert load_trace(path, 512) == turns
     bad = tmp_path / "bad.jsonl"
     for line, message in [

@@ -147,7 +147,7 @@ class Server:
         kv = self.fill(slots, seed)
         self.cache.insert(
             self.sg.bpc.InsertParams(
-                key=self.sg.rc.RadixKey(array("q", tokens)), value=slots
+                key=self.sg.radix_cache.RadixKey(array("q", tokens)), value=slots
             )
         )
         self.settle_offloads()
@@ -165,17 +165,19 @@ class Server:
 
     def request(self, tokens: list[int]):
         self.n += 1
-        return self.sg.sb.Req(
+        return self.sg.schedule_batch.Req(
             rid=f"r{self.n}",
             origin_input_text="",
             origin_input_ids=array("q", tokens),
-            sampling_params=self.sg.sp.SamplingParams(temperature=0, max_new_tokens=1),
+            sampling_params=self.sg.sampling_params.SamplingParams(
+                temperature=0, max_new_tokens=1
+            ),
         )
 
     def match(self, req, tokens: list[int]):
         return self.cache.match_prefix(
             self.sg.bpc.MatchPrefixParams(
-                key=self.sg.rc.RadixKey(array("q", tokens)), req=req
+                key=self.sg.radix_cache.RadixKey(array("q", tokens)), req=req
             )
         )
 
@@ -224,7 +226,7 @@ def engine_keys(sg, server: Server, tokens: list[int]) -> list[str]:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     return get_storage_hash_str(
-        sg.rc.RadixKey(array("q", tokens)), None, page_size=server.page_size
+        sg.radix_cache.RadixKey(array("q", tokens)), None, page_size=server.page_size
     )
 
 

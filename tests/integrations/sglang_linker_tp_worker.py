@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.integrations import sglang_linker_runtime as rt
+from kvtier.testing import sglang_loader
 from tests.integrations.sglang_linker_server import (
     TOKENS,
     Server,
@@ -33,7 +33,7 @@ def main(rank: int, world: int, port: int, workdir: Path, scenario: str) -> None
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     group = dist.new_group(list(range(world)), backend="gloo")
-    sg = rt.load()
+    sg = sglang_loader.load()
     mine = workdir / f"rank{rank}"
     mine.mkdir(parents=True, exist_ok=True)
     path = write_yaml(mine, {"backend": "file", "root": str(mine / "l3")})

@@ -1,123 +1,14 @@
-"""Load SGLang 0.5.23's real HiCache classes without its runtime.
+"""SGLang 0.5.23's real host pools for the storage backend's tests, over the modules
+kvtier's one SGLang loader gives (`kvtier.testing.sglang_loader.load()`, passed as `sg`).
 
-`pip install --no-deps sglang==0.5.23` puts the package on disk, but importing it runs
-package `__init__`s that need SGLang's full runtime (and a torch of its own). This loads
-only the files the adapter meets, by their real module names:
-
-- `sglang/srt/mem_cache/hicache_storage.py` (HiCacheStorage, HiCacheStorageConfig),
-- `sglang/srt/mem_cache/storage/backend_factory.py` (the `dynamic` loader SGLang uses),
-- `sglang/srt/mem_cache/pool_host/{base,common,mha,mla}.py` (the host pools) and
-  `storage/mmap/mmap_allocator.py` (their allocator), `sglang/srt/environ.py`.
-
-Package `__init__`s are replaced by bare packages over the real directories, and modules
-that only GPU transfer paths use (kernels, device pool info, platform probes) by stubs
-whose names are inert. `make_mha_pool` / `make_mla_pool` build real host pools through
-`HostKVCache.__init__` (its real allocation, `alloc`, `free`); only the device-pointer
-tables for GPU transfers are skipped.
+`make_mha_pool` / `make_mla_pool` build real host pools through `HostKVCache.__init__`
+(its real allocation, `alloc`, `free`); only the device-pointer tables for GPU transfers
+are skipped.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
-import types
-
 import torch
-
-VERSION = "0.5.23"
-
-_PACKAGES = (
-    "sglang",
-    "sglang.srt",
-    "sglang.srt.mem_cache",
-    "sglang.srt.mem_cache.pool_host",
-    "sglang.srt.mem_cache.storage",
-)
-_STUBS = (
-    "sglang.srt.utils",
-    "sglang.srt.runtime_context",
-    "sglang.srt.mem_cache.host_memory",
-    "sglang.srt.platforms",
-    "sglang.kernels",
-    "sglang.kernels.ops",
-    "sglang.kernels.ops.kvcache",
-    "sglang.kernels.ops.kvcache.hicache",
-    "sglang.srt.mem_cache.device_pool_info",
-    "sglang.srt.mem_cache.memory_pool",
-    "sglang.srt.mem_cache.pool_host.hisparse",
-    "sglang.srt.mem_cache.pool_host.page_unified",
-    "sglang.srt.mem_cache.pool_host.npu_memfabric",
-    "sglang.srt.layers",
-    "sglang.srt.layers.dcp",
-    "sglang.srt.layers.dcp.layout",
-)
-
-
-class _Stub(types.ModuleType):
-    """A module whose every name is inert: `is_*` probes say False, others are empty classes."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = (
-            (lambda *a, **k: False)
-            if name.startswith("is_")
-            else type(
-                name,
-                (),
-                {
-                    "__init__": lambda self, *a, **k: None,
-                    "__init_subclass__": classmethod(lambda cls, **k: None),
-                },
-            )
-        )
-        setattr(self, name, value)
-        return value
-
-
-class Missing(Exception):
-    pass
-
-
-def load() -> types.SimpleNamespace:
-    """The real modules, loaded once per process. Raises Missing when SGLang is absent."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        raise Missing(
-            f"SGLang is not installed: pip install --no-deps sglang=={VERSION}"
-        )
-    root = list(spec.submodule_search_locations)[0]
-    from importlib.metadata import version
-
-    if version("sglang") != VERSION:
-        raise Missing(f"these tests pin SGLang {VERSION}; found {version('sglang')}")
-    if not isinstance(sys.modules.get("sglang"), types.ModuleType) or not getattr(
-        sys.modules["sglang"], "_kvtier_bare", False
-    ):
-        for name in _PACKAGES:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [os.path.join(root, *name.split(".")[1:])]
-            pkg._kvtier_bare = True
-            sys.modules[name] = pkg
-        for name in _STUBS:
-            sys.modules[name] = _Stub(name)
-        sys.modules["sglang.srt.mem_cache.host_memory"].available_host_memory_bytes = (
-            lambda *a, **k: 1 << 40
-        )
-        if importlib.util.find_spec("msgspec") is None:
-            sys.modules["msgspec"] = _Stub("msgspec")
-    mods = {
-        "hicache_storage": "sglang.srt.mem_cache.hicache_storage",
-        "backend_factory": "sglang.srt.mem_cache.storage.backend_factory",
-        "base": "sglang.srt.mem_cache.pool_host.base",
-        "mha": "sglang.srt.mem_cache.pool_host.mha",
-        "mla": "sglang.srt.mem_cache.pool_host.mla",
-    }
-    return types.SimpleNamespace(
-        **{k: importlib.import_module(v) for k, v in mods.items()}
-    )
 
 
 def storage_config(

@@ -62,7 +62,7 @@ def copied(core: LinkerCore, n: int = 1) -> None:
 
 def stored(core: LinkerCore) -> None:
     core.l3.drain()
-    core._reap()
+    core.store_ops.reap()
 
 
 def load(
@@ -106,13 +106,13 @@ def test_an_offload_whose_key_a_store_read_published_meanwhile_stores_no_freed_p
         gate.wait(30)
 
     busy = asyncio.run_coroutine_threadsafe(hold(), core.l3.loop)
-    freed = int(core.offloads[0].host_pages[0])
+    freed = int(core.offloads.ops[0].host_pages[0])
     core.pop_completed_offload()  # its page goes back free
     core.offload(
         [page_keys([9])[0]], put(pool, 8, 9.0)
     )  # the next offload takes it first
     copied(core)
-    assert int(core.offloads[0].host_pages[0]) == freed
+    assert int(core.offloads.ops[0].host_pages[0]) == freed
     gate.set()
     busy.result(30)
     core.pop_completed_offload()

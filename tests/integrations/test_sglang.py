@@ -3,7 +3,7 @@
 The backend is created the way SGLang creates it (its real `StorageBackendFactory`, the
 `dynamic` backend, then `register_mem_pool_host`) over real host pools (`MHATokenToKVPoolHost`,
 `MLATokenToKVPoolHost`), and talks to real stores: files, redis-server, a redis cluster and
-an S3 endpoint. SGLang is loaded by tests/integrations/sglang_runtime.py.
+an S3 endpoint. SGLang is loaded by kvtier.testing.sglang_loader.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import yaml
 
 import kvtier
 from kvtier.errors import KvtierConfigError
+from kvtier.testing import sglang_loader
 from tests.integrations import sglang_runtime as rt
 from tests.integrations.prom_multiproc import multiproc, scrape  # noqa: F401
 from tests.servers import IN_CI, free_port
@@ -31,8 +32,8 @@ STORES = ["file", "redis", "redis_cluster", "s3"]
 @pytest.fixture(scope="module")
 def sg():
     try:
-        return rt.load()
-    except rt.Missing as exc:
+        return sglang_loader.load()
+    except sglang_loader.Unavailable as exc:
         if IN_CI:
             pytest.fail(f"{exc}; .ci/run must install it")
         pytest.skip(str(exc))
@@ -541,6 +542,45 @@ def test_controller_cpus_keeps_the_store_threads_off_the_callers_cores(sg, tmp_p
                 controller={"cpus": "4096"},
             ),
         )
+
+
+def test_the_store_is_built_once_by_the_pool_registration_and_never_after_close(
+    sg, tmp_path
+):
+    """The backend builds its store (and its thread) when SGLang registers the host pool:
+    a second registration is refused, and a backend closed before its pool registered
+    starts no store thread that nothing would ever close."""
+
+    def store_threads() -> int:
+        return sum(t.name == "kvtier-sglang-store" for t in threading.enumerate())
+
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = rt.make_mha_pool(sg)
+    before = store_threads()
+    backend = attach(sg, pool, path)
+    with pytest.raises(RuntimeError, match="called twice"):
+        backend.register_mem_pool_host(pool)
+    assert store_threads() == before + 1
+    backend.close()
+    assert store_threads() == before
+    cfg = rt.storage_config(
+        sg,
+        extra={
+            "backend_name": "kvtier",
+            "module_path": "kvtier.integrations.sglang",
+            "class_name": "KvtierStorage",
+            "kvtier_config": path,
+            "interface_v1": 1,
+        },
+    )
+    early = sg.backend_factory.StorageBackendFactory.create_backend(
+        "dynamic", cfg, pool
+    )
+    assert store_threads() == before  # nothing runs before the pool registers
+    early.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        early.register_mem_pool_host(pool)
+    assert store_threads() == before
 
 
 def test_hybrid_pools_refuse_to_attach(sg, tmp_path):

@@ -19,12 +19,12 @@ _CHILD = r"""
 import json, sys
 from kvtier.bench.cache_arms import sglang_device, sglang_unavailable, bare_tree
 from kvtier.bench.trace import multiturn
-from kvtier.bench.sglang_device import EXPECTED_STUBS, load
+from kvtier.testing.sglang_loader import STUBBABLE, load
 why = sglang_unavailable()
 if why is not None:
     print(json.dumps({"missing": why})); sys.exit(0)
 trace = multiturn(sessions=12, turns=3, system_prompts=2, system_len=256, msg_len=(20, 90), seed=5)
-out = {"stubbed": load().stubbed, "expected": sorted(EXPECTED_STUBS), "requests": len(trace)}
+out = {"stubbed": load().stubbed, "expected": sorted(STUBBABLE), "requests": len(trace)}
 for page in (1, 16):
     longest = max(len(t.prompt) + len(t.output) for t in trace)
     small = sglang_device(trace, size=-(-2 * longest // page) * page + 4 * page, page=page, in_flight=4)

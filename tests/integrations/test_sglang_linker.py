@@ -7,7 +7,7 @@ SGLang's `create_unified_cache_linker` (the `dynamic` backend) and attached with
 offloads), `check_hicache_events`, evict, `match_prefix` (lookup), `init_load_back`
 (load), `ready_to_load_host_cache` (start), the forward's per-layer waits,
 `finish_external_linker_loads`. Stores are real: files, redis-server, an S3 endpoint (moto).
-SGLang is loaded by tests/integrations/sglang_linker_runtime.py.
+SGLang is loaded by kvtier.testing.sglang_loader.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 from kvtier.bench.servers import BlackHole
 from kvtier.errors import KvtierConfigError
 from kvtier.hashing import make_key
-from kvtier.integrations.sglang.storage import page_hash_of
-from tests.integrations import sglang_linker_runtime as rt
+from kvtier.integrations.sglang.keys import page_hash_of
+from kvtier.testing import sglang_loader
 from tests.integrations.sglang_linker_server import (
     TOKENS,
     Server,
@@ -51,13 +51,11 @@ STORES = ["file", "redis", "s3"]
 @pytest.fixture(scope="module")
 def sg():
     try:
-        mods = rt.load()
-    except rt.Missing as exc:
+        return sglang_loader.load()
+    except sglang_loader.Unavailable as exc:
         if IN_CI:
             pytest.fail(f"{exc}; .ci/run must install it")
         pytest.skip(str(exc))
-    yield mods
-    rt.unload()
 
 
 def store_section(kind: str, request, tmp_path) -> dict:
@@ -332,7 +330,8 @@ def test_dead_store_gives_host_only_lookups(sg, tmp_path):
 
 
 def test_bad_extra_config_is_refused_naming_it(sg, tmp_path):
-    shell = sg.shell
+    from kvtier.integrations.sglang.linker import shell
+
     with pytest.raises(KvtierConfigError, match="unknown keys \\['kvtier_conifg'\\]"):
         shell.parse_extra({"kvtier_conifg": "x.yaml"})
     with pytest.raises(KvtierConfigError, match="kvtier_config=None"):
@@ -567,8 +566,26 @@ def test_a_lookup_names_few_lengths_and_ranks_still_agree_close_to_the_shorter(s
     length it names. It names its longest and the multiples of a stride set by the pages
     asked about: at most 17, and two ranks that found 500 and 800 of 800 pages still share
     a length within one stride of 500 (SGLang restores the longest common one)."""
-    restorable = sg.shell.restorable
+    from kvtier.integrations.sglang.linker.shell import restorable
+
     assert restorable(0, 8) == [] and restorable(5, 8) == [1, 2, 3, 4, 5]
     long, short = restorable(800, 800), restorable(500, 800)
     assert len(long) <= 17 and long[-1] == 800 and short[-1] == 500
     assert 500 - 50 <= max(set(long) & set(short)) <= 500
+
+
+def test_every_override_of_sglangs_linker_says_so(sg):
+    """Each method KvtierLinker defines over SGLang's UnifiedCacheLinker is marked
+    @override, so a rename on SGLang's side is caught by a type checker."""
+    from kvtier.integrations.sglang.linker.shell import KvtierLinker
+
+    base = sg.ucl.UnifiedCacheLinker
+    unmarked = [
+        name
+        for name, fn in vars(KvtierLinker).items()
+        if callable(fn)
+        and not name.startswith("__")
+        and hasattr(base, name)
+        and not getattr(fn, "__override__", False)
+    ]
+    assert unmarked == []

@@ -649,3 +649,27 @@ def test_the_file_store_gets_a_thread_for_each_job_in_flight(tmp_path, rigs):
     assert rigs(conf(section)).tier.store.config.max_concurrency == JOB_THREADS
     more = {**section, "max_concurrency": JOB_THREADS + 4}
     assert rigs(conf(more)).tier.store.config.max_concurrency == JOB_THREADS + 4
+
+
+def test_lookup_probes_go_through_vllms_lookup_phases():
+    """A probe is PENDING (queued: RETRY), IN_FLIGHT once sent at the end of the step,
+    RESOLVED by its answer, as in vLLM's AsyncLookupManager; a failed load forces only a
+    RESOLVED verdict to MISS (vLLM's mark_miss), a probe still out answers for itself."""
+    from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
+
+    from kvtier.integrations.vllm.index import Answer, LookupIndex
+
+    index = LookupIndex(8)
+    a, b = b"a" * 20, b"b" * 20
+    assert [index.lookup(k, "r1") for k in (a, b)] == [Answer.RETRY] * 2
+    assert index.verdicts[a].phase is LookupPhase.PENDING
+    [probe] = index.take_probes()
+    assert probe.keys == (a, b) and index.verdicts[b].phase is LookupPhase.IN_FLIGHT
+    index.forget(b)  # a load failed while the probe was out: its answer still counts
+    index.apply(probe, 2)
+    assert [index.verdicts[k].phase for k in (a, b)] == [LookupPhase.RESOLVED] * 2
+    assert [index.lookup(k, "r1") for k in (a, b)] == [Answer.HIT, Answer.HIT]
+    index.forget(b)  # now resolved: a MISS for the requests that hold it
+    assert index.lookup(b, "r1") is Answer.MISS
+    index.release("r1")
+    assert index.verdicts == {} and index.take_probes() == []

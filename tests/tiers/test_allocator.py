@@ -69,9 +69,9 @@ def test_paged_alloc_extend_continues_last_page():
     # request continues from slot 9 (page 2 has slots 8..11): 2 fit, then a new page
     more = a.alloc_extend([6], [11], [9])
     assert more.tolist() == [10, 11, 12, 13, 14]
-    dec = a.alloc_decode([12], [14])
+    dec = a.alloc_extend([11], [12], [14])  # one decode token, last in its page
     assert dec.tolist() == [15]
-    dec = a.alloc_decode([13], [15])
+    dec = a.alloc_extend([12], [13], [15])  # the next one opens a page
     assert dec.tolist() == [16]
     assert a.available_size() == 32 - 16
 

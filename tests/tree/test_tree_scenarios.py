@@ -102,7 +102,8 @@ def test_insert_over_host_only_node_adopts_slots():
     tree.evict_device(2)
     r = tree.insert(key([1, 2, 3]), torch.tensor([40, 41, 42]))
     assert r.prefix_len == 0  # nothing was on device: the caller's slots are all kept
-    assert n.device_value.tolist() == [40, 41] and n.host_value.tolist() == [7, 8]
+    assert n.values[Tier.DEVICE].tolist() == [40, 41]
+    assert n.values[Tier.HOST].tolist() == [7, 8]
     tree.sanity_check()
 
 
@@ -159,10 +160,8 @@ def test_split_while_write_in_flight_backs_up_both_halves():
     tree.lock(n)  # the controller holds the node during the write
     tree.match_prefix(key([1, 2, 9]))  # splits n after 2 tokens
     tree.mark_backed_up(n, torch.tensor([11, 12, 13, 14]))
-    assert n.host_value.tolist() == [13, 14] and n.parent.host_value.tolist() == [
-        11,
-        12,
-    ]
+    assert n.values[Tier.HOST].tolist() == [13, 14]
+    assert n.parent.values[Tier.HOST].tolist() == [11, 12]
     tree.unlock(n)
     tree.sanity_check()
 

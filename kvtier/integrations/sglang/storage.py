@@ -26,9 +26,7 @@ touching the call's buffers).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -36,42 +34,23 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.backends.base import Store
-from kvtier.backends.registry import build_store
-from kvtier.config import KvtierConfig, load_config, refuse_store_pages
+from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import KvtierConfigError, StoreError
-from kvtier.hashing import KeyedHash, Namespace, make_key
+from kvtier.hashing import Namespace
 from kvtier.integrations.sglang import INSTALL_HINT
+from kvtier.integrations.sglang.keys import page_hash_of
 from kvtier.integrations.observe import flat_series, sglang_export, startup_line
-from kvtier.integrations.tenant import tenant_of
+from kvtier.integrations.stack import Geometry, Stack, build_stack, check_config
+from kvtier.integrations.tenant import StoreTenant
 from kvtier.storeio.breaker import Breaker
 from kvtier.storeio.call import guarded, read_staged
-from kvtier.storeio.cpus import check_cpus
-from kvtier.storeio.loop import StoreLoop
 
 log = logging.getLogger(__name__)
 
 
-_HEX_HASH = re.compile(
-    r"[0-9a-f]{32}|[0-9a-f]{64}"
-)  # fullmatch: `$` would pass a trailing newline
 # extra_config keys this adapter reads; SGLang's own keys pass through untouched
 EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
-
-
-def page_hash_of(key: str, keyed: KeyedHash | None = None) -> bytes:
-    """The page-hash part of kvtier's key for one SGLang key: SGLang's sha256 hex as is,
-    any other string (a test key, a suffixed sidecar key) through sha256 with a tag; with
-    a tenant's `keyed` hash, every key through it (a key listing then tells nothing of
-    SGLang's hashes, which anyone can compute from the tokens)."""
-    if not isinstance(key, str) or not key:
-        raise ValueError(
-            f"key={key!r}: expected a non-empty string (SGLang's page hash)"
-        )
-    if keyed is not None:
-        return keyed(b"kvtier/sglang-key\x00" + key.encode()).digest()
-    if _HEX_HASH.fullmatch(key):
-        return bytes.fromhex(key)
-    return hashlib.sha256(b"kvtier/sglang-key\x00" + key.encode()).digest()
+WHO = "SGLang's storage backend"
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -81,6 +60,37 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
             f"expected a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}"
         )
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def geometry_of(storage_config, pool, kv_cache_dtype: str | None = None) -> Geometry:
+    """What changes the bytes of a page of SGLang's host pool: KV dtype, the host layout
+    (the flat page's byte order depends on it), page size, geometry, TP rank/size (MLA:
+    replicated, one namespace for all ranks), PP/CP/DCP shard, the DP rank."""
+    sc = storage_config
+    dtype = str(pool.dtype).removeprefix("torch.")
+    if kv_cache_dtype:
+        dtype = f"{dtype}/{kv_cache_dtype}"
+    shard = f"pp={sc.pp_rank}/{sc.pp_size}:cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
+    if sc.is_mla_model:
+        layout = (
+            f"sglang-mla:layers={pool.layer_num}:dim={pool.kv_cache_dim}:lora={pool.kv_lora_rank}"
+            f":rope={pool.qk_rope_head_dim}:host={pool.layout}:{shard}"
+        )
+        if sc.dcp_size > 1:
+            layout += f":dcp={sc.dcp_rank}/{sc.dcp_size}:lps={sc.logical_page_size}:tp={sc.tp_size}"
+        rank, size = (
+            0,
+            1,
+        )  # MLA KV is the same on every TP rank: one namespace, one writer
+    else:
+        layout = (
+            f"sglang-mha:layers={pool.layer_num}:heads={pool.head_num}:head_dim={pool.head_dim}"
+            f":v={getattr(pool, 'v_head_dim', pool.head_dim)}:host={pool.layout}:{shard}"
+        )
+        if sc.dp_rank:
+            layout += f":dp={sc.dp_rank}"
+        rank, size = sc.tp_rank, sc.tp_size
+    return Geometry(dtype, layout, pool.page_size, rank, size, sc.model_name or None)
 
 
 class KvtierStorageBase:
@@ -103,24 +113,17 @@ class KvtierStorageBase:
                 "--kv-cache-dtype value, e.g. 'fp8_e4m3'"
             )
         config: KvtierConfig = load_config(path)
-        refuse_store_pages(config, "SGLang's storage backend")
-        if config.store.backend == "none":
-            raise KvtierConfigError(
-                f"store.backend='none' in {path}: SGLang's L3 needs a store "
-                "(file, redis, s3 or a plugin)"
-            )
+        # refused now: the store itself waits for the host pool (register_mem_pool_host)
+        check_config(config, WHO)
         self.kvtier_config = config
         self.storage_config = storage_config
         self.kv_cache_dtype = kv_cache_dtype
         self.key_prefix = config.store.key_prefix
-        self.tenant = tenant_of(
-            config.namespace
-        )  # docs/security.md: key id, keyed page keys, sealed store
-        c = config.controller
-        self._loop = StoreLoop(check_cpus(c.cpus), name="kvtier-sglang-store")
-        self.store: Store = self._loop.run(self._build(config))
-        self.tenant.seal(self.store)
-        self.breaker = Breaker(self.store.name, c.breaker_config())
+        # built by register_mem_pool_host (the namespace needs the pool's geometry)
+        self.stack: Stack | None = None
+        self.store: Store | None = None
+        self.breaker: Breaker | None = None
+        self.tenant = StoreTenant()
         self.mem_pool_host = None
         self.namespace: Namespace | None = None
         self.page_bytes = 0
@@ -135,18 +138,28 @@ class KvtierStorageBase:
         # kvtier's counters in SGLang's /metrics (integrations/observe.py)
         self._export = None
 
-    @staticmethod
-    async def _build(config: KvtierConfig) -> Store:
-        return build_store(
-            config.store.backend, config.store.options, config.store.timeout_s
-        )
-
     # -- SGLang's registration -------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Name the namespace from the host pool SGLang reads and writes through."""
-        self.mem_pool_host = mem_pool_host
-        self.namespace = self._namespace(mem_pool_host)
+        """Name the namespace from the host pool SGLang reads and writes through, and
+        build the store (once: SGLang registers one pool per backend)."""
+        if self._closed:  # close() already ran: a store built now would never be closed
+            raise RuntimeError("kvtier SGLang backend: closed")
+        if self.stack is not None:
+            raise RuntimeError(
+                "kvtier SGLang backend: register_mem_pool_host() called twice"
+            )
+        stack = build_stack(
+            config=self.kvtier_config,
+            geometry=geometry_of(
+                self.storage_config, mem_pool_host, self.kv_cache_dtype
+            ),
+            who=WHO,
+            thread="kvtier-sglang-store",
+        )
+        self.stack, self.mem_pool_host = stack, mem_pool_host
+        self.store, self.breaker, self._loop = stack.store, stack.breaker, stack.loop
+        self.tenant, self.namespace = stack.tenant, stack.namespace
         dummy = mem_pool_host.get_dummy_flat_data_page()
         self.page_bytes = dummy.numel() * dummy.element_size()
         ns = self.namespace
@@ -182,45 +195,6 @@ class KvtierStorageBase:
                 "kvtier does not implement; use it for plain MHA/MLA KV only"
             )
 
-    def _namespace(self, pool) -> Namespace:
-        sc = self.storage_config
-        dtype = str(pool.dtype).removeprefix("torch.")
-        if self.kv_cache_dtype:
-            dtype = f"{dtype}/{self.kv_cache_dtype}"
-        shard = f"pp={sc.pp_rank}/{sc.pp_size}:cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
-        if sc.is_mla_model:
-            layout = (
-                f"sglang-mla:layers={pool.layer_num}:dim={pool.kv_cache_dim}:lora={pool.kv_lora_rank}"
-                f":rope={pool.qk_rope_head_dim}:host={pool.layout}:{shard}"
-            )
-            if sc.dcp_size > 1:
-                layout += f":dcp={sc.dcp_rank}/{sc.dcp_size}:lps={sc.logical_page_size}:tp={sc.tp_size}"
-            rank, size = (
-                0,
-                1,
-            )  # MLA KV is the same on every TP rank: one namespace, one writer
-        else:
-            layout = (
-                f"sglang-mha:layers={pool.layer_num}:heads={pool.head_num}:head_dim={pool.head_dim}"
-                f":v={getattr(pool, 'v_head_dim', pool.head_dim)}:host={pool.layout}:{shard}"
-            )
-            if sc.dp_rank:
-                layout += f":dp={sc.dp_rank}"
-            rank, size = sc.tp_rank, sc.tp_size
-        ns = self.kvtier_config.namespace
-        model = sc.model_name or ns.model_id
-        return Namespace(
-            model,
-            dtype,
-            layout,
-            pool.page_size,
-            rank,
-            size,
-            ns.tenant_salt,
-            revision=ns.revision,
-            tenant_key_id=self.tenant.key_id,
-        )
-
     def _keys(self, keys: Sequence[str]) -> list[str]:
         if self._closed:  # its loop is gone: a call would wait on it forever
             raise RuntimeError("kvtier SGLang backend: closed")
@@ -232,12 +206,8 @@ class KvtierStorageBase:
             raise ValueError(
                 "keys: expected a list of SGLang page hashes, got one string"
             )
-        return [
-            make_key(
-                self.key_prefix, self.namespace.id, page_hash_of(k, self.tenant.keyed)
-            )
-            for k in keys
-        ]
+        key, keyed = self.stack.key, self.stack.keyed
+        return [key(page_hash_of(k, keyed)) for k in keys]
 
     # -- store calls -----------------------------------------------------------------------
 
@@ -457,8 +427,8 @@ class KvtierStorageBase:
         return {
             "namespace": None if self.namespace is None else self.namespace.id,
             **self.counters,
-            **self.store.stats(),
-            **self.breaker.stats(),
+            **({} if self.store is None else self.store.stats()),
+            **({} if self.breaker is None else self.breaker.stats()),
         }
 
     def get_stats(self):
@@ -495,11 +465,13 @@ class KvtierStorageBase:
         self._closed = True
         if self._export is not None:  # the last numbers reach SGLang's /metrics
             self._export.export()
+        if self.stack is None:  # never registered: nothing was built
+            return
         try:
             self._loop.run(self.store.close())
         except StoreError as exc:
             log.warning("kvtier: closing the %s store: %s", self.store.name, exc)
-        self._loop.close()
+        self.stack.close()
 
 
 _CLASS: type | None = None

@@ -9,12 +9,13 @@ Two maps, both owned by the thread that holds vLLM's manager lock (the tier's ca
   request from then on, without a probe, until a store job of this tier writes the key
   again (vLLM recomputed the block and cascades it). The tier also deletes the row from
   the store, which is what tells other processes.
-- `verdicts`: what a probe said of a key some live request asked for. A key in neither
-  map starts a probe: it is queued under its request and the lookup answers RETRY; at
-  the end of the step (`take_probes`) each request's queued keys become one
-  `batch_exists` on the store's loop; its answer (`apply`) turns them into HIT or MISS.
-  A verdict lives while a request that asked for it does (`release`), as vLLM's own
-  async lookups do, so a key stored later by another replica is seen by later requests.
+- `verdicts`: what a probe said of a key some live request asked for, in the phases of
+  vLLM's own async lookups (its `LookupPhase`). A key in neither map starts a probe,
+  PENDING: queued under its request, and the lookup answers RETRY; at the end of the
+  step (`take_probes`) each request's queued keys become one `batch_exists` on the
+  store's loop (IN_FLIGHT); its answer (`apply`) RESOLVES them into HIT or MISS. A
+  verdict lives while a request that asked for it does (`release`), as vLLM's do, so a
+  key stored later by another replica is seen by later requests.
 
 `batch_exists` answers a leading run: the keys past the first missing one are MISS for
 that request (vLLM stops its prefix at the first MISS anyway).
@@ -26,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
+from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
+
 
 class Answer(Enum):
     HIT = "hit"
@@ -36,7 +39,8 @@ class Answer(Enum):
 @dataclass(slots=True)
 class Verdict:
     generation: int
-    found: bool | None = None  # None while its probe is queued or in flight
+    phase: LookupPhase = LookupPhase.PENDING
+    found: bool = False  # what its probe said, once RESOLVED
     requests: set[str] = field(default_factory=set)
 
 
@@ -84,7 +88,7 @@ class LookupIndex:
             verdict = self.verdicts[key] = Verdict(self._next_generation)
             self._next_generation += 1
             if key in self.unreadable:
-                verdict.found = False
+                verdict.phase = LookupPhase.RESOLVED
             else:
                 self._queued.setdefault(request_id, []).append(
                     (key, verdict.generation)
@@ -94,11 +98,10 @@ class LookupIndex:
         if asked is None:
             asked = self._by_request[request_id] = set()
         asked.add(key)
-        found = verdict.found
-        if found is None:
+        if verdict.phase is not LookupPhase.RESOLVED:
             self.retries += 1
             return self._retry
-        if found:
+        if verdict.found:
             self.hits += 1
             return self._hit
         self.misses += 1
@@ -108,11 +111,15 @@ class LookupIndex:
         """The probes to send now: one per request that queued keys this step."""
         out = []
         for rid, entries in self._queued.items():
-            live = [
-                (k, g)
-                for k, g in entries
-                if (v := self.verdicts.get(k)) is not None and v.generation == g
-            ]
+            live = []
+            for k, g in entries:
+                verdict = self.verdicts.get(k)
+                if verdict is not None and verdict.generation == g:
+                    assert verdict.phase is LookupPhase.PENDING, (
+                        "a probe was queued twice: release() requeued a key it had sent"
+                    )
+                    verdict.phase = LookupPhase.IN_FLIGHT
+                    live.append((k, g))
             if live:
                 out.append(
                     Probe(rid, tuple(k for k, _ in live), tuple(g for _, g in live))
@@ -130,8 +137,11 @@ class LookupIndex:
             verdict = self.verdicts.get(key)
             if verdict is None or verdict.generation != gen:
                 continue  # released meanwhile, or asked again since
+            assert verdict.phase is LookupPhase.IN_FLIGHT, (
+                "a probe answered twice: take_probes() sent one key in two probes"
+            )
             found = i < run and key not in self.unreadable  # a load failed it meanwhile
-            verdict.found = found
+            verdict.phase, verdict.found = LookupPhase.RESOLVED, found
             if not verdict.requests:
                 del self.verdicts[key]
             if found:
@@ -156,8 +166,8 @@ class LookupIndex:
         without (the call failed as a whole: nothing learnt of it) unknown for them."""
         self.present.pop(key, None)
         verdict = self.verdicts.get(key)
-        if verdict is not None and verdict.found is not None:
-            verdict.found = False
+        if verdict is not None and verdict.phase is LookupPhase.RESOLVED:
+            verdict.found = False  # a newer probe still out answers for itself
         if unreadable:
             self.unreadable[key] = None
             self.unreadable.move_to_end(key)

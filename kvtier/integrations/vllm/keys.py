@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config import KvtierConfig, load_config, refuse_store_pages
+from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import KvtierConfigError
-from kvtier.hashing import KeyedHash, Namespace
+from kvtier.hashing import KeyedHash
+from kvtier.integrations.stack import Geometry, check_config
 
 # the tier's own keys in vLLM's `secondary_tiers` entry; vLLM pops type, module_path, backpressure
 TIER_KEYS = ("kvtier_config", "tenant", "enable_kv_events", "locality", "index_keys")
@@ -46,11 +47,7 @@ def tier_settings(tier_type: str, given: Mapping[str, Any]) -> TierSettings:
             f"{where}: kvtier_config={source!r}: give the path of a kvtier YAML, or its "
             "sections as a mapping, with a store: section (docs/vllm.md)"
         )
-    refuse_store_pages(config, where)
-    if config.store.backend == "none":
-        raise KvtierConfigError(
-            f"{where}: store.backend='none': the tier needs a store (file, redis, s3 or a plugin)"
-        )
+    check_config(config, where)
     tenant = given.get("tenant")
     if tenant is not None and (not isinstance(tenant, str) or not tenant):
         raise KvtierConfigError(
@@ -78,19 +75,13 @@ def tier_settings(tier_type: str, given: Mapping[str, Any]) -> TierSettings:
     return TierSettings(config, tenant, events, locality, index_keys)
 
 
-def vllm_namespace(
-    offloading: Any,
-    row_bytes: int,
-    settings: TierSettings,
-    tenant_key_id: str | None = None,
-) -> Namespace:
+def vllm_geometry(offloading: Any, row_bytes: int, settings: TierSettings) -> Geometry:
     """Everything that changes a primary-tier row's bytes: vLLM's model and KV dtype, the
     row's size and make-up (blocks per chunk, tokens per block of each KV group, KV layout),
     and the workers whose copies it concatenates (TP/PP/CP sizes and the rank), unless
     vLLM says the row is the same under any topology; the tenant salt and the tenant key's
     id keep tenants apart."""
     c = offloading.config
-    ns = settings.config.namespace
     groups = ",".join(str(g.tokens_per_block) for g in c.groups)
     layout = (
         f"vllm-tier:row={row_bytes}:blocks_per_chunk={c.cache.blocks_per_chunk}"
@@ -110,17 +101,14 @@ def vllm_namespace(
         max((g.tokens_per_block for g in c.groups), default=1)
         * c.cache.blocks_per_chunk,
     )
-    tenant = settings.tenant if settings.tenant is not None else ns.tenant_salt
-    return Namespace(
-        c.model.name or ns.model_id,
+    return Geometry(
         c.model.dtype,
         layout,
         page_size,
         rank,
         size,
-        tenant,
-        revision=ns.revision,
-        tenant_key_id=tenant_key_id,
+        model_id=c.model.name or None,
+        tenant_salt=settings.tenant,
     )
 
 

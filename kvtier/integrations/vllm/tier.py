@@ -38,19 +38,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.backends.base import Store
-from kvtier.backends.registry import build_store
-from kvtier.config import KvtierConfig
-from kvtier.hashing import key_maker
+from kvtier.integrations.stack import build_stack
 from kvtier.integrations.observe import startup_line
 from kvtier.integrations.vllm.index import LookupIndex, Probe
-from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_namespace
+from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_geometry
 from kvtier.integrations.vllm.metrics import TierMetrics
-from kvtier.integrations.tenant import tenant_of
-from kvtier.storeio.breaker import Breaker
 from kvtier.storeio.call import StagingPool, guarded, read_staged
-from kvtier.storeio.cpus import check_cpus
-from kvtier.storeio.loop import StoreLoop
 
 log = logging.getLogger(__name__)
 
@@ -104,27 +97,27 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         s = tier_settings(tier_type, tier_config)
         self.settings = s
         self.locality = Locality(s.locality) if s.locality is not None else None
-        self.tenant = tenant_of(
-            s.config.namespace
-        )  # docs/security.md: key id, keyed store keys, sealed store
-        self.namespace = vllm_namespace(
-            offloading_spec, self.block_size_bytes, s, self.tenant.key_id
-        )
-        self.key_prefix = s.config.store.key_prefix
-        self._key = key_maker(self.key_prefix, self.namespace.id)
         self._flat = primary_kv_view.cast(
             "B"
         )  # rows addressed by byte offset (2-D views cannot be indexed)
-        self._loop = StoreLoop(
-            check_cpus(s.config.controller.cpus), name="kvtier-vllm-store"
+        # on any error nothing is left running: vLLM shuts down only the tiers it got
+        stack = build_stack(
+            config=s.config,
+            geometry=vllm_geometry(offloading_spec, self.block_size_bytes, s),
+            who=f"secondary tier {tier_type!r}",
+            store_options=with_job_threads(s.config.store.options),
+            thread="kvtier-vllm-store",
         )
-        try:
-            self.store: Store = self._loop.run(self._build(s.config))
-            self.tenant.seal(self.store)
-        except BaseException:
-            self._loop.close()  # vLLM shuts down only the tiers it got
-            raise
-        self.breaker = Breaker(self.store.name, s.config.controller.breaker_config())
+        self.stack = stack
+        self.tenant = (
+            stack.tenant
+        )  # docs/security.md: key id, keyed store keys, sealed store
+        self.namespace, self.key_prefix, self._key = (
+            stack.namespace,
+            stack.key_prefix,
+            stack.key,
+        )
+        self._loop, self.store, self.breaker = stack.loop, stack.store, stack.breaker
         self.index = LookupIndex(
             s.index_keys, LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
         )
@@ -160,14 +153,6 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                 f"vLLM GPU -> vLLM CPU primary -> kvtier store {self.store.name} "
                 f"({self.namespace.model_id}, {self.block_size_bytes} B/row)",
             )
-        )
-
-    @staticmethod
-    async def _build(config: KvtierConfig) -> Store:
-        return build_store(
-            config.store.backend,
-            with_job_threads(config.store.options),
-            config.store.timeout_s,
         )
 
     def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:

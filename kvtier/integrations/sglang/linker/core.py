@@ -31,30 +31,28 @@ storage thread (`StorageWorker`).
 from __future__ import annotations
 
 import logging
-import operator
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from itertools import compress, repeat
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtier.backends.base import Store
 from kvtier.storeio.breaker import BreakerConfig
-from kvtier.storeio.ops import BackupOp
-from kvtier.tiers.streams import Handle, TransferError, TransferStream, make_stream
+from kvtier.tiers.streams import TransferStream, make_stream
 from kvtier.hashing import KeyedHash, Namespace
 from kvtier.integrations.sglang.linker.host_index import HostIndex
+from kvtier.integrations.sglang.linker.loads import LayerCounter, Loads
 from kvtier.integrations.sglang.linker.metrics import LinkerCounters
-from kvtier.integrations.sglang.linker.store_io import LinkerStore, StoreRead
-from kvtier.tiers.indices import concat, page_slots, slots_of
+from kvtier.integrations.sglang.linker.offloads import Offloads
+from kvtier.integrations.sglang.linker.store_io import LinkerStore
+from kvtier.integrations.sglang.linker.store_ops import StoreOps
+from kvtier.tiers.indices import slots_of
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
-UNREADABLE = 4096  # store pages remembered as not verifying (the newest ones)
 StreamFactory = Callable[[str, torch.device], TransferStream]
 
 
@@ -77,60 +75,15 @@ class LinkerSettings:
     )
 
 
-@dataclass(eq=False)
-class OffloadOp:
-    keys: list[str]  # the pages this op copies (the others were on host or in flight)
-    host_pages: np.ndarray
-    handle: Handle | None  # None: nothing to copy
-    depends: list[OffloadOp] = field(
-        default_factory=list
-    )  # earlier ops copying some of its pages
-    refused: bool = False  # no host room
-    success: bool | None = None
-
-
-@dataclass(eq=False)
-class LoadOp:
-    rid: str
-    keys: list[str]
-    device_slots: np.ndarray
-    host_pages: np.ndarray  # per page of `keys`
-    pinned: list[str]
-    read: StoreRead | None = None  # store pages -> reserved host pages
-    read_index: np.ndarray | None = None  # which pages of `keys` the read covers
-    doomed: str | None = None  # why it cannot succeed (known when queued)
-
-
-@dataclass(eq=False)
-class LoadBatch:
-    index: int
-    loads: list[LoadOp]
-    handle: Handle
-
-
-class LayerCounter:
-    """SGLang's layer-done counter (`set_consumer`, `wait_until`): the forward of batch
-    `index` waits for layer i of its load only. A failed load does not raise into the
-    forward (it runs on whatever the slots hold); `finish_layer_wise_loading` reports it."""
-
-    def __init__(self) -> None:
-        self.handles: dict[int, Handle] = {}
-        self.consumer = -1
-
-    def set_consumer(self, index: int) -> None:
-        self.consumer = index
-
-    def wait_until(self, layer: int) -> None:
-        handle = self.handles.get(self.consumer)
-        if handle is None:
-            return
-        try:
-            handle.wait_layer(layer)
-        except TransferError:
-            pass
-
-
 class LinkerCore:
+    """SGLang's calls, each checked, then handed to the one part that owns its state:
+    `index` (host pages and their pins), `offloads`, `loads`, `store_ops` (the store
+    calls in flight). Nothing here but that wiring, the lookup that reads the index and
+    the store, and the checks that sum the parts."""
+
+    offloads_type: type[Offloads] = Offloads  # the fault simulator plants bugs in them
+    loads_type: type[Loads] = Loads
+
     def __init__(
         self,
         pool: DeviceKVPool,
@@ -146,40 +99,53 @@ class LinkerCore:
         self.mirror = HostMirror(pool, settings.mirror)
         self.index = HostIndex(self.mirror.allocator)
         self.counters = LinkerCounters()
-        self.counter = LayerCounter()
-        self.forward_stream = forward_stream
-        self.write_stream = streams("linker-write", pool.device)
-        self.load_stream = streams("linker-load", pool.device)
-        self.l3 = (
+        write_stream = streams("linker-write", pool.device)
+        load_stream = streams("linker-load", pool.device)
+        l3 = (
             None
             if store is None
             else LinkerStore(store, self.mirror, settings, self.counters, clock)
         )
-        self.read_wait_s = (
+        self.store_ops = StoreOps(
+            l3,
+            self.index,
+            self.counters,
+            self.mirror.page_bytes,
+            settings.writes_store,
+        )
+        self.offloads = self.offloads_type(
+            pool,
+            self.mirror,
+            self.index,
+            self.store_ops,
+            self.counters,
+            write_stream,
+            forward_stream,
+        )
+        read_wait_s = (
             settings.read_wait_s
             if settings.read_wait_s is not None
             else 4 * (store.timeout_s if store is not None else 1.0)
         )
-        self.offloads: deque[OffloadOp] = deque()
-        self.copying: dict[
-            str, OffloadOp
-        ] = {}  # key -> the op whose copy of it is in flight
-        self.backups: list[
-            tuple[BackupOp, list[str], list[str]]
-        ] = []  # (op, pinned keys, its keys)
-        # store pages that did not verify when read: a lookup stops before them until a
-        # write of the page succeeds (else every request on that prefix would fail its load)
-        self.unreadable: OrderedDict[str, None] = OrderedDict()
-        self.queued: dict[str, LoadOp] = {}
-        self.started: dict[int, LoadBatch] = {}
-        self.orphans: list[
-            tuple[StoreRead, np.ndarray]
-        ] = []  # ended reads whose pages wait to settle
-        self.quarantined: list[
-            np.ndarray
-        ] = []  # pages of abandoned store reads: never reused
-        self.next_index = 0
+        self.loads = self.loads_type(
+            pool,
+            self.mirror,
+            self.index,
+            self.store_ops,
+            self.counters,
+            load_stream,
+            read_wait_s,
+        )
         self.closed = False
+
+    @property
+    def l3(self) -> LinkerStore | None:
+        return self.store_ops.l3
+
+    @property
+    def counter(self) -> LayerCounter:
+        """SGLang's `layer_done_counter`."""
+        return self.loads.counter
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -204,164 +170,31 @@ class LinkerCore:
 
     def offload(self, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
-        self._reap()
-        keys = list(keys)
-        copying = self.copying
-        known = self.index.pages
-        # the pages neither on host nor in flight, found by C loops (most offloads are all new)
-        held = list(map(known.__contains__, keys))
-        inflight = copying.keys() & keys if copying else None
-        if inflight:
-            held = list(map(operator.or_, held, map(inflight.__contains__, keys)))
-            ops = map(copying.__getitem__, inflight)
-            depends = list({id(op): op for op in ops}.values())
-        else:
-            depends = []
-        self.counters.offloads += 1
-        first = dict.fromkeys(
-            keys
-        )  # a key named twice is copied once, from its first page
-        if not any(held) and len(first) == len(keys):
-            new = keys
-            picked = slots
-        else:
-            if len(first) != len(keys):
-                first = {}
-                for i, k in enumerate(keys):
-                    first.setdefault(k, i)
-                once = set(first.values())
-                held = [h or i not in once for i, h in enumerate(held)]
-            index = list(compress(range(len(keys)), map(operator.not_, held)))
-            new = [keys[i] for i in index]
-            picked = slots.reshape(-1, self.page_size)[index].reshape(-1)
-        if not new:
-            self.offloads.append(OffloadOp([], np.zeros(0, np.int64), None, depends))
-            return True
-        pages = self.index.reserve(len(new))
-        if pages is None:
-            self.counters.offload_no_host_room_pages += len(new)
-            self.offloads.append(
-                OffloadOp([], np.zeros(0, np.int64), None, depends, refused=True)
-            )
-            return True
-        host = page_slots(pages, self.page_size)
-        handle = Handle(0)
-        ready = self._forward_ready()
-        self.write_stream.submit(lambda h: self._copy_out(picked, host, ready), handle)
-        op = OffloadOp(new, pages, handle, depends)
-        copying.update(dict.fromkeys(new, op))
-        self.offloads.append(op)
+        self.store_ops.reap()
+        self.offloads.offload(list(keys), slots)
         return True
 
-    def _forward_ready(self):
-        """On a GPU: an event after the forward's writes, which the copy waits for."""
-        if self.forward_stream is None or self.pool.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(self.forward_stream)
-        return event
-
-    def _copy_out(self, device: np.ndarray, host: np.ndarray, ready) -> None:
-        if ready is not None:
-            torch.cuda.current_stream().wait_event(ready)
-        self.mirror.backup(self.pool, device, host)
-
     def num_completed_offloads(self) -> int:
-        self._reap()
-        n = 0
-        for op in self.offloads:
-            if op.handle is not None and not op.handle.done:
-                break
-            n += 1
-        return n
+        self.store_ops.reap()
+        return self.offloads.num_completed()
 
     def pop_completed_offload(self) -> bool:
-        op = self.offloads.popleft()
-        assert op.handle is None or op.handle.done, (
-            "pop_completed_offload before its copy finished"
-        )
-        ok = not op.refused and (op.handle is None or op.handle.error is None)
-        op.success = ok and all(d.success for d in op.depends)
-        deque(map(self.copying.__delitem__, op.keys), maxlen=0)
-        if not ok:
-            self.counters.offload_failures += 1
-            self.index.release(op.host_pages)
-            return False
-        # a key a store read published meanwhile keeps that page; the offload's went back free
-        kept = self.index.publish(op.keys, op.host_pages.tolist())
-        keys, pages = op.keys, op.host_pages
-        if not all(kept):
-            keys = list(compress(keys, kept))
-            pages = pages[np.array(kept, dtype=bool)]
-        self.counters.offload_pages += len(op.keys)
-        self.counters.d2h_bytes += len(op.keys) * self.mirror.page_bytes
-        if self.unreadable and not self.settings.writes_store:
-            for k in op.keys:  # the writing rank forgets once stored (_reap)
-                self.unreadable.pop(k, None)
-        self._write_store(keys, pages)
-        if not op.success:
-            self.counters.offload_failures += 1
-        return op.success
-
-    def _write_store(self, keys: list[str], pages: np.ndarray) -> None:
-        if self.l3 is None or not self.settings.writes_store or not keys:
-            return
-        pinned = self.index.pin(keys)
-        self.backups.append((self.l3.write(keys, pages), pinned, keys))
-
-    def _reap(self) -> None:
-        """Settle what the storage thread finished: store writes unpin their pages, ended
-        reads give theirs back."""
-        if self.backups:
-            still = []
-            for op, pinned, keys in self.backups:
-                if not op.finished:
-                    still.append((op, pinned, keys))
-                    continue
-                self.index.unpin(pinned)
-                if self.unreadable:  # a page stored again verifies again
-                    for k in compress(keys, op.ok or []):
-                        self.unreadable.pop(k, None)
-                good = sum(op.ok or [])
-                self.counters.l3_write_pages += good
-                self.counters.l3_write_bytes += good * self.mirror.page_bytes
-                self.counters.l3_write_failures += len(op.keys) - good
-            self.backups = still
-        if self.orphans:
-            still = []
-            for read, pages in self.orphans:
-                if (
-                    read.settled and read.abandoned
-                ):  # a stuck thread may still write them
-                    self.quarantined.append(pages)
-                elif read.settled:
-                    self.index.release(pages)
-                else:
-                    still.append((read, pages))
-            self.orphans = still
+        return self.offloads.pop_completed()
 
     # -- lookup ------------------------------------------------------------------------------
 
     def lookup(self, rid: str, keys: Sequence[str]) -> int:
         """Pages of `keys`, from the first, that a load queued next can restore."""
-        self._reap()
+        self.store_ops.reap()
         n = len(keys)
         index = self.index
         host, unpinned = index.run(keys)
         end, stored = host, 0
-        if end < n and self.l3 is not None:
+        if end < n and self.store_ops.l3 is not None:
             # the load pins the host run (out of the LRU), then reserves a page per store page
             room = index.room() - unpinned
             if room > 0:
-                stored = self.l3.leading_run(keys[end : end + room])
-                stored = next(
-                    (
-                        i
-                        for i, k in enumerate(keys[end : end + stored])
-                        if k in self.unreadable
-                    ),
-                    stored,
-                )
+                stored = self.store_ops.leading_run(keys[end : end + room])
                 end, _ = index.run(keys, end + stored, room - stored)
         c = self.counters
         c.lookups += 1
@@ -374,163 +207,36 @@ class LinkerCore:
 
     def load(self, rid: str, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
-        self._reap()
-        self.cancel_queued_load(rid)
-        keys = list(keys)
-        pinned = self.index.pin(keys)
-        host = np.fromiter(
-            map(self.index.pages.get, keys, repeat(0)), dtype=np.int64, count=len(keys)
-        )
-        op = LoadOp(rid, keys, slots, host, pinned)
-        missing = np.flatnonzero(host == 0)
-        if missing.size:
-            self._read_missing(op, missing)
-        self.queued[rid] = op
-        self.counters.loads += 1
+        self.store_ops.reap()
+        self.loads.load(rid, list(keys), slots)
         return True
-
-    def _read_missing(self, op: LoadOp, missing: np.ndarray) -> None:
-        if self.l3 is None:
-            op.doomed = f"{missing.size} pages left the host tier and there is no store"
-            return
-        pages = self.index.reserve(int(missing.size))
-        if pages is None:
-            op.doomed = f"no host room to read {missing.size} pages from the store"
-            return
-        op.read = self.l3.read([op.keys[i] for i in missing.tolist()], pages)
-        op.read_index = missing
-        op.host_pages[missing] = pages
 
     def cancel_queued_load(self, rid: str) -> bool:
-        op = self.queued.pop(rid, None)
-        if op is None:
-            return False
-        self.counters.loads_cancelled += 1
-        self._end_load(op, landed=False)
-        return True
+        return self.loads.cancel(rid)
 
     def start_layer_wise_loading(self) -> int:
-        if not self.queued:
-            return -1
-        loads, self.queued = list(self.queued.values()), {}
-        index, self.next_index = self.next_index, self.next_index + 1
-        handle = Handle(self.pool.num_layers)
-        self.counter.handles[index] = handle
-        self.started[index] = LoadBatch(index, loads, handle)
-        self.load_stream.submit(lambda h: self._copy_in(loads, h), handle)
-        return index
-
-    def _copy_in(self, loads: list[LoadOp], handle) -> None:
-        """The load job: every store read verified, or fail before the device is written."""
-        for op in loads:
-            if op.doomed is not None:
-                raise TransferError(f"load {op.rid}: {op.doomed}")
-            if op.read is not None:
-                self._wait_read(op)
-        device = concat([op.device_slots for op in loads])
-        host = concat([page_slots(op.host_pages, self.page_size) for op in loads])
-        plan = self.mirror.plan(device, host)
-        for layer in range(self.pool.num_layers):
-            self.mirror.load_layer(self.pool, host, device, layer, plan)
-            handle.layer_done(layer)
-
-    def _wait_read(self, op: LoadOp) -> None:
-        read = op.read
-        if not self.l3.wait(read, self.read_wait_s):
-            raise TransferError(
-                f"load {op.rid}: its store read did not end within {self.read_wait_s}s"
-            )
-        if read.landed < len(read.keys):
-            why = (
-                "a page missed or did not verify"
-                if read.answered
-                else "the store failed or is down"
-            )
-            raise TransferError(
-                f"load {op.rid}: {read.landed} of {len(read.keys)} store pages verified ({why})"
-            )
+        return self.loads.start()
 
     def finish_layer_wise_loading(self, index: int) -> bool:
-        batch = self.started.pop(index, None)
-        if batch is None:
-            return True
-        self.load_stream.wait(batch.handle, None)  # bounded: the job's own waits are
-        del self.counter.handles[index]
-        landed = batch.handle.error is None
-        for op in batch.loads:
-            self._end_load(op, landed)
-        if not landed:
-            self.counters.load_failures += 1
-            log.warning(
-                "kvtier linker: load batch %d failed: %s", index, batch.handle.error
-            )
-        return landed
-
-    def _end_load(self, op: LoadOp, landed: bool) -> None:
-        """The load stopped touching its pages: unpin; store-read pages become host pages
-        when they verified, else go back once the read has settled."""
-        self.index.unpin(op.pinned)
-        pages = len(op.keys)
-        if landed:
-            c = self.counters
-            c.load_pages += pages
-            c.h2d_bytes += pages * self.mirror.page_bytes
-            c.l3_read_pages += 0 if op.read is None else len(op.read.keys)
-            c.l3_read_bytes += (
-                0 if op.read is None else len(op.read.keys) * self.mirror.page_bytes
-            )
-        if op.read is None:
-            return
-        read, own = op.read, op.host_pages[op.read_index]
-        if read.finished and read.landed == len(read.keys):  # verified: host pages now
-            self.index.publish(
-                [op.keys[i] for i in op.read_index.tolist()], own.tolist()
-            )
-            return
-        if (
-            read.finished and read.answered
-        ):  # the store answered, and this page was missing or bad
-            self._mark_unreadable(op.keys[int(op.read_index[read.landed])])
-        self.orphans.append((read, own))
-        self._reap()
-
-    def _mark_unreadable(self, key: str) -> None:
-        self.counters.l3_read_failures += 1
-        self.unreadable[key] = None
-        self.unreadable.move_to_end(key)
-        while len(self.unreadable) > UNREADABLE:
-            self.unreadable.popitem(last=False)
+        return self.loads.finish(index)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def quiesce(self) -> None:
         """Every copy and store call this linker started has ended and been applied."""
-        for rid in list(self.queued):
-            self.cancel_queued_load(rid)
-        for index in list(self.started):
-            self.finish_layer_wise_loading(index)
-        for op in self.offloads:
-            if op.handle is not None:
-                self.write_stream.wait(op.handle, None)
-        while self.offloads:  # dropped unapplied: SGLang releases them as failed
-            op = self.offloads.popleft()
-            for k in op.keys:
-                del self.copying[k]
-            self.index.release(op.host_pages)
-        if self.l3 is not None:
-            self.l3.drain()
-            for read, _ in self.orphans:
-                self.l3.wait(read, 4 * self.l3.timeout_s, settled=True)
-        self._reap()
+        self.loads.quiesce()
+        self.offloads.quiesce()
+        self.store_ops.quiesce()
 
     def reset(self) -> None:
         """Quiesce, then drop the host tier (the store keeps its pages). A store call that
-        outlived its timeout keeps its pages until it ends (`_reap` then frees them)."""
+        outlived its timeout keeps its pages until it ends (`StoreOps.reap` then frees them)."""
         self.quiesce()
-        if self.backups or self.orphans:
+        running = self.store_ops.running()
+        if running:
             log.warning(
                 "kvtier linker: reset with %d store calls still running; their pages wait for them",
-                len(self.backups) + len(self.orphans),
+                running,
             )
         self.index.clear()
 
@@ -539,39 +245,27 @@ class LinkerCore:
             return
         self.closed = True
         self.reset()
-        self.write_stream.close()
-        self.load_stream.close()
-        if self.l3 is not None:
-            self.l3.close()
+        self.offloads.close()
+        self.loads.close()
+        self.store_ops.close()
 
     # -- checks and numbers ------------------------------------------------------------------
 
     def check_accounting(self) -> list[str]:
         """Host pages: free + published + reserved == total, and every reserved page has
-        exactly one owner op; pins equal what their owners hold (loads and store writes)."""
+        exactly one owner op (the parts' sum); pins equal what their owners hold (loads and
+        store writes)."""
         problems = self.index.check()
-        owned: list[int] = []
-        for op in self.offloads:
-            owned += op.host_pages.tolist()
-        for op in list(self.queued.values()) + [
-            o for b in self.started.values() for o in b.loads
-        ]:
-            if op.read is not None:
-                owned += op.host_pages[op.read_index].tolist()
-        for pages in [p for _, p in self.orphans] + self.quarantined:
-            owned += pages.tolist()
+        owned = (
+            self.offloads.reserved() + self.loads.reserved() + self.store_ops.reserved()
+        )
         if sorted(owned) != sorted(self.index.reserved):
             problems.append(
                 f"reserved host pages {sorted(self.index.reserved)[:8]}... are not those ops hold "
                 f"{sorted(owned)[:8]}..."
             )
         held: dict[str, int] = {}
-        owners = (
-            [p for _, p, _ in self.backups]
-            + [op.pinned for op in self.queued.values()]
-            + [o.pinned for b in self.started.values() for o in b.loads]
-        )
-        for keys in owners:
+        for keys in self.store_ops.pinned() + self.loads.pinned():
             for k in keys:
                 held[k] = held.get(k, 0) + 1
         if held != self.index.pins:
@@ -590,16 +284,16 @@ class LinkerCore:
                 "pages_published": len(self.index.pages),
                 "pages_pinned": len(self.index.pins),
                 "pages_evicted": self.index.evicted_pages,
-                "pages_quarantined": sum(p.size for p in self.quarantined),
+                "pages_quarantined": self.store_ops.quarantined_pages(),
             },
             "queues": {
-                "offloads": len(self.offloads),
-                "loads_queued": len(self.queued),
-                "loads_started": len(self.started),
-                "store_writes": len(self.backups),
+                "offloads": len(self.offloads.ops),
+                "loads_queued": len(self.loads.queued),
+                "loads_started": len(self.loads.started),
+                "store_writes": len(self.store_ops.backups),
             },
             "namespace": self.settings.namespace.id,
         }
-        if self.l3 is not None:
-            out["store"] = self.l3.stats()
+        if self.store_ops.l3 is not None:
+            out["store"] = self.store_ops.stats()
         return out

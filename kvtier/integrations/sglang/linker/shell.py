@@ -11,20 +11,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from typing_extensions import override
+
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from kvtier.backends.registry import build_store
-from kvtier.config import KvtierConfig, load_config, refuse_store_pages
-from kvtier.storeio.cpus import check_cpus
+from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError
-from kvtier.hashing import Namespace
-from kvtier.integrations.tenant import tenant_of
 from kvtier.integrations.observe import linker_series, sglang_export, startup_line
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
-from kvtier.tiers.pool import DeviceKVPool
+from kvtier.integrations.sglang.linker.geometry import geometry_of, pool_over
+from kvtier.integrations.stack import build_stack
 
 log = logging.getLogger(__name__)
 EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
@@ -54,27 +53,6 @@ def parse_extra(extra: Any) -> dict:
     return extra
 
 
-def pool_over(kvcache, page_size: int) -> tuple[DeviceKVPool, bool]:
-    """kvtier's pool over SGLang's own per-layer tensors (no copy), and whether it is MLA."""
-    if (
-        getattr(kvcache, "k_buffer", None) is not None
-        and getattr(kvcache, "v_buffer", None) is not None
-    ):
-        return DeviceKVPool.from_tensors(
-            kvcache.k_buffer, kvcache.v_buffer, page_size=page_size
-        ), False
-    if getattr(kvcache, "kv_buffer", None) is not None and hasattr(
-        kvcache, "kv_lora_rank"
-    ):
-        return DeviceKVPool.from_tensors(
-            kvcache.kv_buffer, page_size=page_size, kv_lora_rank=kvcache.kv_lora_rank
-        ), True
-    raise NotImplementedError(
-        f"kvtier linker: SGLang KV pool {type(kvcache).__name__} is not supported "
-        "(MHATokenToKVPool and MLATokenToKVPool are)"
-    )
-
-
 def tp_of(params) -> tuple[int, int]:
     group = params.attn_tp_cache_group or params.tp_cache_group
     if group is None or not (
@@ -83,47 +61,6 @@ def tp_of(params) -> tuple[int, int]:
         return 0, 1
     return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(
         group=group
-    )
-
-
-def namespace_of(
-    config: KvtierConfig,
-    server_args,
-    params,
-    pool: DeviceKVPool,
-    mla: bool,
-    kv_cache_dtype,
-    rank: int,
-    size: int,
-    tenant_key_id: str | None = None,
-) -> Namespace:
-    """What changes a page's bytes: model, KV dtype, geometry and host layout, page size,
-    PP/CP shard, TP rank/size (MLA: one namespace for every rank), tenant salt, revision,
-    tenant key id."""
-    pc = pool.config
-    dtype = pc.dtype
-    kv_cache_dtype = kv_cache_dtype or getattr(server_args, "kv_cache_dtype", None)
-    if kv_cache_dtype and kv_cache_dtype != "auto":
-        dtype = f"{dtype}/{kv_cache_dtype}"
-    widths = ",".join(map(str, pc.part_widths))
-    layout = (
-        f"sglang-linker-{'mla' if mla else 'mha'}:layers={pc.num_layers}:widths={widths}"
-        f":host={(config.mirror).layout}:pp={params.pp_rank}/{params.pp_size}"
-        f":cp={params.attn_cp_rank}/{params.attn_cp_size}"
-    )
-    ns = config.namespace
-    model = getattr(server_args, "model_path", None) or ns.model_id
-    rank, size = (0, 1) if mla else (rank, size)
-    return Namespace(
-        model,
-        dtype,
-        layout,
-        pc.page_size,
-        rank,
-        size,
-        ns.tenant_salt,
-        revision=ns.revision,
-        tenant_key_id=tenant_key_id,
     )
 
 
@@ -165,7 +102,6 @@ class KvtierLinker(UnifiedCacheLinker):
                 f"kvtier linker: tree components {others} are not supported (Full attention only)"
             )
         config = load_config(extra["kvtier_config"])
-        refuse_store_pages(config, "the SGLang linker")
         if config.mirror is None:
             raise KvtierConfigError(
                 f"mirror: null in {extra['kvtier_config']}: the linker's host tier needs a "
@@ -175,10 +111,7 @@ class KvtierLinker(UnifiedCacheLinker):
             params.token_to_kv_pool_allocator.get_kvcache(), params.page_size
         )
         rank, size = tp_of(params)
-        tenant = tenant_of(
-            config.namespace
-        )  # docs/security.md: key id, keyed page keys, sealed store
-        ns = namespace_of(
+        geometry = geometry_of(
             config,
             server_args,
             params,
@@ -187,27 +120,25 @@ class KvtierLinker(UnifiedCacheLinker):
             extra.get("kv_cache_dtype"),
             rank,
             size,
-            tenant.key_id,
         )
-        c = config.controller
+        # the store's calls run on the core's storage worker, which takes the breaker's config
+        stack = build_stack(
+            config=config,
+            geometry=geometry,
+            who="the SGLang linker",
+            store_required=False,
+        )
+        ns, store, c = stack.namespace, stack.store, config.controller
         settings = LinkerSettings(
             ns,
-            config.store.key_prefix,
+            stack.key_prefix,
             config.mirror,
-            c.breaker_config(),
+            stack.breaker_config,
             writes_store=not mla or rank == 0,
             max_inflight_bytes=c.max_inflight_prefetch_bytes,
-            cpus=check_cpus(c.cpus),
-            keyed_hash=tenant.keyed,
+            cpus=stack.cpus,
+            keyed_hash=stack.keyed,
         )
-        store = (
-            None
-            if config.store.backend == "none"
-            else build_store(
-                config.store.backend, config.store.options, config.store.timeout_s
-            )
-        )
-        tenant.seal(store)
         self.core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
         self.layer_done_counter = self.core.counter
         self.pools = {PoolName.KV: pool}
@@ -221,7 +152,7 @@ class KvtierLinker(UnifiedCacheLinker):
                 "SGLang linker",
                 config,
                 ns.id,
-                tenant.key_id,
+                stack.tenant.key_id,
                 f"{tiers}; tp {rank}/{size}",
             )
         )
@@ -230,43 +161,54 @@ class KvtierLinker(UnifiedCacheLinker):
             {"tp_rank": str(rank), "namespace": ns.id},
         )
 
+    @override
     def record_offload_ready(self) -> list:
         return []  # the core orders its copy after the forward stream itself
 
+    @override
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         keys = list(_kv(transfers).keys or [])
         return restorable(self.core.lookup(rid, keys), len(keys))
 
+    @override
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         kv = _kv(transfers)
         return self.core.load(rid, list(kv.keys or []), kv.device_indices)
 
+    @override
     def start_layer_wise_loading(self) -> int:
         return self.core.start_layer_wise_loading()
 
+    @override
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.core.finish_layer_wise_loading(counter_index)
 
+    @override
     def cancel_queued_load(self, rid: str) -> bool:
         return self.core.cancel_queued_load(rid)
 
+    @override
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
         kv = _kv(transfers)
         return self.core.offload(list(kv.keys or []), kv.device_indices)
 
+    @override
     def num_completed_offloads(self) -> int:
         if self._export is not None:  # SGLang asks every step, on the scheduler thread
             self._export.tick()
         return self.core.num_completed_offloads()
 
+    @override
     def pop_completed_offload(self) -> bool:
         return self.core.pop_completed_offload()
 
+    @override
     def reset(self) -> None:
         self.core.reset()
 
+    @override
     def close(self) -> None:
         self.core.close()
         if self._export is not None:  # the last numbers reach SGLang's /metrics

@@ -33,7 +33,7 @@ from kvtier.storeio.loop import StoreLoop
 from kvtier.storeio.ops import BackupOp, PageKeys, StoreOp
 from kvtier.storeio.writes import Manifest, backup_calls, payloads, write_pages
 from kvtier.hashing import key_maker
-from kvtier.integrations.sglang.storage import page_hash_of
+from kvtier.integrations.sglang.keys import page_hash_of
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
