@@ -298,3 +298,35 @@ async def test_file_calls_begun_together_take_one_thread_job_each(tmp_path):
         assert len(submitted) == 4, "a call alone splits over every thread"
     finally:
         await store.close()
+
+
+def test_a_read_job_asks_each_device_once_whether_it_is_memory(monkeypatch):
+    """A job's pages on one tmpfs are read straight in after one `fstatfs` for them all:
+    the job holds a file of that filesystem open until it ends (its device number then
+    cannot name another filesystem), and closes it then."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvtier.backends import file_io
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    asked = []
+    real = file_io._fs_type
+    monkeypatch.setattr(file_io, "_fs_type", lambda fd: asked.append(fd) or real(fd))
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        files = _framed_files(Path(d), [4096] * 5)
+        bufs = [bytearray(4096) for _ in files]
+        open_before = len(os.listdir("/proc/self/fd"))
+        got = file_io.read_pages_into(
+            [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)]
+        )
+        assert got == [True] * 5
+        assert [bytes(b) for b in bufs] == [p for *_, p in files]
+        assert len(asked) == 1, "asked once for the job's device"
+        assert len(os.listdir("/proc/self/fd")) == open_before, "the held file closed"
+        file_io.read_pages_into(
+            [(files[0][0], files[0][1], files[0][2], memoryview(bufs[0]))]
+        )
+        assert len(asked) == 2, "asked again by the next job"
