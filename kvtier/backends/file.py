@@ -316,7 +316,16 @@ class FileStore(Store):
             job, [(self._file(k), ns, h, v) for k, ns, h, v in items]
         )
         results = dict(zip([it[0] for it in items], got))
-        return [self._read_into_result(k, results.get(k)) for k in keys]
+        touch = self._sizes.move_to_end  # a page read whole is the newest (`_touch`)
+        out = []
+        for k in keys:
+            r = results.get(k)
+            if r is True and k in self._sizes:
+                touch(k)
+                out.append(r)
+            else:
+                out.append(self._read_into_result(k, r))
+        return out
 
     def _read_into_result(self, key: str, result):
         """`_after_read`, except that an error other than the file missing stays itself:
