@@ -99,6 +99,7 @@ class FileStore(Store):
         self._calls_in_flight = (
             0  # calls whose thread jobs run (`_jobs` shares the pool)
         )
+        self._pages_calls = 0  # page reads and writes begun and not ended (`_jobs`)
         self._inside = InsideRoot(
             self._root_str, self.complain
         )  # page directories checked to stay under it
@@ -207,6 +208,23 @@ class FileStore(Store):
                 self._sizes[key] = size
                 self.used_bytes += size
 
+    async def batch_get_into(self, keys, buffers, errors=None):
+        with self._pages_call():
+            return await super().batch_get_into(keys, buffers, errors)
+
+    async def batch_set(self, keys, pages):
+        with self._pages_call():
+            return await super().batch_set(keys, pages)
+
+    @contextlib.contextmanager
+    def _pages_call(self):
+        """Counts a page read or write from its start (`_jobs` shares the threads)."""
+        self._pages_calls += 1
+        try:
+            yield
+        finally:
+            self._pages_calls -= 1
+
     async def _batch(self, fn, items: list[tuple]) -> list:
         """`fn(*item)` for every item, in `max_concurrency` thread jobs; results in order,
         an OSError in place of its item's result (`run_all`)."""
@@ -216,8 +234,12 @@ class FileStore(Store):
         """`job(share)` over `items` split into thread jobs; the results, one per item, in
         order. The threads are shared by the calls in flight: each call takes its share
         (`max_concurrency` over the calls running), at least one, so one call alone uses
-        them all and many at once cost no more thread jobs than there are threads."""
-        share = max(1, self.config.max_concurrency // (self._calls_in_flight + 1))
+        them all and many at once cost no more thread jobs than there are threads. Calls
+        begun together (an engine's jobs, handed to the loop at once) count from their start
+        (`_pages_call`): the first to reach the threads does not take them all, to wait
+        then for the others' jobs queued behind its own."""
+        calls = max(self._calls_in_flight + 1, self._pages_calls)
+        share = max(1, self.config.max_concurrency // calls)
         groups = min(share, len(items))
         done = await self._run_jobs(
             [(partial(job, items[g::groups]), items[g::groups]) for g in range(groups)]
@@ -294,7 +316,16 @@ class FileStore(Store):
             job, [(self._file(k), ns, h, v) for k, ns, h, v in items]
         )
         results = dict(zip([it[0] for it in items], got))
-        return [self._read_into_result(k, results.get(k)) for k in keys]
+        touch = self._sizes.move_to_end  # a page read whole is the newest (`_touch`)
+        out = []
+        for k in keys:
+            r = results.get(k)
+            if r is True and k in self._sizes:
+                touch(k)
+                out.append(r)
+            else:
+                out.append(self._read_into_result(k, r))
+        return out
 
     def _read_into_result(self, key: str, result):
         """`_after_read`, except that an error other than the file missing stays itself:

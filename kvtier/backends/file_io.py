@@ -132,14 +132,15 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     FrameError or OSError in its place. Once `stop` is set (the job was given up on) it
     writes no further buffer of the caller's (`copy_out`)."""
     out: list = []
-    for path, ns, h, view in items:
-        if stop is not None and stop.is_set():
-            break
-        try:
-            _read_sealed_page(codec, path, ns, h, view, stop)
-            out.append(True)
-        except (FrameError, OSError) as exc:
-            out.append(exc)
+    with _MemoryDevices() as memory:
+        for path, ns, h, view in items:
+            if stop is not None and stop.is_set():
+                break
+            try:
+                _read_sealed_page(codec, path, ns, h, view, stop, memory)
+                out.append(True)
+            except (FrameError, OSError) as exc:
+                out.append(exc)
     return out
 
 
@@ -161,7 +162,7 @@ def _open_page(path: str) -> tuple[int, int]:
 
 
 def _read_sealed_page(
-    codec, path: str, ns: str, h: bytes, view: memoryview, stop
+    codec, path: str, ns: str, h: bytes, view: memoryview, stop, memory
 ) -> None:
     """Header, body and a byte more in one readv into this thread's buffers, the page
     authenticated (an encrypted one decrypted) there (`SealedCodec.read_into`), then
@@ -171,7 +172,7 @@ def _read_sealed_page(
     fd, device = _open_page(path)
     try:
         read = lambda bufs: _preadv_all(fd, bufs, 0)
-        if _in_memory(fd, device):
+        if memory(fd, device):
             with _writing(stop):
                 codec.read_into(read, ns, h, view, _scratch)
             return
@@ -274,27 +275,28 @@ def read_pages_into(items: list[tuple], stop=None) -> list:
     place. Once `stop` is set (the job was given up on) it writes no further buffer of
     the caller's (`copy_out`)."""
     out: list = []
-    for path, ns, h, view in items:
-        if stop is not None and stop.is_set():
-            break
-        try:
-            out.append(_read_page(path, ns, h, view, stop))
-        except (FrameError, OSError) as exc:
-            out.append(exc)
+    with _MemoryDevices() as memory:
+        for path, ns, h, view in items:
+            if stop is not None and stop.is_set():
+                break
+            try:
+                out.append(_read_page(path, ns, h, view, stop, memory))
+            except (FrameError, OSError) as exc:
+                out.append(exc)
     return out
 
 
-def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop) -> bool:
+def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop, memory) -> bool:
     """The payload in chunks (the header read with the first, a byte more with the last:
-    none may follow), each hashed while it is in cache. A file in memory (`_in_memory`)
-    is read straight into `view`, under the call's stop flag (`_writing`); any other
-    through this thread's buffer, copied in (`copy_out`), so a read that blocks (a hung
-    mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
+    none may follow), each hashed while it is in cache. A file in memory (`memory`: the
+    job's `_MemoryDevices`) is read straight into `view`, under the call's stop flag
+    (`_writing`); any other through this thread's buffer, copied in (`copy_out`), so a
+    read that blocks (a hung mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
     may then hold part of it, which the caller must not use)."""
     size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
     fd, device = _open_page(path)
     try:
-        buf = None if _in_memory(fd, device) else _staging(min(_READ_CHUNK, size))
+        buf = None if memory(fd, device) else _staging(min(_READ_CHUNK, size))
         hasher, done, at = xxhash.xxh3_64(), 0, 0
         while True:
             k = min(_READ_CHUNK, size - done)
@@ -338,6 +340,36 @@ _MEMORY_FILESYSTEMS = frozenset({0x01021994, 0x858458F6})
 
 
 _NOT_IN_MEMORY: set[int] = set()  # devices whose filesystem was found not memory
+
+
+class _MemoryDevices:
+    """`_in_memory` for the pages of one thread job, asked once per device: a device
+    found memory keeps a file of its own open (a duplicate descriptor) until the job
+    ends. A filesystem's device number is freed only once nothing holds it, mounted or
+    open (an unmounted tmpfs with a file still open lives on), so while the job holds
+    that file the number names that filesystem, and the job's later pages on it need no
+    `fstatfs` each (a few microseconds a page)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}  # device -> a descriptor of a file on it
+
+    def __call__(self, fd: int, device: int) -> bool:
+        if device in self.held:
+            return True
+        if not _in_memory(fd, device):
+            return False
+        self.held[device] = os.dup(fd)
+        return True
+
+    def __enter__(self) -> _MemoryDevices:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.held.values():
+            os.close(fd)
+        self.held.clear()
 
 
 def _in_memory(fd: int, device: int) -> bool:

@@ -257,3 +257,76 @@ def test_a_sealed_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
     [got] = file_io.read_sealed_into(codec, [(str(path), ns, h, memoryview(buf))], stop)
     assert isinstance(got, OSError) and "given up on" in str(got)
     assert buf == bytes(len(buf))
+
+
+async def test_file_calls_begun_together_take_one_thread_job_each(tmp_path):
+    """The file store's threads are shared by its calls in flight. Calls begun together
+    (vLLM's tier hands its jobs to the loop at once) each take one thread job: the first
+    to reach the threads does not split itself over all of them (4 + 2 + 1 + 1 jobs for
+    4 calls, a wake-up of the loop for each). A call alone still uses every thread."""
+    from kvtier.backends.file import FileStore, FileStoreConfig
+    from kvtier.hashing import make_key
+
+    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3"), max_concurrency=4))
+    submitted = []
+    real_submit = store._pool.submit
+
+    def counted(fn, *args, **kwargs):
+        submitted.append(fn)
+        return real_submit(fn, *args, **kwargs)
+
+    store._pool.submit = counted
+    try:
+        batches = [
+            [make_key("t", "ab" * 16, bytes([b, i]) * 16) for i in range(8)]
+            for b in range(4)
+        ]
+        pages = [bytes([i]) * 4096 for i in range(8)]
+        oks = await asyncio.gather(*(store.batch_set(keys, pages) for keys in batches))
+        assert oks == [[True] * 8] * 4
+        assert len(submitted) == 4, "writes begun together: one thread job each"
+        submitted.clear()
+        bufs = [[bytearray(4096) for _ in range(8)] for _ in batches]
+        got = await asyncio.gather(
+            *(store.batch_get_into(keys, b) for keys, b in zip(batches, bufs))
+        )
+        assert got == [[True] * 8] * 4
+        assert [bytes(b) for b in bufs[3]] == pages
+        assert len(submitted) == 4, "reads begun together: one thread job each"
+        submitted.clear()
+        assert await store.batch_get_into(batches[0], bufs[0]) == [True] * 8
+        assert len(submitted) == 4, "a call alone splits over every thread"
+    finally:
+        await store.close()
+
+
+def test_a_read_job_asks_each_device_once_whether_it_is_memory(monkeypatch):
+    """A job's pages on one tmpfs are read straight in after one `fstatfs` for them all:
+    the job holds a file of that filesystem open until it ends (its device number then
+    cannot name another filesystem), and closes it then."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvtier.backends import file_io
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    asked = []
+    real = file_io._fs_type
+    monkeypatch.setattr(file_io, "_fs_type", lambda fd: asked.append(fd) or real(fd))
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        files = _framed_files(Path(d), [4096] * 5)
+        bufs = [bytearray(4096) for _ in files]
+        open_before = len(os.listdir("/proc/self/fd"))
+        got = file_io.read_pages_into(
+            [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)]
+        )
+        assert got == [True] * 5
+        assert [bytes(b) for b in bufs] == [p for *_, p in files]
+        assert len(asked) == 1, "asked once for the job's device"
+        assert len(os.listdir("/proc/self/fd")) == open_before, "the held file closed"
+        file_io.read_pages_into(
+            [(files[0][0], files[0][1], files[0][2], memoryview(bufs[0]))]
+        )
+        assert len(asked) == 2, "asked again by the next job"
