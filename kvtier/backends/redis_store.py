@@ -6,6 +6,14 @@ URLs: `redis://[user:password@]host:port/db`, `rediss://` for TLS; a cluster is 
 which measured 2-4x faster than one pipeline for 1-8 MiB values with redis.asyncio.
 `SET` is atomic: a failed write is never visible.
 
+Leases (`Store.hint`): a leased page's TTL is made at least `ttl_s` plus the lease's
+remaining time (PEXPIRE GT: an existing longer TTL, or none, is never shortened), so under
+`maxmemory-policy volatile-ttl` it outlives every page written during the lease; when the
+lease ends on kvtier's clock (or is released) it goes back to `ttl_s` (an EXPIRE, as a
+touch). Pages the server drops (expired, evicted) are announced to the store's watcher (`Store.watch`) through
+keyspace notifications where the server has them on (`notify-keyspace-events` with `Ex`
+/ `Ee`); `stats()["removal_events"]` says whether they are (docs/stores.md).
+
 Standalone writes go out on a blocking client, as pipelined `SET`s whose frame header and
 payload are sent as separate buffers (no copy of the page): that measured 1.6-2.3x the
 redis.asyncio path (`tierctl bench stores`). Each sending thread has a hashing thread that
@@ -17,13 +25,16 @@ pages are never read after it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_jobs
 from dataclasses import dataclass, field
 
 from kvtier.backends.base import FRAME_SLACK, MANIFEST_LIMIT, Store, StoredPage
+from kvtier.backends.leases import Leases
 from kvtier.errors import KvtierError, StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import redact_url
 from kvtier.validate import check_positive, io_threads
@@ -71,6 +82,9 @@ _TOUCH_BATCH = 1000  # keys per pipelined TOUCH round trip
 _TOUCH_BACKLOG = 100_000  # keys waiting to be touched, at most
 _SEND_BYTES = 1 << 20  # small pages go out together, up to this many bytes per send
 _SEND_PARTS = 256
+_WATCH_RETRY_S = 5.0  # a lost notification listener is restarted no sooner than this
+
+log = logging.getLogger(__name__)
 
 
 class RedisStore(Store):
@@ -78,9 +92,12 @@ class RedisStore(Store):
     name = "redis"
 
     def __init__(
-        self, config: RedisStoreConfig = RedisStoreConfig(), timeout_s: float = 5.0
+        self,
+        config: RedisStoreConfig = RedisStoreConfig(),
+        timeout_s: float = 5.0,
+        clock=None,
     ) -> None:
-        super().__init__(timeout_s)
+        super().__init__(timeout_s, time.monotonic if clock is None else clock)
         import redis.asyncio as aioredis
         from redis.asyncio.cluster import RedisCluster
 
@@ -116,6 +133,12 @@ class RedisStore(Store):
         self._to_touch: list[str] = []  # keys `touch` was given, not sent yet
         self._toucher: asyncio.Task | None = None  # sends them, one batch at a time
         self.touched = 0  # keys sent in TOUCH (or EXPIRE) commands
+        self._leases = Leases(self.clock)
+        self._expire_gt = True  # PEXPIRE ... GT (Redis 7); False: PTTL, then PEXPIRE
+        self.removal_events = "off: nobody watches (Store.watch)"
+        self._listener: asyncio.Task | None = None  # the keyspace notification listener
+        self._watch_wanted = False
+        self._watch_tried = float("-inf")  # time.monotonic() of the last start
 
     async def _prefix_of(self, key: str, limit: int):
         try:
@@ -138,6 +161,7 @@ class RedisStore(Store):
         )
 
     async def _exists(self, keys):
+        await self._upkeep()
         async with self.client.pipeline(transaction=False) as pipe:
             for k in keys:
                 pipe.exists(k)
@@ -172,6 +196,7 @@ class RedisStore(Store):
         return blobs
 
     async def _set(self, keys, frames):
+        await self._upkeep()
         if self._writer is not None:
             return await self._set_threads(keys, frames)
         blobs = [header + payload for header, payload in frames]
@@ -370,6 +395,9 @@ class RedisStore(Store):
             )  # a key gone meanwhile answers 0: fine
 
     async def _close(self):
+        if self._listener is not None and not self._listener.done():
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
         if self._toucher is not None and not self._toucher.done():
             self._toucher.cancel()
             await asyncio.gather(self._toucher, return_exceptions=True)
@@ -403,7 +431,146 @@ class RedisStore(Store):
             "url": redact_url(self.config.url),
             "cluster": self.config.cluster,
             "touched": self.touched,
+            "leases": len(self._leases),
+            "removal_events": self.removal_events,
         }
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _hint(self, keys, lease_s, priority):
+        """Lease: each present key's TTL made at least `ttl_s` + the lease (never
+        shortened); release: back to `ttl_s`. Redis has no eviction priority: a hint
+        without a lease applies to none. How many keys it applied to (present ones)."""
+        await self._upkeep()
+        if lease_s is None:  # only this store's own leases are released
+            held = [k for k in keys if k in self._leases]
+            self._leases.forget(held)
+            return await self._back_to_policy(held) if held else 0
+        for key in keys:
+            self._leases.apply(key, lease_s, 0)
+        ms = int((lease_s + (self.config.ttl_s or 0)) * 1000)
+        present = await self._lengthen(keys, ms)
+        self._leases.forget(k for k, here in zip(keys, present) if not here)
+        return sum(present)
+
+    async def _lengthen(self, keys: list[str], ms: int) -> list[bool]:
+        """Each key's TTL at least `ms` (a key with none keeps none: no TTL outlives any
+        lease); whether each key is there."""
+        if self.config.ttl_s is None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.touch(k)
+                return [bool(n) for n in await pipe.execute()]
+        if self._expire_gt:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.exists(k)
+                    pipe.pexpire(k, ms, gt=True)
+                got = await pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, Exception) for r in got):
+                return [bool(n) for n in got[::2]]
+            self._expire_gt = False  # a server before 7.0: no GT
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.pttl(k)
+            ttls = await pipe.execute()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k, ttl in zip(keys, ttls):
+                if 0 <= ttl < ms:  # -1: no TTL (longer than any); -2: absent
+                    pipe.pexpire(k, ms)
+            await pipe.execute(raise_on_error=False)
+        return [ttl != -2 for ttl in ttls]
+
+    async def _back_to_policy(self, keys: list[str]) -> int:
+        """Keys whose lease ended: their TTL is `ttl_s` again (as a touch sets it)."""
+        if self.config.ttl_s is None:
+            return await self._exists_count(keys)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.expire(k, self.config.ttl_s)
+            return sum(bool(n) for n in await pipe.execute(raise_on_error=False))
+
+    async def _exists_count(self, keys: list[str]) -> int:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.exists(k)
+            return sum(bool(n) for n in await pipe.execute())
+
+    async def _upkeep(self) -> None:
+        """On each write, lookup and hint: leases that ended on kvtier's clock go back to
+        the store's TTL policy, and the notification listener runs if one is wanted."""
+        ended = self._leases.expire()
+        if ended:
+            await self._back_to_policy(ended)
+        if self._watch_wanted and (self._listener is None or self._listener.done()):
+            if time.monotonic() - self._watch_tried >= _WATCH_RETRY_S:
+                self._watch_tried = time.monotonic()
+                await self._start_watch()
+
+    # -- removals --------------------------------------------------------------------------
+
+    def watch(self, callback) -> None:
+        """`Store.watch`; the listener of keyspace notifications starts with the next store
+        call on the loop (its subscription made before that call goes on)."""
+        super().watch(callback)
+        self._watch_wanted = callback is not None
+        if callback is None and self._listener is not None:
+            self._listener.cancel()
+
+    async def _start_watch(self) -> None:
+        if self.config.cluster:
+            self.removal_events = "off: a cluster (keyspace notifications are per node)"
+            self._watch_wanted = False
+            return
+        try:
+            flags = (await self.client.config_get("notify-keyspace-events")).get(
+                "notify-keyspace-events", ""
+            )
+        except Exception as exc:  # CONFIG may be disabled (managed servers)
+            self.removal_events = f"off: CONFIG GET refused ({type(exc).__name__})"
+            self._watch_wanted = False
+            log.warning(
+                "redis store: %s; removals are not announced", self.removal_events
+            )
+            return
+        flags = flags.decode() if isinstance(flags, bytes) else flags
+        wanted = [
+            name
+            for name, flag in (("expired", "x"), ("evicted", "e"))
+            if "E" in flags and (flag in flags or "A" in flags)
+        ]
+        if not wanted:
+            self.removal_events = (
+                f"off: notify-keyspace-events={flags!r} lacks Ex and Ee "
+                "(CONFIG SET notify-keyspace-events Exe)"
+            )
+            log.warning(
+                "redis store: %s; removals are not announced", self.removal_events
+            )
+            return
+        db = self.client.connection_pool.connection_kwargs.get("db", 0)
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(*(f"__keyevent@{db}__:{name}" for name in wanted))
+        self.removal_events = f"on ({', '.join(wanted)})"
+        self._listener = asyncio.get_running_loop().create_task(self._listen(pubsub))
+
+    async def _listen(self, pubsub) -> None:
+        """Keys the server expired or evicted, to the watcher, as they come."""
+        try:
+            async for msg in pubsub.listen():
+                if msg.get("type") == "message":
+                    key = msg["data"]
+                    self._removed([key.decode() if isinstance(key, bytes) else key])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.removal_events = f"lost: {type(exc).__name__} (restarted on a call)"
+            self.complain("error", f"keyspace notifications: {exc}")
+        finally:
+            try:
+                await pubsub.aclose()
+            except Exception:
+                pass
 
 
 def _wrong_type(exc: BaseException) -> bool:
