@@ -12,13 +12,22 @@ tenant key (docs/security.md, "KV events") the page hashes are the store keys' t
 event names each page by `EventHashes`: a keyed hash of its page hash under a subkey of
 its own, from which no store key follows (nor the reverse), and the same page always
 gets the same name, so parents still chain; and `token_ids` are withheld unless
-`events.tokens` is true. Store evictions are not seen by the cache: `STORAGE` says
-stored, never removed.
+`events.tokens` is true.
+
+Pages the store drops (its capacity eviction, Redis expiry and eviction where keyspace
+notifications are on, deletes) are `BlockRemoved` `STORAGE` (`watch_store`): the store
+tells its watcher, on its loop thread, of each page it stored and dropped, in its order;
+the keys wait in a queue that the scheduler thread drains at each backup's end and each
+flush. A store page's key is `<prefix>/<namespace>/<hex page hash>`, the hash the tree's
+(and, with a tenant key, named the same way), so a removal names the page a `BlockStored`
+named. A backup whose page the store dropped again before the scheduler applied it is not
+announced stored.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,12 +37,15 @@ import numpy as np
 from kvtier.events.config import EventsConfig
 from kvtier.events.publisher import ZmqPublisher
 from kvtier.events.wire import all_blocks_cleared, block_removed, block_stored
+from kvtier.hashing import split_key
 
 if TYPE_CHECKING:
+    from kvtier.backends.base import Store
     from kvtier.tenant_keys import TenantKeys
     from kvtier.tree import RadixTree, TreeNode
 
 TIER_MEDIUM = ("GPU", "CPU")  # by Tier value: DEVICE, HOST
+_GONE_KEPT = 1 << 16  # pages dropped from the store remembered, before pruning
 _NO_TOKENS = np.empty(0, np.int64)
 
 
@@ -76,7 +88,13 @@ class CacheEvents:
         self.pending: list[dict[str, Any]] = []
         self._backups: dict[
             int, deque
-        ] = {}  # node id -> (hashes, parent, tokens) of backups in flight
+        ] = {}  # node id -> (hashes, parent, tokens, lead, seq) of backups in flight
+        # the store's changes (present, keys), queued by its loop thread (`watch_store`)
+        self._store_changes: deque[tuple[bool, list[str]]] = deque()
+        self._scope: tuple[str, str] | None = None  # (key prefix, namespace id)
+        self._gone: dict[bytes, int] = {}  # name -> seq: dropped, not stored since
+        self._seq = itertools.count(1)  # drained store changes, in order
+        self._drained = 0  # the seq of the last one drained
 
     def _hashes(self, node: TreeNode) -> list[bytes]:
         hashes = self.tree.page_hashes(node)
@@ -119,6 +137,56 @@ class CacheEvents:
         self._backups.clear()  # node ids start again
         self.pending.append(all_blocks_cleared())
 
+    def watch_store(self, store: Store, prefix: str, namespace_id: str) -> None:
+        """Announce the pages `store` drops (its keys under `prefix` and this cache's
+        namespace) as `BlockRemoved` `STORAGE`, from the next drain on."""
+        self._scope = (prefix, namespace_id)
+        store.watch(self._queue_store_change)
+
+    def _queue_store_change(self, present: bool, keys: list[str]) -> None:
+        """The store's loop thread: queue, nothing else (deque.append is atomic)."""
+        self._store_changes.append((present, keys))
+
+    def _drain_store_changes(self) -> None:
+        """The store's changes so far, in order: a drop is a `BlockRemoved` `STORAGE` now
+        and remembered until the page is stored again (`_gone`)."""
+        changes, gone = self._store_changes, self._gone
+        while changes:
+            present, keys = changes.popleft()
+            if present and not gone:
+                continue  # nothing to forget: the stores a backup announces itself
+            names = self._names_of(keys)
+            if present:
+                for name in names:
+                    gone.pop(name, None)
+            elif names:
+                self._drained = seq = next(self._seq)
+                gone.update(dict.fromkeys(names, seq))
+                self.pending.append(block_removed(names, "STORAGE"))
+        if len(gone) > _GONE_KEPT:
+            self._prune_gone()
+
+    def _names_of(self, keys: list[str]) -> list[bytes]:
+        """The event names of the keys of this cache's pages among `keys`."""
+        hashes = []
+        for key in keys:
+            try:
+                prefix, ns, h = split_key(key)
+            except ValueError:
+                continue  # not a page (a manifest, another application's key)
+            if (prefix, ns) == self._scope:
+                hashes.append(h)
+        return hashes if self.names is None or not hashes else self.names(hashes)
+
+    def _prune_gone(self) -> None:
+        """Drops older than every backup in flight cannot concern one (its store came
+        after them): forgotten."""
+        oldest = min(
+            (entry[4] for started in self._backups.values() for entry in started),
+            default=self._drained + 1,
+        )
+        self._gone = {n: s for n, s in self._gone.items() if s >= oldest}
+
     def backup_started(self, node: TreeNode, lead_in: int = 0) -> None:
         """`node`'s pages are on their way to the store: what they are, taken now (a split
         while the write is out would change the node). `lead_in`: pages above it that go
@@ -126,7 +194,7 @@ class CacheEvents:
         hashes, parent = self._chain(node)
         lead = self._lead(node, lead_in) if lead_in else None
         self._backups.setdefault(node.id, deque()).append(
-            (hashes, parent, self._tokens(node.key.tokens), lead)
+            (hashes, parent, self._tokens(node.key.tokens), lead, self._drained)
         )
 
     def _lead(
@@ -157,10 +225,14 @@ class CacheEvents:
         started = self._backups.get(node.id)
         if not started:
             return
-        hashes, parent, tokens, lead = started.popleft()
+        hashes, parent, tokens, lead, _ = started.popleft()
         if not started:
             del self._backups[node.id]
         ok = ok or [False] * len(hashes)
+        if self._scope is not None:  # a page stored, then dropped before now: not there
+            self._drain_store_changes()
+            if self._gone:
+                ok = [good and h not in self._gone for good, h in zip(ok, hashes)]
         if lead is not None and lead[0] and ok and ok[0]:
             self.pending.append(
                 block_stored(lead[0], lead[1], lead[2], self.page_size, "STORAGE")
@@ -183,6 +255,8 @@ class CacheEvents:
 
     def flush(self) -> None:
         """End of a scheduler step: its events become one batch."""
+        if self._scope is not None:
+            self._drain_store_changes()
         if self.pending:
             events, self.pending = self.pending, []
             self.publisher.publish(events)
