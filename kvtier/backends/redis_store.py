@@ -25,7 +25,9 @@ pages are never read after it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -90,6 +92,8 @@ log = logging.getLogger(__name__)
 class RedisStore(Store):
     config_class = RedisStoreConfig
     name = "redis"
+    # told in the server's order: through the notification connection (`_told_stored`)
+    announces_sets = True
 
     def __init__(
         self,
@@ -139,6 +143,10 @@ class RedisStore(Store):
         self._listener: asyncio.Task | None = None  # the keyspace notification listener
         self._watch_wanted = False
         self._watch_tried = float("-inf")  # time.monotonic() of the last start
+        # pages stored, told to the watcher when their mark comes back (`_told_stored`)
+        self._marks: dict[str, tuple[list[str], asyncio.Future]] = {}
+        self._mark_ids = itertools.count()
+        self._mark_channel = f"kvtier-store-mark-{os.urandom(8).hex()}"
 
     async def _prefix_of(self, key: str, limit: int):
         try:
@@ -197,6 +205,11 @@ class RedisStore(Store):
 
     async def _set(self, keys, frames):
         await self._upkeep()
+        ok = await self._set_pages(keys, frames)
+        await self._told_stored([k for k, good in zip(keys, ok) if good])
+        return ok
+
+    async def _set_pages(self, keys, frames):
         if self._writer is not None:
             return await self._set_threads(keys, frames)
         blobs = [header + payload for header, payload in frames]
@@ -550,17 +563,76 @@ class RedisStore(Store):
             return
         db = self.client.connection_pool.connection_kwargs.get("db", 0)
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(*(f"__keyevent@{db}__:{name}" for name in wanted))
+        await pubsub.subscribe(
+            self._mark_channel, *(f"__keyevent@{db}__:{name}" for name in wanted)
+        )
         self.removal_events = f"on ({', '.join(wanted)})"
         self._listener = asyncio.get_running_loop().create_task(self._listen(pubsub))
+
+    async def _told_stored(self, keys: list[str]) -> None:
+        """Tell the watcher of pages just stored in the server's order. Their SETs'
+        replies and the notifications race on two connections (a page evicted just after
+        its SET would be taken for stored; one whose older copy's eviction came late, for
+        dropped), so a transaction PUBLISHes a mark and asks which of them exist, at one
+        point of the server's order: the listener tells those as it takes the mark, after
+        every notification before it and before every one after. The call waits for
+        that (up to `socket_timeout_s`; then it tells them itself). Without a listener:
+        told at once."""
+        if not keys or self._watcher is None:
+            return
+        if self._listener is None or self._listener.done():
+            self._changed(True, keys)
+            return
+        loop = asyncio.get_running_loop()
+        token = str(next(self._mark_ids))
+        present, taken = loop.create_future(), loop.create_future()
+        self._marks[token] = (present, taken)
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.publish(self._mark_channel, token)
+                for k in keys:
+                    pipe.exists(k)
+                got = await pipe.execute()
+            present.set_result([k for k, n in zip(keys, got[1:]) if n])
+            await asyncio.wait_for(asyncio.shield(taken), self.config.socket_timeout_s)
+        except (Exception, asyncio.TimeoutError):
+            pass  # the listener is gone or slow: told below, out of order at worst
+        finally:
+            if not present.done():
+                present.set_result(keys)
+            if self._marks.pop(token, None) is not None:
+                self._changed(True, keys)
+
+    async def _take_mark(self, token: str) -> None:
+        """The listener reached a mark (`_told_stored`): tell the pages that existed then,
+        before any notification after it."""
+        mark = self._marks.pop(token, None)
+        if mark is None:
+            return
+        present, taken = mark
+        try:
+            keys = await asyncio.wait_for(
+                asyncio.shield(present), self.config.socket_timeout_s
+            )
+        except asyncio.TimeoutError:
+            keys = []
+        self._changed(True, keys)
+        if not taken.done():
+            taken.set_result(None)
 
     async def _listen(self, pubsub) -> None:
         """Keys the server expired or evicted, to the watcher, as they come."""
         try:
             async for msg in pubsub.listen():
-                if msg.get("type") == "message":
-                    key = msg["data"]
-                    self._removed([key.decode() if isinstance(key, bytes) else key])
+                if msg.get("type") != "message":
+                    continue
+                data, channel = msg["data"], msg["channel"]
+                data = data.decode() if isinstance(data, bytes) else data
+                channel = channel.decode() if isinstance(channel, bytes) else channel
+                if channel != self._mark_channel:
+                    self._removed([data])
+                else:
+                    await self._take_mark(data)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -225,13 +225,16 @@ def redis_store(url: str, clock, ttl_s: int | None = 3600):
     )
 
 
+@pytest.mark.parametrize("gt", [True, False])
 async def test_redis_ttl_of_a_leased_page_is_at_least_the_lease_remaining(
-    redis_server,
+    redis_server, gt
 ):
+    """With `PEXPIRE ... GT` (Redis 7) and without (PTTL, then PEXPIRE where shorter)."""
     import redis
 
     clock = Clock()
     store = redis_store(redis_server.url, clock, ttl_s=60)
+    store._expire_gt = gt
     raw = redis.Redis.from_url(redis_server.url)
     try:
         keys = [new_key() for _ in range(3)]
@@ -401,3 +404,36 @@ async def test_s3_tags_carry_the_lease_and_the_priority(s3_server):
         assert tags(keys[2]) == plain
     finally:
         await store.close()
+
+
+def test_the_documented_lifecycle_rules_select_unleased_pages(s3_server):
+    """docs/stores.md's lifecycle rules are valid S3 (moto checks them) and select, by
+    tag, exactly the pages kvtier writes unleased."""
+    import json
+    import re
+    from pathlib import Path
+
+    import boto3
+
+    from kvtier.backends.s3 import LEASE_TAG, PRIORITY_TAG
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "stores.md").read_text()
+    section = text[text.index("## Leases and priorities") :]
+    rules = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_server.url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    s3.create_bucket(Bucket="kvtier-lifecycle-doc")
+    s3.put_bucket_lifecycle_configuration(
+        Bucket="kvtier-lifecycle-doc", LifecycleConfiguration=rules
+    )
+    got = s3.get_bucket_lifecycle_configuration(Bucket="kvtier-lifecycle-doc")["Rules"]
+    filters = [{t["Key"]: t["Value"] for t in r["Filter"]["And"]["Tags"]} for r in got]
+    assert filters == [
+        {LEASE_TAG: "0", PRIORITY_TAG: "0"},
+        {LEASE_TAG: "0", PRIORITY_TAG: "1"},
+    ]
