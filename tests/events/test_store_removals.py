@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
 from kvtier.cache import TieredCache
@@ -17,7 +18,7 @@ from kvtier.engine.workloads import generate
 from kvtier.events.cache_events import EventHashes
 from kvtier.events.subscriber import PrefixIndex, Subscriber
 from kvtier.events.wire import wire_hash
-from kvtier.hashing import split_key
+from kvtier.hashing import page_hashes, split_key
 from kvtier.tenant_keys import parse_keys
 from tests.events.test_cache_events import GEOMETRY, run, settle
 from tests.events.test_publisher import ipc, wait_for  # noqa: F401  (the fixture)
@@ -56,8 +57,9 @@ class Index:
         return self.index.blocks["STORAGE"]
 
 
-def store_blocks(cache: TieredCache, tenant: bool) -> set[int]:
-    """The wire hashes of this cache's pages in its store, as a router must name them."""
+def store_blocks(cache: TieredCache, tenant: bool, groups=None) -> set[int]:
+    """The wire hashes of this cache's pages in its store, as a router must name them;
+    `groups`: a store page's key hash -> the hashes of its device pages."""
     store = cache.controller.storage.store
     names = (
         EventHashes(parse_keys(TENANT_KEY, "k").current.event_key) if tenant else None
@@ -69,39 +71,61 @@ def store_blocks(cache: TieredCache, tenant: bool) -> set[int]:
     storage = cache.controller.storage
     listed = asyncio.run_coroutine_threadsafe(keys(), storage.loop).result(30)
     hashes = [split_key(k)[2] for k in listed if split_key(k)[1] == cache.namespace.id]
+    if groups is not None:
+        hashes = [h for last in hashes for h in groups[last]]
     return {wire_hash(h) for h in (names(hashes) if names else hashes)}
 
 
-def converge(cache: TieredCache, index: Index, tenant: bool, quiet) -> set[int]:
+def store_page_groups(cache: TieredCache, results, g: int) -> dict:
+    """Each store page's key hash -> its `g` device pages' hashes, from the sequences
+    the engine ran (prompt and output: what the tree held)."""
+    out, ps = {}, cache.page_size
+    for r in results:
+        chain = page_hashes(np.asarray(r.prompt + r.output), ps, cache.namespace.id)
+        for end in range(g - 1, len(chain), g):
+            out[chain[end]] = chain[end - g + 1 : end + 1]
+    return out
+
+
+def converge(cache: TieredCache, index: Index, tenant: bool, groups=None) -> set[int]:
     """Poll until the events caught up with the store (a server's drops come on their
     own connection); the index's STORAGE blocks."""
     deadline = time.monotonic() + 30
     while True:
         settle(cache)
-        quiet()
         held = index.catch_up(cache)
-        if held == store_blocks(cache, tenant) or time.monotonic() > deadline:
+        if held == store_blocks(cache, tenant, groups) or time.monotonic() > deadline:
             return held
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("tenant", [False, True])
-def test_the_file_stores_evictions_leave_the_routers_index(tmp_path, ipc, tenant):  # noqa: F811
+@pytest.mark.parametrize(
+    "tenant, page_tokens", [(False, None), (True, None), (False, 48)]
+)
+def test_the_file_stores_evictions_leave_the_routers_index(
+    tmp_path,
+    ipc,  # noqa: F811
+    tenant,
+    page_tokens,
+):
+    """With store pages of 3 device pages (48 tokens) too: a removal names all three."""
     store = {
         "backend": "file",
         "root": str(tmp_path / "l3"),
         "capacity_bytes": 48 * (PAGE_BYTES + 256),
+        "page_tokens": page_tokens,
     }
     cache = flooded_cache(store, ipc, tenant)
     sub = Subscriber(*ipc, topic="kv@test")
     try:
-        run(cache, generate("multiturn", 24, 512, seed=3))
+        results = run(cache, generate("multiturn", 24, 512, seed=3))
+        groups = store_page_groups(cache, results, 3) if page_tokens else None
         index = Index(sub)
-        held = converge(cache, index, tenant, lambda: None)
+        held = converge(cache, index, tenant, groups)
         stats = cache.controller.storage.store.stats()
         assert stats["evictions"] > 100, "the store was not flooded"
-        assert held and held == store_blocks(cache, tenant)
-        assert len(held) == stats["pages"]
+        assert held and held == store_blocks(cache, tenant, groups)
+        assert len(held) == stats["pages"] * ((page_tokens or 16) // 16)
         cache.tree.sanity_check()
         cache.check_accounting()
     finally:
@@ -118,7 +142,7 @@ def notifying_redis(tmp_path):
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis").start()
     raw = redis.Redis.from_url(server.url)
-    raw.config_set("maxmemory", 3 << 20)
+    raw.config_set("maxmemory", 2 << 20)
     raw.config_set("maxmemory-policy", "allkeys-lru")
     raw.config_set("notify-keyspace-events", "Exe")
     yield server, raw
@@ -136,7 +160,7 @@ def test_redis_evictions_leave_the_routers_index(notifying_redis, ipc):  # noqa:
         raw.config_set("maxmemory", 0)  # the flood is over: what is there stays
         index = Index(sub)
         evicted = raw.info("stats")["evicted_keys"]
-        held = converge(cache, index, False, lambda: None)
+        held = converge(cache, index, False)
         stats = cache.controller.storage.store.stats()
         assert evicted > 100 and stats["removal_events"] == "on (expired, evicted)"
         assert held and held == store_blocks(cache, False)
