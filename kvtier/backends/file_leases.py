@@ -20,6 +20,7 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 from kvtier.backends.file_io import read_file, write_small
@@ -32,27 +33,41 @@ LEASES_LIMIT = 64 << 20  # bytes of the table read at most (a longer one is none
 
 def eviction_order(sizes: OrderedDict[str, int], leases: Leases) -> Iterator[str]:
     """Indexed keys in the order capacity eviction takes them (above). The caller takes
-    each key it gets off `sizes` before asking for the next."""
+    each key it gets off `sizes` before asking for the next. Costs what it skips, not
+    the index: plain pages are walked from the least recently used on, past the hinted
+    ones in front of them (the whole index is walked only to rank negative priorities,
+    and at the end, when only hinted pages are left)."""
     hints = leases.hints
-    if not hints:  # every page plain: least recently used first, no copy of the index
+    if not hints:  # every page plain: least recently used first
         while sizes:
             yield next(iter(sizes))
         return
     now = leases.clock()
-    plain, ranked = [], []
-    for i, key in enumerate(list(sizes)):
-        hint = hints.get(key)
-        held = hint is not None and hint.until is not None and hint.until > now
-        if hint is None or (not held and hint.priority == 0):
-            plain.append(key)
-        else:
-            end = hint.until if held else 0.0
-            ranked.append(((held, hint.priority, end, i), key))
-    ranked.sort()
-    first = [k for (held, prio, _, _), k in ranked if not held and prio < 0]
-    yield from first
-    yield from plain
-    yield from (k for (held, prio, _, _), k in ranked if held or prio > 0)
+
+    def held(hint: Hint) -> bool:
+        return hint.until is not None and hint.until > now
+
+    low = {k for k, h in hints.items() if h.priority < 0 and not held(h) and k in sizes}
+    if low:
+        rank = {k: i for i, k in enumerate(sizes) if k in low}
+        yield from sorted(low, key=lambda k: (hints[k].priority, rank[k]))
+    skipped = 0  # hinted pages in front: everything before them was taken
+    while chunk := list(islice(sizes, skipped, skipped + _CHUNK)):
+        for key in chunk:
+            hint = hints.get(key)
+            if hint is not None and (hint.priority != 0 or held(hint)):
+                skipped += 1
+            else:
+                yield key
+    ranked = sorted(
+        ((held(h), h.priority, h.until if held(h) else 0.0, i), k)
+        for i, k in enumerate(sizes)
+        if (h := hints.get(k)) is not None
+    )
+    yield from (k for _, k in ranked)
+
+
+_CHUNK = 64  # index keys looked at a time
 
 
 class SharedLeases:

@@ -437,3 +437,25 @@ def test_the_documented_lifecycle_rules_select_unleased_pages(s3_server):
         {LEASE_TAG: "0", PRIORITY_TAG: "0"},
         {LEASE_TAG: "0", PRIORITY_TAG: "1"},
     ]
+
+
+async def test_many_hinted_pages_in_front_of_the_lru_order_are_walked_past(tmp_path):
+    """More hinted pages than one look at the index (64) sit oldest: the plain pages
+    behind them go first, then the positive ones by priority, lowest first."""
+    clock = Clock()
+    store = file_store(tmp_path, 200, clock)
+    keys = await fill(store, 200)
+    kept, plain = keys[:150], keys[150:]
+    assert await store.hint(kept[:100], lease_s=None, priority=2) == 100
+    assert await store.hint(kept[100:], lease_s=None, priority=1) == 50
+    new = await fill(store, 120)  # the 50 plain pages go, then 70 of the new ones
+    assert await held(store, plain) == []
+    assert await held(store, kept) == kept
+    assert await held(store, new) == new[70:]
+    await store.close()
+    smaller = file_store(tmp_path, 100, clock)  # reopened with half the capacity
+    await fill(smaller, 1)  # that page, the 50 new ones, then priority 1 before 2
+    assert await held(smaller, kept) == kept[:100]
+    assert await held(smaller, new) == []
+    assert smaller.stats()["leases_broken"] == 0
+    await smaller.close()
