@@ -511,14 +511,30 @@ class RedisStore(Store):
 
     async def _upkeep(self) -> None:
         """On each write, lookup and hint: leases that ended on kvtier's clock go back to
-        the store's TTL policy, and the notification listener runs if one is wanted."""
+        the store's TTL policy, and the notification listener runs if one is wanted. A
+        failure here is counted and logged, never the call's: the call itself says
+        whether the server answers (a TTL left longer ends by itself)."""
         ended = self._leases.expire()
-        if ended:
-            await self._back_to_policy(ended)
-        if self._watch_wanted and (self._listener is None or self._listener.done()):
-            if time.monotonic() - self._watch_tried >= _WATCH_RETRY_S:
+        wanted = self._watch_wanted and (
+            self._listener is None or self._listener.done()
+        )
+        if wanted and time.monotonic() - self._watch_tried < _WATCH_RETRY_S:
+            wanted = False
+        if not ended and not wanted:
+            return
+        try:
+            if ended:
+                await self._back_to_policy(ended)
+            if wanted:
                 self._watch_tried = time.monotonic()
                 await self._start_watch()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters.errors += 1
+            self.complain("error", f"leases and notifications: {exc}")
+            if wanted:
+                self.removal_events = f"lost: {type(exc).__name__} (retried on a call)"
 
     # -- removals --------------------------------------------------------------------------
 
@@ -563,9 +579,13 @@ class RedisStore(Store):
             return
         db = self.client.connection_pool.connection_kwargs.get("db", 0)
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(
-            self._mark_channel, *(f"__keyevent@{db}__:{name}" for name in wanted)
-        )
+        try:
+            await pubsub.subscribe(
+                self._mark_channel, *(f"__keyevent@{db}__:{name}" for name in wanted)
+            )
+        except BaseException:
+            await pubsub.aclose()
+            raise
         self.removal_events = f"on ({', '.join(wanted)})"
         self._listener = asyncio.get_running_loop().create_task(self._listen(pubsub))
 

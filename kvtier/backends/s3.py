@@ -289,9 +289,17 @@ class S3Store(Store):
     async def _end_leases(self) -> None:
         """Leases that ended on kvtier's clock: tagged unleased again (priority kept)."""
         ended = self._leases.expire()
-        if ended:
-            prios = [getattr(self._leases.get(k), "priority", 0) for k in ended]
-            await asyncio.gather(*self._jobs(self._tag, ended, [0] * len(ended), prios))
+        if not ended:
+            return
+        prios = [getattr(self._leases.get(k), "priority", 0) for k in ended]
+        got = await asyncio.gather(
+            *self._jobs(self._tag, ended, [0] * len(ended), prios),
+            return_exceptions=True,
+        )
+        failed = [r for r in got if isinstance(r, Exception)]
+        if failed:  # the tag stays (a lifecycle rule keeps the page): logged, no error
+            self.counters.errors += 1
+            self.complain("error", f"untagging {len(failed)} ended leases: {failed[0]}")
 
     def _tag(self, key: str, until: int, priority: int) -> bool:
         """Set the object's lease tags; False where it is not there."""

@@ -459,3 +459,28 @@ async def test_many_hinted_pages_in_front_of_the_lru_order_are_walked_past(tmp_p
     assert await held(smaller, new) == []
     assert smaller.stats()["leases_broken"] == 0
     await smaller.close()
+
+
+async def test_a_failed_lease_upkeep_is_counted_never_the_writes_error(redis_server):
+    """Putting an ended lease back to the TTL policy fails (a broken connection): the
+    write it rode along with still stores its page; the failure is counted."""
+    from kvtier.backends.redis_store import RedisStore, RedisStoreConfig
+
+    class BrokenUpkeep(RedisStore):
+        async def _back_to_policy(self, keys):
+            raise ConnectionError("the connection broke")
+
+    clock = Clock()
+    store = BrokenUpkeep(
+        RedisStoreConfig(url=redis_server.url, ttl_s=60, write_threads=1), clock=clock
+    )
+    try:
+        key = new_key()
+        assert await store.batch_set([key], [os.urandom(PAGE)]) == [True]
+        assert await store.hint([key], lease_s=5) == 1
+        clock.now += 6
+        page = new_key()
+        assert await store.batch_set([page], [os.urandom(PAGE)]) == [True]
+        assert store.stats()["errors"] == 1 and store.stats()["leases"] == 0
+    finally:
+        await store.close()
