@@ -596,8 +596,11 @@ class RedisStore(Store):
         dropped), so a transaction PUBLISHes a mark and asks which of them exist, at one
         point of the server's order: the listener tells those as it takes the mark, after
         every notification before it and before every one after. The call waits for
-        that (up to `socket_timeout_s`; then it tells them itself). Without a listener:
-        told at once."""
+        that, up to `socket_timeout_s` or half the call's `timeout_s`, whichever is
+        less; then it tells them itself, and the listener, deaf to its marks, is
+        restarted on a later call. A listener that ends (its connection dropped) hands
+        every mark it was owed back to its call at once. Without a listener: told at
+        once."""
         if not keys or self._watcher is None:
             return
         if self._listener is None or self._listener.done():
@@ -607,6 +610,7 @@ class RedisStore(Store):
         token = str(next(self._mark_ids))
         present, taken = loop.create_future(), loop.create_future()
         self._marks[token] = (present, taken)
+        wait_s = min(self.config.socket_timeout_s, self.timeout_s / 2)
         try:
             async with self.client.pipeline(transaction=True) as pipe:
                 pipe.publish(self._mark_channel, token)
@@ -614,14 +618,26 @@ class RedisStore(Store):
                     pipe.exists(k)
                 got = await pipe.execute()
             present.set_result([k for k, n in zip(keys, got[1:]) if n])
-            await asyncio.wait_for(asyncio.shield(taken), self.config.socket_timeout_s)
-        except (Exception, asyncio.TimeoutError):
+            try:
+                await asyncio.wait_for(asyncio.shield(taken), wait_s)
+            except asyncio.TimeoutError:  # the listener missed the mark
+                self._drop_listener(f"a mark did not come back within {wait_s:g}s")
+        except Exception:
             pass  # the listener is gone or slow: told below, out of order at worst
         finally:
             if not present.done():
                 present.set_result(keys)
             if self._marks.pop(token, None) is not None:
                 self._changed(True, keys)
+
+    def _drop_listener(self, why: str) -> None:
+        """The listener missed what the server sent it (a lost connection it came back
+        from, or a half-open one): cancelled, so the calls after this one do not wait on
+        it; `_upkeep` starts another on a later call."""
+        if self._listener is not None and not self._listener.done():
+            self._listener.cancel()
+        self.removal_events = f"lost: {why} (restarted on a call)"
+        self.complain("error", f"keyspace notifications: {why}")
 
     async def _take_mark(self, token: str) -> None:
         """The listener reached a mark (`_told_stored`): tell the pages that existed then,
@@ -659,6 +675,9 @@ class RedisStore(Store):
             self.removal_events = f"lost: {type(exc).__name__} (restarted on a call)"
             self.complain("error", f"keyspace notifications: {exc}")
         finally:
+            for _, taken in self._marks.values():  # their calls tell their pages now
+                if not taken.done():
+                    taken.set_result(None)
             try:
                 await pubsub.aclose()
             except Exception:

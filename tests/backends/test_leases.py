@@ -484,3 +484,30 @@ async def test_a_failed_lease_upkeep_is_counted_never_the_writes_error(redis_ser
         assert store.stats()["errors"] == 1 and store.stats()["leases"] == 0
     finally:
         await store.close()
+
+
+async def test_a_dropped_notification_connection_never_fails_a_write(own_redis):
+    """The server drops the listener's connection (as its pubsub output buffer limit, a
+    proxy or `CLIENT KILL` does) just before a write: the write's mark is published to
+    nobody. The write still stores its page and tells the watcher at once, instead of
+    waiting for a mark that never comes until the call timed out (StoreTimeout)."""
+    import redis
+
+    raw = redis.Redis.from_url(own_redis.url)
+    raw.config_set("notify-keyspace-events", "Exe")
+    store = redis_store(own_redis.url, Clock(), ttl_s=None)
+    watched = Watched()
+    store.watch(watched)
+    try:
+        for _ in range(3):
+            store._watch_tried = float("-inf")  # the listener restarts on this call
+            await store.batch_exists([new_key()])
+            assert store.stats()["removal_events"] == "on (expired, evicted)"
+            raw.client_kill_filter(_type="pubsub")
+            key = new_key()
+            assert await store.batch_set([key], [os.urandom(PAGE)]) == [True]
+            assert key in watched.held()
+        assert store.stats()["timeouts"] == 0
+    finally:
+        raw.close()
+        await store.close()
