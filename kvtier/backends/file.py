@@ -111,7 +111,7 @@ class FileStore(Store):
         )  # page directories checked to stay under it
         self._marker = str(self.root / MARKER)
         self._leases = Leases(self.clock)  # the root's, shared through its file
-        self._shared_leases = SharedLeases(self.root, self._leases)
+        self._shared_leases = SharedLeases(self.root, self._leases, self._lease_failed)
         self.leases_broken = 0  # leased pages evicted: leased ones alone over capacity
         self.writes_refused = 0  # pages a write evicted in its own call (no room)
         try:
@@ -490,6 +490,10 @@ class FileStore(Store):
             [k for k, _ in victims]
         )  # now: a write after this may store them anew
         return victims
+
+    def _lease_failed(self, message: str) -> None:
+        self.counters.errors += 1
+        self.complain("error", message)
 
     async def _hint(self, keys, lease_s, priority):
         """Lease (or release) and prioritise the pages of `keys` the root holds, in the

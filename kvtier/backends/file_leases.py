@@ -11,7 +11,9 @@ other processes' leases fill it): the capacity always holds.
 The table lives in `<root>/.kvtier-leases` (JSON: `{"format": 1, "hints": {key: [until,
 priority]}}`, `until` on the store's clock: wall time unless a test passes its own), read
 and written under the root's lock, re-read only when the file changed. Anyone who can
-write the root can write it: an entry that does not parse is dropped.
+write the root can write it: an entry that does not parse is dropped. A table that cannot
+be read or written (no regular file there, a full disk) fails no store call: the failure
+is counted and logged, and this process keeps the leases it holds in memory.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 
@@ -74,10 +76,13 @@ class SharedLeases:
     """The root's lease table file, mirrored in `leases`. Every method runs under the
     root's lock (`FileStore._shared`)."""
 
-    def __init__(self, root: Path, leases: Leases) -> None:
+    def __init__(
+        self, root: Path, leases: Leases, failed: Callable[[str], None]
+    ) -> None:
         self.path = root / LEASES
         self.leases = leases
         self._seen: tuple | None = None  # (inode, size, mtime_ns) of the file read last
+        self._failed = failed  # told of a table it could not read or write
 
     def sync(self) -> None:
         """Re-read the file if another process (or a rewrite) changed it."""
@@ -90,7 +95,12 @@ class SharedLeases:
             return
         seen = (st.st_ino, st.st_size, st.st_mtime_ns)
         if seen != self._seen:
-            self.leases.replace_all(_parse(read_file(self.path, limit=LEASES_LIMIT)))
+            try:
+                raw = read_file(self.path, limit=LEASES_LIMIT)
+            except OSError as exc:  # kept as held: read again at the next look
+                self._failed(f"reading the lease table: {exc}")
+                return
+            self.leases.replace_all(_parse(raw))
             self._seen = seen
 
     def save(self) -> None:
@@ -100,8 +110,12 @@ class SharedLeases:
             "format": 1,
             "hints": {k: [h.until, h.priority] for k, h in self.leases.hints.items()},
         }
-        write_small(self.path, json.dumps(data, sort_keys=True).encode())
-        st = os.stat(self.path)
+        try:
+            write_small(self.path, json.dumps(data, sort_keys=True).encode())
+            st = os.stat(self.path)
+        except OSError as exc:  # kept in memory: written with the next change
+            self._failed(f"writing the lease table: {exc}")
+            return
         self._seen = (st.st_ino, st.st_size, st.st_mtime_ns)
 
 

@@ -511,3 +511,27 @@ async def test_a_dropped_notification_connection_never_fails_a_write(own_redis):
     finally:
         raw.close()
         await store.close()
+
+
+async def test_a_lease_table_that_cannot_be_read_or_written_never_fails_a_write(
+    tmp_path,
+):
+    """Something that is no file sits at the root's `.kvtier-leases` (anyone who can write
+    the root can put it there; a full disk fails its rewrite alike): writes go on, the
+    capacity holds, and a lease still holds in this process. It failed every write at
+    capacity (StoreError) and left the pages it had written counted nowhere shared, so
+    the root grew past its capacity."""
+    clock = Clock()
+    store = file_store(tmp_path, 4, clock)
+    pinned, *_ = await fill(store, 4)
+    (tmp_path / ".kvtier-leases").mkdir()
+    assert await store.hint([pinned], lease_s=60) == 1
+    flood = [new_key() for _ in range(8)]
+    for key in flood:
+        assert await store.batch_set([key], [os.urandom(PAGE)]) == [True]
+    stats = store.stats()
+    assert stats["used_bytes"] <= stats["capacity_bytes"] and stats["pages"] == 4
+    assert await held(store, [pinned]) == [pinned]
+    assert await held(store, flood) == flood[-3:]
+    assert stats["errors"] > 0  # counted (and logged once), never raised
+    await store.close()
