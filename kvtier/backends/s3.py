@@ -275,10 +275,14 @@ class S3Store(Store):
 
     async def _hint(self, keys, lease_s, priority):
         """Tag each present object with the lease's end (Unix seconds; 0: none) and the
-        priority; how many objects were there."""
+        priority; how many objects were there. Only a running lease is remembered (to be
+        tagged 0 at its end): a priority lives in the tag alone."""
         await self._end_leases()
-        for key in keys:
-            self._leases.apply(key, lease_s, priority)
+        if lease_s is None:
+            self._leases.forget(keys)
+        else:
+            for key in keys:
+                self._leases.apply(key, lease_s, priority)
         until = 0 if lease_s is None else int(time.time() + lease_s) + 1
         done = await asyncio.gather(
             *self._jobs(self._tag, keys, [until] * len(keys), [priority] * len(keys))
@@ -292,6 +296,7 @@ class S3Store(Store):
         if not ended:
             return
         prios = [getattr(self._leases.get(k), "priority", 0) for k in ended]
+        self._leases.forget(ended)  # the priority stays in the tag
         got = await asyncio.gather(
             *self._jobs(self._tag, ended, [0] * len(ended), prios),
             return_exceptions=True,

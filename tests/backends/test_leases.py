@@ -535,3 +535,30 @@ async def test_a_lease_table_that_cannot_be_read_or_written_never_fails_a_write(
     assert await held(store, flood) == flood[-3:]
     assert stats["errors"] > 0  # counted (and logged once), never raised
     await store.close()
+
+
+async def test_s3_remembers_only_the_leases_it_must_end(s3_server):
+    """S3 keeps a page's hint in memory only while its lease runs (to tag it unleased at
+    the end on kvtier's clock): a priority alone lives in the object's tag. It kept every
+    page ever given a priority, for good (nothing removes an S3 page from the table): a
+    server's memory grew with each `retain` hint."""
+    from tests.backends.stores import s3_harness
+
+    clock = Clock()
+    store = s3_harness(s3_server.url).make()
+    store.clock = store._leases.clock = clock
+    try:
+        keys = [new_key() for _ in range(4)]
+        assert await store.batch_set(keys, [os.urandom(PAGE)] * 4) == [True] * 4
+        assert await store.hint(keys[:2], lease_s=None, priority=3) == 2
+        assert store.stats()["leases"] == 0
+        assert await store.hint(keys[2:], lease_s=60, priority=2) == 2
+        assert store.stats()["leases"] == 2
+        clock.now += 61  # ended: tagged unleased (priority kept) on the next write
+        await store.batch_set([new_key()], [os.urandom(PAGE)])
+        assert store.stats()["leases"] == 0
+        got = store.client.get_object_tagging(Bucket=store.config.bucket, Key=keys[2])
+        tags = {t["Key"]: t["Value"] for t in got["TagSet"]}
+        assert tags == {"kvtier-lease-until": "0", "kvtier-priority": "2"}
+    finally:
+        await store.close()
