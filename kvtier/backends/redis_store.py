@@ -556,11 +556,8 @@ class RedisStore(Store):
                 "notify-keyspace-events", ""
             )
         except Exception as exc:  # CONFIG may be disabled (managed servers)
-            self.removal_events = f"off: CONFIG GET refused ({type(exc).__name__})"
             self._watch_wanted = False
-            log.warning(
-                "redis store: %s; removals are not announced", self.removal_events
-            )
+            self._removals_off(f"off: CONFIG GET refused ({type(exc).__name__})")
             return
         flags = flags.decode() if isinstance(flags, bytes) else flags
         wanted = [
@@ -568,13 +565,10 @@ class RedisStore(Store):
             for name, flag in (("expired", "x"), ("evicted", "e"))
             if "E" in flags and (flag in flags or "A" in flags)
         ]
-        if not wanted:
-            self.removal_events = (
+        if not wanted:  # looked at again on a later call: it may be turned on
+            self._removals_off(
                 f"off: notify-keyspace-events={flags!r} lacks Ex and Ee "
                 "(CONFIG SET notify-keyspace-events Exe)"
-            )
-            log.warning(
-                "redis store: %s; removals are not announced", self.removal_events
             )
             return
         db = self.client.connection_pool.connection_kwargs.get("db", 0)
@@ -588,6 +582,12 @@ class RedisStore(Store):
             raise
         self.removal_events = f"on ({', '.join(wanted)})"
         self._listener = asyncio.get_running_loop().create_task(self._listen(pubsub))
+
+    def _removals_off(self, why: str) -> None:
+        """Say why removals are not announced: in the stats, and logged once a reason."""
+        if why != self.removal_events:
+            log.warning("redis store: %s; removals are not announced", why)
+        self.removal_events = why
 
     async def _told_stored(self, keys: list[str]) -> None:
         """Tell the watcher of pages just stored in the server's order. Their SETs'

@@ -562,3 +562,21 @@ async def test_s3_remembers_only_the_leases_it_must_end(s3_server):
         assert tags == {"kvtier-lease-until": "0", "kvtier-priority": "2"}
     finally:
         await store.close()
+
+
+async def test_redis_says_once_that_its_notifications_are_off(own_redis, caplog):
+    """The store looks again (every few seconds, on a call) whether notifications were
+    turned on, but says that they are off once, not at each look."""
+    import logging
+
+    store = redis_store(own_redis.url, Clock())
+    store.watch(Watched())
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            for _ in range(3):
+                store._watch_tried = float("-inf")  # as after the retry interval
+                await store.batch_exists([new_key()])
+        said = [r for r in caplog.records if "removals are not announced" in r.message]
+        assert len(said) == 1
+    finally:
+        await store.close()
