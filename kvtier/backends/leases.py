@@ -50,6 +50,11 @@ class Leases:
         hint = self.hints[key] = Hint(until, priority)
         if until is not None:
             heapq.heappush(self._ends, (until, key))
+            if len(self._ends) > 2 * len(self.hints) + 64:  # renewed, released: stale
+                self._ends = [
+                    (h.until, k) for k, h in self.hints.items() if h.until is not None
+                ]
+                heapq.heapify(self._ends)
         return hint
 
     def leased(self, key: str) -> bool:

@@ -580,3 +580,19 @@ async def test_redis_says_once_that_its_notifications_are_off(own_redis, caplog)
         assert len(said) == 1
     finally:
         await store.close()
+
+
+def test_renewing_a_lease_keeps_its_bookkeeping_bounded():
+    """An agent renews its pin at every pause: each renewal left an entry in the table
+    of lease ends until that renewal's end came (a lease of an hour renewed every
+    second: 3,600 entries a page). They are compacted: a few per lease held."""
+    from kvtier.backends.leases import Leases
+
+    clock = Clock()
+    leases = Leases(clock)
+    for _ in range(10_000):
+        leases.apply("k/ns/aa", 3600, 0)
+        clock.now += 1
+    assert leases.leased("k/ns/aa") and len(leases._ends) <= 2 * len(leases) + 64
+    clock.now += 3601
+    assert leases.expire() == ["k/ns/aa"] and not leases.leased("k/ns/aa")
