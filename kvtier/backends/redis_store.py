@@ -641,8 +641,9 @@ class RedisStore(Store):
 
     async def _take_mark(self, token: str) -> None:
         """The listener reached a mark (`_told_stored`): tell the pages that existed then,
-        before any notification after it."""
-        mark = self._marks.pop(token, None)
+        before any notification after it. The mark stays its call's until then: a call
+        that gave up waiting (or a listener cancelled meanwhile) tells them itself."""
+        mark = self._marks.get(token)
         if mark is None:
             return
         present, taken = mark
@@ -651,7 +652,9 @@ class RedisStore(Store):
                 asyncio.shield(present), self.config.socket_timeout_s
             )
         except asyncio.TimeoutError:
-            keys = []
+            return  # its call tells them
+        if self._marks.pop(token, None) is None:
+            return  # its call told them meanwhile
         self._changed(True, keys)
         if not taken.done():
             taken.set_result(None)
