@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -111,13 +112,40 @@ async def _quietly(task: asyncio.Future) -> BaseException | None:
     return None
 
 
+def _key_strings(keys) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise ValueError("keys: expected a sequence of keys, got one key")
+    return [k.decode("ascii", "replace") if isinstance(k, bytes) else k for k in keys]
+
+
+def check_hint(lease_s, priority) -> None:
+    """A hint's lease (seconds > 0, or None) and priority (an int), or ValueError."""
+    if lease_s is not None and (
+        isinstance(lease_s, bool)
+        or not isinstance(lease_s, (int, float))
+        or not lease_s > 0
+        or lease_s == float("inf")
+    ):
+        raise ValueError(
+            f"lease_s={lease_s!r}: a finite number of seconds > 0, or None to release"
+        )
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority={priority!r}: an integer (higher = kept longer)")
+
+
 class Store(ABC):
     name = "store"
     # True where a call given up on (timed out, its threads abandoned) writes none of the
     # caller's buffers afterwards (`batch_get_into`): an engine may read into its own memory.
     reads_end_with_call = False
+    # True where the store tells its watcher of the pages it stored itself, at the moment
+    # they became visible (before a concurrent call could evict them); else `batch_set`
+    # does, once the call returned
+    announces_sets = False
 
-    def __init__(self, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, timeout_s: float = 5.0, clock: Callable[[], float] | None = None
+    ) -> None:
         if (
             isinstance(timeout_s, bool)
             or not isinstance(timeout_s, (int, float))
@@ -130,6 +158,9 @@ class Store(ABC):
         self.counters = StoreCounters()
         self._complaints = Complaints(log, f"{self.name} store: ")
         self.codec = frame.PLAIN
+        # kvtier's clock for leases (seconds); a test passes a logical one
+        self.clock: Callable[[], float] = time.time if clock is None else clock
+        self._watcher: Callable[[bool, list[str]], None] | None = None
 
     def seal_with(self, codec) -> None:
         """Frame and read every page with `codec` (a tenant's `SealedCodec`, docs/security.md)
@@ -236,6 +267,8 @@ class Store(ABC):
             self.counters.sets += len(keys)
             self.counters.set_failures += len(keys)
             raise
+        if self._watcher is not None and not self.announces_sets:
+            self._changed(True, [k for k, good in zip(keys, ok) if good])
         for good, v in zip(ok, views):
             self.counters.sets += 1
             if good:
@@ -258,13 +291,53 @@ class Store(ABC):
         sends that in the background."""
 
     async def delete(self, keys: Sequence[str]) -> int:
-        """Remove `keys`; returns how many were present."""
+        """Remove `keys`; returns how many were present (each announced removed)."""
         self._check(keys)
         if not keys:
             return 0
         n = await self._call("delete", self._delete(list(keys)))
         self.counters.deletes += n
+        self._removed(list(keys))
         return n
+
+    async def hint(
+        self, keys: Sequence[str | bytes], *, lease_s: float | None, priority: int = 0
+    ) -> int:
+        """Carry a hint for these keys to the store by its own means: a lease of `lease_s`
+        seconds from now on kvtier's clock (`self.clock`; None releases the lease), and
+        an eviction priority (higher = kept longer). Returns how many of the keys it
+        applied to; a store with no means returns 0 (as here). Never raises for a key
+        that is absent. Keys are store keys (`str`, or their ASCII bytes); a malformed
+        one, a lease that is not a number of seconds > 0, or a priority that is no int
+        is a ValueError (docs/stores.md, "Leases and priorities")."""
+        keys = _key_strings(keys)
+        self._check(keys)
+        check_hint(lease_s, priority)
+        if not keys:
+            return 0
+        return await self._call("hint", self._hint(keys, lease_s, priority))
+
+    def watch(self, callback: Callable[[bool, list[str]], None] | None) -> None:
+        """Tell `callback(present, keys)` of every change to what the store holds from now
+        on, in the order the store saw them: `present` True for pages this store object
+        stored (`batch_set`), False for pages it dropped: evicted for capacity, expired or
+        evicted by the server (Redis keyspace notifications, where on), deleted. Called on
+        the store's loop thread, so it must not block (the KV events queue them for their
+        scheduler-side flush). One callback; None removes it."""
+        self._watcher = callback
+
+    def _changed(self, present: bool, keys: list[str]) -> None:
+        """Tell the watcher (`watch`); one that fails is logged, never raised into the
+        store call that made the change."""
+        if self._watcher is None or not keys:
+            return
+        try:
+            self._watcher(present, keys)
+        except Exception:
+            log.exception("%s store: its watcher failed", self.name)
+
+    def _removed(self, keys: list[str]) -> None:
+        self._changed(False, keys)
 
     async def scan(self, batch: int = 1000) -> AsyncIterator[list[StoredPage]]:
         """Every kvtier page the store holds, in batches (keys that are not kvtier's are
@@ -394,6 +467,10 @@ class Store(ABC):
 
     async def _close(self) -> None:
         return None
+
+    async def _hint(self, keys: list[str], lease_s: float | None, priority: int) -> int:
+        """Apply a checked hint (`hint`); a store with no means applies it to none."""
+        return 0
 
     def _extra_stats(self) -> dict:
         return {}

@@ -3,7 +3,8 @@
 Layout: `<root>/<prefix>/<namespace id>/<hash[0:2]>/<hash[2:4]>/<hash>`. A page is written
 to a temp file in its final directory, optionally fsynced, then renamed: a crash or a
 concurrent reader never sees half a page, and a failed write is never visible.
-Capacity is enforced in bytes (LRU by access order; on reopen, by modification time).
+Capacity is enforced in bytes (LRU by access order; on reopen, by modification time),
+leased pages last and by priority (`Store.hint`, file_leases.py).
 Reopening rebuilds the index from the directory without reading payloads.
 
 A batch is split into `max_concurrency` groups; each group is one job on a bounded thread
@@ -31,6 +32,8 @@ from kvtier.backends import seal
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
+from kvtier.backends.file_leases import SharedLeases, eviction_order
+from kvtier.backends.leases import Leases
 from kvtier.backends.file_io import (
     TMP,
     mtime,
@@ -78,11 +81,15 @@ class FileStore(Store):
     config_class = FileStoreConfig
     name = "file"
     reads_end_with_call = True  # file_io.copy_out: an abandoned read writes no buffer
+    announces_sets = True  # as they are indexed, before an eviction may take them
 
     def __init__(
-        self, config: FileStoreConfig = FileStoreConfig(), timeout_s: float = 30.0
+        self,
+        config: FileStoreConfig = FileStoreConfig(),
+        timeout_s: float = 30.0,
+        clock=None,
     ) -> None:
-        super().__init__(timeout_s)
+        super().__init__(timeout_s, clock)
         self.config = config
         self.root = Path(os.path.expanduser(config.root or default_root())).resolve()
         self._root_str = str(self.root)
@@ -104,6 +111,10 @@ class FileStore(Store):
             self._root_str, self.complain
         )  # page directories checked to stay under it
         self._marker = str(self.root / MARKER)
+        self._leases = Leases(self.clock)  # the root's, shared through its file
+        self._shared_leases = SharedLeases(self.root, self._leases, self._lease_failed)
+        self.leases_broken = 0  # leased pages evicted: leased ones alone over capacity
+        self.writes_refused = 0  # pages a write evicted in its own call (no room)
         try:
             _claim_root(self.root)
             with self._shared() as usage:
@@ -380,15 +391,22 @@ class FileStore(Store):
                 self.used_bytes += f.size
                 added += f.size - results[key]  # a replaced page's bytes go
             ok.append(stored)
-        await self._enforce_capacity(added)
+        self._changed(True, [k for k, good in zip(keys, ok) if good])
+        evicted = await self._enforce_capacity(added)
+        if evicted:  # pages that found no room beside the kept ones: not stored
+            refused = [i for i, k in enumerate(keys) if ok[i] and k in evicted]
+            for i in refused:
+                ok[i] = False
+            self.writes_refused += len(refused)
         return ok
 
     async def _retry_if_disk_full(
         self, keys: list[str], items: list[tuple], outcomes: list
     ) -> None:
         """The disk filled up before `capacity_bytes` did (other files share it, or the
-        capacity was set above its size): evict least recently used pages worth the bytes
-        the batch could not write (pages of `keys`, the batch's own, last), then write those
+        capacity was set above its size): evict pages worth the bytes the batch could not
+        write, in eviction order (pages of `keys`, the batch's own, last; leased pages
+        never: those writes fail instead), then write those
         pages once more (their `outcomes` replaced). The store keeps working as an LRU cache
         as big as the disk lets it be, instead of refusing every write from then on (and
         being marked down, its stored pages unread)."""
@@ -405,7 +423,9 @@ class FileStore(Store):
         ) in keys:  # a page this batch rewrote must not be what makes room for the rest
             self._touch(key)
         with self._shared() as usage:
-            victims = self._choose_victims(usage, max(0, usage[0] - need))
+            victims = self._choose_victims(
+                usage, max(0, usage[0] - need), break_leases=False
+            )
         if not victims:
             return
         await self._unlink_victims(victims)
@@ -418,10 +438,11 @@ class FileStore(Store):
         for i, r in zip(full, await self._jobs(write_pages, [items[i] for i in full])):
             outcomes[i] = r
 
-    async def _enforce_capacity(self, added: int = 0) -> None:
+    async def _enforce_capacity(self, added: int = 0) -> set[str]:
         """Hold `capacity_bytes` for the whole root, whichever processes wrote it: evict
-        this process's least recently used pages; if none are left, re-read the root and
-        evict the oldest of anyone's.
+        this process's pages in eviction order (file_leases.py: unleased first, by
+        priority, least recently used first); if only leased ones are left, re-read the
+        root and evict anyone's in that order. Returns the keys evicted.
 
         The root's lock is never held across an await: another coroutine of this loop
         taking it would block the loop thread for good (flock is per open file, so this
@@ -442,6 +463,7 @@ class FileStore(Store):
             victims = self._choose_victims(usage, self.config.capacity_bytes)
         if victims:
             await self._unlink_victims(victims)
+        return {k for k, _ in victims}
 
     async def _unlink_victims(self, victims: list[tuple[str, int]]) -> None:
         """Remove the files of pages `_choose_victims` took off the index and the count."""
@@ -456,26 +478,67 @@ class FileStore(Store):
             with self._shared() as usage:
                 usage[0] += error
 
-    def _choose_victims(self, usage: list, limit: int) -> list[tuple[str, int]]:
-        """(key, bytes) of the pages to evict so that `usage[0]` fits `limit`; taken off
-        the index and the count now (the caller holds the root's lock)."""
-        victims, rescanned = [], False
+    def _choose_victims(
+        self, usage: list, limit: int, break_leases: bool = True
+    ) -> list[tuple[str, int]]:
+        """(key, bytes) of the pages to evict so that `usage[0]` fits `limit`, in eviction
+        order (file_leases.py); taken off the index, the count and the lease table now
+        (the caller holds the root's lock). Before a leased page goes, the root is
+        re-read once: other processes' unleased pages go first. Leased pages go only
+        with `break_leases` (the capacity, which must hold), never to make room on a
+        full disk (the write fails there instead)."""
+        self._shared_leases.sync()
+        victims, rescanned, hinted = [], False, False
+        order = eviction_order(self._sizes, self._leases)
         while usage[0] > limit:
-            if not self._sizes:
+            victim = next(order, None)
+            if victim is None or self._leases.leased(victim):
                 if rescanned:
-                    break
-                self._rebuild_index()
-                for key, _ in victims:  # chosen already: their files are not gone yet
-                    self._forget(key)
-                usage[0] = self.used_bytes
-                rescanned = True
-                continue
-            victim, size = next(iter(self._sizes.items()))
+                    if victim is None or not break_leases:
+                        break
+                    self.leases_broken += 1
+                else:
+                    self._rebuild_index()
+                    for (
+                        key,
+                        _,
+                    ) in victims:  # chosen already: their files are not gone yet
+                        self._forget(key)
+                    usage[0] = self.used_bytes
+                    rescanned = True
+                    order = eviction_order(self._sizes, self._leases)
+                    continue
+            size = self._sizes[victim]
             self._forget(victim)
+            hinted = hinted or victim in self._leases
             self.counters.evictions += 1
             victims.append((victim, size))
             usage[0] -= size
+        if hinted:
+            self._leases.forget(k for k, _ in victims)
+            self._shared_leases.save()
+        self._removed(
+            [k for k, _ in victims]
+        )  # now: a write after this may store them anew
         return victims
+
+    def _lease_failed(self, message: str) -> None:
+        self.counters.errors += 1
+        self.complain("error", message)
+
+    async def _hint(self, keys, lease_s, priority):
+        """Lease (or release) and prioritise the pages of `keys` the root holds, in the
+        root's shared table (file_leases.py); how many it holds."""
+        await self._adopt(keys)
+        present = [k for k in keys if k in self._sizes]
+        if not present:
+            return 0
+        with self._shared():
+            self._shared_leases.sync()
+            for key in present:
+                self._leases.apply(key, lease_s, priority)
+            self._shared_leases.save()
+        return len(present)
 
     async def _delete(self, keys):
         present = [k for k in keys if k in self._sizes]
@@ -484,6 +547,10 @@ class FileStore(Store):
         removed = await self._batch(unlink_quietly, [(self._file(k),) for k in present])
         with self._shared() as usage:
             usage[0] -= sum(r for r in removed if isinstance(r, int))
+            self._shared_leases.sync()
+            if any(k in self._leases for k in present):
+                self._leases.forget(present)
+                self._shared_leases.save()
         return len(present)
 
     async def _close(self) -> None:
@@ -551,6 +618,9 @@ class FileStore(Store):
             "capacity_bytes": self.config.capacity_bytes,
             "root": str(self.root),
             "disk_full_evictions": self.disk_full_evictions,
+            "hinted_pages": len(self._leases),
+            "leases_broken": self.leases_broken,
+            "writes_refused": self.writes_refused,
             "io_threads_abandoned": self._pool.abandoned,
             "pages_abandoned": len(self._hung),
         }

@@ -23,9 +23,12 @@ class MemoryStore(Store):
     name = "memory"
 
     def __init__(
-        self, config: MemoryStoreConfig = MemoryStoreConfig(), timeout_s: float = 5.0
+        self,
+        config: MemoryStoreConfig = MemoryStoreConfig(),
+        timeout_s: float = 5.0,
+        clock=None,
     ) -> None:
-        super().__init__(timeout_s)
+        super().__init__(timeout_s, clock)
         self.capacity_bytes = config.capacity_bytes
         self._pages: OrderedDict[str, bytes] = OrderedDict()
         self._meta: dict[str, bytes] = {}
@@ -44,7 +47,7 @@ class MemoryStore(Store):
         return out
 
     async def _set(self, keys, frames):
-        ok = []
+        ok, evicted = [], []
         for key, (header, payload) in zip(keys, frames):
             blob = header + payload
             if len(blob) > self.capacity_bytes:
@@ -52,12 +55,15 @@ class MemoryStore(Store):
                 continue
             self._drop(key)
             while self.used_bytes + len(blob) > self.capacity_bytes:
-                self._drop(next(iter(self._pages)))
+                evicted.append(next(iter(self._pages)))
+                self._drop(evicted[-1])
                 self.counters.evictions += 1
             self._pages[key] = blob
             self.used_bytes += len(blob)
             ok.append(True)
-        return ok
+        self._removed(evicted)
+        # a page a later one of the batch evicted is not stored
+        return [good and k in self._pages for k, good in zip(keys, ok)]
 
     def touch(self, keys) -> None:
         for key in keys:

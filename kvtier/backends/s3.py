@@ -4,20 +4,30 @@
 conditional (`If-None-Match: *`): a page already stored is not written again. Retries and
 timeouts come from config; credentials come from boto3's default chain (or config) and
 are never logged.
+
+Leases (`Store.hint`) are object tags: every page is written tagged `kvtier-lease-until=0`
+and `kvtier-priority=0`; a lease sets `kvtier-lease-until` to its end (Unix seconds) and a
+hint `kvtier-priority`, and the end of a lease on kvtier's clock (or a release) sets it
+back to 0. A bucket lifecycle rule that expires objects tagged `kvtier-lease-until=0`
+then drops only unleased pages (docs/stores.md, "Leases and priorities").
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtier.backends.base import FRAME_SLACK, MANIFEST_LIMIT, Store, StoredPage
+from kvtier.backends.leases import Leases
 from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import mask_credentials, redact_url
 from kvtier.validate import check_positive
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
+LEASE_TAG, PRIORITY_TAG = "kvtier-lease-until", "kvtier-priority"
+_PLAIN_TAGS = f"{LEASE_TAG}=0&{PRIORITY_TAG}=0"  # a page as written: no lease
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,9 +67,13 @@ class S3Store(Store):
     name = "s3"
 
     def __init__(
-        self, config: S3StoreConfig = S3StoreConfig(), timeout_s: float = 30.0
+        self,
+        config: S3StoreConfig = S3StoreConfig(),
+        timeout_s: float = 30.0,
+        clock=None,
     ) -> None:
-        super().__init__(timeout_s)
+        super().__init__(timeout_s, clock)
+        self._leases = Leases(self.clock)
         import boto3
         from botocore.config import Config
 
@@ -145,6 +159,7 @@ class S3Store(Store):
                 Bucket=self.config.bucket,
                 Key=self._object(key),
                 Body=header + payload,
+                Tagging=_PLAIN_TAGS,
                 **extra,
             )
         except ClientError as exc:
@@ -169,6 +184,7 @@ class S3Store(Store):
         return list(await asyncio.gather(*self._jobs(self._fetch, keys, limits)))
 
     async def _set(self, keys, frames):
+        await self._end_leases()
         # the jobs read the caller's page buffers: a cancelled call waits for them
         return list(await self._in_threads(self._jobs(self._put, keys, frames)))
 
@@ -249,7 +265,66 @@ class S3Store(Store):
         return super()._map_error(op, exc)
 
     def _extra_stats(self):
-        return {"bucket": self.config.bucket, "endpoint_url": self.config._endpoint()}
+        return {
+            "bucket": self.config.bucket,
+            "endpoint_url": self.config._endpoint(),
+            "leases": len(self._leases),
+        }
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _hint(self, keys, lease_s, priority):
+        """Tag each present object with the lease's end (Unix seconds; 0: none) and the
+        priority; how many objects were there. Only a running lease is remembered (to be
+        tagged 0 at its end): a priority lives in the tag alone."""
+        await self._end_leases()
+        if lease_s is None:
+            self._leases.forget(keys)
+        else:
+            for key in keys:
+                self._leases.apply(key, lease_s, priority)
+        until = 0 if lease_s is None else int(time.time() + lease_s) + 1
+        done = await asyncio.gather(
+            *self._jobs(self._tag, keys, [until] * len(keys), [priority] * len(keys))
+        )
+        self._leases.forget(k for k, here in zip(keys, done) if not here)
+        return sum(done)
+
+    async def _end_leases(self) -> None:
+        """Leases that ended on kvtier's clock: tagged unleased again (priority kept)."""
+        ended = self._leases.expire()
+        if not ended:
+            return
+        prios = [getattr(self._leases.get(k), "priority", 0) for k in ended]
+        self._leases.forget(ended)  # the priority stays in the tag
+        got = await asyncio.gather(
+            *self._jobs(self._tag, ended, [0] * len(ended), prios),
+            return_exceptions=True,
+        )
+        failed = [r for r in got if isinstance(r, Exception)]
+        if failed:  # the tag stays (a lifecycle rule keeps the page): logged, no error
+            self.counters.errors += 1
+            self.complain("error", f"untagging {len(failed)} ended leases: {failed[0]}")
+
+    def _tag(self, key: str, until: int, priority: int) -> bool:
+        """Set the object's lease tags; False where it is not there."""
+        from botocore.exceptions import ClientError
+
+        tags = [
+            {"Key": LEASE_TAG, "Value": str(until)},
+            {"Key": PRIORITY_TAG, "Value": str(priority)},
+        ]
+        try:
+            self.client.put_object_tagging(
+                Bucket=self.config.bucket,
+                Key=self._object(key),
+                Tagging={"TagSet": tags},
+            )
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return False
+            raise
+        return True
 
 
 def _code(exc) -> str:

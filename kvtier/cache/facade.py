@@ -185,6 +185,10 @@ class TieredCache:
             else None
         )
         self.tree.set_observer(self.events)
+        if self.events is not None and store is not None:  # STORAGE removals too
+            self.events.watch_store(
+                store, config.store.key_prefix, self.namespace.id, config.store_pages
+            )
         self._wire(device_allocator, clock)
         self.closed = False
         log.info("kvtier: %s", self.describe())
