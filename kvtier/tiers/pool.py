@@ -2,6 +2,9 @@
 
 MHA: per layer K `[size+page_size, heads, head_dim]` and V `[size+page_size, heads, v_head_dim]`.
 MLA: per layer one latent `[size+page_size, 1, kv_lora_rank+rope_dim]`.
+State (a recurrent layer's fixed-size state per sequence, e.g. Mamba's): per layer one
+`[size+1, *state_shape]`; page_size is 1, so a slot is a page and a sequence's state is one
+slot, copied, mirrored and stored as a page like token KV.
 Rows 0..page_size-1 are page 0: padding, never handed out.
 
 A pool either allocates its tensors (`DeviceKVPool(config)`: one tensor per part for all
@@ -10,6 +13,7 @@ layers) or wraps an engine's own per-layer tensors (`DeviceKVPool.from_tensors`)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +21,8 @@ import torch
 
 from kvtier.tiers.indices import check_indices, check_size
 
-Attention = Literal["mha", "mla"]
+Attention = Literal["mha", "mla", "state"]
+ATTENTIONS = ("mha", "mla", "state")
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -47,6 +52,9 @@ class PoolConfig:
     )
     dtype: str = "float16"
     device: str = "cpu"
+    state_shape: tuple[int, ...] | None = (
+        None  # attention="state" only: one slot's shape
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,10 +73,11 @@ class PoolConfig:
             raise ValueError(
                 f"size={self.size}: must be a multiple of page_size={self.page_size}"
             )
-        if self.attention not in ("mha", "mla"):
+        if self.attention not in ATTENTIONS:
             raise ValueError(
-                f"attention={self.attention!r}: allowed values are mha, mla"
+                f"attention={self.attention!r}: allowed values are {', '.join(ATTENTIONS)}"
             )
+        self._check_state()
         parse_dtype(self.dtype)
         try:
             torch.device(self.device)
@@ -77,9 +86,39 @@ class PoolConfig:
                 f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)"
             ) from None
 
+    def _check_state(self) -> None:
+        if self.attention != "state":
+            if self.state_shape is not None:
+                raise ValueError(
+                    f"state_shape={self.state_shape!r}: for attention='state' only "
+                    f"(attention={self.attention!r})"
+                )
+            return
+        shape = self.state_shape
+        if isinstance(shape, list):  # from YAML
+            shape = tuple(shape)
+            object.__setattr__(self, "state_shape", shape)
+        if (
+            not isinstance(shape, tuple)
+            or not shape
+            or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape
+            )
+        ):
+            raise ValueError(
+                f"state_shape={shape!r}: attention='state' needs a tuple of integers >= 1"
+            )
+        if self.page_size != 1:
+            raise ValueError(
+                f"page_size={self.page_size}: a state pool's page is one slot (page_size 1)"
+            )
+
     @property
     def page_layout(self) -> str:
         """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
+        if self.attention == "state":
+            shape = "x".join(map(str, self.state_shape))
+            return f"state:layers={self.num_layers}:shape={shape}"
         if self.attention == "mla":
             return f"mla:layers={self.num_layers}:lora={self.kv_lora_rank}:rope={self.rope_dim}"
         return (
@@ -89,7 +128,10 @@ class PoolConfig:
 
     @property
     def part_widths(self) -> tuple[int, ...]:
-        """Elements per token per layer of each buffer a layer has (K, V) or (latent,)."""
+        """Elements per token (or state slot) per layer of each buffer a layer has: (K, V),
+        (latent,) or (state,)."""
+        if self.attention == "state":
+            return (math.prod(self.state_shape),)
         if self.attention == "mla":
             return (self.kv_lora_rank + self.rope_dim,)
         return (
@@ -116,7 +158,9 @@ class DeviceKVPool:
         c = config
         dtype, device = parse_dtype(c.dtype), usable_device(c.device)
         rows = c.size + c.page_size
-        if c.attention == "mla":
+        if c.attention == "state":
+            shapes = [(rows, *c.state_shape)]
+        elif c.attention == "mla":
             shapes = [(rows, 1, c.kv_lora_rank + c.rope_dim)]
         else:
             shapes = [
@@ -256,6 +300,8 @@ class DeviceKVPool:
 
     def v_buffer(self, layer: int) -> torch.Tensor:
         """V for MHA; for MLA the first kv_lora_rank channels of the latent (a view)."""
+        if self.config.attention == "state":
+            raise ValueError("v_buffer: a state pool has no V (state_buffer)")
         if self.config.attention == "mla":
             if not self._latent_split:
                 raise ValueError(
@@ -292,6 +338,8 @@ class DeviceKVPool:
     ) -> None:
         """Write K and V (MHA) or the latent `k` (MLA, `v` must be None) at slots `loc`."""
         check_indices("loc", loc)
+        if self.config.attention == "state":
+            raise ValueError("set_kv: a state pool holds states (set_states)")
         if (v is None) != (self.config.attention == "mla"):
             raise ValueError(
                 f"set_kv: v is {'required' if v is None else 'not allowed'} for {self.config.attention}"
@@ -302,6 +350,46 @@ class DeviceKVPool:
                     f"set_kv: {loc.numel()} slots but {value.shape[0]} rows of KV"
                 )
             buf[loc] = value.to(self.dtype).view(-1, *buf.shape[1:])
+
+    # -- state slots (attention="state") ----------------------------------------------------
+
+    def _state_only(self, what: str) -> None:
+        if self.config.attention != "state":
+            raise ValueError(
+                f"{what}: for a state pool (attention='state'), this one is "
+                f"{self.config.attention!r}"
+            )
+
+    def state_buffer(self, layer: int) -> torch.Tensor:
+        """`[size+1, *state_shape]`: layer `layer`'s state of every slot (slot 0 padding)."""
+        self._state_only("state_buffer")
+        return self.buffers[layer][0]
+
+    def set_states(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Write `states` `[len(slots), *state_shape]` into layer `layer`'s `slots`."""
+        self._state_only("set_states")
+        check_indices("slots", slots)
+        buf = self.buffers[layer][0]
+        if tuple(states.shape) != (slots.numel(), *buf.shape[1:]):
+            raise ValueError(
+                f"set_states: {tuple(states.shape)} for {slots.numel()} slots of shape "
+                f"{tuple(buf.shape[1:])}"
+            )
+        buf[slots] = states.to(self.dtype)
+
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's state of slots `src` into slots `dst` (on the device): a cached
+        state is copied into a request's own slot, which its forward then advances, and
+        a request's state is copied out at a node boundary."""
+        self._state_only("copy_states")
+        check_indices("src", src)
+        check_indices("dst", dst)
+        if src.numel() != dst.numel():
+            raise ValueError(
+                f"copy_states: {src.numel()} sources, {dst.numel()} targets"
+            )
+        for part in self.parts if self.parts is not None else []:
+            part[:, dst] = part[:, src]
 
 
 def _check_buffer(name: str, buf: object, ref: torch.Tensor) -> None:
