@@ -1,0 +1,358 @@
+"""A hybrid model's components in the tiers: recurrent state slots and sliding-window KV
+beside full-attention KV, byte-exact through the pool, the mirror and the store (through the
+controller's own two-phase ops), and stored under namespaces that name their geometry."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.backends.frame import FrameError, decode, encode
+from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
+from kvtier.controller.config import ControllerConfig
+from kvtier.controller.controller import CacheController, OpKind
+from kvtier.controller.storage import PrefetchOp
+from kvtier.errors import KvtierConfigError, TransferError
+from kvtier.hashing import Namespace, key_maker, page_hashes
+from kvtier.testing.parts import SimStreams
+from kvtier.tiers.components import Component, ComponentSpec
+from kvtier.tiers.indices import page_slots
+from kvtier.tiers.mirror import HostMirror, MirrorConfig
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+
+BASE = Namespace("hybrid-test", "float32", "unused", 4, revision="abc")
+
+
+def kv_config(layers: int, page_size: int = 4, dtype: str = "float32") -> PoolConfig:
+    return PoolConfig(
+        size=64,
+        num_layers=layers,
+        page_size=page_size,
+        num_kv_heads=2,
+        head_dim=4,
+        dtype=dtype,
+    )
+
+
+def state_config(shape=(4, 6), dtype: str = "float32", layers: int = 2) -> PoolConfig:
+    return PoolConfig(
+        size=16,
+        num_layers=layers,
+        page_size=1,
+        attention="state",
+        state_shape=shape,
+        dtype=dtype,
+    )
+
+
+SPECS = {
+    "full": ComponentSpec(Component.FULL, kv_config(3)),
+    "swa": ComponentSpec(Component.SWA, kv_config(2), window=8),
+    "mamba": ComponentSpec(Component.MAMBA, state_config()),
+}
+
+
+def filled(config: PoolConfig, seed: int) -> DeviceKVPool:
+    pool = DeviceKVPool(config)
+    g = torch.Generator().manual_seed(seed)
+    for part in pool.parts:
+        part.copy_(torch.randn(part.shape, generator=g).to(part.dtype))
+    return pool
+
+
+def slot_bytes(pool: DeviceKVPool, slots: np.ndarray) -> list[bytes]:
+    """Every layer's bytes of `slots`, part by part."""
+    idx = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    return [
+        rows[idx].contiguous().view(torch.uint8).numpy().tobytes()
+        for layer in range(pool.num_layers)
+        for rows in pool.rows(layer)
+    ]
+
+
+def device_pages(config: PoolConfig) -> np.ndarray:
+    """Two pages, out of order: the slots of device pages 5 and 2."""
+    return page_slots(np.array([5, 2], dtype=np.int64), config.page_size)
+
+
+# -- the state pool ---------------------------------------------------------------------
+
+
+def test_a_state_pool_holds_one_fixed_size_slot_per_sequence():
+    pool = DeviceKVPool(state_config(shape=(4, 6)))
+    assert pool.config.page_layout == "state:layers=2:shape=4x6"
+    assert pool.config.part_widths == (24,)
+    assert pool.state_buffer(1).shape == (17, 4, 6)  # slot 0 is padding
+    states = torch.arange(48, dtype=torch.float32).view(2, 4, 6)
+    pool.set_states(1, torch.tensor([3, 7]), states)
+    pool.copy_states(torch.tensor([3, 7]), torch.tensor([9, 2]))
+    assert torch.equal(pool.state_buffer(1)[torch.tensor([9, 2])], states)
+    assert torch.equal(pool.state_buffer(0)[9], torch.zeros(4, 6))  # layer 0 was zero
+    assert not pool.state_buffer(1)[0].any()  # padding untouched
+
+
+def test_state_pool_config_and_misuse_are_refused_by_name():
+    with pytest.raises(
+        ValueError, match="page_size=4: a state pool's page is one slot"
+    ):
+        PoolConfig(
+            size=8, num_layers=1, page_size=4, attention="state", state_shape=(2,)
+        )
+    with pytest.raises(ValueError, match="state_shape=None: attention='state' needs"):
+        PoolConfig(size=8, num_layers=1, attention="state")
+    with pytest.raises(ValueError, match=r"state_shape=\(2, 0\)"):
+        PoolConfig(size=8, num_layers=1, attention="state", state_shape=(2, 0))
+    with pytest.raises(ValueError, match="for attention='state' only"):
+        PoolConfig(size=8, num_layers=1, state_shape=(2,))
+    with pytest.raises(ValueError, match="allowed values are mha, mla, state"):
+        PoolConfig(size=8, num_layers=1, attention="ssm")
+    from_yaml = PoolConfig(size=8, num_layers=1, attention="state", state_shape=[2, 3])
+    assert from_yaml.state_shape == (2, 3)  # hashable, frozen
+    pool, kv = DeviceKVPool(state_config()), DeviceKVPool(kv_config(1))
+    with pytest.raises(ValueError, match="set_kv: a state pool holds states"):
+        pool.set_kv(0, torch.tensor([1]), torch.zeros(1, 24))
+    with pytest.raises(ValueError, match="state_buffer: for a state pool"):
+        kv.state_buffer(0)
+    with pytest.raises(ValueError, match=r"set_states: \(1, 4, 5\) for 1 slots"):
+        pool.set_states(0, torch.tensor([1]), torch.zeros(1, 4, 5))
+
+
+# -- pool <-> mirror, per component -------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_pool_mirror_round_trip_is_byte_exact_per_component(name, layout):
+    spec = SPECS[name]
+    pool = filled(spec.pool, seed=1)
+    mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout))
+    dev = device_pages(spec.pool)
+    host = mirror.allocator.alloc_slots(dev.size)
+    mirror.backup(pool, dev, host)
+    target, into = DeviceKVPool(spec.pool), device_pages(spec.pool)[::-1].copy()
+    # the reversed pairing: page 2's bytes land in page 5 and the other way round
+    mirror.load(target, torch.from_numpy(host[::-1].copy()), torch.from_numpy(into))
+    assert slot_bytes(target, into) == slot_bytes(pool, dev[::-1].copy())
+    # a page's bytes as the store frames them, written back into another host page
+    ps = spec.pool.page_size
+    first = int(host[0]) // ps
+    payload = mirror.page_view(first).numpy().tobytes()
+    assert len(payload) == mirror.page_bytes
+    other = int(mirror.allocator.alloc_slots(ps)[0]) // ps
+    mirror.write_page(other, payload)
+    assert mirror.page_view(other).numpy().tobytes() == payload
+
+
+# -- through the controller and a store ------------------------------------------------
+
+
+def wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.005)
+
+
+def hashes_for(spec: ComponentSpec, pages: int, seed: int) -> list[bytes]:
+    """Page hashes of the model's token chain (the FULL namespace's): a component's page,
+    a state among them, is keyed by the hash of the prefix's page it belongs to."""
+    tokens = np.random.default_rng(seed).integers(0, 1000, size=4 * pages)
+    return page_hashes(tokens, 4, BASE.id)
+
+
+def make_store(kind: str, tmp_path):
+    if kind == "memory":
+        return MemoryStore(MemoryStoreConfig(capacity_bytes=1 << 24))
+    return FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "file"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_device_host_store_and_back_is_byte_exact_per_component(
+    name, store_kind, tmp_path
+):
+    """Write (device -> host), backup (host -> store) on one controller; prefetch (store ->
+    host) and load (host -> device, layer by layer) on another over the same store: the
+    bytes that come back are the bytes that went out."""
+    spec = SPECS[name]
+    ns = spec.namespace(BASE)
+    key = key_maker("kvtier", ns.id)
+    keys = [key(h) for h in hashes_for(spec, 2, seed=7)]
+    store = make_store(store_kind, tmp_path)
+    pool = filled(spec.pool, seed=2)
+    ctl = CacheController(pool, HostMirror(pool), store, ControllerConfig())
+    try:
+        dev = device_pages(spec.pool)
+        host = ctl.write(dev, tag="node")
+        ctl.wait_writes()
+        assert ctl.writes_landed() == [1]
+        ctl.take(OpKind.WRITE, 1)
+        backup = ctl.backup(
+            keys, host[:: spec.pool.page_size] // spec.pool.page_size, "node"
+        )
+        ctl.wait_idle()
+        assert ctl.take(OpKind.BACKUP, 1) == [backup] and backup.ok == [True, True]
+        sent = slot_bytes(pool, dev)
+    finally:
+        ctl.close()
+    store = make_store(store_kind, tmp_path) if store_kind == "file" else store
+    fresh = DeviceKVPool(spec.pool)
+    ctl = CacheController(fresh, HostMirror(fresh), store, ControllerConfig())
+    try:
+        op = PrefetchOp("r1", keys, tokens=2 * spec.pool.page_size)
+        ctl.prefetch(op)
+        wait_for(lambda: op.present is not None, "the store's answer")
+        assert op.present == 2
+        assert ctl.grant(op, op.present) == 2
+        wait_for(lambda: op.finished, "the prefetch")
+        assert op.landed == 2
+        into = page_slots(np.array([3, 1], dtype=np.int64), spec.pool.page_size)
+        load = ctl.load(ctl.page_slots(op.host_pages), into, tag="req")
+        load.handle.wait(30)
+        assert load.ok
+        assert slot_bytes(fresh, into) == sent
+        wait_for(lambda: op.settled, "the prefetch settling")
+        ctl.end_prefetch(op, settled=True)
+        ctl.take(OpKind.LOAD, 1)
+    finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("outcome", ["fail_before", "fail_after"])
+def test_a_failed_state_load_is_never_read_and_a_failed_state_write_never_lands(
+    outcome,
+):
+    """The state slots ride the controller's two-phase ops: a load that failed raises in
+    the forward's wait for the layer, and a write that failed is reported not landed."""
+    spec = SPECS["mamba"]
+    pool = filled(spec.pool, seed=3)
+    streams = SimStreams(random.Random(0))
+    ctl = CacheController(
+        pool, HostMirror(pool), None, ControllerConfig(), streams.factory
+    )
+    try:
+        host = ctl.write(np.array([4, 5], dtype=np.int64), tag="node")
+        ctl.flush_writes()
+        streams.resolve(streams.pending[0], "fail_before", random.Random(0))
+        assert ctl.writes_landed() == [0]
+        ctl.take(OpKind.WRITE, 1)
+        load = ctl.load(host, np.array([8, 9], dtype=np.int64), tag="req")
+        streams.resolve(streams.pending[0], outcome, random.Random(1))
+        assert load.handle.is_done() and not load.ok
+        with pytest.raises(TransferError):
+            for layer in range(spec.pool.num_layers):
+                load.handle.wait_layer(layer, timeout=1)
+        ctl.take(OpKind.LOAD, 1)
+    finally:
+        ctl.close()
+
+
+# -- namespaces: the geometry is in the key ------------------------------------------------
+
+
+def test_full_attention_namespace_ids_are_unchanged():
+    """Ids pinned from before components existed: the FULL component's pages keep their keys."""
+    plain = Namespace("m", "float32", "mha:layers=4:heads=2:head_dim=32:v=32", 16)
+    assert plain.id == "206de50d769e49693df2902945075031"
+    full = ComponentSpec(
+        Component.FULL,
+        PoolConfig(
+            size=64,
+            num_layers=4,
+            page_size=16,
+            num_kv_heads=2,
+            head_dim=32,
+            dtype="float32",
+        ),
+    )
+    assert full.namespace(Namespace("m", "float32", "x", 16)).id == plain.id
+    assert "component" not in plain.manifest(4096)
+
+
+def test_components_that_differ_in_any_geometry_never_share_a_namespace():
+    variants = {
+        "full": SPECS["full"],
+        "swa": SPECS["swa"],
+        "swa other window": ComponentSpec(Component.SWA, kv_config(2), window=16),
+        "swa as full": ComponentSpec(Component.FULL, kv_config(2)),
+        "swa other dtype": ComponentSpec(
+            Component.SWA, kv_config(2, dtype="bfloat16"), window=8
+        ),
+        "mamba": SPECS["mamba"],
+        # the same bytes per slot (24 floats a layer), another shape
+        "mamba other shape": ComponentSpec(Component.MAMBA, state_config(shape=(6, 4))),
+        "mamba other dtype": ComponentSpec(
+            Component.MAMBA, state_config(dtype="bfloat16")
+        ),
+        "mamba other layers": ComponentSpec(Component.MAMBA, state_config(layers=3)),
+    }
+    ids = {name: spec.namespace(BASE).id for name, spec in variants.items()}
+    assert len(set(ids.values())) == len(ids), ids
+    assert SPECS["mamba"].namespace(BASE).manifest(10)["component"] == "mamba"
+    assert SPECS["swa"].namespace(BASE).component == "swa:window=8"
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ComponentSpec(Component.SWA, kv_config(2), window=16),
+        ComponentSpec(Component.MAMBA, state_config(shape=(6, 4))),
+    ],
+    ids=["window", "state shape"],
+)
+def test_a_page_of_another_geometry_is_a_miss_even_under_this_key(other, tmp_path):
+    """Looked up under its own key, another geometry's page is absent; copied by hand to
+    this geometry's key (a store shared by two deployments, a bug), its frame names the
+    other namespace: a miss, never data."""
+    mine = SPECS["swa"] if other.component == Component.SWA else SPECS["mamba"]
+    ns_mine, ns_other = mine.namespace(BASE), other.namespace(BASE)
+    h = hashes_for(mine, 1, seed=9)[0]
+    k_mine, k_other = (
+        key_maker("kvtier", ns_mine.id)(h),
+        key_maker("kvtier", ns_other.id)(h),
+    )
+    payload = bytes(range(256)) * 3
+    store = FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
+
+    async def scenario():
+        assert await store.batch_set([k_other], [memoryview(payload)]) == [True]
+        assert await store.batch_exists([k_mine]) == 0
+        await store.close()
+
+    asyncio.run(scenario())
+    with pytest.raises(FrameError, match="namespace"):
+        decode(encode(ns_other.id, h, payload), ns_mine.id, h)
+    src, dst = store.path(k_other), store.path(k_mine)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    reopened = FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
+
+    async def read():
+        got = await reopened.batch_get([k_mine])
+        await reopened.close()
+        return got
+
+    assert asyncio.run(read()) == [None]
+
+
+def test_component_specs_are_checked_by_name():
+    with pytest.raises(ValueError, match="'ssm' is not a valid Component"):
+        ComponentSpec("ssm", kv_config(1))
+    with pytest.raises(ValueError, match="the mamba component, and only it"):
+        ComponentSpec(Component.MAMBA, kv_config(1))
+    with pytest.raises(ValueError, match="the mamba component, and only it"):
+        ComponentSpec(Component.FULL, state_config())
+    with pytest.raises(ValueError, match="window=None: the swa component needs"):
+        ComponentSpec(Component.SWA, kv_config(1))
+    with pytest.raises(ValueError, match="window=8: for the swa component only"):
+        ComponentSpec(Component.FULL, kv_config(1), window=8)
+    with pytest.raises(KvtierConfigError, match="namespace.component='swa window'"):
+        Namespace("m", "float32", "x", 1, component="swa window")
