@@ -23,7 +23,7 @@ token) shows as different logits.
 
 The cached forward reads three pools (`HybridPools`): the full layers' KV pool and the
 SWA layers' KV pool (token-indexed, each through its own `[rows, max_context]` table of
-slots per request) and the state pool (`PoolConfig(attention="state")`, one slot per
+slots per request) and the state pool (`StatePoolConfig`, one slot per
 sequence; the request's slot holds its state at its chunk's start and is advanced in
 place).
 """
@@ -238,7 +238,7 @@ class HybridModel:
                 )
         p = pools.state.config
         want = ("state", c.count(LayerKind.RECURRENT), c.state_shape, "float32")
-        got = (p.attention, p.num_layers, p.state_shape, p.dtype)
+        got = (p.attention, p.num_layers, getattr(p, "state_shape", None), p.dtype)
         if got != want:
             raise ValueError(
                 f"state pool: (attention, layers, state_shape, dtype) = {got}; the hybrid "

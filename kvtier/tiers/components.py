@@ -5,7 +5,7 @@ are stored under.
 |-----------|-----------------------------------------|----------------------------------|-----------------------|
 | FULL      | mha / mla, the full-attention layers    | `page_size` tokens' KV           | None (ids unchanged)  |
 | SWA       | mha / mla, the sliding-window layers    | `page_size` tokens' KV           | `swa:window=W`        |
-| MAMBA     | `attention="state"`, recurrent layers   | one sequence's state (one slot)  | `mamba`               |
+| MAMBA     | `StatePoolConfig`, recurrent layers     | one sequence's state (one slot)  | `mamba`               |
 
 Each component has its own pool, mirror and controller (the same two-phase ops and
 fail-closed rules for every one: the controller moves slots of any pool); only the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvtier.hashing import Namespace
-from kvtier.tiers.pool import PoolConfig
+from kvtier.tiers.pool import PoolConfig, StatePoolConfig
 
 
 class Component(str, Enum):
@@ -40,17 +40,17 @@ class ComponentSpec:
     a sliding-window layer sees)."""
 
     component: Component
-    pool: PoolConfig
+    pool: PoolConfig | StatePoolConfig
     window: int | None = None
 
     def __post_init__(self) -> None:
         kind = Component(self.component)  # refuses an unknown name, listing the known
         object.__setattr__(self, "component", kind)
-        state = self.pool.attention == "state"
+        state = isinstance(self.pool, StatePoolConfig)
         if (kind == Component.MAMBA) != state:
             raise ValueError(
                 f"component={kind.value!r}: pool.attention={self.pool.attention!r}; the "
-                "mamba component, and only it, holds state slots (attention='state')"
+                "mamba component, and only it, holds state slots (a StatePoolConfig)"
             )
         if kind == Component.SWA:
             w = self.window

@@ -2,9 +2,9 @@
 
 MHA: per layer K `[size+page_size, heads, head_dim]` and V `[size+page_size, heads, v_head_dim]`.
 MLA: per layer one latent `[size+page_size, 1, kv_lora_rank+rope_dim]`.
-State (a recurrent layer's fixed-size state per sequence, e.g. Mamba's): per layer one
-`[size+1, *state_shape]`; page_size is 1, so a slot is a page and a sequence's state is one
-slot, copied, mirrored and stored as a page like token KV.
+State (`StatePoolConfig`: a recurrent layer's fixed-size state per sequence, e.g. Mamba's):
+per layer one `[size+1, *state_shape]`; page_size is 1, so a slot is a page and a
+sequence's state is one slot, copied, mirrored and stored as a page like token KV.
 Rows 0..page_size-1 are page 0: padding, never handed out.
 
 A pool either allocates its tensors (`DeviceKVPool(config)`: one tensor per part for all
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from kvtier.tiers.indices import check_indices, check_size
 
-Attention = Literal["mha", "mla", "state"]
-ATTENTIONS = ("mha", "mla", "state")
+Attention = Literal["mha", "mla"]
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -52,9 +51,6 @@ class PoolConfig:
     )
     dtype: str = "float16"
     device: str = "cpu"
-    state_shape: tuple[int, ...] | None = (
-        None  # attention="state" only: one slot's shape
-    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -73,11 +69,10 @@ class PoolConfig:
             raise ValueError(
                 f"size={self.size}: must be a multiple of page_size={self.page_size}"
             )
-        if self.attention not in ATTENTIONS:
+        if self.attention not in ("mha", "mla"):
             raise ValueError(
-                f"attention={self.attention!r}: allowed values are {', '.join(ATTENTIONS)}"
+                f"attention={self.attention!r}: allowed values are mha, mla"
             )
-        self._check_state()
         parse_dtype(self.dtype)
         try:
             torch.device(self.device)
@@ -86,14 +81,44 @@ class PoolConfig:
                 f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)"
             ) from None
 
-    def _check_state(self) -> None:
-        if self.attention != "state":
-            if self.state_shape is not None:
-                raise ValueError(
-                    f"state_shape={self.state_shape!r}: for attention='state' only "
-                    f"(attention={self.attention!r})"
-                )
-            return
+    @property
+    def page_layout(self) -> str:
+        """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
+        if self.attention == "mla":
+            return f"mla:layers={self.num_layers}:lora={self.kv_lora_rank}:rope={self.rope_dim}"
+        return (
+            f"mha:layers={self.num_layers}:heads={self.num_kv_heads}:head_dim={self.head_dim}"
+            f":v={self.v_head_dim or self.head_dim}"
+        )
+
+    @property
+    def part_widths(self) -> tuple[int, ...]:
+        """Elements per token per layer of each buffer a layer has (K, V) or (latent,)."""
+        if self.attention == "mla":
+            return (self.kv_lora_rank + self.rope_dim,)
+        return (
+            self.num_kv_heads * self.head_dim,
+            self.num_kv_heads * (self.v_head_dim or self.head_dim),
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class StatePoolConfig:
+    """A pool of recurrent states (a Mamba-like layer's): per layer one fixed-size state
+    of `state_shape` per slot, a sequence's state in one slot. A slot is a page (page_size
+    1), so the mirror, the controller and the store move states as they move token pages."""
+
+    size: int
+    num_layers: int
+    state_shape: tuple[int, ...]
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: ClassVar[int] = 1
+    attention: ClassVar[str] = "state"
+
+    def __post_init__(self) -> None:
+        check_size("size", self.size)
+        check_size("num_layers", self.num_layers)
         shape = self.state_shape
         if isinstance(shape, list):  # from YAML
             shape = tuple(shape)
@@ -106,38 +131,25 @@ class PoolConfig:
             )
         ):
             raise ValueError(
-                f"state_shape={shape!r}: attention='state' needs a tuple of integers >= 1"
+                f"state_shape={shape!r}: a tuple of integers >= 1 (one slot's shape)"
             )
-        if self.page_size != 1:
+        parse_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
             raise ValueError(
-                f"page_size={self.page_size}: a state pool's page is one slot (page_size 1)"
-            )
+                f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)"
+            ) from None
 
     @property
     def page_layout(self) -> str:
-        """What fixes the bytes of a page: attention kind and geometry, in the frame order."""
-        if self.attention == "state":
-            shape = "x".join(map(str, self.state_shape))
-            return f"state:layers={self.num_layers}:shape={shape}"
-        if self.attention == "mla":
-            return f"mla:layers={self.num_layers}:lora={self.kv_lora_rank}:rope={self.rope_dim}"
-        return (
-            f"mha:layers={self.num_layers}:heads={self.num_kv_heads}:head_dim={self.head_dim}"
-            f":v={self.v_head_dim or self.head_dim}"
-        )
+        """What fixes the bytes of a slot: layers and the state's shape."""
+        return f"state:layers={self.num_layers}:shape={'x'.join(map(str, self.state_shape))}"
 
     @property
     def part_widths(self) -> tuple[int, ...]:
-        """Elements per token (or state slot) per layer of each buffer a layer has: (K, V),
-        (latent,) or (state,)."""
-        if self.attention == "state":
-            return (math.prod(self.state_shape),)
-        if self.attention == "mla":
-            return (self.kv_lora_rank + self.rope_dim,)
-        return (
-            self.num_kv_heads * self.head_dim,
-            self.num_kv_heads * (self.v_head_dim or self.head_dim),
-        )
+        """Elements per slot per layer (one buffer a layer)."""
+        return (math.prod(self.state_shape),)
 
 
 def usable_device(device: str) -> torch.device:
@@ -154,7 +166,7 @@ def usable_device(device: str) -> torch.device:
 class DeviceKVPool:
     """KV bytes on the device (CPU tensors when there is no GPU). Slot 0 is padding."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig | StatePoolConfig) -> None:
         c = config
         dtype, device = parse_dtype(c.dtype), usable_device(c.device)
         rows = c.size + c.page_size
@@ -351,12 +363,12 @@ class DeviceKVPool:
                 )
             buf[loc] = value.to(self.dtype).view(-1, *buf.shape[1:])
 
-    # -- state slots (attention="state") ----------------------------------------------------
+    # -- state slots (StatePoolConfig) ------------------------------------------------------
 
     def _state_only(self, what: str) -> None:
         if self.config.attention != "state":
             raise ValueError(
-                f"{what}: for a state pool (attention='state'), this one is "
+                f"{what}: for a state pool (StatePoolConfig), this one is "
                 f"{self.config.attention!r}"
             )
 

@@ -14,7 +14,7 @@ from kvtier.engine.hybrid import (
     HybridPools,
     LayerKind,
 )
-from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig, StatePoolConfig
 
 WINDOW = 8
 CONFIG = HybridConfig(window=WINDOW, seed=3)
@@ -53,13 +53,10 @@ class Rig:
             )
 
         state = DeviceKVPool(
-            PoolConfig(
+            StatePoolConfig(
                 size=16,
                 num_layers=c.count(LayerKind.RECURRENT),
-                page_size=1,
-                attention="state",
                 state_shape=c.state_shape,
-                dtype="float32",
             )
         )
         rows = torch.zeros(4, MAX_CONTEXT, dtype=torch.int64)

@@ -25,7 +25,7 @@ from kvtier.testing.parts import SimStreams
 from kvtier.tiers.components import Component, ComponentSpec
 from kvtier.tiers.indices import page_slots
 from kvtier.tiers.mirror import HostMirror, MirrorConfig
-from kvtier.tiers.pool import DeviceKVPool, PoolConfig
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig, StatePoolConfig
 
 BASE = Namespace("hybrid-test", "float32", "unused", 4, revision="abc")
 
@@ -41,15 +41,8 @@ def kv_config(layers: int, page_size: int = 4, dtype: str = "float32") -> PoolCo
     )
 
 
-def state_config(shape=(4, 6), dtype: str = "float32", layers: int = 2) -> PoolConfig:
-    return PoolConfig(
-        size=16,
-        num_layers=layers,
-        page_size=1,
-        attention="state",
-        state_shape=shape,
-        dtype=dtype,
-    )
+def state_config(shape=(4, 6), dtype: str = "float32", layers: int = 2):
+    return StatePoolConfig(size=16, num_layers=layers, state_shape=shape, dtype=dtype)
 
 
 SPECS = {
@@ -99,22 +92,14 @@ def test_a_state_pool_holds_one_fixed_size_slot_per_sequence():
 
 
 def test_state_pool_config_and_misuse_are_refused_by_name():
-    with pytest.raises(
-        ValueError, match="page_size=4: a state pool's page is one slot"
-    ):
-        PoolConfig(
-            size=8, num_layers=1, page_size=4, attention="state", state_shape=(2,)
-        )
-    with pytest.raises(ValueError, match="state_shape=None: attention='state' needs"):
-        PoolConfig(size=8, num_layers=1, attention="state")
-    with pytest.raises(ValueError, match=r"state_shape=\(2, 0\)"):
-        PoolConfig(size=8, num_layers=1, attention="state", state_shape=(2, 0))
-    with pytest.raises(ValueError, match="for attention='state' only"):
-        PoolConfig(size=8, num_layers=1, state_shape=(2,))
-    with pytest.raises(ValueError, match="allowed values are mha, mla, state"):
-        PoolConfig(size=8, num_layers=1, attention="ssm")
-    from_yaml = PoolConfig(size=8, num_layers=1, attention="state", state_shape=[2, 3])
-    assert from_yaml.state_shape == (2, 3)  # hashable, frozen
+    with pytest.raises(ValueError, match=r"state_shape=\(2, 0\): a tuple of integers"):
+        StatePoolConfig(size=8, num_layers=1, state_shape=(2, 0))
+    with pytest.raises(ValueError, match="state_shape=5: a tuple"):
+        StatePoolConfig(size=8, num_layers=1, state_shape=5)
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        StatePoolConfig(size=8, num_layers=1, state_shape=(2,), dtype="int8")
+    from_yaml = StatePoolConfig(size=8, num_layers=1, state_shape=[2, 3])
+    assert from_yaml.state_shape == (2, 3) and from_yaml.page_size == 1  # hashable
     pool, kv = DeviceKVPool(state_config()), DeviceKVPool(kv_config(1))
     with pytest.raises(ValueError, match="set_kv: a state pool holds states"):
         pool.set_kv(0, torch.tensor([1]), torch.zeros(1, 24))
