@@ -361,8 +361,9 @@ class HybridModel:
     ) -> list[torch.Tensor]:
         """Logits [len(chunk.tokens), vocab] per chunk. Writes the new tokens' K/V into the
         full and SWA pools, reads earlier tokens' K/V from them through the slot tables
-        (only the window for SWA layers), and advances each chunk's state slot. Layer i is
-        read after `wait_layer(i)`, once per forward."""
+        (only the window for SWA layers), and advances each chunk's state slot. Nothing of
+        layer i (K/V, state) is read before `wait_layer(i)`, called once per forward with
+        the model's layer index."""
         waited = set()
 
         def wait(i: int) -> None:
@@ -380,12 +381,15 @@ class HybridModel:
                 f"{ch.swa_slots.numel()} swa slots"
             )
         slot = int(ch.state_slot)
-        states = [
-            pools.state.state_buffer(self.pool_layer[i])[slot].reshape(-1).clone()
-            if kind == LayerKind.RECURRENT
-            else None
-            for i, kind in enumerate(c.layers)
-        ]
+        states: list[torch.Tensor | None] = [None] * len(c.layers)
+
+        def wait_then_read(i: int) -> None:
+            """A layer's state is read once its load has landed (after `wait(i)`)."""
+            wait(i)
+            if states[i] is None and c.layers[i] == LayerKind.RECURRENT:
+                buf = pools.state.state_buffer(self.pool_layer[i])
+                states[i] = buf[slot].reshape(-1).clone()
+
         snapshots = dict(ch.snapshots)
         outside = [n_ for n_ in snapshots if not ch.start < n_ <= ch.start + n]
         if outside:
@@ -398,7 +402,9 @@ class HybridModel:
             p = ch.start + j
             kv = functools.partial(self._pool_kv, ch, pools, j)
             out.append(
-                self._token(self.embed[ch.tokens[j : j + 1]], p, states, kv, wait)
+                self._token(
+                    self.embed[ch.tokens[j : j + 1]], p, states, kv, wait_then_read
+                )
             )
             if p + 1 in snapshots:
                 self._put_states(pools.state, snapshots[p + 1], states)

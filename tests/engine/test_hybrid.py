@@ -250,3 +250,48 @@ def test_the_fingerprint_names_weights_and_layer_plan():
     assert a == HybridModel(HybridConfig(seed=1)).fingerprint()
     assert a != HybridModel(HybridConfig(seed=2)).fingerprint()
     assert a != HybridModel(HybridConfig(seed=1, window=9)).fingerprint()
+
+
+def test_nothing_of_a_layer_is_read_before_its_load_lands(model):
+    """Each layer's cached pieces (full KV, the SWA window, the state) land only when the
+    forward waits for that layer, as a host->device load does: the resumed run still
+    equals the uncached one, and it waited once per layer, in order."""
+    rig, length = Rig(model), 21
+    first = tokens(40, 11)
+    snap = int(rig.take("state", 1)[0])
+    rig.run(0, first, 0, rig.new_state(), chunk=9, snapshots=((length, snap),))
+    p, lo = rig.pools, length - WINDOW
+    full_src, swa_src = (
+        p.full_rows[0, :length].clone(),
+        p.swa_rows[0, lo:length].clone(),
+    )
+    full_dst, swa_dst = rig.take("full", length), rig.take("swa", WINDOW)
+    state_dst = int(rig.take("state", 1)[0])  # zeros until its layer lands
+    p.full_rows[1, :length], p.swa_rows[1, lo:length] = full_dst, swa_dst
+    waited = []
+
+    def land(i: int) -> None:
+        waited.append(i)
+        layer = model.pool_layer[i]
+        kind = model.config.layers[i]
+        if kind == LayerKind.RECURRENT:
+            buf = p.state.state_buffer(layer)
+            buf[state_dst] = buf[snap]
+            return
+        pool, src, dst = (
+            (p.full, full_src, full_dst)
+            if kind == LayerKind.FULL
+            else (p.swa, swa_src, swa_dst)
+        )
+        for rows in pool.rows(layer):
+            rows[dst] = rows[src]
+
+    second = torch.cat([first[:length], tokens(12, 12)])
+    n = len(second) - length
+    full, swa = rig.take("full", n), rig.take("swa", n)
+    p.full_rows[1, length : len(second)] = full
+    p.swa_rows[1, length : len(second)] = swa
+    chunk = HybridChunk(1, length, second[length:], full, swa, state_dst)
+    (got,) = model.forward_cached([chunk], p, land)
+    assert waited == list(range(len(model.config.layers)))
+    assert torch.equal(got, model.forward_dense(second)[length:])
