@@ -38,7 +38,8 @@ from enum import Enum
 import torch
 import xxhash
 
-from kvtier.tiers.pool import DeviceKVPool
+from kvtier.tiers.components import Component, ComponentSpec
+from kvtier.tiers.pool import DeviceKVPool, PoolConfig, StatePoolConfig
 
 
 class LayerKind(str, Enum):
@@ -220,6 +221,47 @@ class HybridModel:
             else range(0),
             length if c.count(LayerKind.RECURRENT) else None,
         )
+
+    def component_specs(
+        self,
+        tokens: int,
+        states: int,
+        page_size: int = 1,
+        swa_tokens: int | None = None,
+    ) -> dict[Component, ComponentSpec]:
+        """The tiers' components this model needs (those it has layers of): full and SWA
+        KV pools of `tokens` (`swa_tokens`) slots in pages of `page_size`, and `states`
+        state slots; float32. Their namespaces name the window and the state's shape."""
+        c = self.config
+
+        def kv(kind: LayerKind, size: int) -> PoolConfig:
+            return PoolConfig(
+                size=size,
+                num_layers=c.count(kind),
+                page_size=page_size,
+                num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                dtype="float32",
+            )
+
+        specs = {}
+        if c.count(LayerKind.FULL):
+            specs[Component.FULL] = ComponentSpec(
+                Component.FULL, kv(LayerKind.FULL, tokens)
+            )
+        if c.count(LayerKind.SWA):
+            size = tokens if swa_tokens is None else swa_tokens
+            specs[Component.SWA] = ComponentSpec(
+                Component.SWA, kv(LayerKind.SWA, size), window=c.window
+            )
+        if c.count(LayerKind.RECURRENT):
+            state = StatePoolConfig(
+                size=states,
+                num_layers=c.count(LayerKind.RECURRENT),
+                state_shape=c.state_shape,
+            )
+            specs[Component.MAMBA] = ComponentSpec(Component.MAMBA, state)
+        return specs
 
     def check_pools(self, pools: HybridPools) -> None:
         """Each pool must have this model's geometry (float32): a clear error otherwise."""

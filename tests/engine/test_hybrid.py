@@ -295,3 +295,38 @@ def test_nothing_of_a_layer_is_read_before_its_load_lands(model):
     (got,) = model.forward_cached([chunk], p, land)
     assert waited == list(range(len(model.config.layers)))
     assert torch.equal(got, model.forward_dense(second)[length:])
+
+
+def test_component_specs_build_the_pools_the_model_checks(model):
+    from kvtier.tiers.components import Component
+    from kvtier.hashing import Namespace
+
+    specs = model.component_specs(tokens=64, states=8, page_size=4, swa_tokens=32)
+    assert list(specs) == [Component.FULL, Component.SWA, Component.MAMBA]
+    assert (
+        specs[Component.SWA].window == WINDOW and specs[Component.SWA].pool.size == 32
+    )
+    pools = {k: DeviceKVPool(s.pool) for k, s in specs.items()}
+    rows = torch.zeros(1, 8, dtype=torch.int64)
+    model.check_pools(
+        HybridPools(
+            pools[Component.FULL],
+            pools[Component.SWA],
+            pools[Component.MAMBA],
+            rows,
+            rows.clone(),
+        )
+    )
+    base = Namespace("m", "float32", "x", 4)
+    other = HybridModel(HybridConfig(window=WINDOW + 1, seed=3))
+    theirs = other.component_specs(tokens=64, states=8, page_size=4, swa_tokens=32)
+    # the window is the SWA pages' geometry only; what else differs between two models
+    # (their weights, and so every state) the base's revision names (`fingerprint`)
+    assert model.fingerprint() != other.fingerprint()
+    for kind in (Component.FULL, Component.MAMBA):
+        assert specs[kind].namespace(base).id == theirs[kind].namespace(base).id
+    swa_ns = specs[Component.SWA].namespace(base).id
+    assert swa_ns != theirs[Component.SWA].namespace(base).id
+    assert HybridModel(HybridConfig(layers=("full",))).component_specs(8, 1).keys() == {
+        Component.FULL
+    }
