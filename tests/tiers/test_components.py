@@ -159,6 +159,50 @@ def make_store(kind: str, tmp_path):
     return FileStore(FileStoreConfig(root=str(tmp_path / "l3")))
 
 
+def keys_of(spec: ComponentSpec, seed: int = 7) -> list[str]:
+    key = key_maker("kvtier", spec.namespace(BASE).id)
+    return [key(h) for h in hashes_for(spec, 2, seed)]
+
+
+def controller(spec: ComponentSpec, store, seed: int | None = None):
+    pool = filled(spec.pool, seed) if seed is not None else DeviceKVPool(spec.pool)
+    return pool, CacheController(pool, HostMirror(pool), store, ControllerConfig())
+
+
+def send(ctl: CacheController, spec: ComponentSpec, keys: list[str]) -> list[bytes]:
+    """Write two device pages to host, back them up under `keys`; their bytes."""
+    dev = device_pages(spec.pool)
+    host = ctl.write(dev, tag="node")
+    ctl.wait_writes()
+    assert ctl.writes_landed() == [1]
+    ctl.take(OpKind.WRITE, 1)
+    ps = spec.pool.page_size
+    backup = ctl.backup(keys, host[::ps] // ps, "node")
+    ctl.wait_idle()
+    assert ctl.take(OpKind.BACKUP, 1) == [backup] and backup.ok == [True, True]
+    return slot_bytes(ctl.pool, dev)
+
+
+def receive(ctl: CacheController, spec: ComponentSpec, keys: list[str]) -> list[bytes]:
+    """Prefetch `keys` into host pages and load them into two device pages; their bytes."""
+    ps = spec.pool.page_size
+    op = PrefetchOp("r1", keys, tokens=2 * ps)
+    ctl.prefetch(op)
+    wait_for(lambda: op.present is not None, "the store's answer")
+    assert op.present == 2
+    assert ctl.grant(op, op.present) == 2
+    wait_for(lambda: op.finished, "the prefetch")
+    assert op.landed == 2
+    into = page_slots(np.array([3, 1], dtype=np.int64), ps)
+    load = ctl.load(ctl.page_slots(op.host_pages), into, tag="req")
+    load.handle.wait(30)
+    assert load.ok
+    wait_for(lambda: op.settled, "the prefetch settling")
+    ctl.end_prefetch(op, settled=True)
+    ctl.take(OpKind.LOAD, 1)
+    return slot_bytes(ctl.pool, into)
+
+
 @pytest.mark.parametrize("store_kind", ["memory", "file"])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_device_host_store_and_back_is_byte_exact_per_component(
@@ -167,48 +211,44 @@ def test_device_host_store_and_back_is_byte_exact_per_component(
     """Write (device -> host), backup (host -> store) on one controller; prefetch (store ->
     host) and load (host -> device, layer by layer) on another over the same store: the
     bytes that come back are the bytes that went out."""
-    spec = SPECS[name]
-    ns = spec.namespace(BASE)
-    key = key_maker("kvtier", ns.id)
-    keys = [key(h) for h in hashes_for(spec, 2, seed=7)]
-    store = make_store(store_kind, tmp_path)
-    pool = filled(spec.pool, seed=2)
-    ctl = CacheController(pool, HostMirror(pool), store, ControllerConfig())
+    spec, store = SPECS[name], make_store(store_kind, tmp_path)
+    keys = keys_of(spec)
+    _, ctl = controller(spec, store, seed=2)
     try:
-        dev = device_pages(spec.pool)
-        host = ctl.write(dev, tag="node")
-        ctl.wait_writes()
-        assert ctl.writes_landed() == [1]
-        ctl.take(OpKind.WRITE, 1)
-        backup = ctl.backup(
-            keys, host[:: spec.pool.page_size] // spec.pool.page_size, "node"
-        )
-        ctl.wait_idle()
-        assert ctl.take(OpKind.BACKUP, 1) == [backup] and backup.ok == [True, True]
-        sent = slot_bytes(pool, dev)
+        sent = send(ctl, spec, keys)
     finally:
         ctl.close()
     store = make_store(store_kind, tmp_path) if store_kind == "file" else store
-    fresh = DeviceKVPool(spec.pool)
-    ctl = CacheController(fresh, HostMirror(fresh), store, ControllerConfig())
+    _, ctl = controller(spec, store)
     try:
-        op = PrefetchOp("r1", keys, tokens=2 * spec.pool.page_size)
-        ctl.prefetch(op)
-        wait_for(lambda: op.present is not None, "the store's answer")
-        assert op.present == 2
-        assert ctl.grant(op, op.present) == 2
-        wait_for(lambda: op.finished, "the prefetch")
-        assert op.landed == 2
-        into = page_slots(np.array([3, 1], dtype=np.int64), spec.pool.page_size)
-        load = ctl.load(ctl.page_slots(op.host_pages), into, tag="req")
-        load.handle.wait(30)
-        assert load.ok
-        assert slot_bytes(fresh, into) == sent
-        wait_for(lambda: op.settled, "the prefetch settling")
-        ctl.end_prefetch(op, settled=True)
-        ctl.take(OpKind.LOAD, 1)
+        assert receive(ctl, spec, keys) == sent
     finally:
         ctl.close()
+
+
+def test_the_three_components_of_one_prefix_share_a_store_root_side_by_side(tmp_path):
+    """A hybrid cache: a controller per component, each with its own store client over one
+    file root, the same page hashes (one prefix) under three namespaces. Each component
+    reads back its own bytes, never another's."""
+    sent, keys = {}, {name: keys_of(spec) for name, spec in SPECS.items()}
+    assert len({k for ks in keys.values() for k in ks}) == 2 * len(SPECS)
+    ctls = {
+        n: controller(s, make_store("file", tmp_path), seed=4)[1]
+        for n, s in SPECS.items()
+    }
+    try:
+        for name, ctl in ctls.items():
+            sent[name] = send(ctl, SPECS[name], keys[name])
+    finally:
+        for ctl in ctls.values():
+            ctl.close()
+    ctls = {n: controller(s, make_store("file", tmp_path))[1] for n, s in SPECS.items()}
+    try:
+        for name, ctl in reversed(ctls.items()):
+            assert receive(ctl, SPECS[name], keys[name]) == sent[name]
+    finally:
+        for ctl in ctls.values():
+            ctl.close()
 
 
 @pytest.mark.parametrize("outcome", ["fail_before", "fail_after"])
