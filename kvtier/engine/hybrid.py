@@ -107,9 +107,8 @@ class Needs:
     length: int
     full: range  # positions whose full-layer K/V it reads
     swa: range  # positions whose SWA-layer K/V it reads
-    state_at: (
-        int | None
-    )  # the recurrent state after exactly this many tokens (None: no recurrent layer)
+    # the recurrent state after exactly this many tokens (None: no recurrent layer)
+    state_at: int | None
 
 
 @dataclass(slots=True)
@@ -158,19 +157,19 @@ class HybridModel:
         self.embed = torch.randn(c.vocab, c.hidden, generator=g)
         self.layers: list[dict[str, torch.Tensor]] = []
         for kind in c.layers:
-            mixer = (
-                {"wa": w(c.hidden, c.hidden), "wu": w(c.hidden, c.hidden)}
-                | {
-                    "wg": w(c.hidden, c.hidden),
+            if kind == LayerKind.RECURRENT:
+                mixer = {
+                    "wa": w(c.hidden, c.hidden),
                     "ba": torch.randn(c.hidden, generator=g),
+                    "wu": w(c.hidden, c.hidden),
+                    "wg": w(c.hidden, c.hidden),
                 }
-                if kind == LayerKind.RECURRENT
-                else {
+            else:
+                mixer = {
                     "wq": w(c.hidden, c.hidden),
                     "wk": w(c.hidden, kv),
                     "wv": w(c.hidden, kv),
                 }
-            )
             self.layers.append(
                 {
                     "norm1": torch.ones(c.hidden),
