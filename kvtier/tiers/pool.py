@@ -400,8 +400,8 @@ class DeviceKVPool:
             raise ValueError(
                 f"copy_states: {src.numel()} sources, {dst.numel()} targets"
             )
-        for part in self.parts if self.parts is not None else []:
-            part[:, dst] = part[:, src]
+        for (buf,) in self.buffers:
+            buf[dst] = buf[src]
 
 
 def _check_buffer(name: str, buf: object, ref: torch.Tensor) -> None:
