@@ -112,12 +112,15 @@ def test_state_pool_config_and_misuse_are_refused_by_name():
 # -- pool <-> mirror, per component -------------------------------------------------------
 
 
+@pytest.mark.parametrize("io", ["direct", "kernel"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_pool_mirror_round_trip_is_byte_exact_per_component(name, layout):
+def test_pool_mirror_round_trip_is_byte_exact_per_component(name, layout, io):
+    """Both I/O paths (the Triton kernel under its interpreter here, as in test_transfers)."""
     spec = SPECS[name]
     pool = filled(spec.pool, seed=1)
-    mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout))
+    mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout=layout, io=io))
+    assert mirror.io == io
     dev = device_pages(spec.pool)
     host = mirror.allocator.alloc_slots(dev.size)
     mirror.backup(pool, dev, host)
