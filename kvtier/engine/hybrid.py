@@ -158,31 +158,34 @@ class HybridModel:
         self.layers: list[dict[str, torch.Tensor]] = []
         for kind in c.layers:
             if kind == LayerKind.RECURRENT:
+                wa, ba = w(c.hidden, c.hidden), torch.randn(c.hidden, generator=g)
                 mixer = {
-                    "wa": w(c.hidden, c.hidden),
-                    "ba": torch.randn(c.hidden, generator=g),
-                    "wu": w(c.hidden, c.hidden),
-                    "wg": w(c.hidden, c.hidden),
+                    "waug": torch.cat(
+                        [wa, w(c.hidden, c.hidden), w(c.hidden, c.hidden)], 1
+                    ),
+                    "ba": ba,
                 }
-            else:
+            else:  # q, k and v of a token in one matmul
                 mixer = {
-                    "wq": w(c.hidden, c.hidden),
-                    "wk": w(c.hidden, kv),
-                    "wv": w(c.hidden, kv),
+                    "wqkv": torch.cat(
+                        [w(c.hidden, c.hidden), w(c.hidden, kv), w(c.hidden, kv)], 1
+                    )
                 }
+            wo = w(c.hidden, c.hidden)
+            w1, w3 = w(c.hidden, c.ffn), w(c.hidden, c.ffn)
             self.layers.append(
                 {
                     "norm1": torch.ones(c.hidden),
                     **mixer,
-                    "wo": w(c.hidden, c.hidden),
+                    "wo": wo,
                     "norm2": torch.ones(c.hidden),
-                    "w1": w(c.hidden, c.ffn),
-                    "w3": w(c.hidden, c.ffn),
+                    "w13": torch.cat([w1, w3], 1),  # gate and up in one matmul
                     "w2": w(c.ffn, c.hidden),
                 }
             )
         self.norm = torch.ones(c.hidden)
         self.head = w(c.hidden, c.vocab)
+        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.inv_freq = 1.0 / (
             c.rope_theta
             ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
@@ -300,23 +303,26 @@ class HybridModel:
     def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
 
-    def _rope(self, x: torch.Tensor, position: int) -> torch.Tensor:
-        """x: [heads, head_dim] at one position."""
-        angles = float(position) * self.inv_freq
-        cos, sin = angles.cos(), angles.sin()
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = torch.empty_like(x)
-        out[..., 0::2] = x1 * cos - x2 * sin
-        out[..., 1::2] = x1 * sin + x2 * cos
-        return out
+    def _rotation(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of `position`'s angles, made once per position."""
+        got = self._rotations.get(position)
+        if got is None:
+            angles = float(position) * self.inv_freq
+            got = self._rotations[position] = (angles.cos(), angles.sin())
+        return got
 
     def _qkv(self, layer: dict, h: torch.Tensor, position: int):
-        """h: [1, hidden] (normed) -> q [H, D], k [KVH, D], v [KVH, D]."""
+        """h: [1, hidden] (normed) -> q [H, D], k [KVH, D], v [KVH, D]: one matmul, and
+        one rotation of q's and k's heads together."""
         c = self.config
-        q = (h @ layer["wq"]).view(c.num_heads, c.head_dim)
-        k = (h @ layer["wk"]).view(c.num_kv_heads, c.head_dim)
-        v = (h @ layer["wv"]).view(c.num_kv_heads, c.head_dim)
-        return self._rope(q, position), self._rope(k, position), v
+        qkv = (h @ layer["wqkv"]).view(-1, c.head_dim)
+        qk, v = qkv[: c.num_heads + c.num_kv_heads], qkv[c.num_heads + c.num_kv_heads :]
+        cos, sin = self._rotation(position)
+        x1, x2 = qk[:, 0::2], qk[:, 1::2]
+        rotated = torch.empty_like(qk)
+        rotated[:, 0::2] = x1 * cos - x2 * sin
+        rotated[:, 1::2] = x1 * sin + x2 * cos
+        return rotated[: c.num_heads], rotated[c.num_heads :], v
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -336,17 +342,14 @@ class HybridModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A gated linear recurrence: s' = a * s + (1 - a) * u, y = (s' * silu(g)) wo.
         h: [1, hidden]; state: [hidden] -> (mixer output [1, hidden], new state)."""
-        a = torch.sigmoid(h @ layer["wa"] + layer["ba"])[0]
-        u = (h @ layer["wu"])[0]
+        a, u, g = (h @ layer["waug"])[0].chunk(3)
+        a = torch.sigmoid(a + layer["ba"])
         new = a * state + (1 - a) * u
-        g = torch.nn.functional.silu(h @ layer["wg"])
-        return (new[None] * g) @ layer["wo"], new
+        return (new * torch.nn.functional.silu(g))[None] @ layer["wo"], new
 
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        h = self._rms(x, layer["norm2"])
-        return (torch.nn.functional.silu(h @ layer["w1"]) * (h @ layer["w3"])) @ layer[
-            "w2"
-        ]
+        gate, up = (self._rms(x, layer["norm2"]) @ layer["w13"]).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ layer["w2"]
 
     def _token(self, x: torch.Tensor, p: int, states: list, kv, wait) -> torch.Tensor:
         """Token at position p, embedded x [1, hidden], through every layer; returns its
