@@ -74,7 +74,19 @@ class HybridConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        kinds = [LayerKind(k) for k in self.layers]  # refuses an unknown kind by name
+        allowed = ", ".join(k.value for k in LayerKind)
+        if isinstance(self.layers, str):
+            raise ValueError(
+                f"layers={self.layers!r}: a sequence of layer kinds ({allowed}), not a string"
+            )
+        kinds = []
+        for k in self.layers:
+            try:
+                kinds.append(LayerKind(k))
+            except ValueError:
+                raise ValueError(
+                    f"layers: {k!r} is not a layer kind; allowed: {allowed}"
+                ) from None
         object.__setattr__(self, "layers", tuple(kinds))
         for name in ("vocab", "num_heads", "num_kv_heads", "head_dim", "ffn", "window"):
             value = getattr(self, name)

@@ -44,7 +44,13 @@ class ComponentSpec:
     window: int | None = None
 
     def __post_init__(self) -> None:
-        kind = Component(self.component)  # refuses an unknown name, listing the known
+        try:
+            kind = Component(self.component)
+        except ValueError:
+            raise ValueError(
+                f"component={self.component!r}: allowed: "
+                f"{', '.join(c.value for c in Component)}"
+            ) from None
         object.__setattr__(self, "component", kind)
         state = isinstance(self.pool, StatePoolConfig)
         if (kind == Component.MAMBA) != state:

@@ -207,8 +207,13 @@ def test_needs_names_the_pieces_a_resumed_run_reads(model):
 
 
 def test_bad_config_and_pools_are_refused_by_name(model):
-    with pytest.raises(ValueError, match="'mamba' is not a valid LayerKind"):
+    with pytest.raises(
+        ValueError,
+        match="layers: 'mamba' is not a layer kind; allowed: full, swa, recurrent",
+    ):
         HybridConfig(layers=("full", "mamba"))
+    with pytest.raises(ValueError, match="layers='full': a sequence of layer kinds"):
+        HybridConfig(layers="full")
     with pytest.raises(ValueError, match="window=0"):
         HybridConfig(window=0)
     rig = Rig(model)
