@@ -215,6 +215,13 @@ def load_config(
                 )
             if section == "model" and isinstance(values, str):  # `model: hybrid`
                 values = {"kind": values}
+            elif section == "model" and not isinstance(values, Mapping):
+                kinds = typing.get_args(typing.get_type_hints(ModelSettings)["kind"])
+                raise KvtierConfigError(
+                    f"model: expected a model name ({', '.join(kinds)}) or a mapping of "
+                    f"keys (kind, window), got {values!r}"
+                    + (f" ({where})" if where else "")
+                )
             if values is None and section == "mirror":  # `mirror: null`: no host tier
                 merged[section] = None
                 sources["mirror"] = where

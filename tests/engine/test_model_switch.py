@@ -53,6 +53,7 @@ def test_the_config_and_the_flag_choose_the_model(tmp_path):
         ("model: mamba\n", "model.kind='mamba': allowed values are tiny, hybrid"),
         ("model:\n  window: 0\n", "window=0: must be an integer > 0"),
         ("model:\n  windw: 4\n", "model.windw: unknown key; allowed: kind, window"),
+        ("model: 5\n", "model: expected a model name (tiny, hybrid) or a mapping"),
     ],
 )
 def test_a_bad_model_setting_is_one_line_naming_it(tmp_path, capsys, text, message):
