@@ -80,12 +80,15 @@ class ComponentSpec:
 
     def namespace(self, base: Namespace) -> Namespace:
         """`base` (the model's: model id, revision, tenant, TP rank) for this component's
-        pages: its pool's dtype, layout and page size, and its tag."""
+        pages: its pool's dtype, layout and page size, and its tag. A state is a store page
+        of its own (store_pages 1): the base's store_pages counts token pages of the full
+        pool's page size, which no state slot has."""
         p = self.pool
         return dataclasses.replace(
             base,
             dtype=p.dtype,
             layout=p.page_layout,
             page_size=p.page_size,
+            store_pages=1 if self.component == Component.MAMBA else base.store_pages,
             component=self.tag,
         )

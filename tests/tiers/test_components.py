@@ -5,6 +5,7 @@ controller's own two-phase ops), and stored under namespaces that name their geo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import shutil
 import time
@@ -326,6 +327,18 @@ def test_components_that_differ_in_any_geometry_never_share_a_namespace():
     assert len(set(ids.values())) == len(ids), ids
     assert SPECS["mamba"].namespace(BASE).manifest(10)["component"] == "mamba"
     assert SPECS["swa"].namespace(BASE).component == "swa:window=8"
+
+
+def test_a_state_is_a_store_page_of_its_own_whatever_the_token_grouping():
+    """Store pages of 4 token pages (store.page_tokens) group the token components' pages;
+    a state, one slot keyed by the prefix it ends, is never grouped: its namespace (and
+    manifest) says store_pages 1, the same as under a base without grouping."""
+    grouped = dataclasses.replace(BASE, store_pages=4)
+    mamba = SPECS["mamba"].namespace(grouped)
+    assert mamba.store_pages == 1 and "store_pages" not in mamba.manifest(10)
+    assert mamba.id == SPECS["mamba"].namespace(BASE).id
+    for name in ("full", "swa"):
+        assert SPECS[name].namespace(grouped).store_pages == 4
 
 
 @pytest.mark.parametrize(
