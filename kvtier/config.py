@@ -105,6 +105,19 @@ class StoreConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class ModelSettings:
+    """The reference model `tierctl replay` and `serve` run: `tiny` (full attention) or
+    `hybrid` (full, sliding-window and recurrent layers; `window`: tokens before a query a
+    sliding-window layer sees). `model: hybrid` is short for `model: {kind: hybrid}`."""
+
+    kind: Literal["tiny", "hybrid"] = "tiny"
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        check_positive(self, "window", integer=True)
+
+
+@dataclass(slots=True, frozen=True)
 class KvtierConfig:
     namespace: NamespaceConfig = NamespaceConfig()
     pool: PoolConfig = PoolConfig(size=4096, num_layers=4)
@@ -115,6 +128,7 @@ class KvtierConfig:
     events: EventsConfig | None = (
         None  # KV events for routers (docs/events.md); none without the section
     )
+    model: ModelSettings = ModelSettings()
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +156,7 @@ _SECTIONS: dict[str, type] = {
     "controller": ControllerConfig,
     "store": StoreConfig,
     "events": EventsConfig,
+    "model": ModelSettings,
 }
 _STORE_COMMON = ("backend", "key_prefix", "timeout_s", "required", "page_tokens")
 # variables of this prefix that other parts read (not config keys)
@@ -197,6 +212,15 @@ def load_config(
                     f"{section!r}: unknown section"
                     f"{f' (did you mean {near[0]!r}?)' if near else ''}; "
                     f"allowed: {', '.join(_SECTIONS)}{f' ({where})' if where else ''}"
+                )
+            if section == "model" and isinstance(values, str):  # `model: hybrid`
+                values = {"kind": values}
+            elif section == "model" and not isinstance(values, Mapping):
+                kinds = typing.get_args(typing.get_type_hints(ModelSettings)["kind"])
+                raise KvtierConfigError(
+                    f"model: expected a model name ({', '.join(kinds)}) or a mapping of "
+                    f"keys (kind, window), got {values!r}"
+                    + (f" ({where})" if where else "")
                 )
             if values is None and section == "mirror":  # `mirror: null`: no host tier
                 merged[section] = None

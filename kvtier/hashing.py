@@ -31,6 +31,7 @@ NAMESPACE_ID_HEX = 32
 PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 _NS_RE = re.compile(r"[0-9a-f]{32}")
 _HASH_RE = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
+_COMPONENT_RE = re.compile(r"[a-z]+(?::[a-z_]+=[a-z0-9_.x]+)*")
 _DOT_SEGMENT = re.compile(r"(?:^|/)\.\.?(?:/|$)")  # a '.' or '..' path segment
 
 
@@ -66,6 +67,9 @@ class Namespace:
         None  # hex id of the tenant key (never the key): its pages are sealed
     )
     store_pages: int = 1  # device pages in one store page (`store.page_tokens`)
+    # a hybrid model's component and what fixes its pages beyond the pool's layout
+    # ("swa:window=16", "mamba"; `kvtier/tiers/components.py`); None: full attention
+    component: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -79,6 +83,13 @@ class Namespace:
         ):
             raise KvtierConfigError(
                 f"store_pages={self.store_pages!r}: device pages in a store page, an integer >= 1"
+            )
+        if self.component is not None and not _COMPONENT_RE.fullmatch(
+            str(self.component)
+        ):
+            raise KvtierConfigError(
+                f"namespace.component={self.component!r}: a name of [a-z] with "
+                "':key=value' geometry fields of [a-z0-9_.x=] (e.g. 'swa:window=16')"
             )
         if not 0 <= self.tp_rank < self.tp_size:
             raise KvtierConfigError(
@@ -106,6 +117,8 @@ class Namespace:
             out["tenant_key_id"] = self.tenant_key_id
         if self.store_pages > 1:
             out["store_pages"] = self.store_pages
+        if self.component is not None:
+            out["component"] = self.component
         return out
 
     @property
@@ -114,9 +127,9 @@ class Namespace:
         h = hashlib.sha256(b"kvtier/namespace")
         for f in fields(self):
             value = getattr(self, f.name)
-            if (f.name in ("revision", "tenant_key_id") and value is None) or (
-                f.name == "store_pages" and value == 1
-            ):
+            if (
+                f.name in ("revision", "tenant_key_id", "component") and value is None
+            ) or (f.name == "store_pages" and value == 1):
                 continue  # ids from before these fields existed stay the same
             h.update(
                 _field(

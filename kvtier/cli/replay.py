@@ -50,6 +50,13 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--model",
+        choices=("tiny", "hybrid"),
+        default=None,
+        help="the reference model: tiny (full attention) or hybrid (full, sliding-window and "
+        "recurrent layers); default: the config's model.kind (tiny)",
+    )
+    p.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         default=None,
@@ -108,11 +115,11 @@ def run(args, default_config: str) -> int:
     from kvtier.cache import TieredCache
     from kvtier.config import load_config
     from kvtier.engine.engine import Engine, timed_run
-    from kvtier.engine.model import ModelConfig, TinyTransformer
     from kvtier.engine.workloads import generate, load_trace
 
-    model = TinyTransformer(ModelConfig(seed=args.seed))
-    config = with_weights(load_config(args.config, base=default_config), model)
+    config = load_config(args.config, base=default_config)
+    model = model_of(config, args.seed, getattr(args, "model", None))
+    config = with_weights(config, model)
     turns = (
         load_trace(args.trace, model.config.vocab)
         if args.trace
@@ -143,6 +150,13 @@ def run(args, default_config: str) -> int:
     return (
         1 if wrong or summary["failed_requests"] or not summary["counts_add_up"] else 0
     )
+
+
+def model_of(config, seed: int, kind: str | None = None):
+    """The reference model `kind` names (`--model`), else the config's `model` section."""
+    from kvtier.engine.model import build_model
+
+    return build_model(kind or config.model.kind, seed, config.model.window)
 
 
 def with_weights(config, model):

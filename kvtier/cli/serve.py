@@ -170,25 +170,27 @@ class Server:
     ) -> None:
         from kvtier.cache import TieredCache
         from kvtier.config import shipped_default
-        from kvtier.cli.replay import with_weights
+        from kvtier.cli.replay import model_of, with_weights
         from kvtier.config import load_config
         from kvtier.engine.engine import Engine
         from kvtier.engine.loop import EngineLoop
-        from kvtier.engine.model import ModelConfig, TinyTransformer
         from kvtier.engine.sessions import Histories
 
-        self.model = TinyTransformer(ModelConfig(seed=seed))
-        self.cache = TieredCache(
-            with_weights(load_config(config_path, base=shipped_default()), self.model)
-        )
+        config = load_config(config_path, base=shipped_default())
+        self.model = model_of(config, seed)
+        self.cache = TieredCache(with_weights(config, self.model))
         self.histories = Histories(sessions, session_ttl_s)
-        self.engine = Engine(
-            self.cache,
-            self.model,
-            max_batch=batch,
-            histories=self.histories,
-            time_slice=time_slice,
-        )
+        try:  # a model the cache cannot hold is refused here: the cache's threads end
+            self.engine = Engine(
+                self.cache,
+                self.model,
+                max_batch=batch,
+                histories=self.histories,
+                time_slice=time_slice,
+            )
+        except BaseException:
+            self.cache.close()
+            raise
         self.loop = EngineLoop(self.engine, max_queue=max_queue)
         self.max_new_tokens = max_new_tokens
         self._anonymous = 0

@@ -186,3 +186,19 @@ class TinyTransformer:
                 xs[j] = xs[j] + attn @ layer["wo"]
                 xs[j] = xs[j] + self._mlp(layer, xs[j])
         return [self._rms(x, self.norm) @ self.head for x in xs]
+
+
+MODELS = ("tiny", "hybrid")
+
+
+def build_model(kind: str, seed: int = 0, window: int = 16):
+    """The reference model of `kind` (`model.kind` in the config, `--model`): `tiny`, this
+    module's full-attention transformer, or `hybrid` (kvtier/engine/hybrid.py) with
+    sliding-window layers of `window`."""
+    if kind == "tiny":
+        return TinyTransformer(ModelConfig(seed=seed))
+    if kind == "hybrid":
+        from kvtier.engine.hybrid import HybridConfig, HybridModel
+
+        return HybridModel(HybridConfig(seed=seed, window=window))
+    raise ValueError(f"model={kind!r}: allowed values are {', '.join(MODELS)}")

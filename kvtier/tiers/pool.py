@@ -2,6 +2,9 @@
 
 MHA: per layer K `[size+page_size, heads, head_dim]` and V `[size+page_size, heads, v_head_dim]`.
 MLA: per layer one latent `[size+page_size, 1, kv_lora_rank+rope_dim]`.
+State (`StatePoolConfig`: a recurrent layer's fixed-size state per sequence, e.g. Mamba's):
+per layer one `[size+1, *state_shape]`; page_size is 1, so a slot is a page and a
+sequence's state is one slot, copied, mirrored and stored as a page like token KV.
 Rows 0..page_size-1 are page 0: padding, never handed out.
 
 A pool either allocates its tensors (`DeviceKVPool(config)`: one tensor per part for all
@@ -10,8 +13,9 @@ layers) or wraps an engine's own per-layer tensors (`DeviceKVPool.from_tensors`)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -98,6 +102,56 @@ class PoolConfig:
         )
 
 
+@dataclass(slots=True, frozen=True)
+class StatePoolConfig:
+    """A pool of recurrent states (a Mamba-like layer's): per layer one fixed-size state
+    of `state_shape` per slot, a sequence's state in one slot. A slot is a page (page_size
+    1), so the mirror, the controller and the store move states as they move token pages."""
+
+    size: int
+    num_layers: int
+    state_shape: tuple[int, ...]
+    dtype: str = "float32"
+    device: str = "cpu"
+    page_size: ClassVar[int] = 1
+    attention: ClassVar[str] = "state"
+
+    def __post_init__(self) -> None:
+        check_size("size", self.size)
+        check_size("num_layers", self.num_layers)
+        shape = self.state_shape
+        if isinstance(shape, list):  # from YAML
+            shape = tuple(shape)
+            object.__setattr__(self, "state_shape", shape)
+        if (
+            not isinstance(shape, tuple)
+            or not shape
+            or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape
+            )
+        ):
+            raise ValueError(
+                f"state_shape={shape!r}: a tuple of integers >= 1 (one slot's shape)"
+            )
+        parse_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"device={self.device!r}: allowed: cpu, cuda or cuda:N (a torch device)"
+            ) from None
+
+    @property
+    def page_layout(self) -> str:
+        """What fixes the bytes of a slot: layers and the state's shape."""
+        return f"state:layers={self.num_layers}:shape={'x'.join(map(str, self.state_shape))}"
+
+    @property
+    def part_widths(self) -> tuple[int, ...]:
+        """Elements per slot per layer (one buffer a layer)."""
+        return (math.prod(self.state_shape),)
+
+
 def usable_device(device: str) -> torch.device:
     """`device` as a torch device this torch can allocate on (a one-line error if not)."""
     dev = torch.device(device)
@@ -112,11 +166,13 @@ def usable_device(device: str) -> torch.device:
 class DeviceKVPool:
     """KV bytes on the device (CPU tensors when there is no GPU). Slot 0 is padding."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig | StatePoolConfig) -> None:
         c = config
         dtype, device = parse_dtype(c.dtype), usable_device(c.device)
         rows = c.size + c.page_size
-        if c.attention == "mla":
+        if c.attention == "state":
+            shapes = [(rows, *c.state_shape)]
+        elif c.attention == "mla":
             shapes = [(rows, 1, c.kv_lora_rank + c.rope_dim)]
         else:
             shapes = [
@@ -256,6 +312,8 @@ class DeviceKVPool:
 
     def v_buffer(self, layer: int) -> torch.Tensor:
         """V for MHA; for MLA the first kv_lora_rank channels of the latent (a view)."""
+        if self.config.attention == "state":
+            raise ValueError("v_buffer: a state pool has no V (state_buffer)")
         if self.config.attention == "mla":
             if not self._latent_split:
                 raise ValueError(
@@ -292,6 +350,8 @@ class DeviceKVPool:
     ) -> None:
         """Write K and V (MHA) or the latent `k` (MLA, `v` must be None) at slots `loc`."""
         check_indices("loc", loc)
+        if self.config.attention == "state":
+            raise ValueError("set_kv: a state pool holds states (set_states)")
         if (v is None) != (self.config.attention == "mla"):
             raise ValueError(
                 f"set_kv: v is {'required' if v is None else 'not allowed'} for {self.config.attention}"
@@ -302,6 +362,46 @@ class DeviceKVPool:
                     f"set_kv: {loc.numel()} slots but {value.shape[0]} rows of KV"
                 )
             buf[loc] = value.to(self.dtype).view(-1, *buf.shape[1:])
+
+    # -- state slots (StatePoolConfig) ------------------------------------------------------
+
+    def _state_only(self, what: str) -> None:
+        if self.config.attention != "state":
+            raise ValueError(
+                f"{what}: for a state pool (StatePoolConfig), this one is "
+                f"{self.config.attention!r}"
+            )
+
+    def state_buffer(self, layer: int) -> torch.Tensor:
+        """`[size+1, *state_shape]`: layer `layer`'s state of every slot (slot 0 padding)."""
+        self._state_only("state_buffer")
+        return self.buffers[layer][0]
+
+    def set_states(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Write `states` `[len(slots), *state_shape]` into layer `layer`'s `slots`."""
+        self._state_only("set_states")
+        check_indices("slots", slots)
+        buf = self.buffers[layer][0]
+        if tuple(states.shape) != (slots.numel(), *buf.shape[1:]):
+            raise ValueError(
+                f"set_states: {tuple(states.shape)} for {slots.numel()} slots of shape "
+                f"{tuple(buf.shape[1:])}"
+            )
+        buf[slots] = states.to(self.dtype)
+
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's state of slots `src` into slots `dst` (on the device): a cached
+        state is copied into a request's own slot, which its forward then advances, and
+        a request's state is copied out at a node boundary."""
+        self._state_only("copy_states")
+        check_indices("src", src)
+        check_indices("dst", dst)
+        if src.numel() != dst.numel():
+            raise ValueError(
+                f"copy_states: {src.numel()} sources, {dst.numel()} targets"
+            )
+        for (buf,) in self.buffers:
+            buf[dst] = buf[src]
 
 
 def _check_buffer(name: str, buf: object, ref: torch.Tensor) -> None:

@@ -71,3 +71,32 @@ def test_cuda_stream_signals_each_layer():
         launched_on and launched_on[0] != threading.get_ident()
     )  # a worker launched the copies
     stream.close()
+
+
+@cuda
+def test_state_slots_round_trip_through_a_pinned_mirror_on_gpu(monkeypatch):
+    """A hybrid model's recurrent states (one slot a page) go device -> pinned host ->
+    device byte for byte on both I/O paths, and are copied slot to slot on the GPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from kvtier.tiers.mirror import HostMirror, MirrorConfig
+    from kvtier.tiers.pool import DeviceKVPool, StatePoolConfig
+
+    pool = DeviceKVPool(
+        StatePoolConfig(size=32, num_layers=2, state_shape=(4, 16), device="cuda")
+    )
+    for part in pool.parts:
+        part.normal_()
+    dev = torch.tensor([5, 2, 9], device="cuda")
+    into = torch.tensor([1, 7, 3], device="cuda")
+    for io in ("direct", "kernel"):
+        mirror = HostMirror(pool, MirrorConfig(io=io))
+        assert mirror.pinned and mirror.io == io
+        host = mirror.allocator.alloc(3)
+        mirror.backup(pool, dev, host)
+        torch.cuda.synchronize()
+        target = DeviceKVPool(pool.config)
+        mirror.load(target, host, into)
+        torch.cuda.synchronize()
+        assert torch.equal(target.parts[0][:, into], pool.parts[0][:, dev])
+    pool.copy_states(dev, torch.tensor([10, 11, 12], device="cuda"))
+    assert torch.equal(pool.parts[0][:, 10:13], pool.parts[0][:, dev])
