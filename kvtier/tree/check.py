@@ -210,8 +210,7 @@ def check_components(tree) -> list[str]:
                 held[side][tier].append(
                     np.atleast_1d(np.asarray(value, dtype=np.int64))
                 )
-                other = node.swa[Tier.DEVICE] if side == 0 else node.mamba[Tier.DEVICE]
-                member = not lock and (tier == Tier.DEVICE or other is None)
+                member = not lock
                 if member != (node.id in tree._side_sets[side][tier]):
                     problems.append(
                         f"{node}: {('swa', 'mamba')[side]} {tier.name} evictable-set membership "

@@ -145,11 +145,7 @@ class HybridRadixTree(RadixTree):
             (MAMBA, node.mamba, node.anchors),
         ):
             for tier in (D, H):
-                if (
-                    values[tier] is not None
-                    and not hold[tier]
-                    and (tier == D or values[D] is None)
-                ):
+                if values[tier] is not None and not hold[tier]:
                     self._side_sets[i][tier].add(node)
                 else:
                     self._side_sets[i][tier].discard(node)
@@ -512,8 +508,8 @@ class HybridRadixTree(RadixTree):
     ) -> ComponentEviction:
         """Let at least `amount` SWA tokens (Mamba states) go on `tier`, least recently
         used first, if that many are evictable; the nodes and their FULL KV stay (an SWA
-        tombstone, a node without a state). A value held by a lock is never taken; on host
-        only values not also on device are."""
+        tombstone, a node without a state). A value held by a lock is never taken; a host
+        copy may go while the device one stays (no tier needs the other's)."""
         side = self._side(component)
         tier = Tier(tier)
         check_size("evict_component: amount", amount, minimum=0)
