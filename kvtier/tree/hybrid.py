@@ -229,6 +229,11 @@ class HybridRadixTree(RadixTree):
         if self.has_swa and node.end > self.wp:
             self._cut(node, node.end - self.wp)
 
+    def window_nodes(self, node: HybridNode) -> list[HybridNode]:
+        """The nodes of the SWA window that ends at `node`, `node` first: what a restore
+        that ends there needs the SWA KV of (empty without SWA)."""
+        return self._window(node) if self.has_swa else []
+
     def _window(self, node: HybridNode) -> list[HybridNode]:
         """The nodes of the window that ends at `node` (its end first)."""
         out, n, lo = [], node, node.end - self.wp
