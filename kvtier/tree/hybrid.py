@@ -452,6 +452,13 @@ class HybridRadixTree(RadixTree):
     # -- locks ---------------------------------------------------------------------------------
 
     def _lock(self, node, tier, delta) -> None:
+        if delta < 0 and node is not self.root and not node.anchors[tier]:
+            # a FULL-only tree takes an unlock of any locked node on the path; here the
+            # window and the state belong to the node the lock was taken at
+            what = "unlock" if tier == D else "release_host"
+            raise ValueError(
+                f"{what}: no lock was taken at {node} (unlock the node you locked)"
+            )
         super()._lock(node, tier, delta)  # raises, changing nothing, on a bad path
         if node is self.root:
             return

@@ -245,3 +245,17 @@ def test_bad_component_input_changes_nothing():
     assert swa_tree.total_size(D) == 0
     tree.sanity_check()
     swa_tree.sanity_check()
+
+
+def test_unlock_must_name_the_node_that_was_locked():
+    tree = HybridRadixTree(page_size=1, components=(FULL, SWA, MAMBA), swa_window=2)
+    leaf = tree.insert(
+        key([1, 2, 3]), ar(1, 4), swa_indices=ar(11, 14), mamba_slot=2
+    ).last_node
+    tree.lock(leaf)
+    assert [n.end for n in tree.window_nodes(leaf)] == [3]  # [1, 3) is one node
+    with pytest.raises(ValueError, match="no lock was taken at"):
+        tree.unlock(leaf.parent)
+    assert leaf.locks[D] == 1 and tree.component_protected_size(MAMBA) == 1
+    assert len(tree.unlock(leaf)) == 0
+    tree.sanity_check()
