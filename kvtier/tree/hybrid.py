@@ -352,7 +352,8 @@ class HybridRadixTree(RadixTree):
         Mamba state after the key's last token at `mamba_slot`.
 
         A node that already holds SWA KV (a Mamba state) on device keeps it, and the given
-        slots for it are listed in `frees`; so is given SWA KV outside every live window.
+        slots for it are listed in `frees` (but for the slots it holds itself: a request
+        passes back the window it matched); so is given SWA KV outside every live window.
         Slots not listed there belong to the tree."""
         self._check_aligned("insert", key)
         swa = self._check_swa_args(key, swa_indices, swa_start)
@@ -375,8 +376,8 @@ class HybridRadixTree(RadixTree):
                     n.swa_access = self.clock
                     self._end(n)
                     fresh.append(n)
-                else:
-                    self._freed[SWA][D].append(part)
+                else:  # the slots it holds were the request's from its match: not dups
+                    self._freed[SWA][D].append(part[part != n.swa[D]])
                 n = n.parent
         self._settle(fresh)
         added = r.added
@@ -406,7 +407,8 @@ class HybridRadixTree(RadixTree):
 
     def _set_mamba(self, node: HybridNode, tier: Tier, slot: int) -> None:
         if node is self.root or node.mamba[tier] is not None:
-            self._freed[MAMBA][tier].append(np.array([slot], dtype=np.int64))
+            if node.mamba[tier] != slot:  # its own slot given back is no duplicate
+                self._freed[MAMBA][tier].append(np.array([slot], dtype=np.int64))
             return
         self._begin(node)
         node.mamba[tier] = slot

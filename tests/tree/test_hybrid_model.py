@@ -141,8 +141,11 @@ class HybridMachine(RuleBasedStateMachine):
         pages=st.lists(st.integers(0, 3), min_size=1, max_size=6),
         swa_from=st.integers(0, 6),
         with_state=st.booleans(),
+        reuse=st.booleans(),
     )
-    def insert(self, pages, swa_from, with_state):
+    def insert(self, pages, swa_from, with_state, reuse):
+        """`reuse`: the request passes back the tree's own SWA and state slots where the
+        tree holds them on device (what it matched), as a server's request does."""
         seq = self._seq(pages)
         n = len(seq)
         full = self._slots("full", n)
@@ -151,6 +154,12 @@ class HybridMachine(RuleBasedStateMachine):
         state = (
             int(self._slots("mamba", 1)[0]) if self.mamba_on and with_state else None
         )
+        if reuse:
+            for i, p in enumerate(prefixes(seq, swa_start, n)):
+                if p in self.swa[D]:
+                    swa[i] = self.swa[D][p]
+            if state is not None and tuple(seq) in self.mamba[D]:
+                state = self.mamba[D][tuple(seq)]
         existing = sum(1 for p in prefixes(seq, 0, n) if p in self.full[D])
         r = self.tree.insert(
             RadixKey(seq), full, swa_indices=swa, swa_start=swa_start, mamba_slot=state
@@ -161,12 +170,14 @@ class HybridMachine(RuleBasedStateMachine):
         unkept_swa, unkept_state = [], []
         for i, p in enumerate(prefixes(seq, swa_start, n)):
             if p in self.swa[D]:
-                unkept_swa.append(int(swa[i]))
+                if self.swa[D][p] != int(swa[i]):
+                    unkept_swa.append(int(swa[i]))
             else:
                 self.swa[D][p] = int(swa[i])
         if state is not None:
             if tuple(seq) in self.mamba[D]:
-                unkept_state.append(state)
+                if self.mamba[D][tuple(seq)] != state:
+                    unkept_state.append(state)
             else:
                 self.mamba[D][tuple(seq)] = state
         dead = self._settle()

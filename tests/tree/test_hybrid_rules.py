@@ -259,3 +259,34 @@ def test_unlock_must_name_the_node_that_was_locked():
     assert leaf.locks[D] == 1 and tree.component_protected_size(MAMBA) == 1
     assert len(tree.unlock(leaf)) == 0
     tree.sanity_check()
+
+
+def test_insert_never_lists_a_slot_the_tree_keeps():
+    """A request matches a prefix, locks it, computes on and inserts: the SWA slots of the
+    window it matched are the tree's own, and given back they must not come back to be
+    freed (the pool would hand out a slot the tree still reads). Same for a state slot."""
+    tree = HybridRadixTree(page_size=1, components=(FULL, SWA, MAMBA), swa_window=2)
+    tree.insert(key([1, 2, 3, 4]), ar(1, 5), swa_indices=ar(11, 15), mamba_slot=3)
+    m = tree.match_prefix(key([1, 2, 3, 4, 5, 6]))
+    assert m.device_indices.tolist() == [1, 2, 3, 4]
+    tree.lock(m.last_device_node)
+    window = [n.swa[D].tolist() for n in tree.window_nodes(m.last_device_node)]
+    assert window == [[13, 14]]
+    # its SWA KV of [2, 6): the matched window (the tree's) and two fresh slots
+    r = tree.insert(
+        key([1, 2, 3, 4, 5, 6]),
+        ar(1, 7),
+        swa_indices=torch.tensor([13, 14, 15, 16]),
+        swa_start=2,
+        mamba_slot=4,
+    )
+    assert r.frees.swa_device.tolist() == [] and r.frees.mamba_device.tolist() == []
+    assert r.last_node.swa[D].tolist() == [15, 16] and r.last_node.mamba[D] == 4
+    tree.unlock(m.last_device_node)
+    # inserting the matched end again with its own state slot frees nothing either
+    r = tree.insert(key([1, 2, 3, 4]), ar(1, 5), mamba_slot=3)
+    assert len(r.frees) == 0
+    # a fresh duplicate is still listed
+    r = tree.insert(key([1, 2, 3, 4]), ar(1, 5), mamba_slot=9)
+    assert r.frees.mamba_device.tolist() == [9]
+    tree.sanity_check()
