@@ -561,7 +561,8 @@ def make_tree(
 ) -> RadixTree:
     """The tree for a model's component set: a `RadixTree` for FULL alone (no component
     bookkeeping at all), a `HybridRadixTree` otherwise."""
-    comps, _ = parse_components(components, swa_window, kwargs.get("page_size", 1))
+    # the window's rounding is the tree's business (it checks page_size first)
+    comps, _ = parse_components(components, swa_window, 1)
     if comps == (Component.FULL,):
         return RadixTree(**kwargs)
     return HybridRadixTree(components=comps, swa_window=swa_window, **kwargs)

@@ -225,6 +225,12 @@ def test_bad_component_sets_are_refused_by_name(kwargs, match):
         HybridRadixTree(**kwargs)
 
 
+@pytest.mark.parametrize("page_size", [0, "2"])
+def test_make_tree_refuses_a_bad_page_size_by_name(page_size):
+    with pytest.raises(ValueError, match=f"page_size={page_size!r}"):
+        make_tree((FULL, SWA), swa_window=4, page_size=page_size)
+
+
 def test_bad_component_input_changes_nothing():
     tree = HybridRadixTree(page_size=2, components=(FULL, MAMBA))
     with pytest.raises(ValueError, match="not a side component of this tree"):
