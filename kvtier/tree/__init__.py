@@ -1,10 +1,14 @@
 """What is worth keeping: a radix tree over page-aligned token keys, per tier."""
 
+from kvtier.tree.components import Component
+from kvtier.tree.hybrid import HybridRadixTree, make_tree
 from kvtier.tree.key import RadixKey
-from kvtier.tree.node import Tier, TreeNode
+from kvtier.tree.node import HybridNode, Tier, TreeNode
 from kvtier.tree.policy import EvictionPolicy
 from kvtier.tree.radix import RadixTree
 from kvtier.tree.results import (
+    ComponentEviction,
+    ComponentFrees,
     DeviceEviction,
     HostEviction,
     HostInsertResult,
@@ -14,10 +18,15 @@ from kvtier.tree.results import (
 )
 
 __all__ = [
+    "Component",
+    "ComponentEviction",
+    "ComponentFrees",
     "DeviceEviction",
     "EvictionPolicy",
     "HostEviction",
     "HostInsertResult",
+    "HybridNode",
+    "HybridRadixTree",
     "InsertResult",
     "KnownHashes",
     "MatchResult",
@@ -25,4 +34,5 @@ __all__ = [
     "RadixTree",
     "Tier",
     "TreeNode",
+    "make_tree",
 ]

@@ -74,3 +74,50 @@ class TreeNode:
     def __repr__(self) -> str:
         tiers = "".join(t for t, v in zip("DH", self.values) if v is not None) or "-"
         return f"Node#{self.id}(len={len(self)}, tiers={tiers}, locks={self.locks}, hits={self.hit_count})"
+
+
+class HybridNode(TreeNode):
+    """A node of a tree with side components (`HybridRadixTree`); a full-attention tree
+    makes plain `TreeNode`s and pays for none of this.
+
+    Per tier: `swa[tier]` int64 SWA slots, one per token (None: a tombstone, the node and
+    its FULL KV stay); `mamba[tier]` the slot of the recurrent state after the node's last
+    token (an int, or None). `anchors[tier]`: locks taken at exactly this node (what a
+    Mamba state and an SWA window are protected by); `swa_hold[tier]`: anchors at or below
+    whose window reaches into this node. `end`: tokens from the root to the node's end.
+    `swa_access` / `mamba_access`: the components' own logical clocks (their LRU keys)."""
+
+    __slots__ = (
+        "end",
+        "swa",
+        "mamba",
+        "anchors",
+        "swa_hold",
+        "swa_access",
+        "mamba_access",
+    )
+
+    def __init__(
+        self, node_id: int, key: RadixKey, parent: TreeNode | None, clock: int
+    ) -> None:
+        super().__init__(node_id, key, parent, clock)
+        self.end = (0 if parent is None else parent.end) + key.tokens.shape[0]
+        self.swa: list[np.ndarray | None] = [None, None]
+        self.mamba: list[int | None] = [None, None]
+        self.anchors = [0, 0]
+        self.swa_hold = [0, 0]
+        self.swa_access = clock
+        self.mamba_access = clock
+
+    @property
+    def start(self) -> int:
+        return self.end - self.key.tokens.shape[0]
+
+    def __repr__(self) -> str:
+        tiers = "".join(t for t, v in zip("DH", self.values) if v is not None) or "-"
+        swa = "".join(t for t, v in zip("DH", self.swa) if v is not None) or "-"
+        mamba = "".join(t for t, v in zip("DH", self.mamba) if v is not None) or "-"
+        return (
+            f"Node#{self.id}([{self.start},{self.end}), tiers={tiers}, swa={swa}, mamba={mamba}, "
+            f"locks={self.locks}, anchors={self.anchors}, swa_hold={self.swa_hold})"
+        )

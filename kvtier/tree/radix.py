@@ -23,6 +23,7 @@ import torch
 
 from kvtier.tiers.indices import check_size, check_slots, concat
 from kvtier.tree.check import check_tree, is_evictable_leaf, render
+from kvtier.tree.components import Component
 from kvtier.tree.hash_plan import (
     ChainMemo,
     HashPlan,
@@ -61,6 +62,9 @@ def _slots(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class RadixTree:
+    # a full-attention model's tree; HybridRadixTree (tree/hybrid.py) adds SWA and Mamba
+    components: tuple[Component, ...] = (Component.FULL,)
+
     def __init__(
         self,
         page_size: int = 1,

@@ -36,6 +36,38 @@ class MatchResult:
 
 
 @dataclass(slots=True, frozen=True)
+class ComponentFrees:
+    """Slots of the side components (SWA KV tokens, Mamba state slots) that the caller frees
+    in their pools, per tier: slots it handed to the tree that the tree did not keep, and
+    slots the tree let go (evicted, or SWA KV that no live window needs any more)."""
+
+    swa_device: np.ndarray
+    swa_host: np.ndarray
+    mamba_device: np.ndarray
+    mamba_host: np.ndarray
+
+    def __len__(self) -> int:
+        return sum(
+            a.size
+            for a in (
+                self.swa_device,
+                self.swa_host,
+                self.mamba_device,
+                self.mamba_host,
+            )
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class ComponentEviction:
+    """`evicted`: SWA tokens or Mamba states let go on the tier asked (what the pool gets
+    back there); `frees` lists every slot to free, on both tiers."""
+
+    evicted: int
+    frees: ComponentFrees
+
+
+@dataclass(slots=True, frozen=True)
 class InsertResult:
     """The first `prefix_len` tokens were already on device: the caller frees its slots for
     them. Slots past `prefix_len` now belong to the tree. `added` are new device nodes
@@ -44,6 +76,7 @@ class InsertResult:
     prefix_len: int
     last_node: TreeNode
     added: list[TreeNode] = field(default_factory=list)
+    frees: ComponentFrees | None = None  # hybrid trees: SWA/Mamba slots to free
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +100,9 @@ class DeviceEviction:
     demoted: list[TreeNode]
     removed: list[TreeNode]
     needs_backup: list[TreeNode]
+    frees: ComponentFrees | None = (
+        None  # hybrid trees: their SWA/Mamba slots, and dead windows
+    )
 
     @property
     def device_indices(self) -> torch.Tensor:
@@ -80,6 +116,9 @@ class HostEviction:
     host_slots: np.ndarray
     evicted_tokens: int
     removed: list[TreeNode]
+    frees: ComponentFrees | None = (
+        None  # hybrid trees: their SWA/Mamba slots, and dead windows
+    )
 
     @property
     def host_indices(self) -> torch.Tensor:
