@@ -543,15 +543,28 @@ def test_controller_cpus_keeps_the_store_threads_off_the_callers_cores(sg, tmp_p
         )
 
 
-def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
+def test_hybrid_pools_attach_and_an_swa_pool_needs_its_window(sg, tmp_path):
+    """Hybrid host pools are served through the v2 calls (tests/integrations/
+    test_sglang_hybrid.py); an SWA pool needs the window, which SGLang does not hand a
+    storage backend, and a hybrid model's KV namespace is not a plain model's."""
+    names = sg.hicache_storage.PoolName
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
     pool = rt.make_mha_pool(sg)
     backend = attach(sg, pool, path)
-    backend.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.KV)
-    backend.on_host_pools_registered()  # plain KV: fine
-    backend.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.MAMBA)
-    with pytest.raises(NotImplementedError, match="mamba"):
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    backend.on_host_pools_registered()  # plain KV: its namespace as before
+    plain = backend.namespace.id
+    backend.register_mem_host_pool_v2(rt.make_mha_pool(sg), names.SWA)
+    with pytest.raises(
+        KvtierConfigError, match=r"extra_config.sliding_window_size=None: .*'swa'"
+    ):
         backend.on_host_pools_registered()
+    backend.close()
+    backend = attach(sg, pool, path, sliding_window_size=8)
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    backend.register_mem_host_pool_v2(rt.make_mha_pool(sg), names.SWA)
+    backend.on_host_pools_registered()
+    assert backend.namespace.id != plain
     backend.close()
 
 

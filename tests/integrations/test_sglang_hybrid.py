@@ -1,0 +1,473 @@
+"""kvtier as SGLang 0.5.23's HiCache L3 backend for hybrid models (SWA, Mamba): the v2 calls
+(`batch_exists_v2 / batch_get_v2 / batch_set_v2`), driven by SGLang's own HiCache.
+
+A real `UnifiedRadixCache` with (FULL, SWA) or (FULL, MAMBA) components, built by SGLang's
+test kit on CPU, gets HiCache (`init_hicache`: host pools per component, SGLang's hybrid
+cache controller, write-through to L3) with `KvtierStorage` as its `dynamic` backend. A
+producer computes P+X and P+Y and backs them up (host, then L3 through the controller's
+own `batch_set_v1` / `batch_set_v2` calls); a second cache (an empty host tier) prefetches
+P+X+Z and P+Z from the same store (`batch_exists_v2`, `batch_get_v1`, `batch_get_v2`).
+
+HiCache's device <-> host kernels have no CPU build: they are no-ops here
+(kvtier/bench/hicache_cpu.py), so the bytes that travel are the host pools' own, which
+each test fills with random bytes first. The oracle is the producer's host page of each
+(pool, key) when it was written; every page the consumer's backend answers True for must
+be byte-equal to it in the consumer's host pool, and every page it answers False for
+must have left the consumer's host slots as they were. SGLang is loaded by
+tests/integrations/sglang_linker_runtime.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import time
+import uuid
+from array import array
+
+import pytest
+import torch
+import yaml
+
+from kvtier.bench.hicache_cpu import Shims
+from kvtier.integrations.sglang.storage import page_hash_of
+from tests.integrations import sglang_linker_runtime as rt
+from tests.servers import IN_CI
+
+PS = 4  # tokens per page; the window is 8 tokens = 2 pages
+P = list(range(100, 100 + 3 * PS))
+X = list(range(200, 200 + 2 * PS))
+Y = list(range(300, 300 + 2 * PS))
+Z = list(range(400, 400 + PS))
+
+
+@pytest.fixture(scope="module")
+def sg():
+    try:
+        mods = rt.load()
+    except rt.Missing as exc:
+        if IN_CI:
+            pytest.fail(f"{exc}; .ci/run must install it")
+        pytest.skip(str(exc))
+    shims = Shims()
+    shims.install()
+    mamba_host = importlib.import_module("sglang.srt.mem_cache.pool_host.mamba")
+    for name in ("transfer_kv_mamba_lf_pf", "transfer_kv_mamba_pf_lf"):
+        if getattr(mamba_host, name, None) is None:  # CUDA/ROCm-only imports
+            setattr(mamba_host, name, shims._noop(name))
+    # CPU torch has no pinned allocator, and host pools allocate with their pin_memory
+    # flag from the moment they exist (the backend is registered inside init_hicache):
+    # every host pool of this SGLang load is unpinned (kvtier/bench/hicache_cpu.py, 4)
+    base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
+    base.HostKVCache.pin_memory = property(lambda self: False, lambda self, v: None)
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    yield mods
+    rt.unload()
+
+
+def ct():
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    return ComponentType
+
+
+def swa_cfg(sg, window=8):
+    return sg.cfg.CacheConfig(
+        page_size=PS,
+        components=(ct().FULL, ct().SWA),
+        sliding_window_size=window,
+        num_layers=4,
+        full_attention_layer_ids=(1, 3),
+        head_num=2,
+        head_dim=8,
+    )
+
+
+def mamba_cfg(sg, state_size=16):
+    return sg.cfg.CacheConfig(
+        page_size=PS,
+        components=(ct().FULL, ct().MAMBA),
+        enable_mamba_extra_buffer=True,  # page_size > 1 needs it
+        mamba_cache_size=60,
+        mamba_state_size=state_size,
+        num_layers=4,
+        full_attention_layer_ids=(1, 3),
+        head_num=2,
+        head_dim=8,
+    )
+
+
+def store_section(kind: str, request, tmp_path) -> dict:
+    if kind == "file":
+        return {"backend": "file", "root": str(tmp_path / "l3")}
+    if kind == "redis":
+        return {"backend": "redis", "url": request.getfixturevalue("redis_server").url}
+    if kind == "s3":
+        return {
+            "backend": "s3",
+            "bucket": f"kvtier-{uuid.uuid4().hex[:12]}",
+            "create_bucket": True,
+            "endpoint_url": request.getfixturevalue("s3_server").url,
+            "access_key_id": "testing",
+            "secret_access_key": "testing",
+        }
+    raise AssertionError(kind)
+
+
+def write_yaml(tmp_path, store: dict) -> str:
+    path = tmp_path / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump({"store": {"timeout_s": 5.0, **store}}))
+    return str(path)
+
+
+def host_tensors(pool) -> list[torch.Tensor]:
+    """Every buffer of a host pool (MHA: kv_buffer; Mamba: a list of them)."""
+    bufs = pool.kv_buffer
+    return [t for t in (bufs if isinstance(bufs, list) else [bufs]) if t.numel()]
+
+
+def fill_random(pool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in host_tensors(pool):
+        assert t.is_contiguous()
+        raw = t.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def page_at(pool, start: int) -> bytes:
+    page = pool.get_data_page(start, flat=True).contiguous()
+    return bytes(page.view(-1).view(torch.uint8).numpy())
+
+
+class HiCache:
+    """One SGLang worker: the kit's cache, HiCache with host pools and KvtierStorage."""
+
+    def __init__(self, sg, cfg, yaml_path: str, seed: int, **extra) -> None:
+        from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE
+
+        self.sg, self.cfg = sg, cfg
+        self.cache, self.alloc, self.r2t = sg.fx.build_fixture(cfg)
+        sa = sg.server_args.ServerArgs(
+            model_path="dummy",
+            page_size=PS,
+            hicache_io_backend="kernel",
+            hicache_write_policy="write_through",
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps(
+                {
+                    "backend_name": "kvtier",
+                    "module_path": "kvtier.integrations.sglang",
+                    "class_name": "KvtierStorage",
+                    "kvtier_config": yaml_path,
+                    "interface_v1": 1,
+                    "prefetch_threshold": 1,
+                    **extra,
+                }
+            ),
+        )
+        sa._mamba_cache_chunk_size = max(CHUNK_SIZE, PS)
+        sg.server_args.set_global_server_args_for_scheduler(sa)
+        self.cache.init_hicache(sa, self.cache.cache_init_params)
+        atexit.unregister(self.cache.shutdown)
+        cc = self.cc = self.cache.cache_controller
+        # backups driven below, as SGLang's kit does
+        self.cache.write_through_threshold, self.cache.load_back_threshold = 1 << 30, 0
+        cc.prefetch_capacity_limit = max(
+            cc.prefetch_capacity_limit, cc.mem_pool_host.size
+        )
+        self.backend = cc.storage_backend
+        self.pools = {str(e.name): e.host_pool for e in cc.mem_pool_host.entries}
+        for i, name in enumerate(sorted(self.pools)):
+            fill_random(self.pools[name], seed * 100 + i)
+        self.calls: list[tuple] = []
+
+    def pool(self, name) -> object:
+        return self.pools[str(name)]
+
+    def written(self) -> dict[tuple[str, str], bytes]:
+        """Spy on the backend's writes: the host page of every (pool, key) it was given."""
+        pages: dict[tuple[str, str], bytes] = {}
+        b = self.backend
+        set_v1, set_v2 = b.batch_set_v1, b.batch_set_v2
+
+        def batch_set_v1(keys, host_indices, extra_info=None):
+            for k, s in zip(keys, host_indices[::PS].tolist()):
+                pages.setdefault(("kv", k), page_at(self.pool("kv"), s))
+            ok = set_v1(keys, host_indices, extra_info)
+            self.calls.append(("set_v1", len(keys), ok))
+            return ok
+
+        def batch_set_v2(transfers, extra_info=None):
+            for t in transfers:
+                pool = self.pool(t.name)
+                for k, s in zip(t.keys, t.host_indices[:: pool.page_size].tolist()):
+                    pages.setdefault((str(t.name), k), page_at(pool, s))
+            ok = set_v2(transfers, extra_info)
+            self.calls.append(("set_v2", {str(n): v for n, v in ok.items()}))
+            return ok
+
+        b.batch_set_v1, b.batch_set_v2 = batch_set_v1, batch_set_v2
+        return pages
+
+    def check_reads(self, oracle: dict[tuple[str, str], bytes]) -> dict[str, list]:
+        """Spy on the backend's reads: per pool, (key, answer) of every page; a True page
+        must now be the oracle's bytes in this host pool, a False one left as it was."""
+        seen: dict[str, list] = {}
+        b = self.backend
+        get_v1, get_v2, exists_v2 = b.batch_get_v1, b.batch_get_v2, b.batch_exists_v2
+
+        def checked(name, pool, keys, starts, before, ok):
+            assert len(ok) == len(keys)
+            for k, s, old, good in zip(keys, starts, before, ok):
+                now = page_at(pool, s)
+                if good:
+                    assert now == oracle[(name, k)], f"{name} page {k[:6]}: wrong bytes"
+                else:
+                    assert now == old, f"{name} page {k[:6]}: a miss wrote the host"
+                seen.setdefault(name, []).append((k, bool(good)))
+
+        def batch_get_v1(keys, host_indices, extra_info=None):
+            pool, starts = self.pool("kv"), host_indices[::PS].tolist()
+            before = [page_at(pool, s) for s in starts]
+            ok = get_v1(keys, host_indices, extra_info)
+            checked("kv", pool, keys, starts, before, ok)
+            return ok
+
+        def batch_get_v2(transfers, extra_info=None):
+            plans = []
+            for t in transfers:
+                pool = self.pool(t.name)
+                starts = t.host_indices[:: pool.page_size].tolist()
+                plans.append((t, pool, starts, [page_at(pool, s) for s in starts]))
+            ok = get_v2(transfers, extra_info)
+            for t, pool, starts, before in plans:
+                checked(str(t.name), pool, t.keys, starts, before, ok[t.name])
+            return ok
+
+        def batch_exists_v2(keys, pool_transfers=None, extra_info=None):
+            r = exists_v2(keys, pool_transfers, extra_info)
+            self.calls.append(("exists_v2", r.kv_hit_pages, r.restorable_prefix_pages))
+            return r
+
+        b.batch_get_v1, b.batch_get_v2 = batch_get_v1, batch_get_v2
+        b.batch_exists_v2 = batch_exists_v2
+        return seen
+
+    def compute_and_back_up(self, *seqs) -> None:
+        """Each sequence inserted (a finished prefill), backed up to host; the host
+        backup's ack queues the L3 write (write_through); waits for the writes."""
+        from sglang.test.kits.unified_radix_cache import fixtures as F
+        from sglang.test.kits.unified_radix_cache.mixins import (
+            UnifiedRadixCacheFixtures,
+        )
+
+        kit = type(
+            "Kit",
+            (UnifiedRadixCacheFixtures,),
+            {
+                "cfg": self.cfg,
+                "assertGreater": lambda s, a, b: None,
+                "assertTrue": lambda s, a: None,
+            },
+        )()
+        for seq in seqs:
+            kit._insert(self.cache, self.alloc, self.r2t, seq)
+            leaf = F.match_prefix(self.cache, seq).last_device_node
+            kit._backup_node(self.cache, leaf)
+            deadline = time.monotonic() + 60  # a bound on a hang, not a timing check
+            while self.cache.ongoing_backup:
+                assert time.monotonic() < deadline, "the L3 backup never finished"
+                self.cache.drain_storage_control_queues()
+                time.sleep(0.01)
+            self.cache.drain_storage_control_queues()
+
+    def prefetch(self, *seqs) -> list[tuple[int, int, int]]:
+        """SGLang's L3 prefetch of each sequence, then its match: (host hit tokens, SWA
+        host hit, Mamba host hit) per sequence."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.test.kits.unified_radix_cache import fixtures as F
+
+        out = []
+        for i, seq in enumerate(seqs):
+            handle = CacheRequestHandle(f"q{i}-{uuid.uuid4().hex[:6]}", 0)
+            self.cache.prefetch_from_storage(
+                handle, self.cache.root_node_handle(), array("q", seq), None, None
+            )
+            deadline = time.monotonic() + 60
+            while True:
+                self.cache.check_hicache_events()
+                if self.cache.check_prefetch_progress(handle):
+                    break
+                assert time.monotonic() < deadline, "the prefetch never finished"
+                time.sleep(0.01)
+            m = F.match_prefix(self.cache, seq)
+            out.append(
+                (m.host_hit_length, m.swa_host_hit_length, m.mamba_host_hit_length)
+            )
+        return out
+
+    def close(self) -> None:
+        self.cc._stop_storage_threads()
+        self.backend.close()
+
+
+def keys_of(tokens: list[int]) -> list[str]:
+    """SGLang's page keys of `tokens` (its sha256 chain)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(array("q", tokens), None, page_size=PS)
+
+
+def by_pool(seen: dict[str, list]) -> dict[str, list[tuple[str, bool]]]:
+    return {n: [(k[:6], ok) for k, ok in v] for n, v in seen.items()}
+
+
+# -- a round trip per pool, through each store ---------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["file", "redis", "s3"])
+def test_swa_pools_round_trip_byte_equal_through_the_store(
+    sg, store, request, tmp_path
+):
+    """P+X and P+Y written by one HiCache, read by another (empty host tier): every KV page
+    and every SWA page of the windows ending at P+X (5 pages) and P (3 pages) lands
+    byte-equal in the consumer's host pools. Before, the backend refused SWA host pools
+    (NotImplementedError at attach)."""
+    path = write_yaml(tmp_path, store_section(store, request, tmp_path))
+    prod = HiCache(sg, swa_cfg(sg), path, seed=1, sliding_window_size=8)
+    oracle = prod.written()
+    prod.compute_and_back_up(P + X, P + Y)
+    assert ("swa", keys_of(P + X)[-1]) in oracle and ("kv", keys_of(P)[0]) in oracle
+    cons = HiCache(sg, swa_cfg(sg), path, seed=2, sliding_window_size=8)
+    seen = cons.check_reads(oracle)
+    hits = cons.prefetch(P + X + Z, P + Z)
+    pxz, pz = keys_of(P + X + Z), keys_of(P + Z)
+    assert [h for h, _, _ in hits] == [20, 12]
+    assert [c[1:] for c in cons.calls if c[0] == "exists_v2"] == [
+        (5, [1, 2, 3, 4, 5]),
+        (3, [1, 2, 3]),
+    ]
+    assert by_pool(seen) == {
+        "kv": [(k[:6], True) for k in pxz[:5] + pz[:3]],
+        "swa": [(k[:6], True) for k in pxz[3:5] + pz[1:3]],
+    }
+    for c in (prod, cons):
+        c.close()
+
+
+@pytest.mark.parametrize("store", ["file", "redis", "s3"])
+def test_mamba_pools_round_trip_byte_equal_through_the_store(
+    sg, store, request, tmp_path
+):
+    """The Mamba state of P+X (stored at its node's end, page 5) comes back byte-equal in
+    the consumer's MambaPoolHost with the 5 KV pages; P+Z restores nothing: no state was
+    ever stored at page 3, so no length is restorable (restorable_prefix_pages [])."""
+    path = write_yaml(tmp_path, store_section(store, request, tmp_path))
+    prod = HiCache(sg, mamba_cfg(sg), path, seed=3)
+    oracle = prod.written()
+    prod.compute_and_back_up(P + X, P + Y)
+    cons = HiCache(sg, mamba_cfg(sg), path, seed=4)
+    seen = cons.check_reads(oracle)
+    hits = cons.prefetch(P + X + Z, P + Z)
+    pxz = keys_of(P + X + Z)
+    assert hits == [(20, 0, 1), (0, 0, 0)]
+    assert [c[1:] for c in cons.calls if c[0] == "exists_v2"] == [(5, [5]), (0, [])]
+    assert by_pool(seen) == {
+        "kv": [(k[:6], True) for k in pxz[:5]],
+        "mamba": [(pxz[4][:6], True)],
+    }
+    for c in (prod, cons):
+        c.close()
+
+
+# -- fail closed per pool ------------------------------------------------------------------
+
+
+def stored_file(root, backend, pool: str, key: str):
+    """The file store's file of one page of one pool (kvtier's key of SGLang's key)."""
+    ns = backend.namespace.id if pool == "kv" else backend._v2_pool(pool).namespace.id
+    h = page_hash_of(key).hex()
+    return root / backend.key_prefix / ns / h[0:2] / h[2:4] / h
+
+
+def corrupt(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # a payload byte: the frame's checksum no longer matches
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("pool", ["swa", "mamba"])
+def test_a_corrupted_side_page_is_a_miss_for_its_pool_only(sg, pool, tmp_path):
+    """The last page of P+X's SWA window (or P+X's Mamba state) is corrupted in the store:
+    the trailing transfer that needs it reads as a miss as a whole (both window pages
+    False, no host slot written, though the other page verified), while the KV pages of
+    the same keys still land byte-equal; P+Z's window, which does not need that page,
+    still restores."""
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    cfg = swa_cfg(sg) if pool == "swa" else mamba_cfg(sg)
+    extra = {"sliding_window_size": 8} if pool == "swa" else {}
+    prod = HiCache(sg, cfg, path, seed=5, **extra)
+    oracle = prod.written()
+    prod.compute_and_back_up(P + X, P + Y)
+    pxz, pz = keys_of(P + X + Z), keys_of(P + Z)
+    corrupt(stored_file(tmp_path / "l3", prod.backend, pool, pxz[4]))
+    cons = HiCache(sg, cfg, path, seed=6, **extra)
+    seen = cons.check_reads(oracle)
+    hits = cons.prefetch(P + X + Z, P + Z)
+    got = by_pool(seen)
+    assert got["kv"][:5] == [(k[:6], True) for k in pxz[:5]]
+    if pool == "swa":
+        assert got["swa"] == [(k[:6], False) for k in pxz[3:5]] + [
+            (k[:6], True) for k in pz[1:3]
+        ]
+        assert hits[1][0] == 12 and hits[1][1] == 8  # P+Z: 3 pages, its window restored
+        assert hits[0][1] == 0  # P+X+Z: no SWA window came back for page 5
+    else:
+        assert got["mamba"] == [(pxz[4][:6], False)]
+        assert hits[0][2] == 0  # no Mamba state restored
+    for c in (prod, cons):
+        c.close()
+
+
+# -- geometry: two models that differ in it never share a page -----------------------------
+
+
+@pytest.mark.parametrize("what", ["window", "state shape"])
+def test_a_different_window_or_state_shape_misses_every_page(sg, what, tmp_path):
+    """A model with another sliding window (16 tokens, not 8) or another Mamba state shape
+    (state size 32, not 16), everything else equal, finds none of the producer's pages
+    (KV included: its bytes depend on the whole model); the same model finds them."""
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    if what == "window":
+        same, other = (
+            (swa_cfg(sg, 8), {"sliding_window_size": 8}),
+            (
+                swa_cfg(sg, 16),
+                {"sliding_window_size": 16},
+            ),
+        )
+    else:
+        same, other = (mamba_cfg(sg, 16), {}), (mamba_cfg(sg, 32), {})
+    prod = HiCache(sg, same[0], path, seed=7, **same[1])
+    oracle = prod.written()
+    prod.compute_and_back_up(P + X)
+    diff = HiCache(sg, other[0], path, seed=8, **other[1])
+    seen = diff.check_reads(oracle)
+    assert diff.prefetch(P + X + Z) == [(0, 0, 0)]
+    assert [c[1:] for c in diff.calls if c[0] == "exists_v2"] == [(0, [])]
+    assert seen == {}
+    assert diff.backend.namespace.id != prod.backend.namespace.id
+    for name in prod.pools:
+        if name != "kv":
+            assert (
+                diff.backend._v2_pool(name).namespace.id
+                != prod.backend._v2_pool(name).namespace.id
+            )
+    twin = HiCache(sg, same[0], path, seed=9, **same[1])
+    twin.check_reads(oracle)
+    assert twin.prefetch(P + X + Z)[0][0] == 20
+    for c in (prod, diff, twin):
+        c.close()
