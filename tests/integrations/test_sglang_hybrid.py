@@ -33,7 +33,8 @@ import yaml
 from kvtier.bench.hicache_cpu import Shims
 from kvtier.integrations.sglang.storage import page_hash_of
 from tests.integrations import sglang_linker_runtime as rt
-from tests.servers import IN_CI
+from tests.integrations.tenant_store import KEY_A, KEY_B, list_store
+from tests.servers import IN_CI, free_port
 
 PS = 4  # tokens per page; the window is 8 tokens = 2 pages
 P = list(range(100, 100 + 3 * PS))
@@ -117,9 +118,12 @@ def store_section(kind: str, request, tmp_path) -> dict:
     raise AssertionError(kind)
 
 
-def write_yaml(tmp_path, store: dict) -> str:
+def write_yaml(tmp_path, store: dict, **namespace) -> str:
     path = tmp_path / f"kvtier-{uuid.uuid4().hex[:6]}.yaml"
-    path.write_text(yaml.safe_dump({"store": {"timeout_s": 5.0, **store}}))
+    doc = {"store": {"timeout_s": 5.0, **store}}
+    if namespace:
+        doc["namespace"] = namespace
+    path.write_text(yaml.safe_dump(doc))
     return str(path)
 
 
@@ -183,6 +187,7 @@ class HiCache:
         for i, name in enumerate(sorted(self.pools)):
             fill_random(self.pools[name], seed * 100 + i)
         self.calls: list[tuple] = []
+        self.wrong: list[str] = []
 
     def pool(self, name) -> object:
         return self.pools[str(name)]
@@ -214,7 +219,8 @@ class HiCache:
 
     def check_reads(self, oracle: dict[tuple[str, str], bytes]) -> dict[str, list]:
         """Spy on the backend's reads: per pool, (key, answer) of every page; a True page
-        must now be the oracle's bytes in this host pool, a False one left as it was."""
+        must now be the oracle's bytes in this host pool, a False one left as it was
+        (`wrong` lists each page that is not: SGLang's threads swallow an assertion)."""
         seen: dict[str, list] = {}
         b = self.backend
         get_v1, get_v2, exists_v2 = b.batch_get_v1, b.batch_get_v2, b.batch_exists_v2
@@ -223,10 +229,10 @@ class HiCache:
             assert len(ok) == len(keys)
             for k, s, old, good in zip(keys, starts, before, ok):
                 now = page_at(pool, s)
-                if good:
-                    assert now == oracle[(name, k)], f"{name} page {k[:6]}: wrong bytes"
-                else:
-                    assert now == old, f"{name} page {k[:6]}: a miss wrote the host"
+                if good and now != oracle[(name, k)]:
+                    self.wrong.append(f"{name} page {k[:6]}: wrong bytes")
+                if not good and now != old:
+                    self.wrong.append(f"{name} page {k[:6]}: a miss wrote the host")
                 seen.setdefault(name, []).append((k, bool(good)))
 
         def batch_get_v1(keys, host_indices, extra_info=None):
@@ -354,6 +360,7 @@ def test_swa_pools_round_trip_byte_equal_through_the_store(
         "kv": [(k[:6], True) for k in pxz[:5] + pz[:3]],
         "swa": [(k[:6], True) for k in pxz[3:5] + pz[1:3]],
     }
+    assert cons.wrong == []
     for c in (prod, cons):
         c.close()
 
@@ -379,6 +386,7 @@ def test_mamba_pools_round_trip_byte_equal_through_the_store(
         "kv": [(k[:6], True) for k in pxz[:5]],
         "mamba": [(pxz[4][:6], True)],
     }
+    assert cons.wrong == []
     for c in (prod, cons):
         c.close()
 
@@ -428,6 +436,7 @@ def test_a_corrupted_side_page_is_a_miss_for_its_pool_only(sg, pool, tmp_path):
     else:
         assert got["mamba"] == [(pxz[4][:6], False)]
         assert hits[0][2] == 0  # no Mamba state restored
+    assert cons.wrong == []
     for c in (prod, cons):
         c.close()
 
@@ -469,5 +478,114 @@ def test_a_different_window_or_state_shape_misses_every_page(sg, what, tmp_path)
     twin = HiCache(sg, same[0], path, seed=9, **same[1])
     twin.check_reads(oracle)
     assert twin.prefetch(P + X + Z)[0][0] == 20
+    assert diff.wrong == twin.wrong == []
     for c in (prod, diff, twin):
         c.close()
+
+
+# -- tenant keys, the breaker, bad input ---------------------------------------------------
+
+
+def test_a_tenant_key_seals_every_pool_and_another_tenant_finds_nothing(sg, tmp_path):
+    """With a tenant key (docs/security.md) the SWA pages are sealed under keyed hashes, as
+    the KV pages are: the store's listing of the SWA namespace holds none of SGLang's
+    page hashes and no frame a keyless reader takes for valid; the round trip is still
+    byte-equal; another tenant's key, or none, restores nothing."""
+    section = store_section("file", None, tmp_path)
+    a_path = write_yaml(tmp_path, section, tenant_key=KEY_A)
+    prod = HiCache(sg, swa_cfg(sg), a_path, seed=10, sliding_window_size=8)
+    oracle = prod.written()
+    prod.compute_and_back_up(P + X)
+    swa_ns = prod.backend._v2_pool("swa").namespace.id
+    listing = list_store(section, swa_ns)
+    assert len(listing.keys) == 5 and listing.plain == 0
+    assert not any(h in k for h in keys_of(P + X) for k in listing.keys)
+    cons = HiCache(sg, swa_cfg(sg), a_path, seed=11, sliding_window_size=8)
+    seen = cons.check_reads(oracle)
+    assert cons.prefetch(P + X + Z)[0][:2] == (20, 8)
+    assert [ok for _, ok in seen["swa"]] == [True, True] and cons.wrong == []
+    for other in ({"tenant_key": KEY_B}, {}):
+        b = HiCache(
+            sg,
+            swa_cfg(sg),
+            write_yaml(tmp_path, section, **other),
+            seed=12,
+            sliding_window_size=8,
+        )
+        assert b.prefetch(P + X + Z) == [(0, 0, 0)]
+        b.close()
+    for c in (prod, cons):
+        c.close()
+
+
+def test_an_unreachable_store_is_a_miss_for_every_pool_then_skipped(sg, tmp_path):
+    """Nothing listens on the store's port: the producer's v2 writes answer False for
+    every page, the consumer's lookups are misses (no hit, no read), and the breaker
+    then answers at once instead of waiting a timeout per call."""
+    section = {
+        "backend": "redis",
+        "url": f"redis://127.0.0.1:{free_port()}/0",
+        "connect_timeout_s": 0.5,
+        "socket_timeout_s": 0.5,
+    }
+    path = write_yaml(tmp_path, section)
+    prod = HiCache(sg, mamba_cfg(sg), path, seed=13)
+    prod.written()
+    prod.compute_and_back_up(P + X)
+    assert [c[1] for c in prod.calls if c[0] == "set_v2"] == [{"mamba": [False]}]
+    cons = HiCache(sg, mamba_cfg(sg), path, seed=14)
+    seen = cons.check_reads({})
+    seqs = [P + X + Z, P + X, P + Y, P + X + Z]  # 3 failed calls trip it, the 4th skips
+    assert cons.prefetch(*seqs) == [(0, 0, 0)] * 4
+    assert seen == {}
+    stats = cons.backend.kvtier_stats()
+    assert stats["store_down"] is True and stats["breaker_trips"] == 1
+    assert stats["calls_skipped_store_down"] >= 1
+    for c in (prod, cons):
+        c.close()
+
+
+def test_bad_v2_input_is_refused_naming_the_pool_and_what_is_allowed(sg, tmp_path):
+    """A hit policy kvtier does not serve (BLOCK_GROUPS: SGLang 0.5.23's HiCache never
+    sends it, and its own file and Mooncake backends refuse it too), a pool never
+    registered, and host slots that do not match the keys, each a clear error; nothing is
+    written or read."""
+    from sglang.srt.mem_cache.hicache_storage import (
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
+
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    w = HiCache(sg, swa_cfg(sg), path, seed=15, sliding_window_size=8)
+    b, keys = w.backend, keys_of(P)
+    block = PoolTransfer(
+        name=PoolName.SWA,
+        keys=["__placeholder__"] * 2,
+        hit_policy=PoolHitPolicy.BLOCK_GROUPS,
+    )
+    with pytest.raises(
+        ValueError, match="pool 'swa': hit_policy='block_groups': kvtier"
+    ):
+        b.batch_exists_v2(keys, [block])
+    mamba = PoolTransfer(
+        name=PoolName.MAMBA, keys=keys[:1], host_indices=torch.tensor([1])
+    )
+    with pytest.raises(
+        ValueError, match=r"pool 'mamba': not registered .*\['kv', 'swa'\]"
+    ):
+        b.batch_set_v2([mamba])
+    short = PoolTransfer(
+        name=PoolName.SWA,
+        keys=keys[:2],
+        host_indices=torch.arange(PS, 2 * PS),
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
+    with pytest.raises(
+        ValueError, match=r"pool 'swa': host_indices has 4 slots for 2 keys; expected 8"
+    ):
+        b.batch_get_v2([short])
+    with pytest.raises(ValueError, match="host_indices has 4 slots"):
+        b.batch_set_v2([short])
+    assert b.kvtier_stats()["set_pages"] == 0 and b.kvtier_stats()["get_pages"] == 0
+    w.close()

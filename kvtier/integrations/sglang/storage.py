@@ -642,10 +642,19 @@ class KvtierStorageBase:
                 "keys: expected a list of SGLang page hashes, got one string"
             )
         keys = list(keys)
+        transfers = list(pool_transfers or [])
+        for t in transfers:  # refused before any store call, whatever the store holds
+            self._v2_pool(t.name)
+            policy = getattr(t.hit_policy, "value", t.hit_policy)
+            if policy not in ("all_pages", "trailing_pages"):
+                raise ValueError(
+                    f"pool {str(t.name)!r}: hit_policy={policy!r}: kvtier serves "
+                    "'all_pages' and 'trailing_pages' (SGLang 0.5.23's HiCache sends no other)"
+                )
         kv_pages = self._exists(keys)
         hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
-        for t in pool_transfers or []:
+        for t in transfers:
             if not restorable:
                 break
             pool = self._v2_pool(t.name)
@@ -663,15 +672,10 @@ class KvtierStorageBase:
                     self._guarded(lambda full=full: self.store.batch_exists(full), 0)
                 )
                 ok = set(range(1, boundary + 1))
-            elif policy == "trailing_pages":
+            else:  # trailing_pages
                 window = max(1, len(t.keys or []))
                 present = self._loop.run(self._present(full))
                 ok = {p for p in restorable if all(present[max(0, p - window) : p])}
-            else:
-                raise ValueError(
-                    f"pool {pool.name!r}: hit_policy={policy!r}: kvtier serves "
-                    "'all_pages' and 'trailing_pages' (SGLang 0.5.23's HiCache sends no other)"
-                )
             if ok:
                 hits[t.name] = max(ok)
             restorable = [p for p in restorable if p in ok]
