@@ -23,6 +23,7 @@ import atexit
 import importlib
 import json
 import time
+import types
 import uuid
 from array import array
 
@@ -589,3 +590,48 @@ def test_bad_v2_input_is_refused_naming_the_pool_and_what_is_allowed(sg, tmp_pat
         b.batch_set_v2([short])
     assert b.kvtier_stats()["set_pages"] == 0 and b.kvtier_stats()["get_pages"] == 0
     w.close()
+
+
+def test_under_mla_rank_split_pools_get_a_namespace_per_rank(sg, tmp_path):
+    """MLA KV is the same on every TP rank (one namespace, one writer); a Mamba state or
+    an MHA-shaped pool (heads split over ranks) is not: each rank gets a namespace of its
+    own, so a rank that did not write such a page misses it instead of reading another
+    rank's heads. An MLA-shaped sidecar (an indexer) stays replicated like the KV."""
+    from kvtier.integrations.sglang import KvtierStorage
+    from tests.integrations import sglang_runtime as bare
+
+    host = types.SimpleNamespace(
+        base=importlib.import_module("sglang.srt.mem_cache.pool_host.base"),
+        mha=importlib.import_module("sglang.srt.mem_cache.pool_host.mha"),
+        mla=importlib.import_module("sglang.srt.mem_cache.pool_host.mla"),
+        hicache_storage=importlib.import_module("sglang.srt.mem_cache.hicache_storage"),
+    )
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    ids = []
+    for rank in (0, 1):
+        cfg = bare.storage_config(
+            host,
+            mla=True,
+            tp_rank=rank,
+            tp_size=2,
+            extra={"kvtier_config": path, "sliding_window_size": 8},
+        )
+        b = KvtierStorage(cfg)
+        kv = bare.make_mla_pool(host)
+        b.register_mem_pool_host(kv)
+        for name, pool in (
+            ("kv", kv),
+            ("swa", bare.make_mha_pool(host)),
+            ("mamba", bare.make_mha_pool(host)),
+            ("indexer", bare.make_mla_pool(host, lora=8)),
+        ):
+            b.register_mem_host_pool_v2(pool, host.hicache_storage.PoolName(name))
+        b.on_host_pools_registered()
+        ids.append(
+            {"kv": b.namespace.id}
+            | {n: b._v2_pool(n).namespace.id for n in ("swa", "mamba", "indexer")}
+        )
+        b.close()
+    assert ids[0]["kv"] == ids[1]["kv"] and ids[0]["indexer"] == ids[1]["indexer"]
+    assert ids[0]["swa"] != ids[1]["swa"] and ids[0]["mamba"] != ids[1]["mamba"]
+    assert len(set(ids[0].values())) == 4

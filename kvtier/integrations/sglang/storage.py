@@ -572,16 +572,17 @@ class KvtierStorageBase:
 
     def _pool_namespace(self, name: str, host) -> Namespace:
         """A side pool's namespace: the KV pool's model, salt, revision and tenant key;
-        its own geometry and dtype; the whole model's `hybrid` signature. Mamba state is
-        split over TP ranks even where the KV (MLA) is replicated."""
+        its own geometry and dtype; the whole model's `hybrid` signature. Mamba state and
+        MHA-shaped pools (an SWA or draft pool: heads) are split over TP ranks even where
+        the KV (MLA) is replicated: each rank has its own namespace, so a rank that did
+        not write a page misses it rather than read another rank's heads."""
         sc = self.storage_config
         kv = self.namespace
         shard = f"pp={sc.pp_rank}/{sc.pp_size}:cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
         if sc.dp_rank:
             shard += f":dp={sc.dp_rank}"
-        rank, size = (
-            (sc.tp_rank, sc.tp_size) if name == "mamba" else (kv.tp_rank, kv.tp_size)
-        )
+        sharded = name == "mamba" or getattr(host, "head_num", None) is not None
+        rank, size = (sc.tp_rank, sc.tp_size) if sharded else (kv.tp_rank, kv.tp_size)
         return replace(
             kv,
             dtype=_pool_dtype(host),
@@ -682,12 +683,20 @@ class KvtierStorageBase:
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     async def _present(self, full: list[str]) -> list[bool]:
-        """Whether the store holds each key (a failed call: not held)."""
+        """Whether the store holds each key (a failed call: not held): the leading run in
+        one call, then each key after the first missing one (a Mamba pool holds a state
+        only at node ends: most pages miss)."""
 
-        async def one(key: str) -> bool:
-            return await self._guarded(lambda: self.store.batch_exists([key]), 0) == 1
+        async def run(keys: list[str]) -> int:
+            return await self._guarded(lambda: self.store.batch_exists(keys), 0)
 
-        return list(await asyncio.gather(*(one(k) for k in full)))
+        held = await run(
+            full
+        )  # the leading run in one call: all of an SWA pool's, often
+        if held >= len(full) - 1:
+            return [True] * held + [False] * (len(full) - held)
+        rest = await asyncio.gather(*(run([k]) for k in full[held + 1 :]))
+        return [True] * held + [False] + [n == 1 for n in rest]
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
         """Read each transfer's pages (`keys`, into `host_indices`) from the store, one
