@@ -26,7 +26,6 @@ touching the call's buffers).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import re
@@ -683,20 +682,10 @@ class KvtierStorageBase:
         return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
 
     async def _present(self, full: list[str]) -> list[bool]:
-        """Whether the store holds each key (a failed call: not held): the leading run in
-        one call, then each key after the first missing one (a Mamba pool holds a state
-        only at node ends: most pages miss)."""
-
-        async def run(keys: list[str]) -> int:
-            return await self._guarded(lambda: self.store.batch_exists(keys), 0)
-
-        held = await run(
-            full
-        )  # the leading run in one call: all of an SWA pool's, often
-        if held >= len(full) - 1:
-            return [True] * held + [False] * (len(full) - held)
-        rest = await asyncio.gather(*(run([k]) for k in full[held + 1 :]))
-        return [True] * held + [False] + [n == 1 for n in rest]
+        """Whether the store holds each key, in one call (a failed call: none held)."""
+        return await self._guarded(
+            lambda: self.store.exists_each(full), [False] * len(full)
+        )
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
         """Read each transfer's pages (`keys`, into `host_indices`) from the store, one
