@@ -635,3 +635,50 @@ def test_under_mla_rank_split_pools_get_a_namespace_per_rank(sg, tmp_path):
     assert ids[0]["kv"] == ids[1]["kv"] and ids[0]["indexer"] == ids[1]["indexer"]
     assert ids[0]["swa"] != ids[1]["swa"] and ids[0]["mamba"] != ids[1]["mamba"]
     assert len(set(ids[0].values())) == 4
+
+
+def test_an_all_pages_sidecar_restores_only_its_leading_run(sg, tmp_path):
+    """A sidecar registered later (as SGLang registers one: register_mem_host_pool_v2
+    alone) under ALL_PAGES, with its page of P's middle key never written: the KV holds 3
+    pages, but only the first length is restorable; a read answers per page, the missing
+    one False with its host slots untouched, the others byte-equal. The same pages under
+    TRAILING_PAGES with a window of 1 restore at 1 and 3, not 2."""
+    from sglang.srt.mem_cache.hicache_storage import (
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
+
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    w = HiCache(sg, swa_cfg(sg), path, seed=16, sliding_window_size=8)
+    b, keys = w.backend, keys_of(P)
+    side = w.pool("swa")  # a real MHA host pool, under a pool name of its own
+    b.register_mem_host_pool_v2(side, PoolName.DRAFT)
+    kv_slots = w.pool("kv").alloc(3 * PS)
+    assert b.batch_set_v1(keys, kv_slots) == [True] * 3
+    src = side.alloc(3 * PS)
+    written = [keys[0], keys[2]]
+    put = PoolTransfer(
+        name=PoolName.DRAFT,
+        keys=written,
+        host_indices=torch.cat([src[:PS], src[2 * PS :]]),
+    )
+    assert b.batch_set_v2([put]) == {PoolName.DRAFT: [True, True]}
+    r = b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.DRAFT)])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (1, [1])
+    assert r.extra_pool_hit_pages == {PoolName.KV: 3, PoolName.DRAFT: 1}
+    trailing = PoolTransfer(
+        name=PoolName.DRAFT, keys=["_"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+    )
+    assert b.batch_exists_v2(keys, [trailing]).restorable_prefix_pages == [1, 3]
+    dst = side.alloc(3 * PS)
+    before = [page_at(side, s) for s in dst[::PS].tolist()]
+    got = b.batch_get_v2(
+        [PoolTransfer(name=PoolName.DRAFT, keys=keys, host_indices=dst)]
+    )
+    assert got == {PoolName.DRAFT: [True, False, True]}
+    after = [page_at(side, s) for s in dst[::PS].tolist()]
+    assert after[0] == page_at(side, int(src[0])) and after[1] == before[1]
+    assert after[2] == page_at(side, int(src[2 * PS]))
+    assert b._v2_pool("draft").namespace.id != b._v2_pool("swa").namespace.id
+    w.close()
