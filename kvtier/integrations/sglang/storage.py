@@ -17,6 +17,11 @@ namespace for all ranks), PP/CP/DCP shard, tenant salt, weights revision and ten
 With a tenant key (`namespace.tenant_key`, docs/security.md), SGLang's page hashes go
 through the tenant's keyed hash before they become keys, and every page is sealed.
 
+A hybrid model's other host pools (SWA, Mamba, sidecars) go through SGLang's v2 calls
+(`batch_exists_v2 / batch_get_v2 / batch_set_v2`), each pool in a namespace of its own that
+also names every pool's geometry and the sliding window; a trailing window (SWA, a Mamba
+state) is read all or nothing.
+
 SGLang is imported only when `KvtierStorage` is first looked up: this module imports
 without SGLang installed. Every store call runs on one private event-loop thread; SGLang's
 prefetch and backup threads block on it the way they block on their own backends' I/O,
@@ -60,7 +65,7 @@ _HEX_HASH = re.compile(
     r"[0-9a-f]{32}|[0-9a-f]{64}"
 )  # fullmatch: `$` would pass a trailing newline
 # extra_config keys this adapter reads; SGLang's own keys pass through untouched
-EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype")
+EXTRA_KEYS = ("kvtier_config", "kv_cache_dtype", "sliding_window_size")
 
 
 def page_hash_of(key: str, keyed: KeyedHash | None = None) -> bytes:
