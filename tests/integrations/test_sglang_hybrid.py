@@ -682,3 +682,37 @@ def test_an_all_pages_sidecar_restores_only_its_leading_run(sg, tmp_path):
     assert after[2] == page_at(side, int(src[2 * PS]))
     assert b._v2_pool("draft").namespace.id != b._v2_pool("swa").namespace.id
     w.close()
+
+
+def test_swa_and_mamba_pools_together_round_trip_byte_equal(sg, tmp_path):
+    """(FULL, SWA, MAMBA): three host pools. P+X restores at 5 pages with its SWA window
+    and its Mamba state, every page byte-equal; P+Z restores nothing (no state at 3)."""
+    cfg = sg.cfg.CacheConfig(
+        page_size=PS,
+        components=(ct().FULL, ct().SWA, ct().MAMBA),
+        sliding_window_size=8,
+        enable_mamba_extra_buffer=True,
+        mamba_cache_size=60,
+        num_layers=4,
+        full_attention_layer_ids=(1, 3),
+        head_num=2,
+        head_dim=8,
+    )
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    prod = HiCache(sg, cfg, path, seed=17, sliding_window_size=8)
+    oracle = prod.written()
+    prod.compute_and_back_up(P + X, P + Y)
+    cons = HiCache(sg, cfg, path, seed=18, sliding_window_size=8)
+    seen = cons.check_reads(oracle)
+    hits = cons.prefetch(P + X + Z, P + Z)
+    pxz = keys_of(P + X + Z)
+    assert [c[1:] for c in cons.calls if c[0] == "exists_v2"] == [(5, [5]), (0, [])]
+    assert hits == [(20, 8, 1), (0, 0, 0)]
+    assert by_pool(seen) == {
+        "kv": [(k[:6], True) for k in pxz[:5]],
+        "swa": [(k[:6], True) for k in pxz[3:5]],
+        "mamba": [(pxz[4][:6], True)],
+    }
+    assert cons.wrong == []
+    for c in (prod, cons):
+        c.close()
