@@ -716,3 +716,40 @@ def test_swa_and_mamba_pools_together_round_trip_byte_equal(sg, tmp_path):
     assert cons.wrong == []
     for c in (prod, cons):
         c.close()
+
+
+def test_an_fp8_kv_cache_dtype_names_every_pools_namespace(sg, tmp_path):
+    """fp8 KV lives in uint8 host pools, so the pools alone cannot tell fp8_e4m3 from
+    fp8_e5m2 (docs/sglang.md: give `kv_cache_dtype`). Every pool's bytes depend on it
+    (an SWA or Mamba layer reads what the fp8 full layers below it computed), so two runs
+    that differ only in `kv_cache_dtype` share no page of any pool, not only of the KV."""
+    from kvtier.integrations.sglang import KvtierStorage
+    from tests.integrations import sglang_runtime as bare
+
+    host = types.SimpleNamespace(
+        base=importlib.import_module("sglang.srt.mem_cache.pool_host.base"),
+        mha=importlib.import_module("sglang.srt.mem_cache.pool_host.mha"),
+        mla=importlib.import_module("sglang.srt.mem_cache.pool_host.mla"),
+        hicache_storage=importlib.import_module("sglang.srt.mem_cache.hicache_storage"),
+    )
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    ids = []
+    for fp8 in ("fp8_e4m3", "fp8_e5m2"):
+        extra = {"kvtier_config": path, "sliding_window_size": 8, "kv_cache_dtype": fp8}
+        b = KvtierStorage(bare.storage_config(host, extra=extra))
+        kv = bare.make_mha_pool(host, dtype=torch.uint8)
+        b.register_mem_pool_host(kv)
+        for name, pool in (
+            ("kv", kv),
+            ("swa", bare.make_mha_pool(host, dtype=torch.uint8)),
+            ("indexer", bare.make_mla_pool(host, lora=8, dtype=torch.uint8)),
+        ):
+            b.register_mem_host_pool_v2(pool, host.hicache_storage.PoolName(name))
+        b.on_host_pools_registered()
+        ids.append(
+            {"kv": b.namespace.id}
+            | {n: b._v2_pool(n).namespace.id for n in ("swa", "indexer")}
+        )
+        b.close()
+    for name in ("kv", "swa", "indexer"):
+        assert ids[0][name] != ids[1][name], name

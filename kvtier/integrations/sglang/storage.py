@@ -576,7 +576,8 @@ class KvtierStorageBase:
 
     def _pool_namespace(self, name: str, host) -> Namespace:
         """A side pool's namespace: the KV pool's model, salt, revision and tenant key;
-        its own geometry and dtype; the whole model's `hybrid` signature. Mamba state and
+        its own geometry and dtype, with `kv_cache_dtype` as the KV's (fp8 KV changes every
+        pool's bytes); the whole model's `hybrid` signature. Mamba state and
         MHA-shaped pools (an SWA or draft pool: heads) are split over TP ranks even where
         the KV (MLA) is replicated: each rank has its own namespace, so a rank that did
         not write a page misses it rather than read another rank's heads."""
@@ -587,9 +588,12 @@ class KvtierStorageBase:
             shard += f":dp={sc.dp_rank}"
         sharded = name == "mamba" or getattr(host, "head_num", None) is not None
         rank, size = (sc.tp_rank, sc.tp_size) if sharded else (kv.tp_rank, kv.tp_size)
+        dtype = _pool_dtype(host)
+        if self.kv_cache_dtype:  # fp8 KV: uint8 pools; every pool's bytes depend on it
+            dtype = f"{dtype}/{self.kv_cache_dtype}"
         return replace(
             kv,
-            dtype=_pool_dtype(host),
+            dtype=dtype,
             layout=f"sglang-pool={name}:{_pool_geometry(host)}:{shard}"
             f":hybrid={getattr(self, '_hybrid', '')}",
             page_size=int(getattr(host, "page_size", 1) or 1),
