@@ -569,6 +569,15 @@ def test_bad_v2_input_is_refused_naming_the_pool_and_what_is_allowed(sg, tmp_pat
         ValueError, match="pool 'swa': hit_policy='block_groups': kvtier"
     ):
         b.batch_exists_v2(keys, [block])
+    block_io = PoolTransfer(
+        name=PoolName.SWA,
+        keys=keys[:1],
+        host_indices=torch.arange(PS),
+        hit_policy=PoolHitPolicy.BLOCK_GROUPS,
+    )
+    for call in (b.batch_set_v2, b.batch_get_v2):
+        with pytest.raises(ValueError, match="hit_policy='block_groups'"):
+            call([block_io])
     mamba = PoolTransfer(
         name=PoolName.MAMBA, keys=keys[:1], host_indices=torch.tensor([1])
     )

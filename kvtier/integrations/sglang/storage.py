@@ -159,6 +159,17 @@ def _hybrid_signature(pools: dict[str, Any], window: int | None) -> str:
     return sig + (f";window={window}" if window is not None else "")
 
 
+def _v2_policy(t) -> str:
+    """A transfer's hit policy, refused unless kvtier serves it."""
+    policy = getattr(t.hit_policy, "value", t.hit_policy)
+    if policy not in ("all_pages", "trailing_pages"):
+        raise ValueError(
+            f"pool {str(t.name)!r}: hit_policy={policy!r}: kvtier serves "
+            "'all_pages' and 'trailing_pages' (SGLang 0.5.23's HiCache sends no other)"
+        )
+    return policy
+
+
 class KvtierStorageBase:
     """The backend proper; `KvtierStorage` adds SGLang's `HiCacheStorage` as a base."""
 
@@ -612,6 +623,7 @@ class KvtierStorageBase:
         plan = []
         for t in transfers:
             pool = self._v2_pool(t.name)
+            _v2_policy(t)
             keys = list(t.keys or [])
             idx = t.host_indices
             n = 0 if idx is None else idx.numel()
@@ -654,12 +666,7 @@ class KvtierStorageBase:
         transfers = list(pool_transfers or [])
         for t in transfers:  # refused before any store call, whatever the store holds
             self._v2_pool(t.name)
-            policy = getattr(t.hit_policy, "value", t.hit_policy)
-            if policy not in ("all_pages", "trailing_pages"):
-                raise ValueError(
-                    f"pool {str(t.name)!r}: hit_policy={policy!r}: kvtier serves "
-                    "'all_pages' and 'trailing_pages' (SGLang 0.5.23's HiCache sends no other)"
-                )
+            _v2_policy(t)
         kv_pages = self._exists(keys)
         hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
