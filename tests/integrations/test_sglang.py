@@ -568,6 +568,32 @@ def test_hybrid_pools_attach_and_an_swa_pool_needs_its_window(sg, tmp_path):
     backend.close()
 
 
+def test_a_hybrid_models_metrics_carry_its_kv_namespace(
+    sg,
+    multiproc,  # noqa: F811
+    tmp_path,
+):
+    """A hybrid model's KV namespace is named once every host pool is registered (it
+    names them all); SGLang's metrics are labelled with that namespace, where its pages
+    are, not with the plain model's, which holds none of them."""
+    names = sg.hicache_storage.PoolName
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = rt.make_mha_pool(sg)
+    backend = attach(sg, pool, path, sliding_window_size=8)
+    plain = backend.namespace.id
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    backend.register_mem_host_pool_v2(rt.make_mha_pool(sg), names.SWA)
+    backend.on_host_pools_registered()
+    ns = backend.namespace.id
+    assert ns != plain
+    assert backend.batch_set_v1(page_keys(2), fill(pool, 2, seed=1)) == [True] * 2
+    backend.close()  # its last numbers are exported as it closes
+    got = scrape(multiproc)
+    labels = (("dp_rank", "0"), ("namespace", ns), ("tp_rank", "0"))
+    assert got[("kvtier_storage_set_ok_total", labels)] == 2
+    assert not any(("namespace", plain) in lbl for _, lbl in got)
+
+
 def test_module_imports_without_sglang():
     code = (
         "import sys; sys.modules['sglang'] = None\n"

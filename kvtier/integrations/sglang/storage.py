@@ -275,6 +275,8 @@ class KvtierStorageBase:
         self._v2_pools: dict[str, _V2Pool] = {}
         kv = self.namespace
         self.namespace = replace(kv, layout=f"{kv.layout}:hybrid={self._hybrid}")
+        if self._export is not None:  # no I/O yet, so no series: they get this label
+            self._export.labels["namespace"] = self.namespace.id
         log.info(
             "kvtier SGLang backend: serving host pools %s through the v2 calls; "
             "KV namespace %s, %s",
