@@ -762,3 +762,28 @@ def test_an_fp8_kv_cache_dtype_names_every_pools_namespace(sg, tmp_path):
         b.close()
     for name in ("kv", "swa", "indexer"):
         assert ids[0][name] != ids[1][name], name
+
+
+def test_clear_deletes_every_pools_pages(sg, tmp_path):
+    """SGLang's `clear` (a cache flush) deletes the pages of every pool of this model, the
+    SWA pool's as well as the KV's; another model's pages stay."""
+    section = store_section("file", None, tmp_path)
+    path = write_yaml(tmp_path, section)
+    prod = HiCache(sg, swa_cfg(sg), path, seed=19, sliding_window_size=8)
+    prod.compute_and_back_up(P + X)
+    other = HiCache(sg, swa_cfg(sg, 16), path, seed=20, sliding_window_size=16)
+    other.compute_and_back_up(P + X)
+    spaces = {
+        n: (
+            prod.backend._v2_pool(n).namespace.id,
+            other.backend._v2_pool(n).namespace.id,
+        )
+        for n in ("kv", "swa")
+    }
+    assert all(len(list_store(section, o).keys) == 5 for _, o in spaces.values())
+    assert prod.backend.clear() is True
+    for mine, theirs in spaces.values():
+        assert list_store(section, mine).keys == []
+        assert len(list_store(section, theirs).keys) == 5
+    for c in (prod, other):
+        c.close()

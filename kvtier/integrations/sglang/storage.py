@@ -801,10 +801,15 @@ class KvtierStorageBase:
     # -- operations ------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Delete this namespace's pages (other models, tenants and ranks keep theirs)."""
+        """Delete this namespace's pages, and those of a hybrid model's other pools (other
+        models, tenants and ranks keep theirs)."""
         if self.namespace is None:
             return True
-        mine = f"{self.key_prefix}/{self.namespace.id}/"
+        spaces = {self.namespace.id}
+        spaces.update(
+            self._v2_pool(n).namespace.id for n in self._registered() if n != "kv"
+        )
+        mine = tuple(f"{self.key_prefix}/{ns}/" for ns in sorted(spaces))
 
         async def run() -> int:
             n = 0
