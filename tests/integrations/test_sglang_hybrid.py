@@ -160,6 +160,9 @@ class HiCache:
             page_size=PS,
             hicache_io_backend="kernel",
             hicache_write_policy="write_through",
+            # SGLang's default ("timeout") cuts a prefetch by wall clock: on a slow
+            # machine a hit would come back short; this waits for every read
+            hicache_storage_prefetch_policy="wait_complete",
             hicache_storage_backend="dynamic",
             hicache_storage_backend_extra_config=json.dumps(
                 {
