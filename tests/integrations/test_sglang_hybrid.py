@@ -794,3 +794,51 @@ def test_clear_deletes_every_pools_pages(sg, tmp_path):
         assert len(list_store(section, theirs).keys) == 5
     for c in (prod, other):
         c.close()
+
+
+def test_under_dcp_every_pool_gets_a_namespace_per_dcp_shard(sg, tmp_path):
+    """Under decode context parallelism (MLA only) each DCP rank holds and writes its
+    own shard of the pages, and the KV namespace names the shard; so must every other
+    pool's, an MLA-shaped sidecar (an indexer, replicated over TP like the KV) included:
+    otherwise the DCP ranks write one key with different bytes and read each other's."""
+    from kvtier.integrations.sglang import KvtierStorage
+    from tests.integrations import sglang_runtime as bare
+
+    host = types.SimpleNamespace(
+        base=importlib.import_module("sglang.srt.mem_cache.pool_host.base"),
+        mha=importlib.import_module("sglang.srt.mem_cache.pool_host.mha"),
+        mla=importlib.import_module("sglang.srt.mem_cache.pool_host.mla"),
+        hicache_storage=importlib.import_module("sglang.srt.mem_cache.hicache_storage"),
+    )
+    path = write_yaml(tmp_path, store_section("file", None, tmp_path))
+    ids = []
+    for rank in (0, 1):
+        cfg = host.hicache_storage.HiCacheStorageConfig(
+            tp_rank=rank,
+            tp_size=2,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=True,
+            enable_storage_metrics=False,
+            is_page_first_layout=True,
+            model_name="deepseek-ai/DeepSeek-V3.2",
+            extra_config={"kvtier_config": path},
+            dcp_size=2,
+            dcp_rank=rank,
+            logical_page_size=2 * PS,
+        )
+        assert cfg.is_storage_writer  # each DCP rank writes its shard
+        b = KvtierStorage(cfg)
+        kv = bare.make_mla_pool(host)
+        b.register_mem_pool_host(kv)
+        for name, pool in (("kv", kv), ("indexer", bare.make_mla_pool(host, lora=8))):
+            b.register_mem_host_pool_v2(pool, host.hicache_storage.PoolName(name))
+        b.on_host_pools_registered()
+        ids.append(
+            {"kv": b.namespace.id, "indexer": b._v2_pool("indexer").namespace.id}
+        )
+        b.close()
+    assert ids[0]["kv"] != ids[1]["kv"]
+    assert ids[0]["indexer"] != ids[1]["indexer"]

@@ -599,6 +599,8 @@ class KvtierStorageBase:
         shard = f"pp={sc.pp_rank}/{sc.pp_size}:cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
         if sc.dp_rank:
             shard += f":dp={sc.dp_rank}"
+        if sc.dcp_size > 1:  # each DCP rank holds its own shard of every pool's pages
+            shard += f":dcp={sc.dcp_rank}/{sc.dcp_size}:lps={sc.logical_page_size}:tp={sc.tp_size}"
         sharded = name == "mamba" or getattr(host, "head_num", None) is not None
         rank, size = (sc.tp_rank, sc.tp_size) if sharded else (kv.tp_rank, kv.tp_size)
         dtype = _pool_dtype(host)
