@@ -192,6 +192,16 @@ class Store(ABC):
             run += 1
         return run
 
+    async def exists_each(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the store holds each of `keys`, every one answered (`batch_exists`
+        stops at the first missing key): for pools held only at some pages."""
+        self._check(keys)
+        self.counters.exists_calls += 1
+        if not keys:
+            return []
+        present = await self._call("batch_exists", self._exists_each(list(keys)))
+        return [bool(p) for p in self._one_each("exists_each", present, len(keys))]
+
     async def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Verified payloads; None for a missing page or one whose frame does not verify."""
         parsed = self._check(keys)
@@ -444,6 +454,11 @@ class Store(ABC):
 
     @abstractmethod
     async def _exists(self, keys: list[str]) -> list[bool]: ...
+
+    async def _exists_each(self, keys: list[str]) -> list[bool]:
+        """`exists_each`'s raw call: `_exists`, unless a store's `_exists` looks only as far
+        as a leading run needs (the file store's index of other processes' pages)."""
+        return await self._exists(keys)
 
     @abstractmethod
     async def _get(self, keys: list[str]) -> list[Buffer | None]: ...

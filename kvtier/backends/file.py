@@ -199,6 +199,10 @@ class FileStore(Store):
         await self._adopt(keys, leading=True)
         return [k in self._sizes for k in keys]
 
+    async def _exists_each(self, keys):
+        await self._adopt(keys)  # every key answered, not a leading run
+        return [k in self._sizes for k in keys]
+
     async def _adopt(self, keys, leading: bool = False) -> None:
         """Index pages another process wrote under the root after this one indexed it (TP
         ranks sharing MLA pages, replicas on one volume): stat the keys this index lacks

@@ -161,6 +161,21 @@ async def test_a_page_written_by_another_client_later_is_seen(store, harness):
             await other.close()
 
 
+async def test_exists_each_answers_every_key_another_client_wrote(store, harness):
+    """`exists_each` answers each key, past missing ones too (a Mamba state is held only
+    at some pages), including pages another process wrote after this one opened."""
+    other = harness.make()
+    try:
+        keys = [new_key() for _ in range(5)]
+        await other.batch_set([keys[1], keys[3]], [page(seed=1), page(seed=3)])
+        await store.batch_set([keys[4]], [page(seed=4)])
+        assert await store.exists_each(keys) == [False, True, False, True, True]
+        assert await store.exists_each([]) == []
+    finally:
+        if other is not store:
+            await other.close()
+
+
 @pytest.mark.parametrize(
     "damage", ["flip", "truncate", "foreign_namespace", "other_hash", "garbage"]
 )

@@ -583,16 +583,55 @@ def test_the_store_is_built_once_by_the_pool_registration_and_never_after_close(
     assert store_threads() == before
 
 
-def test_hybrid_pools_refuse_to_attach(sg, tmp_path):
+def test_hybrid_pools_attach_and_an_swa_pool_needs_its_window(sg, tmp_path):
+    """Hybrid host pools are served through the v2 calls (tests/integrations/
+    test_sglang_hybrid.py); an SWA pool needs the window, which SGLang does not hand a
+    storage backend, and a hybrid model's KV namespace is not a plain model's."""
+    names = sg.hicache_storage.PoolName
     path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
     pool = rt.make_mha_pool(sg)
     backend = attach(sg, pool, path)
-    backend.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.KV)
-    backend.on_host_pools_registered()  # plain KV: fine
-    backend.register_mem_host_pool_v2(pool, sg.hicache_storage.PoolName.MAMBA)
-    with pytest.raises(NotImplementedError, match="mamba"):
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    backend.on_host_pools_registered()  # plain KV: its namespace as before
+    plain = backend.namespace.id
+    backend.register_mem_host_pool_v2(rt.make_mha_pool(sg), names.SWA)
+    with pytest.raises(
+        KvtierConfigError, match=r"extra_config.sliding_window_size=None: .*'swa'"
+    ):
         backend.on_host_pools_registered()
     backend.close()
+    backend = attach(sg, pool, path, sliding_window_size=8)
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    backend.register_mem_host_pool_v2(rt.make_mha_pool(sg), names.SWA)
+    backend.on_host_pools_registered()
+    assert backend.namespace.id != plain
+    backend.close()
+
+
+def test_a_hybrid_models_metrics_carry_its_kv_namespace(
+    sg,
+    multiproc,  # noqa: F811
+    tmp_path,
+):
+    """A hybrid model's KV namespace is named once every host pool is registered (it
+    names them all); SGLang's metrics are labelled with that namespace, where its pages
+    are, not with the plain model's, which holds none of them."""
+    names = sg.hicache_storage.PoolName
+    path = write_yaml(tmp_path, {"backend": "file", "root": str(tmp_path / "l3")})
+    pool = rt.make_mha_pool(sg)
+    backend = attach(sg, pool, path, sliding_window_size=8)
+    plain = backend.namespace.id
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    backend.register_mem_host_pool_v2(rt.make_mha_pool(sg), names.SWA)
+    backend.on_host_pools_registered()
+    ns = backend.namespace.id
+    assert ns != plain
+    assert backend.batch_set_v1(page_keys(2), fill(pool, 2, seed=1)) == [True] * 2
+    backend.close()  # its last numbers are exported as it closes
+    got = scrape(multiproc)
+    labels = (("dp_rank", "0"), ("namespace", ns), ("tp_rank", "0"))
+    assert got[("kvtier_storage_set_ok_total", labels)] == 2
+    assert not any(("namespace", plain) in lbl for _, lbl in got)
 
 
 def test_module_imports_without_sglang():
