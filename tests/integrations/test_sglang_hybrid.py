@@ -14,7 +14,7 @@ each test fills with random bytes first. The oracle is the producer's host page 
 (pool, key) when it was written; every page the consumer's backend answers True for must
 be byte-equal to it in the consumer's host pool, and every page it answers False for
 must have left the consumer's host slots as they were. SGLang is loaded by
-tests/integrations/sglang_linker_runtime.py.
+kvtier.testing.sglang_loader.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import yaml
 
 from kvtier.bench.hicache_cpu import Shims
 from kvtier.integrations.sglang.storage import page_hash_of
-from tests.integrations import sglang_linker_runtime as rt
+from kvtier.testing import sglang_loader
 from tests.integrations.tenant_store import KEY_A, KEY_B, list_store
 from tests.servers import IN_CI, free_port
 
@@ -47,8 +47,8 @@ Z = list(range(400, 400 + PS))
 @pytest.fixture(scope="module")
 def sg():
     try:
-        mods = rt.load()
-    except rt.Missing as exc:
+        mods = sglang_loader.load()
+    except sglang_loader.Unavailable as exc:
         if IN_CI:
             pytest.fail(f"{exc}; .ci/run must install it")
         pytest.skip(str(exc))
@@ -67,7 +67,6 @@ def sg():
 
     get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
     yield mods
-    rt.unload()
 
 
 def ct():
