@@ -165,14 +165,14 @@ class Hints(Part):
         if tenant is None:
             self.bounds = bounds
         else:
-            self.tenant_bounds[_tenant(tenant)] = bounds
+            self.tenant_bounds[check_tenant(tenant)] = bounds
 
     def pin(self, key: RadixKey, ttl_s: float, tiers: Iterable, tenant: str) -> Lease:
         """Keep `key`'s page-aligned prefix in `tiers` for `ttl_s` seconds of the cache's
         clock, or until released. Over the tenant's bound: LeaseBoundError, nothing changed."""
-        tenant = _tenant(tenant)
-        ttl = _ttl(ttl_s)
-        named = _tiers(tiers)
+        tenant = check_tenant(tenant)
+        ttl = check_ttl(ttl_s)
+        named = parse_tiers(tiers)
         key = key[: len(key) - len(key) % self.page_size]
         if not len(key):
             raise ValueError(
@@ -432,7 +432,7 @@ def _same_key(a: RadixKey, b: RadixKey) -> bool:
     )
 
 
-def _tenant(tenant) -> str:
+def check_tenant(tenant) -> str:
     if not isinstance(tenant, str) or not tenant or len(tenant) > 256:
         raise ValueError(
             f"tenant={tenant!r}: must be a non-empty string of at most 256"
@@ -440,7 +440,7 @@ def _tenant(tenant) -> str:
     return tenant
 
 
-def _ttl(ttl_s) -> float:
+def check_ttl(ttl_s) -> float:
     if (
         isinstance(ttl_s, bool)
         or not isinstance(ttl_s, numbers.Real)
@@ -450,7 +450,7 @@ def _ttl(ttl_s) -> float:
     return float(ttl_s)
 
 
-def _tiers(tiers) -> frozenset[HintTier]:
+def parse_tiers(tiers) -> frozenset[HintTier]:
     if isinstance(tiers, str):
         tiers = [tiers]
     named = frozenset(HintTier.parse(t) for t in tiers)

@@ -46,6 +46,7 @@ from kvtier.controller.breaker import BreakerConfig
 from kvtier.controller.storage import BackupOp
 from kvtier.controller.streams import Handle, TransferError, TransferStream, make_stream
 from kvtier.hashing import KeyedHash, Namespace
+from kvtier.integrations.sglang.linker.hints import LinkerHints
 from kvtier.integrations.sglang.linker.host_index import HostIndex
 from kvtier.integrations.sglang.linker.metrics import LinkerCounters
 from kvtier.integrations.sglang.linker.store_io import LinkerStore, StoreRead
@@ -145,6 +146,7 @@ class LinkerCore:
         self.page_size = pool.config.page_size
         self.mirror = HostMirror(pool, settings.mirror)
         self.index = HostIndex(self.mirror.allocator)
+        self.hints = LinkerHints(self.index, self.mirror.page_bytes, clock)  # hints.py
         self.counters = LinkerCounters()
         self.counter = LayerCounter()
         self.forward_stream = forward_stream
@@ -311,7 +313,8 @@ class LinkerCore:
 
     def _reap(self) -> None:
         """Settle what the storage thread finished: store writes unpin their pages, ended
-        reads give theirs back."""
+        reads give theirs back; hint leases expire or take what arrived."""
+        self.hints.poll()
         if self.backups:
             still = []
             for op, pinned, keys in self.backups:
@@ -532,6 +535,7 @@ class LinkerCore:
                 "kvtier linker: reset with %d store calls still running; their pages wait for them",
                 len(self.backups) + len(self.orphans),
             )
+        self.hints.release_all()
         self.index.clear()
 
     def close(self) -> None:
@@ -570,6 +574,7 @@ class LinkerCore:
             [p for _, p, _ in self.backups]
             + [op.pinned for op in self.queued.values()]
             + [o.pinned for b in self.started.values() for o in b.loads]
+            + self.hints.pinned()
         )
         for keys in owners:
             for k in keys:
@@ -599,6 +604,7 @@ class LinkerCore:
                 "store_writes": len(self.backups),
             },
             "namespace": self.settings.namespace.id,
+            "hints": self.hints.stats(),
         }
         if self.l3 is not None:
             out["store"] = self.l3.stats()
