@@ -346,14 +346,16 @@ class Hints(Part):
             self.fetching = [
                 rid for rid in self.fetching if not self.prefetcher.take_ended(rid)
             ]
-            ready = [rid for rid in ready if not rid.startswith(HINT_PREFIX)]
-        return ready
+        return (
+            [rid for rid in ready if not rid.startswith(HINT_PREFIX)]
+            if ready
+            else ready
+        )
 
     def _expire(self) -> None:
         now = self.clock()
-        if (
-            self.agreement.world_size > 1
-        ):  # the lease table is replicated: every rank asks
+        # the lease table is replicated: every rank asks, in the same polls
+        if self.agreement.world_size > 1:
             (ms,), _ = self.agreement.agree([math.floor(now * 1000)], [])
             now = ms / 1000
         for lease in [lease for lease in self.leases.values() if lease.expires <= now]:

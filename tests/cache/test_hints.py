@@ -13,6 +13,8 @@ from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.cache import TieredCache
 from kvtier.cache.hints import LeaseBoundError, LeaseBounds
 from kvtier.config import load_config
+from kvtier.testing import tp_sim
+from kvtier.testing.tp_sim import on_ranks
 from kvtier.tree import Tier
 from tests.controller.helpers import (
     acquire,
@@ -338,3 +340,36 @@ def test_a_pinned_prefix_serves_the_same_kv_as_an_unpinned_one():
     check(cache)
     cache.close()
     check(cache)
+
+
+def test_tensor_parallel_ranks_let_a_lease_go_in_the_same_poll():
+    """Each rank reads its own clock; a lease ends when the ranks' MIN passes it, so both
+    unlock in the same poll and their trees stay the same (else rank 0 would evict the
+    prefix while rank 1 still held it: different hits, different shapes)."""
+    rendezvous = tp_sim.Rendezvous(2, timeout_s=30)
+    clocks = [Clock(), Clock()]
+    caches = [
+        make_cache(
+            store="none",
+            clock=clocks[r],
+            agreement=tp_sim.ThreadAgreement(rendezvous, r),
+        )
+        for r in range(2)
+    ]
+
+    def start(r):
+        compute(caches[r], A, seed=1)
+        settle(caches[r])
+        caches[r].pin(A, 30, ("device", "host"))
+
+    on_ranks(start, 2)
+    clocks[0].now, clocks[1].now = 31.0, 29.0  # rank 0's clock runs ahead
+    on_ranks(lambda r: caches[r].poll(), 2)
+    assert [c.stats()["hints"]["leases"] for c in caches] == [1, 1]
+    clocks[1].now = 30.0
+    on_ranks(lambda r: caches[r].poll(), 2)
+    assert [c.stats()["hints"]["leases"] for c in caches] == [0, 0]
+    assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    for c in caches:
+        check(c)
+    on_ranks(lambda r: caches[r].close(), 2)
