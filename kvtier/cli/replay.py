@@ -94,6 +94,11 @@ def check_arguments(args) -> None:
         raise KvtierConfigError(
             f"--prefill-tokens-per-s {rate}: must be a number of tokens per second > 0"
         )
+    if args.plot and getattr(args, "hints", False):
+        raise KvtierConfigError(
+            "--plot draws one run's hits; --hints replays two (with hints and without): "
+            "use one of them"
+        )
     if args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -77,3 +77,9 @@ def test_replay_hints_prints_the_comparison_last(cache_home, capsys):
     assert m, out[-1]
     assert float(m[1]) >= 0.95 and float(m[1]) > float(m[2])
     assert any(line.startswith("verified") for line in out)
+
+
+def test_replay_hints_refuses_a_plot_before_it_runs(cache_home, capsys, tmp_path):
+    plot = str(tmp_path / "hits.png")
+    assert main(["replay", "--workload", "agent", "--hints", "--plot", plot]) == 2
+    assert "--plot draws one run's hits; --hints replays two" in capsys.readouterr().err
