@@ -13,8 +13,9 @@ A lease holds the tree's own locks: `lock` on the deepest device node of its pre
 tiers exactly as a request's prefix is. Pages of the prefix not in a tier when it was
 pinned (a write still in flight, a request still computing them) are taken as they
 arrive, at each poll. A lease expires on the cache's clock (the one `TieredCache` was
-given; tests drive it), read once per poll and, under tensor parallelism, agreed by MIN
-over the ranks, so every rank releases it in the same poll.
+given; tests drive it), read once per poll; under tensor parallelism a lease goes once
+every rank's clock has passed that rank's end of it (agreed by MIN), so every rank
+releases it in the same poll.
 """
 
 from __future__ import annotations
@@ -354,13 +355,18 @@ class Hints(Part):
 
     def _expire(self) -> None:
         now = self.clock()
-        # the lease table is replicated: every rank asks, in the same polls
+        leases = list(self.leases.values())
+        due = [int(lease.expires <= now) for lease in leases]
+        # the lease table is replicated: every rank asks, in the same polls, with a vector
+        # of its length. Each rank pinned at its own clock reading, so each lease's end
+        # differs by rank: a lease goes once every rank's own end has passed (MIN of the
+        # flags), in the same poll everywhere
         if self.agreement.world_size > 1:
-            (ms,), _ = self.agreement.agree([math.floor(now * 1000)], [])
-            now = ms / 1000
-        for lease in [lease for lease in self.leases.values() if lease.expires <= now]:
-            self._drop(lease)
-            self.hint_counters.expired += 1
+            due, _ = self.agreement.agree(due, [])
+        for lease, gone in zip(leases, due):
+            if gone:
+                self._drop(lease)
+                self.hint_counters.expired += 1
 
     # -- the store ----------------------------------------------------------------------------
 

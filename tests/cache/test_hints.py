@@ -373,3 +373,41 @@ def test_tensor_parallel_ranks_let_a_lease_go_in_the_same_poll():
     for c in caches:
         check(c)
     on_ranks(lambda r: caches[r].close(), 2)
+
+
+def test_tensor_parallel_ranks_that_pinned_at_different_clocks_agree_on_the_expiry():
+    """Each rank pins when its own scheduler gets the hint, at its own clock reading, so
+    the ranks' ends of one lease differ (by microseconds in a server, by 0.5 s here). The
+    lease must still go in the same poll on every rank: else one rank's table empties
+    while the other's does not, their trees differ, and the next poll's collectives do
+    not pair (the rank that still holds a lease makes one more)."""
+    rendezvous = tp_sim.Rendezvous(2, timeout_s=30)
+    clocks = [Clock(), Clock()]
+    caches = [
+        make_cache(
+            store="none",
+            clock=clocks[r],
+            agreement=tp_sim.ThreadAgreement(rendezvous, r),
+        )
+        for r in range(2)
+    ]
+
+    def start(r):
+        compute(caches[r], A, seed=1)
+        settle(caches[r])
+
+    on_ranks(start, 2)
+    clocks[1].now = 0.5  # rank 1 gets the hint half a second later on its clock
+    on_ranks(lambda r: caches[r].pin(A, 30, ("device", "host")), 2)
+    clocks[0].now = clocks[1].now = 30.2  # past rank 0's end (30), not rank 1's (30.5)
+    on_ranks(lambda r: caches[r].poll(), 2)
+    leases = [c.stats()["hints"]["leases"] for c in caches]
+    assert leases in ([1, 1], [0, 0]), leases
+    assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    clocks[0].now = clocks[1].now = 31.0
+    on_ranks(lambda r: caches[r].poll(), 2)  # both ends passed: both let go
+    assert [c.stats()["hints"]["leases"] for c in caches] == [0, 0]
+    assert tp_sim.replicated_cache(caches[0]) == tp_sim.replicated_cache(caches[1])
+    for c in caches:
+        check(c)
+    on_ranks(lambda r: caches[r].close(), 2)
