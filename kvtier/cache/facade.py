@@ -257,7 +257,8 @@ class TieredCache:
         )
 
     def _default_bounds(self) -> LeaseBounds:
-        """Per tenant: half the pool, half the mirror, and the mirror's size in the store."""
+        """Per tenant and for all tenants together: half the pool, half the mirror, and the
+        mirror's size in the store."""
         bpt = self.pool.bytes_per_token
         host = 0 if self.mirror is None else self.mirror.size * bpt
         return LeaseBounds(self.config.pool.size * bpt // 2, host // 2, host)
@@ -411,7 +412,8 @@ class TieredCache:
         self.hints.retain(self.key(tokens, extra_key), priority)
 
     def set_lease_bounds(self, bounds: LeaseBounds, tenant: str | None = None) -> None:
-        """Bytes per tier a tenant's leases may hold (None: every tenant without its own)."""
+        """Bytes per tier a tenant's leases may hold (None: every tenant without its own).
+        All tenants' leases together never hold more than the default bounds."""
         self.hints.set_bounds(bounds, tenant)
 
     # -- device slots for requests ------------------------------------------------------------

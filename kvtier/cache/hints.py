@@ -5,8 +5,9 @@ priority. Scheduler thread only, like the rest of the cache.
 Hints are advice. One that cannot be honoured (the prefix is not in a tier, there is no
 mirror or store, a store call fails) changes a counter (`stats()`), never an output, and
 never waits: store calls go through the controller's storage thread. The one refusal is a
-lease over its tenant's bound, in bytes per tier: `pin` raises `LeaseBoundError` (tenant,
-tier, bytes asked, bound) and nothing changes.
+lease over its tenant's bound, in bytes per tier, or over the bound of all tenants'
+leases together (the cache's default bounds: tenants are names callers give): `pin`
+raises `LeaseBoundError` (tenant, tier, bytes asked, bound) and nothing changes.
 
 A lease holds the tree's own locks: `lock` on the deepest device node of its prefix,
 `protect_host` on the deepest host node, so pinned pages are out of eviction in those
@@ -148,10 +149,14 @@ class Hints(Part):
         self.agreement = agreement
         self.bounds = bounds
         self.tenant_bounds: dict[str, LeaseBounds] = {}
+        # all tenants together: a tenant is a name the caller gives, so bounds per tenant
+        # alone let new names lease the whole pool (and starve every request)
+        self.total = bounds
         self.priority_orders = priority_orders
         self.bytes_per_token = self.ctl.pool.bytes_per_token
         self.leases: dict[int, Lease] = {}  # by id, in pin order (replicated)
         self.held: dict[tuple[str, HintTier], int] = {}  # asked bytes by tenant, tier
+        self.held_total: dict[HintTier, int] = {}  # asked bytes by tier, all tenants
         self.fetching: list[str] = []  # ids of hint prefetches not taken back yet
         self.hint_counters = HintCounters()
         self._next = 0
@@ -190,10 +195,19 @@ class Hints(Part):
                     f"pin: tenant {tenant!r} asks {asked} bytes of {tier.value} "
                     f"({len(key)} tokens) holding {have}; its bound is {bound} bytes"
                 )
+            total, bound = self.held_total.get(tier, 0), self.total.of(tier)
+            if total + asked > bound:
+                self.hint_counters.pins_refused += 1
+                raise LeaseBoundError(
+                    f"pin: tenant {tenant!r} asks {asked} bytes of {tier.value} "
+                    f"({len(key)} tokens) while all tenants' leases hold {total}; their "
+                    f"bound together is {bound} bytes"
+                )
         lease = Lease(self._next, tenant, key, named, asked, self.clock() + ttl)
         self._next += 1
         for tier in named:
             self.held[(tenant, tier)] = self.held.get((tenant, tier), 0) + asked
+            self.held_total[tier] = self.held_total.get(tier, 0) + asked
         self.leases[lease.id] = lease
         self.hint_counters.pins += 1
         if HintTier.HOST in named and self.ctl.mirror is None:
@@ -234,6 +248,7 @@ class Hints(Part):
             self.held[(lease.tenant, tier)] -= lease.asked
             if not self.held[(lease.tenant, tier)]:
                 del self.held[(lease.tenant, tier)]
+            self.held_total[tier] -= lease.asked
         node = lease.nodes.pop(D, None)
         if node is not None:
             self.tree.unlock(node)

@@ -411,3 +411,38 @@ def test_tensor_parallel_ranks_that_pinned_at_different_clocks_agree_on_the_expi
     for c in caches:
         check(c)
     on_ranks(lambda r: caches[r].close(), 2)
+
+
+def test_new_tenant_names_cannot_lease_more_than_the_bound_of_all_tenants_together():
+    """A tenant is a name the caller gives (a field of the HTTP body): were the bound per
+    tenant only, two names would lock the whole device pool, and every request after
+    them would fail for want of device room. All tenants' leases together hold at most
+    the default bound (half the device pool): past it, the error, and nothing changes."""
+    cache = make_cache(
+        store="none"
+    )  # device 64 tokens: each tenant and all may lease 32
+    bpt = cache.pool.bytes_per_token
+    prefixes = [np.arange(100 + 16 * i, 116 + 16 * i) for i in range(3)]
+    for i, p in enumerate(prefixes):
+        compute(cache, p, seed=i)
+    settle(cache)
+    for i, p in enumerate(prefixes[:2]):
+        cache.pin(p, 100, ("device",), tenant=f"t{i}")
+    assert cache.tree.protected_size(D) == 32
+    before = cache.stats()["hints"]["lease_bytes"]
+    with pytest.raises(LeaseBoundError) as err:
+        cache.pin(prefixes[2], 100, ("device",), tenant="t2")
+    msg = str(err.value)
+    for part in ("'t2'", "device", f"{16 * bpt} bytes", f"{32 * bpt} bytes"):
+        assert part in msg, msg
+    assert cache.tree.protected_size(D) == 32
+    assert cache.stats()["hints"]["lease_bytes"] == before
+    assert cache.stats()["hints"]["leases"] == 2
+    kv = cache.alloc(32)  # half the pool stays for requests
+    assert kv is not None
+    cache.free(kv)
+    cache.release(prefixes[0], tenant="t0")
+    cache.pin(prefixes[2], 100, ("device",), tenant="t2")  # room again
+    check(cache)
+    cache.close()
+    check(cache)
