@@ -96,3 +96,28 @@ def test_pages_published_later_are_pinned_and_the_bound_changes_nothing(tmp_path
     assert core.hints.stats()["leases"] == 0 and not core.index.pins
     assert core.check_accounting() == []
     core.close()
+
+
+def test_new_tenant_names_cannot_pin_the_whole_host_tier(tmp_path):
+    """Two tenants' bounds (3 pages of 6 each) would pin every host page, and every
+    offload after them would find no room: all tenants' leases together hold at most the
+    bound too; past it, the error, and nothing changes."""
+    clock = Clock()
+    pool, core = make(tmp_path, host_pages=6, clock=clock)
+    keys = page_keys([1, 2, 3, 4, 5, 6])
+    offload(core, pool, keys[:3], 1)
+    offload(core, pool, keys[3:], 4)
+    core.hints.pin(keys[:3], ttl_s=50, tenant="t1")
+    before = (dict(core.index.pins), core.hints.stats()["lease_bytes"])
+    with pytest.raises(LeaseBoundError, match="tenant 't2' asks .* all tenants"):
+        core.hints.pin(keys[3:], ttl_s=50, tenant="t2")
+    assert (dict(core.index.pins), core.hints.stats()["lease_bytes"]) == before
+    offload(
+        core, pool, page_keys([7, 8, 9]), 1
+    )  # the unleased half still takes offloads
+    assert core.counters.offload_no_host_room_pages == 0
+    assert core.check_accounting() == []
+    core.hints.release(keys[:3], tenant="t1")
+    core.hints.pin(keys[:3], ttl_s=50, tenant="t2")
+    assert core.check_accounting() == []
+    core.close()

@@ -4,8 +4,9 @@
 A lease pins the prefix's published host pages until it expires on the linker's clock
 (checked whenever the linker reaps, at each lookup) or is released; pages published later
 (an offload still copying) are pinned as they arrive. Each tenant's leases hold at most a
-bound of host bytes: over it, `pin` raises LeaseBoundError naming tenant, tier, bytes
-asked and bound, and nothing changes. SGLang owns the device tier, its tree and the
+bound of host bytes, and all tenants' leases together the same bound: over either, `pin`
+raises LeaseBoundError naming tenant, tier, bytes asked and bound, and nothing changes.
+SGLang owns the device tier, its tree and the
 order of its evictions, and the linker reads the store only into a load: a device or
 store lease, `prefetch`, `demote` and `retain` are advice it cannot honour here, counted
 (`stats()`), never an error. Scheduler thread only, like the linker.
@@ -56,7 +57,8 @@ class LinkerHints:
         self.index = index
         self.page_bytes = page_bytes
         self.clock = clock
-        self.bound = index.allocator.num_pages * page_bytes // 2  # per tenant
+        # per tenant, and for all tenants together (a tenant is a name the caller gives)
+        self.bound = index.allocator.num_pages * page_bytes // 2
         self.leases: dict[int, LinkerLease] = {}
         self.held: dict[str, int] = {}  # host bytes asked, by tenant
         self.counters = LinkerHintCounters()
@@ -78,6 +80,14 @@ class LinkerHints:
             raise LeaseBoundError(
                 f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
                 f"holding {have}; its bound is {self.bound} bytes"
+            )
+        total = sum(self.held.values())
+        if HintTier.HOST in named and total + asked > self.bound:
+            self.counters.pins_refused += 1
+            raise LeaseBoundError(
+                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
+                f"while all tenants' leases hold {total}; their bound together is "
+                f"{self.bound} bytes"
             )
         self.counters.unhonoured += bool(named - {HintTier.HOST})
         lease = LinkerLease(self._next, tenant, keys, asked, self.clock() + ttl)
