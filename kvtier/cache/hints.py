@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.slots import Part, Slots
 from kvtier.cache.writes import Writes
@@ -221,7 +223,7 @@ class Hints(Part):
                 self.hint_counters.unhonoured += 1
             else:
                 lease.store_keys = self._store_keys(key)
-                self._tell_store(lease.store_keys, ttl, 0)
+                self._tell_store_leases(key, 0)
         return lease
 
     def release(self, key: RadixKey | None, tenant: str | None) -> int:
@@ -255,8 +257,8 @@ class Hints(Part):
         node = lease.nodes.pop(H, None)
         if node is not None:
             self.tree.release_host(node)
-        if lease.store_keys is not None:
-            self._tell_store(lease.store_keys, None, 0)
+        if lease.store_keys is not None:  # its pages other leases hold keep theirs
+            self._tell_store_leases(lease.key, 0)
 
     def _take(self, lease: Lease) -> None:
         """Lock as much of the prefix as each named tree tier holds now (deeper than before)."""
@@ -336,17 +338,8 @@ class Hints(Part):
             self.tree.set_priority(m.best_match_node, int(priority))
         elif self.ctl.storage is None:
             self.hint_counters.unhonoured += 1
-        if self.ctl.storage is not None:  # the store's lease stays as it is
-            lease = self._store_lease(key)
-            left = None if lease is None else max(lease.expires - self.clock(), 0.001)
-            self._tell_store(self._store_keys(key), left, int(priority))
-
-    def _store_lease(self, key: RadixKey) -> Lease | None:
-        aligned = key[: len(key) - len(key) % self.page_size]
-        for lease in self.leases.values():
-            if lease.store_keys is not None and _same_key(lease.key, aligned):
-                return lease
-        return None
+        if self.ctl.storage is not None:  # the store's leases stay as they are
+            self._tell_store_leases(key, int(priority))
 
     # -- each poll ----------------------------------------------------------------------------
 
@@ -395,6 +388,36 @@ class Hints(Part):
             return PageKeys(hashing, self.key_of, pages)
         # a store page of g pages is keyed by its last page (controller/store_pages.py)
         return PageKeys(lambda: hashing()[g - 1 :: g], self.key_of, pages // g)
+
+    def _tell_store_leases(self, key: RadixKey, priority: int) -> None:
+        """Tell the store, for `key`'s store pages, the lease each keeps now: the longest
+        time left of the store leases that hold it (a lease holds the pages of its own
+        prefix, shared with any other lease's), None where none does (its lease ends), in
+        runs of pages alike. Store.hint's None releases a page's lease: a page two leases
+        hold keeps it while either does."""
+        storage = self.ctl.storage
+        if storage is None:
+            return
+        g, ps = storage.group, self.page_size
+        n = len(key) // ps // g
+        now, left = self.clock(), [None] * n
+        for lease in self.leases.values():
+            if lease.store_keys is None:
+                continue
+            t = max(lease.expires - now, 0.001)
+            for j in range(min(_common(lease.key, key) // (ps * g), n)):
+                if left[j] is None or left[j] < t:
+                    left[j] = t
+        hashing = self.tree.hashing_below(self.tree.root, key)
+        a = 0
+        for b in range(1, n + 1):
+            if b == n or left[b] != left[a]:
+                # a store page of g pages is keyed by its last page (controller/store_pages.py)
+                keys = PageKeys(
+                    lambda a=a, b=b: hashing()[g - 1 :: g][a:b], self.key_of, b - a
+                )
+                self._tell_store(keys, left[a], priority)
+                a = b
 
     def _tell_store(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
         storage = self.ctl.storage
@@ -445,6 +468,15 @@ def _newly_written(node: TreeNode, before: set[int], after: set[int]) -> int:
         n += len(node) if node.id in after and node.id not in before else 0
         node = node.parent
     return n
+
+
+def _common(a: RadixKey, b: RadixKey) -> int:
+    """Tokens `a` and `b` share from their start (0 under different extra keys)."""
+    if a.extra_key != b.extra_key:
+        return 0
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a.tokens[:n] != b.tokens[:n])
+    return int(differ[0]) if differ.size else n
 
 
 def _same_key(a: RadixKey, b: RadixKey) -> bool:

@@ -446,3 +446,60 @@ def test_new_tenant_names_cannot_lease_more_than_the_bound_of_all_tenants_togeth
     check(cache)
     cache.close()
     check(cache)
+
+
+class LeasingStore(MemoryStore):
+    """A memory store that keeps what `hint` says as Store.hint documents it: a lease of
+    `lease_s` more seconds on each page, None releases the page's lease."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStoreConfig())
+        self.leased: dict[str, float] = {}
+        self.stored: list[str] = []
+
+    async def _set(self, keys, frames):
+        self.stored += keys
+        return await super()._set(keys, frames)
+
+    async def hint(self, keys, *, lease_s, priority=0):
+        for k in keys:
+            if lease_s is None:
+                self.leased.pop(k, None)
+            else:
+                self.leased[k] = lease_s
+        return len(keys)
+
+
+def test_a_store_lease_ends_only_when_no_lease_holds_its_pages():
+    """Two leases of one prefix (two tenants, or one over a longer prefix): the release
+    or expiry of one must not tell the store to let go of pages the other still holds,
+    nor a retain of a prefix no lease names exactly."""
+    store = LeasingStore()
+    clock = Clock()
+    cache = make_cache(store_obj=store, clock=clock)
+    longer = np.arange(100, 124)  # A and 2 more pages
+    compute(cache, longer, seed=1)
+    settle(cache)
+    pages = store.stored[:]
+    assert len(pages) == 6
+
+    def leased():
+        cache.controller.wait_idle()
+        return dict(store.leased)
+
+    cache.pin(A, 30, ("store",), tenant="t1")
+    cache.pin(A, 60, ("store",), tenant="t2")
+    cache.pin(longer, 90, ("store",), tenant="t3")
+    assert len(leased()) == 6
+    cache.release(A, tenant="t1")
+    assert len(leased()) == 6  # t2's and t3's leases hold them
+    cache.retain(A, 2)  # no lease names A alone: its pages keep theirs
+    assert len(leased()) == 6
+    clock.now = 61.0
+    cache.poll()  # t2's lease ends: t3's still holds every page
+    assert cache.stats()["hints"]["leases"] == 1 and len(leased()) == 6
+    assert min(leased().values()) == pytest.approx(29.0)  # t3's time left, 90 - 61
+    cache.release(longer, tenant="t3")
+    assert leased() == {}
+    check(cache)
+    cache.close()
