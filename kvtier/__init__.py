@@ -8,6 +8,7 @@ loaded on first use, so `import kvtier` alone (the CLI's help) does not import t
                                    engine's own KV tensors
     DeviceAllocator                what an engine's own slot allocator must provide
     LayerWaiter                    what a forward waits for (`TieredCache.begin_forward`)
+    LeaseBounds, LeaseBoundError   an agent hint's lease bounds per tenant, and the refusal
     KvtierConfig, load_config      configuration (YAML, environment, overrides)
     KvtierError and its subclasses the errors kvtier raises on purpose
 
@@ -29,6 +30,8 @@ _HOME = {
     "Acquired": "kvtier.cache.facade",
     "DeviceAllocator": "kvtier.cache.slots",
     "LayerWaiter": "kvtier.controller.layer_waiter",
+    "LeaseBoundError": "kvtier.cache.hints",
+    "LeaseBounds": "kvtier.cache.hints",
     "DeviceKVPool": "kvtier.tiers.pool",
     "PoolConfig": "kvtier.tiers.pool",
     "KvtierConfig": "kvtier.config",

@@ -8,6 +8,7 @@ one owner of its state (kvtier/README.md):
     loads.py        host->device loads into slots a request will own
     prefetch.py     store prefetches: start, grant, insert what landed, name ready requests
     completions.py  the one agreement per poll, as a named record, and applying it
+    hints.py        agent hints: leases (pin, release), prefetch, demote, retain
 
 Each part calls only the ones listed below it; the facade calls them all.
 """

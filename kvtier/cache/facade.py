@@ -37,6 +37,7 @@ from kvtier.backends.registry import build_store
 from kvtier.backends.seal import SealedCodec
 from kvtier.cache import report
 from kvtier.cache.completions import Completions
+from kvtier.cache.hints import Hints, Lease, LeaseBounds
 from kvtier.cache.loads import Loads
 from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.requests import Held, RequestTable
@@ -246,6 +247,25 @@ class TieredCache:
             self.agreement,
             self.stats_obj.counters,
         )
+        self.hints = Hints(
+            self.slots,
+            cfg,
+            self.stats_obj,
+            self.writes,
+            self.prefetcher,
+            key_of,
+            clock,
+            self.agreement,
+            self._default_bounds(),
+            self.config.tree.eviction_policy.value == "priority",
+        )
+
+    def _default_bounds(self) -> LeaseBounds:
+        """Per tenant and for all tenants together: half the pool, half the mirror, and the
+        mirror's size in the store."""
+        bpt = self.pool.bytes_per_token
+        host = 0 if self.mirror is None else self.mirror.size * bpt
+        return LeaseBounds(self.config.pool.size * bpt // 2, host // 2, host)
 
     def _back_up(self, leaves: list[TreeNode]) -> None:
         """Write-back eviction backs these leaves' paths up first (slots.py calls this)."""
@@ -351,6 +371,54 @@ class TieredCache:
     def unlock(self, node: TreeNode) -> None:
         if node is not self.tree.root:
             self.tree.unlock(node)
+
+    # -- agent hints (cache/hints.py, docs/embedding.md "Hints") ------------------------------
+
+    def pin(
+        self,
+        tokens,
+        ttl_s: float,
+        tiers=("host", "store"),
+        extra_key: str | None = None,
+        tenant: str = "default",
+    ) -> Lease:
+        """A lease: the prefix's whole pages stay in `tiers` (device, host, store) for
+        `ttl_s` seconds of the cache's clock, or until `release`. Parts of it not in a tier
+        yet are taken as they arrive. Over the tenant's bound (`set_lease_bounds`): a
+        LeaseBoundError naming tenant, tier, bytes asked and bound; nothing changes."""
+        self._check_open("pin")
+        return self.hints.pin(self.key(tokens, extra_key), ttl_s, tiers, tenant)
+
+    def release(
+        self, tokens, extra_key: str | None = None, tenant: str | None = "default"
+    ) -> int:
+        """Release `tenant`'s leases of the prefix (None: any tenant's); returns how many."""
+        self._check_open("release")
+        return self.hints.release(self.key(tokens, extra_key), tenant)
+
+    def prefetch(self, tokens, extra_key: str | None = None) -> bool:
+        """Bring the prefix up from the store to host ahead of its request; never waits.
+        True if a store prefetch started (False: nothing to fetch, counted)."""
+        self._check_open("prefetch")
+        return self.hints.prefetch(self.key(tokens, extra_key))
+
+    def demote(self, tokens, extra_key: str | None = None) -> int:
+        """For a long pause: write the prefix down to host (and the store) now and drop
+        its leases' device pins, so that evicting it from device keeps it. Returns the
+        tokens whose write was queued."""
+        self._check_open("demote")
+        return self.hints.demote(self.key(tokens, extra_key))
+
+    def retain(self, tokens, priority: int, extra_key: str | None = None) -> None:
+        """Eviction priority of the prefix's nodes (and its store pages): the `priority`
+        eviction policy evicts the lowest first; under another policy it is counted."""
+        self._check_open("retain")
+        self.hints.retain(self.key(tokens, extra_key), priority)
+
+    def set_lease_bounds(self, bounds: LeaseBounds, tenant: str | None = None) -> None:
+        """Bytes per tier a tenant's leases may hold (None: every tenant without its own).
+        All tenants' leases together never hold more than the default bounds."""
+        self.hints.set_bounds(bounds, tenant)
 
     # -- device slots for requests ------------------------------------------------------------
 
@@ -588,7 +656,7 @@ class TieredCache:
         self.completions.poll()
         if self.events is not None:
             self.events.flush()
-        return self.prefetcher.take_ready()
+        return self.hints.poll(self.prefetcher.take_ready())
 
     def report_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed `tokens` of prefill in `seconds`: with this rate, a store load
@@ -631,6 +699,7 @@ class TieredCache:
             raise ValueError(
                 f"flush: {held} device tokens are locked by requests; finish them first"
             )
+        self.hints.release_all()  # leases keep nothing through a flush
         self.completions.drain()
         locked = self.tree.protected_size(D)
         if locked:  # only requests lock, and none does: a bug, not bad input
@@ -653,6 +722,7 @@ class TieredCache:
         if self.closed:
             return
         self.closed = True
+        self.hints.release_all()
         self.completions.drain()
         if self.tree.protected_size(D):
             log.warning(
@@ -683,8 +753,11 @@ class TieredCache:
             )
 
     def stats(self) -> dict:
-        """Counters, tier sizes, queues and the store's own numbers (`cache/report.py`)."""
-        return report.stats(self)
+        """Counters, tier sizes, queues and the store's own numbers (`cache/report.py`),
+        and what the agent hints did (`hints`)."""
+        out = report.stats(self)
+        out["hints"] = self.hints.stats()
+        return out
 
     def metrics_registry(self):
         """A Prometheus CollectorRegistry of this cache's metrics (nothing global)."""

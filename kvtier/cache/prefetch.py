@@ -160,6 +160,17 @@ class Prefetcher(Part):
             return taken, None
         return taken, KnownHashes(p.first, chain)
 
+    def take_ended(self, request_id: str) -> bool:
+        """For a prefetch no request acquires (an agent's hint): forget it once it has
+        ended on every rank (what it landed stays on host); True then, or if unknown."""
+        p = self.prefetches.get(request_id)
+        if p is None:
+            return True
+        if p.result is None:
+            return False
+        del self.prefetches[request_id]
+        return True
+
     def same_key(
         self, request_id: str, tokens, extra_key: str | None
     ) -> RadixKey | None:

@@ -48,6 +48,12 @@ def add_arguments(p) -> None:
         help="write cumulative hit rate per tier (needs matplotlib)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--hints",
+        action="store_true",
+        help="pin each session at its tool-call pauses and prefetch it before it resumes; "
+        "the same trace also runs without hints, and the last line compares the two",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--model",
@@ -95,6 +101,11 @@ def check_arguments(args) -> None:
         raise KvtierConfigError(
             f"--prefill-tokens-per-s {rate}: must be a number of tokens per second > 0"
         )
+    if args.plot and getattr(args, "hints", False):
+        raise KvtierConfigError(
+            "--plot draws one run's hits; --hints replays two (with hints and without): "
+            "use one of them"
+        )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -125,6 +136,8 @@ def run(args, default_config: str) -> int:
         if args.trace
         else generate(args.workload, args.requests, model.config.vocab, args.seed)
     )
+    if getattr(args, "hints", False):
+        return _run_hints(args, model, config, turns)
     cache = TieredCache(config)
     try:
         cache.set_prefill_rate(getattr(args, "prefill_tokens_per_s", None))
@@ -157,6 +170,66 @@ def model_of(config, seed: int, kind: str | None = None):
     from kvtier.engine.model import build_model
 
     return build_model(kind or config.model.kind, seed, config.model.window)
+
+
+def _run_hints(args, model, config, turns) -> int:
+    """`--hints`: the trace with the pause hints, then without them (each on a cache of
+    its own); the table is the hinted run's, the last line compares resumed turns."""
+    import time
+
+    from kvtier.cache import TieredCache
+    from kvtier.engine.engine import Engine
+    from kvtier.engine.hinted import replay, resumed_ratio
+
+    keep = args.verify is not None
+    runs = {}
+    for hints in (
+        True,
+        False,
+    ):  # hinted first: the store it leaves helps only the other
+        cache = TieredCache(config)
+        try:
+            cache.set_prefill_rate(getattr(args, "prefill_tokens_per_s", None))
+            engine = Engine(cache, model, max_batch=args.batch)
+            start = time.perf_counter()
+            run = replay(engine, turns, hints, keep_logits=keep)
+            seconds = time.perf_counter() - start
+            stats = cache.stats()
+        finally:
+            cache.close()
+        checked, worst, wrong = _verify(model, run.results, args.verify)
+        runs[hints] = (run, seconds, stats, checked, worst, wrong)
+    run, seconds, stats, checked, worst, wrong = runs[True]
+    ps = config.pool.page_size
+    summary = _summary(run.results, seconds, stats, ps, checked, worst)
+    base = runs[False]
+    summary["verify_failures"] = wrong + base[5]
+    summary["verified_requests"] += base[3]
+    summary["max_logit_diff"] = max(worst, base[4])
+    with_hints, without = resumed_ratio(run, ps), resumed_ratio(base[0], ps)
+    summary["hints"] = {
+        "resumed_turns": len(run.resumed),
+        "resumed_ratio_with_hints": with_hints,
+        "resumed_ratio_without": without,
+        "pins": run.pins,
+        "pins_refused": run.pins_refused,
+        "prefetches": run.prefetches,
+        "cache": stats.get("hints", {}),
+    }
+    failed = summary["failed_requests"] + sum(
+        r.error is not None for r in base[0].results
+    )
+    summary["failed_requests"] = failed
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(_table(summary))
+        print(
+            f"hints: resumed turns {with_hints:.2f}x bound with hints, "
+            f"{without:.2f}x without"
+        )
+    bad = summary["verify_failures"] or failed or not summary["counts_add_up"]
+    return 1 if bad else 0
 
 
 def with_weights(config, model):

@@ -4,6 +4,7 @@
     GET  /metrics   Prometheus text
     GET  /stats     JSON (cache.stats(), sessions, server)
     POST /flush     drop device and host contents (the store keeps its pages)
+    POST /hints/{pin,prefetch,demote,retain,release}  {"prompt": [ids] | "session": ..., ...}
 
 One scheduler thread owns the engine and the cache (`kvtier.engine.loop`): concurrent
 requests share its batches. The limits (docs/http-api.md): a client has `--client-timeout`
@@ -267,6 +268,12 @@ class Server:
     def flush(self) -> dict:
         self.cache.flush()
         return {"flushed": True}
+
+    def hint(self, op: str, args: dict) -> dict:
+        """An agent's hint (`serve_hints.check`ed) for a prompt's or a session's prefix."""
+        from kvtier.cli import serve_hints
+
+        return serve_hints.apply(self.cache, self.histories, op, args)
 
     def close(self) -> None:
         self.loop.close()

@@ -151,6 +151,28 @@ def build_app(
         except ValueError as exc:
             return _error(400, str(exc))
 
+    async def hint(request: Request):
+        from kvtier.cache.hints import LeaseBoundError
+        from kvtier.cli import serve_hints
+
+        op = request.path_params["op"]
+        if op not in serve_hints.OPS:
+            return _error(404, f"no hint {op!r}; hints: {', '.join(serve_hints.OPS)}")
+        try:
+            body = parse_body(await read_body(request, max_body), max_depth)
+            args = serve_hints.check(op, body, server.model.config.vocab)
+            return JSONResponse(await on_loop(lambda: server.hint(op, args)))
+        except _TooLarge as exc:
+            return _error(413, str(exc), close=True)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except serve_hints.UnknownSession as exc:
+            return _error(404, str(exc))
+        except LeaseBoundError as exc:  # the tenant holds its bound: nothing changed
+            return _error(409, str(exc))
+        except ValueError as exc:
+            return _error(400, str(exc))
+
     async def stats(request: Request):
         return JSONResponse(await on_loop(server.stats))
 
@@ -164,7 +186,7 @@ def build_app(
             return _error(
                 404 if exc.status_code == 404 else 405,
                 f"no route {request.method} {request.url.path}; routes: GET /stats /metrics, "
-                "POST /generate /flush",
+                "POST /generate /flush /hints/{pin,prefetch,demote,retain,release}",
             )
         return _error(exc.status_code, str(exc.detail))
 
@@ -178,6 +200,7 @@ def build_app(
         routes=[
             Route("/generate", generate, methods=["POST"]),
             Route("/flush", flush, methods=["POST"]),
+            Route("/hints/{op}", hint, methods=["POST"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

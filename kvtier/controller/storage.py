@@ -151,6 +151,8 @@ class StorageWorker:
         self.backups_moved = (
             0  # the same for a backup's end, which no request waits for
         )
+        self.hinted_pages = 0  # pages the store's `hint` acted on (storage thread)
+        self.hints_failed = 0
 
     def moved(self, backup: bool = False) -> None:
         """An op changed (its fields are written first): the scheduler's next poll reads
@@ -181,6 +183,28 @@ class StorageWorker:
             self.store.touch(keys)
         except Exception:  # an order hint: never worth an op
             log.exception("touching %d pages in the store failed", len(keys))
+
+    def hint(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
+        """Called from the scheduler thread: pass an agent's hint for these pages on to the
+        store (`Store.hint`). Advice: a store that is down or fails is logged and counted
+        (`hints_failed`), never waited for; `drain` waits for the call like any op."""
+        self._submit(self._hint, (keys, lease_s, priority))
+
+    async def _hint(self, args: tuple[PageKeys, float | None, int]) -> None:
+        keys, lease_s, priority = args
+        if self.breaker.down:  # a hint is not worth a timeout (nor a probe)
+            self.hints_failed += 1
+            return
+        try:
+            done = await asyncio.wait_for(
+                self.store.hint(list(keys), lease_s=lease_s, priority=priority),
+                self.store.timeout_s,
+            )
+        except Exception as exc:  # advice: never an op's failure
+            self.hints_failed += 1
+            self._complain("hint", f"hint for {len(keys)} pages failed: {exc}")
+            return
+        self.hinted_pages += int(done or 0)
 
     def wake(self, op: PrefetchOp) -> None:
         """Called from the scheduler thread after `granted` or `stop` changed."""

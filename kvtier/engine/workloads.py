@@ -73,25 +73,43 @@ def _docqa(n: int, rng, vocab: int) -> list[Turn]:
 
 
 def _agent(n: int, rng, vocab: int) -> list[Turn]:
-    """Agent loops: a shared tool-description prefix, then observation/action steps."""
+    """Agent loops with tool calls: a shared tool-description prefix, then observation and
+    action steps. After every `AGENT_STEPS` steps each agent calls a tool and idles (a
+    pause: `pauses`) while one-shot requests of 640-896 new tokens churn device and host
+    (`AGENT_CHURN` of them, more than the default config's mirror holds), then resumes
+    with the tool's result."""
     tools = _tokens(rng, vocab, 384)
-    loops = max(2, n // 4)
     out: list[Turn] = []
-    step = 0
+    step = churn = 0
     while len(out) < n:
-        for a in range(loops):
-            if len(out) == n:
-                break
-            obs = _tokens(rng, vocab, int(rng.integers(32, 128)))
-            out.append(
-                Turn(
-                    f"agent-{a}",
-                    step,
-                    tools + obs if step == 0 else obs,
-                    int(rng.integers(8, 32)),
-                )
-            )
-        step += 1
+        for _ in range(AGENT_STEPS):
+            for a in range(AGENTS):
+                obs = _tokens(rng, vocab, int(rng.integers(32, 96)))
+                prompt = tools + obs if step == 0 else obs
+                out.append(Turn(f"agent-{a}", step, prompt, int(rng.integers(8, 24))))
+            step += 1
+        for _ in range(AGENT_CHURN):
+            prompt = _tokens(rng, vocab, int(rng.integers(640, 896)))
+            out.append(Turn(f"churn-{churn}", 0, prompt, int(rng.integers(4, 8))))
+            churn += 1
+    return out[:n]
+
+
+AGENTS, AGENT_STEPS, AGENT_CHURN = 2, 2, 8
+PAUSE_TURNS = 4  # other sessions' turns between two of a session's: a tool-call pause
+
+
+def pauses(turns: list[Turn]) -> dict[int, int]:
+    """Tool-call pauses of a trace: {index of the turn a session pauses after: index of
+    the turn it resumes with}, where at least `PAUSE_TURNS` turns of other sessions come
+    between the two (any trace: sessions idle while others run)."""
+    last: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for i, t in enumerate(turns):
+        j = last.get(t.session)
+        if j is not None and i - j - 1 >= PAUSE_TURNS:
+            out[j] = i
+        last[t.session] = i
     return out
 
 

@@ -397,6 +397,20 @@ class RadixTree:
                 self._leaves[tier].add(first)
         return bad
 
+    def set_priority(self, node: TreeNode, priority: int) -> None:
+        """Nodes root..node take eviction priority `priority` (the priority policy evicts
+        the lowest first). A leaf among them is queued again under its key now: a key that
+        went down must not wait behind its old heap entry."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise ValueError(f"set_priority: priority={priority!r}: must be an integer")
+        while node is not self.root:
+            node.priority = int(priority)
+            for leaves in self._leaves:
+                if node.id in leaves:
+                    leaves.discard(node)
+                    leaves.add(node)
+            node = node.parent
+
     # -- eviction -----------------------------------------------------------------------------
 
     def evict_device(

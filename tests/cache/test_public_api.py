@@ -13,6 +13,8 @@ PUBLIC = [
     "KvtierConfigError",
     "KvtierError",
     "LayerWaiter",
+    "LeaseBoundError",
+    "LeaseBounds",
     "PoolConfig",
     "StoreError",
     "StoreTimeout",

@@ -42,6 +42,7 @@ from kvtier.backends.base import Store
 from kvtier.storeio.breaker import BreakerConfig
 from kvtier.tiers.streams import TransferStream, make_stream
 from kvtier.hashing import KeyedHash, Namespace
+from kvtier.integrations.sglang.linker.hints import LinkerHints
 from kvtier.integrations.sglang.linker.host_index import HostIndex
 from kvtier.integrations.sglang.linker.loads import LayerCounter, Loads
 from kvtier.integrations.sglang.linker.metrics import LinkerCounters
@@ -98,6 +99,7 @@ class LinkerCore:
         self.page_size = pool.config.page_size
         self.mirror = HostMirror(pool, settings.mirror)
         self.index = HostIndex(self.mirror.allocator)
+        self.hints = LinkerHints(self.index, self.mirror.page_bytes, clock)  # hints.py
         self.counters = LinkerCounters()
         write_stream = streams("linker-write", pool.device)
         load_stream = streams("linker-load", pool.device)
@@ -170,12 +172,12 @@ class LinkerCore:
 
     def offload(self, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
-        self.store_ops.reap()
+        self._reap()
         self.offloads.offload(list(keys), slots)
         return True
 
     def num_completed_offloads(self) -> int:
-        self.store_ops.reap()
+        self._reap()
         return self.offloads.num_completed()
 
     def pop_completed_offload(self) -> bool:
@@ -185,7 +187,7 @@ class LinkerCore:
 
     def lookup(self, rid: str, keys: Sequence[str]) -> int:
         """Pages of `keys`, from the first, that a load queued next can restore."""
-        self.store_ops.reap()
+        self._reap()
         n = len(keys)
         index = self.index
         host, unpinned = index.run(keys)
@@ -207,7 +209,7 @@ class LinkerCore:
 
     def load(self, rid: str, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
-        self.store_ops.reap()
+        self._reap()
         self.loads.load(rid, list(keys), slots)
         return True
 
@@ -228,6 +230,12 @@ class LinkerCore:
         self.offloads.quiesce()
         self.store_ops.quiesce()
 
+    def _reap(self) -> None:
+        """Settle what the storage thread finished (`StoreOps.reap`); hint leases expire
+        or take what arrived (`hints.py`)."""
+        self.hints.poll()
+        self.store_ops.reap()
+
     def reset(self) -> None:
         """Quiesce, then drop the host tier (the store keeps its pages). A store call that
         outlived its timeout keeps its pages until it ends (`StoreOps.reap` then frees them)."""
@@ -238,6 +246,7 @@ class LinkerCore:
                 "kvtier linker: reset with %d store calls still running; their pages wait for them",
                 running,
             )
+        self.hints.release_all()
         self.index.clear()
 
     def close(self) -> None:
@@ -265,7 +274,7 @@ class LinkerCore:
                 f"{sorted(owned)[:8]}..."
             )
         held: dict[str, int] = {}
-        for keys in self.store_ops.pinned() + self.loads.pinned():
+        for keys in self.store_ops.pinned() + self.loads.pinned() + self.hints.pinned():
             for k in keys:
                 held[k] = held.get(k, 0) + 1
         if held != self.index.pins:
@@ -293,6 +302,7 @@ class LinkerCore:
                 "store_writes": len(self.store_ops.backups),
             },
             "namespace": self.settings.namespace.id,
+            "hints": self.hints.stats(),
         }
         if self.store_ops.l3 is not None:
             out["store"] = self.store_ops.stats()

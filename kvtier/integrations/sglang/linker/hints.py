@@ -1,0 +1,184 @@
+"""Agent hints on the linker's host tier: the API `TieredCache` offers (docs/embedding.md,
+"Agent hints"), over SGLang's page keys and the host index's pins (`HostIndex.pin`).
+
+A lease pins the prefix's published host pages until it expires on the linker's clock
+(checked whenever the linker reaps, at each lookup) or is released; pages published later
+(an offload still copying) are pinned as they arrive. Each tenant's leases hold at most a
+bound of host bytes, and all tenants' leases together the same bound: over either, `pin`
+raises LeaseBoundError naming tenant, tier, bytes asked and bound, and nothing changes.
+SGLang owns the device tier, its tree and the
+order of its evictions, and the linker reads the store only into a load: a device or
+store lease, `prefetch`, `demote` and `retain` are advice it cannot honour here, counted
+(`stats()`), never an error. Scheduler thread only, like the linker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.cache.hints import (
+    HintTier,
+    LeaseBoundError,
+    check_tenant,
+    check_ttl,
+    parse_tiers,
+)
+from kvtier.integrations.sglang.linker.host_index import HostIndex
+
+
+@dataclass(eq=False)
+class LinkerLease:
+    id: int
+    tenant: str
+    keys: tuple[str, ...]
+    asked: int  # host bytes it counts against its tenant's bound
+    expires: float
+    pinned: list[str] = field(default_factory=list)  # what it holds pins on
+
+    def short(self) -> bool:
+        return len(self.pinned) < len(self.keys)
+
+
+@dataclass(slots=True)
+class LinkerHintCounters:
+    pins: int = 0
+    pins_short: int = 0
+    pins_refused: int = 0
+    releases: int = 0
+    expired: int = 0
+    unhonoured: int = 0  # device or store leases, prefetch, demote, retain
+
+
+class LinkerHints:
+    def __init__(
+        self, index: HostIndex, page_bytes: int, clock: Callable[[], float]
+    ) -> None:
+        self.index = index
+        self.page_bytes = page_bytes
+        self.clock = clock
+        # per tenant, and for all tenants together (a tenant is a name the caller gives)
+        self.bound = index.allocator.num_pages * page_bytes // 2
+        self.leases: dict[int, LinkerLease] = {}
+        self.held: dict[str, int] = {}  # host bytes asked, by tenant
+        self.counters = LinkerHintCounters()
+        self._next = 0
+
+    def pin(
+        self,
+        keys: Sequence[str],
+        ttl_s: float,
+        tiers=("host",),
+        tenant: str = "default",
+    ) -> LinkerLease:
+        tenant, ttl, named = check_tenant(tenant), check_ttl(ttl_s), parse_tiers(tiers)
+        keys = tuple(_keys("pin", keys))
+        asked = len(set(keys)) * self.page_bytes
+        have = self.held.get(tenant, 0)
+        if HintTier.HOST in named and have + asked > self.bound:
+            self.counters.pins_refused += 1
+            raise LeaseBoundError(
+                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
+                f"holding {have}; its bound is {self.bound} bytes"
+            )
+        total = sum(self.held.values())
+        if HintTier.HOST in named and total + asked > self.bound:
+            self.counters.pins_refused += 1
+            raise LeaseBoundError(
+                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
+                f"while all tenants' leases hold {total}; their bound together is "
+                f"{self.bound} bytes"
+            )
+        self.counters.unhonoured += bool(named - {HintTier.HOST})
+        lease = LinkerLease(self._next, tenant, keys, asked, self.clock() + ttl)
+        self._next += 1
+        self.counters.pins += 1
+        if HintTier.HOST not in named:
+            return lease  # nothing here holds it
+        self.leases[lease.id] = lease
+        self.held[tenant] = have + asked
+        self._take(lease)
+        self.counters.pins_short += lease.short()
+        return lease
+
+    def release(
+        self, keys: Sequence[str] | None, tenant: str | None = "default"
+    ) -> int:
+        """Release `tenant`'s (None: anyone's) leases of exactly `keys` (None: all)."""
+        want = None if keys is None else tuple(_keys("release", keys))
+        gone = [
+            lease
+            for lease in self.leases.values()
+            if (tenant is None or lease.tenant == tenant)
+            and (want is None or lease.keys == want)
+        ]
+        for lease in gone:
+            self._drop(lease)
+        self.counters.releases += len(gone)
+        return len(gone)
+
+    def release_all(self) -> int:
+        return self.release(None, None)
+
+    def prefetch(self, keys: Sequence[str]) -> bool:
+        _keys("prefetch", keys)
+        self.counters.unhonoured += 1
+        return False
+
+    def demote(self, keys: Sequence[str]) -> int:
+        _keys("demote", keys)
+        self.counters.unhonoured += 1
+        return 0
+
+    def retain(self, keys: Sequence[str], priority: int) -> None:
+        _keys("retain", keys)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"retain: priority={priority!r}: must be an integer")
+        self.counters.unhonoured += 1
+
+    def poll(self) -> None:
+        """Expire leases on the clock; pin what arrived for the short ones."""
+        if not self.leases:
+            return
+        now = self.clock()
+        for lease in list(self.leases.values()):
+            if lease.expires <= now:
+                self._drop(lease)
+                self.counters.expired += 1
+            elif lease.short():
+                self._take(lease)
+
+    def pinned(self) -> list[list[str]]:
+        """The pins each lease holds (the linker's accounting counts them)."""
+        return [lease.pinned for lease in self.leases.values()]
+
+    def stats(self) -> dict:
+        out = {
+            f: getattr(self.counters, f)
+            for f in LinkerHintCounters.__dataclass_fields__
+        }
+        out["leases"] = len(self.leases)
+        out["lease_bytes"] = dict(self.held)
+        return out
+
+    def _take(self, lease: LinkerLease) -> None:
+        have = set(lease.pinned)
+        fresh = [k for k in dict.fromkeys(lease.keys) if k not in have]
+        lease.pinned += self.index.pin(fresh)
+
+    def _drop(self, lease: LinkerLease) -> None:
+        del self.leases[lease.id]
+        self.held[lease.tenant] -= lease.asked
+        if not self.held[lease.tenant]:
+            del self.held[lease.tenant]
+        if lease.pinned:
+            self.index.unpin(lease.pinned)
+        lease.pinned = []
+
+
+def _keys(what: str, keys) -> list[str]:
+    if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError(f"{what}: keys: expected a list of non-empty page key strings")
+    if not keys:
+        raise ValueError(f"{what}: keys: empty; name the prefix's pages")
+    return list(keys)
