@@ -300,14 +300,6 @@ class Store(ABC):
         on the store's loop thread, and must not block it: a store that needs I/O for it
         sends that in the background."""
 
-    async def hint(
-        self, keys: Sequence[bytes], *, lease_s: float | None, priority: int = 0
-    ) -> int:
-        """An agent's hint for stored pages: keep them at least `lease_s` more seconds
-        (None: no lease), evict them by `priority` (lowest first). Returns how many pages
-        it acted on; a store that keeps no such order does nothing (0)."""
-        return 0
-
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys`; returns how many were present (each announced removed)."""
         self._check(keys)

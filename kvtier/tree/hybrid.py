@@ -36,7 +36,7 @@ from kvtier.tree.components import Component, parse_components
 from kvtier.tree.key import RadixKey
 from kvtier.tree.leaves import EvictableLeaves
 from kvtier.tree.node import HybridNode, Tier
-from kvtier.tree.radix import RadixTree, _slots
+from kvtier.tree.radix import RadixTree, joined_slots
 from kvtier.tree.results import (
     ComponentEviction,
     ComponentFrees,
@@ -174,10 +174,10 @@ class HybridRadixTree(RadixTree):
     def _take_frees(self) -> ComponentFrees:
         f = self._freed
         out = ComponentFrees(
-            _slots(f[SWA][D]),
-            _slots(f[SWA][H]),
-            _slots(f[MAMBA][D]),
-            _slots(f[MAMBA][H]),
+            joined_slots(f[SWA][D]),
+            joined_slots(f[SWA][H]),
+            joined_slots(f[MAMBA][D]),
+            joined_slots(f[MAMBA][H]),
         )
         self._freed = [[[], []], [[], []]]
         return out
@@ -320,7 +320,7 @@ class HybridRadixTree(RadixTree):
         if touch and path:
             self._touch(dev)
             self._touch(anyt)
-        slots = _slots([n.values[D] for n in path[:dev_count]])
+        slots = joined_slots([n.values[D] for n in path[:dev_count]])
         host_hit = (anyt.end if anyt is not root else 0) - (
             dev.end if dev is not root else 0
         )

@@ -50,7 +50,7 @@ D, H = Tier.DEVICE, Tier.HOST
 _NONE = np.empty(0, dtype=np.int64)
 
 
-def _slots(parts: list[np.ndarray]) -> np.ndarray:
+def joined_slots(parts: list[np.ndarray]) -> np.ndarray:
     """The parts joined (`concat` keeps the GIL); one part is not copied. Node values are
     never written in place, so a view stays right; callers must not write into it either
     (results are read-only). Node values and results are numpy: the tree runs on the
@@ -155,7 +155,7 @@ class RadixTree:
                 host_hit += len(node)
         deepest = path[-1] if path else self.root
         return MatchResult(
-            _slots(device_values), last_device, deepest, deepest, host_hit
+            joined_slots(device_values), last_device, deepest, deepest, host_hit
         )
 
     def _walk(self, key: RadixKey) -> list[TreeNode]:
@@ -442,7 +442,7 @@ class RadixTree:
                 self._set_value(node, D, None)
                 if not node.backed_up:
                     self._remove(node)
-        return DeviceEviction(_slots(freed), evicted, demoted, removed, needs_backup)
+        return DeviceEviction(joined_slots(freed), evicted, demoted, removed, needs_backup)
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
@@ -457,7 +457,7 @@ class RadixTree:
                 self._set_value(node, H, None)
                 self._remove(node)
                 removed.append(node)
-        return HostEviction(_slots(freed), evicted, removed)
+        return HostEviction(joined_slots(freed), evicted, removed)
 
     # -- hashes -------------------------------------------------------------------------------
 
