@@ -442,7 +442,9 @@ class RadixTree:
                 self._set_value(node, D, None)
                 if not node.backed_up:
                     self._remove(node)
-        return DeviceEviction(joined_slots(freed), evicted, demoted, removed, needs_backup)
+        return DeviceEviction(
+            joined_slots(freed), evicted, demoted, removed, needs_backup
+        )
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""
