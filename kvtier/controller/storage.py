@@ -36,7 +36,7 @@ import numpy as np
 from kvtier.backends.base import Store
 from kvtier.controller import store_pages
 from kvtier.controller.speed import LoadSpeed
-from kvtier.errors import Complaints, KvtierError
+from kvtier.errors import Complaints, KvtierError, StoreDown
 from kvtier.storeio.breaker import Breaker, BreakerConfig
 from kvtier.storeio.call import lifetime, store_call
 from kvtier.storeio.loop import StoreLoop
@@ -186,20 +186,21 @@ class StorageWorker:
 
     def hint(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
         """Called from the scheduler thread: pass an agent's hint for these pages on to the
-        store (`Store.hint`). Advice: a store that is down or fails is logged and counted
-        (`hints_failed`), never waited for; `drain` waits for the call like any op."""
-        self._submit(self._hint, (keys, lease_s, priority))
+        store (`Store.hint`), as one guarded store call. Advice: a store that is down or
+        fails is counted (`hints_failed`) and logged, never waited for; `drain` waits for
+        the call like any op."""
+        self.store_loop.start(self._hint(keys, lease_s, priority))
 
-    async def _hint(self, args: tuple[PageKeys, float | None, int]) -> None:
-        keys, lease_s, priority = args
-        if self.breaker.down:  # a hint is not worth a timeout (nor a probe)
+    async def _hint(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
+        hint = self.store.hint
+        try:
+            done = await store_call(
+                self.breaker,
+                lambda: hint(list(keys), lease_s=lease_s, priority=priority),
+            )
+        except StoreDown:  # skipped: a hint is not worth waiting for the store
             self.hints_failed += 1
             return
-        try:
-            done = await asyncio.wait_for(
-                self.store.hint(list(keys), lease_s=lease_s, priority=priority),
-                self.store.timeout_s,
-            )
         except Exception as exc:  # advice: never an op's failure
             self.hints_failed += 1
             self._complain("hint", f"hint for {len(keys)} pages failed: {exc}")
