@@ -659,7 +659,9 @@ class KvtierStorageBase:
             ]
             if policy == "all_pages":
                 boundary = self._loop.run(
-                    self._guarded(lambda full=full: self.store.batch_exists(full), 0)
+                    guarded(
+                        self.breaker, lambda full=full: self.store.batch_exists(full), 0
+                    )
                 )
                 ok = set(range(1, boundary + 1))
             else:  # trailing_pages
@@ -673,8 +675,8 @@ class KvtierStorageBase:
 
     async def _present(self, full: list[str]) -> list[bool]:
         """Whether the store holds each key, in one call (a failed call: none held)."""
-        return await self._guarded(
-            lambda: self.store.exists_each(full), [False] * len(full)
+        return await guarded(
+            self.breaker, lambda: self.store.exists_each(full), [False] * len(full)
         )
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
@@ -734,8 +736,10 @@ class KvtierStorageBase:
         ok_all: list[bool] = []
         if full:
             ok_all = self._loop.run(
-                self._guarded(
-                    lambda: self._set_v2(spaces, full, pages), [False] * len(full)
+                guarded(
+                    self.breaker,
+                    lambda: self._set_v2(spaces, full, pages),
+                    [False] * len(full),
                 )
             )
         out: dict = {}
