@@ -313,3 +313,19 @@ def test_a_window_on_host_alone_is_no_device_hit():
     m = tree.match_prefix(key([1, 2, 3]))
     assert m.last_device_node is node and m.device_indices.tolist() == [1, 2, 3]
     tree.sanity_check()
+
+
+def test_swa_eviction_is_lru_by_the_windows_matches_touch():
+    tree = HybridRadixTree(page_size=1, components=(FULL, SWA), swa_window=2)
+    a, b, c = (
+        tree.insert(
+            key([t, t]), ar(2 * t, 2 * t + 2), swa_indices=ar(10 * t, 10 * t + 2)
+        )
+        for t in (1, 2, 3)
+    )
+    tree.match_prefix(key([1, 1]))  # a's window is the most recently used now
+    ev = tree.evict_component(SWA, D, 2)
+    assert ev.evicted == 2 and ev.frees.swa_device.tolist() == [20, 21]
+    assert b.last_node.swa == [None, None] and a.last_node.swa[D] is not None
+    assert tree.evict_component(SWA, D, 1).frees.swa_device.tolist() == [30, 31]
+    tree.sanity_check()
