@@ -296,3 +296,36 @@ def test_insert_never_lists_a_slot_the_tree_keeps():
     r = tree.insert(key([1, 2, 3, 4]), ar(1, 5), mamba_slot=9)
     assert r.frees.mamba_device.tolist() == [9]
     tree.sanity_check()
+
+
+def test_a_window_on_host_alone_is_no_device_hit():
+    """FULL KV on device and the SWA window on host only: the device handle must stop
+    short (its KV would be served without the window's SWA KV), the host handle not."""
+    tree = HybridRadixTree(page_size=1, components=(FULL, SWA), swa_window=2)
+    node = tree.insert(key([1, 2, 3]), ar(1, 4)).last_node  # no SWA KV given
+    tree.mark_backed_up(node, ar(11, 14))
+    assert len(tree.set_component(node, SWA, H, ar(21, 24))) == 0
+    m = tree.match_prefix(key([1, 2, 3]))
+    assert m.last_device_node is tree.root and m.device_indices.tolist() == []
+    assert m.last_host_node is node and m.host_hit_length == 3
+    assert tree.nodes_to_load(node) == []  # its FULL KV is on device: only SWA to load
+    assert len(tree.set_component(node, SWA, D, ar(31, 34))) == 0
+    m = tree.match_prefix(key([1, 2, 3]))
+    assert m.last_device_node is node and m.device_indices.tolist() == [1, 2, 3]
+    tree.sanity_check()
+
+
+def test_swa_eviction_is_lru_by_the_windows_matches_touch():
+    tree = HybridRadixTree(page_size=1, components=(FULL, SWA), swa_window=2)
+    a, b, c = (
+        tree.insert(
+            key([t, t]), ar(2 * t, 2 * t + 2), swa_indices=ar(10 * t, 10 * t + 2)
+        )
+        for t in (1, 2, 3)
+    )
+    tree.match_prefix(key([1, 1]))  # a's window is the most recently used now
+    ev = tree.evict_component(SWA, D, 2)
+    assert ev.evicted == 2 and ev.frees.swa_device.tolist() == [20, 21]
+    assert b.last_node.swa == [None, None] and a.last_node.swa[D] is not None
+    assert tree.evict_component(SWA, D, 1).frees.swa_device.tolist() == [30, 31]
+    tree.sanity_check()
