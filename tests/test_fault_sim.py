@@ -120,3 +120,30 @@ def test_the_action_log_names_every_episode_and_runs_to_its_close(tmp_path, flag
     ), by_episode.keys()
     assert all("close" in actions for actions in by_episode.values())
     assert len(lines) > 20
+
+
+def test_a_steps_posts_reach_the_storage_loop_together_when_the_simulator_settles():
+    """The store's pending calls, which the seeded simulator picks from, come in the same
+    order on every run only if the storage loop takes a step's posted work (ops started,
+    grants) in one batch when the simulator settles: run free, the loop could wake between
+    two posts of one step or not, as the machine's load had it, and the own-cache action
+    log of a seed differed between runs."""
+    import asyncio
+
+    from kvtier.testing.fault_sim import FaultSim
+
+    sim = FaultSim(5, Setup(1, "page_first", "direct", "write_through", "best_effort"))
+    store_loop = sim.cache.controller.storage.store_loop
+    ran = []
+    store_loop.post(lambda: ran.append(1))
+    store_loop.post(lambda: ran.append(2))
+
+    async def spin():  # the loop's turns: a wake-up posted before them is taken in them
+        for _ in range(40):
+            await asyncio.sleep(0)
+
+    store_loop.run(spin(), 30)
+    assert ran == []  # held while the step runs
+    sim.settle()
+    assert ran == [1, 2]
+    sim.close()
