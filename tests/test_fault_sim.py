@@ -102,8 +102,8 @@ def test_fault_sim_with_store_pages_of_several_pages_finds_no_violation():
 def test_the_action_log_names_every_episode_and_runs_to_its_close(tmp_path, flags):
     """`--actions FILE`: every episode's actions, one a line, named by episode (and rank),
     each through to its close, so the logs of one seed can be compared between two
-    versions of the code. (Not compared run to run here: on a loaded machine the own-cache
-    simulator's log of a seed can differ between runs of the same code.)"""
+    versions of the code. (That a run's log does not hang on the machine's load is the
+    test below: two runs compared here would differ only on a loaded machine.)"""
     from kvtier.testing.sim_cli import main
 
     path = tmp_path / "actions.txt"
