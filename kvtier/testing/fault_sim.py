@@ -73,6 +73,31 @@ def settle(cache: TieredCache) -> None:
     asyncio.run_coroutine_threadsafe(spin(), cache.controller.storage.loop).result(30)
 
 
+class HeldPosts:
+    """The work a step posts to the storage loop (ops started, grants, touches), held until
+    the simulator settles and then handed over as one batch: the loop starts the step's ops
+    in the order they were posted, whatever the machine's load. Run free, the loop could
+    wake between two posts of one step and run the first op up to its store call before
+    the second op was made, or take both in one wake-up and interleave them: the order of
+    the store's pending calls, which the seeded simulator picks from, then varied from run
+    to run. `free`: posts go straight through (while the simulator blocks on the loop)."""
+
+    def __init__(self, store_loop) -> None:
+        self.post, self.held, self.free = store_loop.post, [], False
+        store_loop.post = self._post
+
+    def _post(self, fn) -> None:
+        if self.free:
+            self.post(fn)
+        else:
+            self.held.append(fn)
+
+    def release(self) -> None:
+        batch, self.held = self.held, []
+        if batch:
+            self.post(lambda: [fn() for fn in batch])
+
+
 @dataclass
 class Setup:
     page_size: int
@@ -184,6 +209,7 @@ class FaultSim:
             agreement=agreement,
         )
         self.loop = self.cache.controller.storage.loop
+        self.posts = HeldPosts(self.cache.controller.storage.store_loop)
         self.skew = (
             0.0  # under TP: this rank's scheduler reads its clock later (tp_sim.py)
         )
@@ -210,6 +236,7 @@ class FaultSim:
     # -- plumbing -----------------------------------------------------------------------------
 
     def settle(self) -> None:
+        self.posts.release()
         settle(self.cache)
 
     def note(self, what: str) -> None:
@@ -539,6 +566,7 @@ class FaultSim:
         self.settle()
         self.streams.auto = random.Random(self.faults.random())
         self.store.auto = random.Random(self.faults.random())
+        self.posts.free = True
         try:
             self.streams.resolve_all(self.streams.auto)
             self.store.resolve_all(self.store.auto)
@@ -546,6 +574,7 @@ class FaultSim:
             fn()
         finally:
             self.streams.auto = self.store.auto = None
+            self.posts.free = False
 
     def _check_live(self) -> None:
         """Once every copy and store call is answered, every waiting request is named ready

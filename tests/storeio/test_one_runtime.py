@@ -37,17 +37,26 @@ def functions(tree: ast.Module):
     yield from walk(tree, "")
 
 
+# the Breaker's methods, by how many arguments each takes: a call of that name and shape
+# on any object (however the breaker is named there) is a call of the breaker; others of
+# the name (`LayerWaiter.failed()`, `PollReport.abandoned()`) take none
+BREAKER_ARGS = {"admit": 0, "succeeded": 0, "failed": 1, "abandoned": 1}
+
+
 def breaker_calls(method: str) -> list[str]:
-    """Where `<...breaker>.<method>(...)` is called: "file:function" per call."""
+    """Where `<...>.<method>(...)` is called with the Breaker method's arguments, outside
+    the breaker itself: "file:function" per call."""
     found = []
     for path, tree in sources().items():
+        if path == "storeio/breaker.py":
+            continue
         for name, fn in functions(tree):
             for node in ast.walk(fn):
                 if (
                     isinstance(node, ast.Call)
                     and isinstance(node.func, ast.Attribute)
                     and node.func.attr == method
-                    and ast.unparse(node.func.value).endswith("breaker")
+                    and len(node.args) + len(node.keywords) == BREAKER_ARGS[method]
                     and not any(  # a nested function's own calls count for it alone
                         node in ast.walk(inner)
                         for _, inner in functions(fn)
@@ -108,6 +117,29 @@ def test_the_staged_read_and_the_ops_lifetime_are_written_once():
         )
     ]
     assert staging == ["storeio/call.py:read_staged"]
+
+
+def test_reads_into_memory_are_made_in_known_places_only():
+    """`batch_get_into` (a read into a caller's memory) is named only by the staged read
+    (an engine's memory) and the reads into host pages of the cache and the linker, whose
+    pages an abandoned read keeps out of use: a new reader into memory is a second copy
+    of one of them, or must be added here knowingly."""
+    readers = sorted(
+        {
+            f"{path}:{name}"
+            for path, tree in sources().items()
+            if not path.startswith(("backends/", "bench/"))
+            for name, fn in functions(tree)
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Attribute) and node.attr == "batch_get_into"
+        }
+    )
+    assert readers == [
+        "controller/storage.py:StorageWorker._read",
+        "controller/store_pages.py:read",
+        "integrations/sglang/linker/store_io.py:LinkerStore._read_pages",
+        "storeio/call.py:read_staged",
+    ]
 
 
 def test_settled_is_a_declared_field_never_fished_out():
