@@ -149,11 +149,35 @@ async def test_a_hint_counts_the_pages_held_and_checks_its_arguments(tmp_path):
     for bad in (0, -1.0, float("inf"), float("nan"), "5", True):
         with pytest.raises(ValueError, match="lease_s="):
             await store.hint([key], lease_s=bad)
-    with pytest.raises(ValueError, match="priority="):
-        await store.hint([key], lease_s=None, priority=1.5)
+    for bad in (1.5, "1", True):
+        with pytest.raises(ValueError, match="priority="):
+            await store.hint([key], lease_s=None, priority=bad)
     with pytest.raises(ValueError):
         await store.hint(["not/a/key"], lease_s=1)
     assert await MemoryStore().hint([key], lease_s=5) == 0  # no means: none applied
+    await store.close()
+
+
+async def test_a_hint_without_a_priority_keeps_the_pages_own(tmp_path):
+    """priority=None (a pin, a release, an expiry: no retain) keeps the priority a page
+    has: after a lease and its release, a page of priority 5 is still evicted after the
+    plain ones. A lease or release at priority 0 made it a plain page (the oldest)."""
+    clock = Clock()
+    store = file_store(tmp_path, 4, clock)
+    kept, *plain = await fill(store, 4)
+    assert await store.hint([kept], lease_s=None, priority=5) == 1
+    assert await store.hint([kept], lease_s=30, priority=None) == 1
+    assert store._leases.get(kept).priority == 5
+    assert await store.hint([kept], lease_s=None, priority=None) == 1  # released
+    assert store.stats()["hinted_pages"] == 1
+    await fill(store, 3)  # the three plain pages go, least recently used first
+    assert await held(store, [kept, *plain]) == [kept]
+    clock.now += 31  # a lease's end on the clock keeps its priority too
+    assert await store.hint([kept], lease_s=10, priority=None) == 1
+    clock.now += 11
+    await fill(store, 3)
+    assert await held(store, [kept]) == [kept]
+    assert await store.hint([new_key()], lease_s=None, priority=None) == 0
     await store.close()
 
 
