@@ -346,6 +346,37 @@ def test_a_retains_priority_outlives_a_pin_and_its_release_in_the_store(tmp_path
     assert flooder.stats()["evictions"] >= 12 and flooder.leases_broken == 0
 
 
+def test_a_retains_priority_outlives_a_pin_and_its_release_in_s3_tags(s3_server):
+    """The same through TieredCache onto the S3 store: the pages' priority tag stays 5
+    after a pin and its release (they tagged it 0)."""
+    from tests.backends.test_leases import s3_store, s3_tags
+
+    store = s3_store(s3_server.url)
+    clock = Clock()
+    cache = make_cache(store_obj=store, clock=clock)
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.controller.wait_idle()
+    pages = sorted(
+        o["Key"]
+        for o in store.client.list_objects_v2(Bucket=store.config.bucket)["Contents"]
+        if not o["Key"].endswith("manifest.json")
+    )
+    assert len(pages) == 4
+    cache.retain(A, 5)
+    cache.pin(A, 45, ("store",))
+    cache.controller.wait_idle()
+    assert {s3_tags(store, k)["kvtier-priority"] for k in pages} == {"5"}
+    clock.now = 10.0
+    cache.release(A)
+    cache.controller.wait_idle()
+    plain = {"kvtier-lease-until": "0", "kvtier-priority": "5"}
+    assert all(s3_tags(store, k) == plain for k in pages)
+    assert cache.stats()["hints"]["store_hinted_pages"] == 12
+    check(cache)
+    cache.close()
+
+
 def test_flush_and_close_let_go_of_leases():
     cache = make_cache()
     compute(cache, A, seed=1)
