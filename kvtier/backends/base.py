@@ -119,7 +119,8 @@ def _key_strings(keys) -> list[str]:
 
 
 def check_hint(lease_s, priority) -> None:
-    """A hint's lease (seconds > 0, or None) and priority (an int), or ValueError."""
+    """A hint's lease (seconds > 0, or None) and priority (an int, or None: the page's
+    own), or ValueError."""
     if lease_s is not None and (
         isinstance(lease_s, bool)
         or not isinstance(lease_s, (int, float))
@@ -129,8 +130,13 @@ def check_hint(lease_s, priority) -> None:
         raise ValueError(
             f"lease_s={lease_s!r}: a finite number of seconds > 0, or None to release"
         )
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority={priority!r}: an integer (higher = kept longer)")
+    if priority is not None and (
+        isinstance(priority, bool) or not isinstance(priority, int)
+    ):
+        raise ValueError(
+            f"priority={priority!r}: an integer (higher = kept longer), or None to "
+            "keep the page's priority"
+        )
 
 
 class Store(ABC):
@@ -311,11 +317,16 @@ class Store(ABC):
         return n
 
     async def hint(
-        self, keys: Sequence[str | bytes], *, lease_s: float | None, priority: int = 0
+        self,
+        keys: Sequence[str | bytes],
+        *,
+        lease_s: float | None,
+        priority: int | None = 0,
     ) -> int:
         """Carry a hint for these keys to the store by its own means: a lease of `lease_s`
         seconds from now on kvtier's clock (`self.clock`; None releases the lease), and
-        an eviction priority (higher = kept longer). Returns how many of the keys it
+        an eviction priority (higher = kept longer; None keeps the priority the page
+        has, as a lease or release that is no `retain` does). Returns how many of the keys it
         applied to; a store with no means returns 0 (as here). Never raises for a key
         that is absent. Keys are store keys (`str`, or their ASCII bytes); a malformed
         one, a lease that is not a number of seconds > 0, or a priority that is no int
@@ -483,7 +494,9 @@ class Store(ABC):
     async def _close(self) -> None:
         return None
 
-    async def _hint(self, keys: list[str], lease_s: float | None, priority: int) -> int:
+    async def _hint(
+        self, keys: list[str], lease_s: float | None, priority: int | None
+    ) -> int:
         """Apply a checked hint (`hint`); a store with no means applies it to none."""
         return 0
 

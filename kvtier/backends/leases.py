@@ -37,10 +37,15 @@ class Leases:
     def get(self, key: str) -> Hint | None:
         return self.hints.get(key)
 
-    def apply(self, key: str, lease_s: float | None, priority: int) -> Hint | None:
-        """Lease `key` for `lease_s` from now (None: release) at `priority`; its entry, or
-        None where it is a plain page now."""
+    def apply(
+        self, key: str, lease_s: float | None, priority: int | None
+    ) -> Hint | None:
+        """Lease `key` for `lease_s` from now (None: release) at `priority` (None: the
+        priority it has, 0 where none); its entry, or None where it is a plain page now."""
         until = None if lease_s is None else self.clock() + lease_s
+        if priority is None:
+            hint = self.hints.get(key)
+            priority = 0 if hint is None else hint.priority
         return self.put(key, until, priority)
 
     def put(self, key: str, until: float | None, priority: int) -> Hint | None:

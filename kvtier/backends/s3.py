@@ -5,16 +5,23 @@ conditional (`If-None-Match: *`): a page already stored is not written again. Re
 timeouts come from config; credentials come from boto3's default chain (or config) and
 are never logged.
 
-Leases (`Store.hint`) are object tags: every page is written tagged `kvtier-lease-until=0`
-and `kvtier-priority=0`; a lease sets `kvtier-lease-until` to its end (Unix seconds) and a
-hint `kvtier-priority`, and the end of a lease on kvtier's clock (or a release) sets it
-back to 0. A bucket lifecycle rule that expires objects tagged `kvtier-lease-until=0`
-then drops only unleased pages (docs/stores.md, "Leases and priorities").
+Leases (`Store.hint`) are object tags (`tags`, on by default): every page is written
+tagged `kvtier-lease-until=0` and `kvtier-priority=0`; a lease sets `kvtier-lease-until`
+to its end (Unix seconds) and a hint `kvtier-priority` (a hint without one keeps the
+tag's), and the end of a lease on kvtier's clock (or a release) sets it back to 0. A
+bucket lifecycle rule that expires objects tagged `kvtier-lease-until=0` then drops only
+unleased pages (docs/stores.md, "Leases and priorities"). Tags never fail a write: a
+tagged PUT refused (`AccessDenied`: credentials without `s3:PutObjectTagging`;
+`NotImplemented`: a server without tagging) whose untagged retry is stored turns tags
+off for this store (logged once, counted in `tags_refused`). With tags off pages are
+written untagged and a hint applies to none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +32,11 @@ from kvtier.errors import StoreError, StoreTimeout, StoreUnavailable
 from kvtier.secrets import mask_credentials, redact_url
 from kvtier.validate import check_positive
 
+log = logging.getLogger(__name__)
+
 _MISSING = ("404", "NoSuchKey", "NotFound")
+# a tagged PUT refused so: credentials without s3:PutObjectTagging, a server without tags
+_TAGS_REFUSED = ("AccessDenied", "NotImplemented")
 LEASE_TAG, PRIORITY_TAG = "kvtier-lease-until", "kvtier-priority"
 _PLAIN_TAGS = f"{LEASE_TAG}=0&{PRIORITY_TAG}=0"  # a page as written: no lease
 
@@ -45,8 +56,15 @@ class S3StoreConfig:
     skip_existing: bool = True
     create_bucket: bool = False
     max_page_bytes: int = 1 << 30  # a larger object is no page: never read whole
+    # lease tags on every page (docs/stores.md, "Leases and priorities")
+    tags: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tags, bool):
+            raise ValueError(
+                f"tags={self.tags!r}: true (pages tagged with their lease and priority) "
+                "or false (untagged: a hint applies to none)"
+            )
         check_positive(
             self, "max_workers", "max_attempts", "max_page_bytes", integer=True
         )
@@ -74,6 +92,9 @@ class S3Store(Store):
     ) -> None:
         super().__init__(timeout_s, clock)
         self._leases = Leases(self.clock)
+        self.tagging = config.tags  # off for good once a tagged PUT is refused
+        self.tags_refused = 0  # tagged PUTs refused, then stored untagged
+        self._tags_lock = threading.Lock()
         import boto3
         from botocore.config import Config
 
@@ -154,19 +175,49 @@ class S3Store(Store):
 
         extra = {"IfNoneMatch": "*"} if self.config.skip_existing else {}
         header, payload = page  # the checksum is computed here, in the I/O thread
+        body = header + payload
+        tagged = self.tagging
         try:
-            self.client.put_object(
-                Bucket=self.config.bucket,
-                Key=self._object(key),
-                Body=header + payload,
-                Tagging=_PLAIN_TAGS,
-                **extra,
-            )
+            try:
+                self._put_object(key, body, tagged, extra)
+            except ClientError as exc:
+                if not (tagged and _code(exc) in _TAGS_REFUSED):
+                    raise
+                self._put_object(key, body, False, extra)  # its failure is the error
+                self._tags_off(_code(exc))
         except ClientError as exc:
             if _code(exc) in ("PreconditionFailed", "412"):
                 return True  # already stored (keys are content hashes)
             raise
         return True
+
+    def _put_object(self, key: str, body: bytes, tagged: bool, extra: dict) -> None:
+        self.client.put_object(
+            Bucket=self.config.bucket,
+            Key=self._object(key),
+            Body=body,
+            **({"Tagging": _PLAIN_TAGS} if tagged else {}),
+            **extra,
+        )
+
+    def _tags_off(self, code: str) -> None:
+        """A tagged PUT was refused (`code`) and the same page untagged was not: pages are
+        written untagged from now on (an I/O thread; logged once)."""
+        with self._tags_lock:
+            self.tags_refused += 1
+            if not self.tagging:
+                return
+            self.tagging = False
+        log.warning(
+            "s3 store (bucket %r): a tagged PUT was refused (%s) and the page was "
+            "stored untagged: pages are written without lease tags from now on, hints "
+            "apply to none, and a lifecycle rule filtering on %s=0 no longer expires new "
+            "pages. Grant s3:PutObjectTagging (and s3:GetObjectTagging) or set "
+            'store tags: false (docs/stores.md, "Leases and priorities")',
+            self.config.bucket,
+            code,
+            LEASE_TAG,
+        )
 
     def _jobs(self, fn, *columns) -> list:
         loop = asyncio.get_running_loop()
@@ -269,20 +320,25 @@ class S3Store(Store):
             "bucket": self.config.bucket,
             "endpoint_url": self.config._endpoint(),
             "leases": len(self._leases),
+            "tags": self.tagging,
+            "tags_refused": self.tags_refused,
         }
 
     # -- leases ----------------------------------------------------------------------------
 
     async def _hint(self, keys, lease_s, priority):
         """Tag each present object with the lease's end (Unix seconds; 0: none) and the
-        priority; how many objects were there. Only a running lease is remembered (to be
-        tagged 0 at its end): a priority lives in the tag alone."""
+        priority (None: the tag's own); how many objects were there (none with tags
+        off). Only a running lease is remembered (to be tagged 0 at its end): a priority
+        lives in the tag alone."""
         await self._end_leases()
+        if not self.tagging:
+            return 0
         if lease_s is None:
             self._leases.forget(keys)
         else:
             for key in keys:
-                self._leases.apply(key, lease_s, priority)
+                self._leases.apply(key, lease_s, 0)
         until = 0 if lease_s is None else int(time.time() + lease_s) + 1
         done = await asyncio.gather(
             *self._jobs(self._tag, keys, [until] * len(keys), [priority] * len(keys))
@@ -295,10 +351,11 @@ class S3Store(Store):
         ended = self._leases.expire()
         if not ended:
             return
-        prios = [getattr(self._leases.get(k), "priority", 0) for k in ended]
         self._leases.forget(ended)  # the priority stays in the tag
+        if not self.tagging:  # turned off since: nothing to untag, nor the right to
+            return
         got = await asyncio.gather(
-            *self._jobs(self._tag, ended, [0] * len(ended), prios),
+            *self._jobs(self._tag, ended, [0] * len(ended), [None] * len(ended)),
             return_exceptions=True,
         )
         failed = [r for r in got if isinstance(r, Exception)]
@@ -306,15 +363,21 @@ class S3Store(Store):
             self.counters.errors += 1
             self.complain("error", f"untagging {len(failed)} ended leases: {failed[0]}")
 
-    def _tag(self, key: str, until: int, priority: int) -> bool:
-        """Set the object's lease tags; False where it is not there."""
+    def _tag(self, key: str, until: int, priority: int | None) -> bool:
+        """Set the object's lease tags (priority None: the one its tag has, read first:
+        S3 replaces an object's tags whole); False where it is not there."""
         from botocore.exceptions import ClientError
 
-        tags = [
-            {"Key": LEASE_TAG, "Value": str(until)},
-            {"Key": PRIORITY_TAG, "Value": str(priority)},
-        ]
         try:
+            if priority is None:
+                got = self.client.get_object_tagging(
+                    Bucket=self.config.bucket, Key=self._object(key)
+                )["TagSet"]
+                priority = _priority({t["Key"]: t["Value"] for t in got})
+            tags = [
+                {"Key": LEASE_TAG, "Value": str(until)},
+                {"Key": PRIORITY_TAG, "Value": str(priority)},
+            ]
             self.client.put_object_tagging(
                 Bucket=self.config.bucket,
                 Key=self._object(key),
@@ -325,6 +388,14 @@ class S3Store(Store):
                 return False
             raise
         return True
+
+
+def _priority(tags: dict[str, str]) -> int:
+    """The priority an object's tags hold (0 where none, or not an integer)."""
+    try:
+        return int(tags.get(PRIORITY_TAG, "0"))
+    except ValueError:
+        return 0
 
 
 def _code(exc) -> str:

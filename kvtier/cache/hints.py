@@ -223,7 +223,7 @@ class Hints(Part):
                 self.hint_counters.unhonoured += 1
             else:
                 lease.store_keys = self._store_keys(key)
-                self._tell_store_leases(key, 0)
+                self._tell_store_leases(key, None)
         return lease
 
     def release(self, key: RadixKey | None, tenant: str | None) -> int:
@@ -258,7 +258,7 @@ class Hints(Part):
         if node is not None:
             self.tree.release_host(node)
         if lease.store_keys is not None:  # its pages other leases hold keep theirs
-            self._tell_store_leases(lease.key, 0)
+            self._tell_store_leases(lease.key, None)
 
     def _take(self, lease: Lease) -> None:
         """Lock as much of the prefix as each named tree tier holds now (deeper than before)."""
@@ -389,8 +389,10 @@ class Hints(Part):
         # a store page of g pages is keyed by its last page (controller/store_pages.py)
         return PageKeys(lambda: hashing()[g - 1 :: g], self.key_of, pages // g)
 
-    def _tell_store_leases(self, key: RadixKey, priority: int) -> None:
-        """Tell the store, for `key`'s store pages, the lease each keeps now: the longest
+    def _tell_store_leases(self, key: RadixKey, priority: int | None) -> None:
+        """Tell the store, for `key`'s store pages, the lease each keeps now (and
+        `priority`: a `retain`'s; None keeps the pages' own, so a pin, a release or an
+        expiry never undoes a retain): the longest
         time left of the store leases that hold it (a lease holds the pages of its own
         prefix, shared with any other lease's), None where none does (its lease ends), in
         runs of pages alike. Store.hint's None releases a page's lease: a page two leases
@@ -419,7 +421,9 @@ class Hints(Part):
                 self._tell_store(keys, left[a], priority)
                 a = b
 
-    def _tell_store(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
+    def _tell_store(
+        self, keys: PageKeys, lease_s: float | None, priority: int | None
+    ) -> None:
         storage = self.ctl.storage
         if storage is None or not len(keys):
             return

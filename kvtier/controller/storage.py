@@ -184,14 +184,16 @@ class StorageWorker:
         except Exception:  # an order hint: never worth an op
             log.exception("touching %d pages in the store failed", len(keys))
 
-    def hint(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
+    def hint(self, keys: PageKeys, lease_s: float | None, priority: int | None) -> None:
         """Called from the scheduler thread: pass an agent's hint for these pages on to the
         store (`Store.hint`), as one guarded store call. Advice: a store that is down or
         fails is counted (`hints_failed`) and logged, never waited for; `drain` waits for
         the call like any op."""
         self.store_loop.start(self._hint(keys, lease_s, priority))
 
-    async def _hint(self, keys: PageKeys, lease_s: float | None, priority: int) -> None:
+    async def _hint(
+        self, keys: PageKeys, lease_s: float | None, priority: int | None
+    ) -> None:
         hint = self.store.hint
         try:
             done = await store_call(

@@ -149,11 +149,35 @@ async def test_a_hint_counts_the_pages_held_and_checks_its_arguments(tmp_path):
     for bad in (0, -1.0, float("inf"), float("nan"), "5", True):
         with pytest.raises(ValueError, match="lease_s="):
             await store.hint([key], lease_s=bad)
-    with pytest.raises(ValueError, match="priority="):
-        await store.hint([key], lease_s=None, priority=1.5)
+    for bad in (1.5, "1", True):
+        with pytest.raises(ValueError, match="priority="):
+            await store.hint([key], lease_s=None, priority=bad)
     with pytest.raises(ValueError):
         await store.hint(["not/a/key"], lease_s=1)
     assert await MemoryStore().hint([key], lease_s=5) == 0  # no means: none applied
+    await store.close()
+
+
+async def test_a_hint_without_a_priority_keeps_the_pages_own(tmp_path):
+    """priority=None (a pin, a release, an expiry: no retain) keeps the priority a page
+    has: after a lease and its release, a page of priority 5 is still evicted after the
+    plain ones. A lease or release at priority 0 made it a plain page (the oldest)."""
+    clock = Clock()
+    store = file_store(tmp_path, 4, clock)
+    kept, *plain = await fill(store, 4)
+    assert await store.hint([kept], lease_s=None, priority=5) == 1
+    assert await store.hint([kept], lease_s=30, priority=None) == 1
+    assert store._leases.get(kept).priority == 5
+    assert await store.hint([kept], lease_s=None, priority=None) == 1  # released
+    assert store.stats()["hinted_pages"] == 1
+    await fill(store, 3)  # the three plain pages go, least recently used first
+    assert await held(store, [kept, *plain]) == [kept]
+    clock.now += 31  # a lease's end on the clock keeps its priority too
+    assert await store.hint([kept], lease_s=10, priority=None) == 1
+    clock.now += 11
+    await fill(store, 3)
+    assert await held(store, [kept]) == [kept]
+    assert await store.hint([new_key()], lease_s=None, priority=None) == 0
     await store.close()
 
 
@@ -560,6 +584,152 @@ async def test_s3_remembers_only_the_leases_it_must_end(s3_server):
         got = store.client.get_object_tagging(Bucket=store.config.bucket, Key=keys[2])
         tags = {t["Key"]: t["Value"] for t in got["TagSet"]}
         assert tags == {"kvtier-lease-until": "0", "kvtier-priority": "2"}
+    finally:
+        await store.close()
+
+
+def s3_store(url: str, **options):
+    """An S3 store on moto's server with `options`, on a test clock."""
+    import dataclasses
+
+    from kvtier.backends.s3 import S3Store
+    from tests.backends.stores import s3_harness
+
+    base = s3_harness(url).make()  # creates the bucket
+    base.client.close()
+    store = S3Store(
+        dataclasses.replace(base.config, create_bucket=False, **options),
+        clock=Clock(),
+    )
+    store._leases.clock = store.clock
+    return store
+
+
+def s3_tags(store, key: str) -> dict[str, str]:
+    got = store.client.get_object_tagging(Bucket=store.config.bucket, Key=key)
+    return {t["Key"]: t["Value"] for t in got["TagSet"]}
+
+
+async def test_s3_a_hint_without_a_priority_keeps_the_tags(s3_server):
+    """A lease, its release and its end on kvtier's clock with priority None keep the
+    priority the object's tag has (read, as S3 replaces tags whole); they tagged it 0."""
+    store = s3_store(s3_server.url)
+    try:
+        keys = [new_key() for _ in range(2)]
+        assert await store.batch_set(keys, [os.urandom(PAGE)] * 2) == [True] * 2
+        assert await store.hint(keys, lease_s=None, priority=5) == 2
+        assert await store.hint(keys, lease_s=60, priority=None) == 2
+        assert s3_tags(store, keys[0])["kvtier-priority"] == "5"
+        assert await store.hint(keys[:1], lease_s=None, priority=None) == 1
+        assert s3_tags(store, keys[0]) == {
+            "kvtier-lease-until": "0",
+            "kvtier-priority": "5",
+        }
+        store.clock.now += 61  # keys[1]'s lease ended: untagged on the next write
+        await store.batch_set([new_key()], [os.urandom(PAGE)])
+        assert s3_tags(store, keys[1]) == {
+            "kvtier-lease-until": "0",
+            "kvtier-priority": "5",
+        }
+        assert await store.hint([new_key()], lease_s=30, priority=None) == 0
+    finally:
+        await store.close()
+
+
+async def test_s3_with_tags_off_writes_untagged_pages_and_hints_none(s3_server):
+    store = s3_store(s3_server.url, tags=False)
+    try:
+        keys = [new_key() for _ in range(2)]
+        assert await store.batch_set(keys, [os.urandom(PAGE)] * 2) == [True] * 2
+        assert s3_tags(store, keys[0]) == {}  # no tags: no s3:PutObjectTagging needed
+        assert await store.hint(keys, lease_s=60, priority=3) == 0
+        assert s3_tags(store, keys[1]) == {} and store.stats()["leases"] == 0
+        assert store.stats()["tags"] is False
+        assert await store.batch_get(keys) is not None
+    finally:
+        await store.close()
+
+
+def test_s3_tags_option_is_checked():
+    from kvtier.backends.s3 import S3StoreConfig
+    from kvtier.config import KvtierConfigError, load_config
+
+    with pytest.raises(ValueError, match="tags='no': true .* or false"):
+        S3StoreConfig(tags="no")
+    store = {"backend": "s3", "bucket": "b"}
+    cfg = load_config(None, {"store": {**store, "tags": False}}, env={})
+    assert cfg.store.options.tags is False
+    with pytest.raises(KvtierConfigError, match="store.tags"):
+        load_config(None, {"store": {**store, "tags": "maybe"}}, env={})
+    env = {"KVTIER_STORE_BACKEND": "s3", "KVTIER_STORE_TAGS": "false"}
+    assert load_config(None, {}, env=env).store.options.tags is False
+
+
+def refuse_put_object(store, tagged_only: bool) -> list[str]:
+    """Make moto's server refuse (AccessDenied, before it is sent) the store's PutObject
+    calls that carry tags (`tagged_only`) or all of them; the keys refused, in order."""
+    from botocore.awsrequest import AWSResponse
+
+    refused: list[str] = []
+
+    def refuse(params, model, **kwargs):
+        headers = {k.lower() for k in params.get("headers", {})}
+        if tagged_only and "x-amz-tagging" not in headers:
+            return None  # sent as usual
+        refused.append(params["url_path"])
+        error = {"Code": "AccessDenied", "Message": "Access Denied"}
+        meta = {"HTTPStatusCode": 403, "HTTPHeaders": {}}
+        return AWSResponse(params["url"], 403, {}, None), {
+            "Error": error,
+            "ResponseMetadata": meta,
+        }
+
+    store.client.meta.events.register("before-call.s3.PutObject", refuse)
+    return refused
+
+
+async def test_s3_a_refused_tagged_put_is_stored_untagged_and_tags_go_off(
+    s3_server, caplog
+):
+    """Credentials without s3:PutObjectTagging (or a server without tagging): a tagged
+    PUT is refused, the page is written again untagged, and tags are off from then on
+    (logged once, counted), so writes never fail because of tags."""
+    store = s3_store(s3_server.url)
+    refused = refuse_put_object(store, tagged_only=True)
+    try:
+        keys = [new_key() for _ in range(4)]
+        with caplog.at_level("WARNING", logger="kvtier.backends.s3"):
+            assert await store.batch_set(keys, [os.urandom(PAGE)] * 4) == [True] * 4
+            more = [new_key() for _ in range(2)]
+            assert await store.batch_set(more, [os.urandom(PAGE)] * 2) == [True] * 2
+        assert 1 <= len(refused) <= 4  # the batch's PUTs run at once: up to one each
+        stats = store.stats()
+        assert stats["tags"] is False and stats["tags_refused"] == len(refused)
+        assert stats["errors"] == 0
+        assert all(s3_tags(store, k) == {} for k in keys + more)
+        logged = [r for r in caplog.records if "tagged PUT was refused" in r.message]
+        assert len(logged) == 1 and "AccessDenied" in logged[0].getMessage()
+        assert await store.hint(keys, lease_s=60, priority=1) == 0
+        got = await store.batch_get(keys + more)
+        assert all(page is not None for page in got)
+    finally:
+        await store.close()
+
+
+async def test_s3_a_put_refused_untagged_too_is_an_error_and_tags_stay_on(s3_server):
+    """A refusal that is not about tags (no s3:PutObject at all) fails the write as
+    before, and does not turn tags off."""
+    store = s3_store(s3_server.url)
+    refused = refuse_put_object(store, tagged_only=False)
+    try:
+        from kvtier.errors import StoreError
+
+        with pytest.raises(StoreError, match="AccessDenied"):
+            await store.batch_set([new_key()], [os.urandom(PAGE)])
+        assert len(refused) == 2  # tagged, then untagged
+        stats = store.stats()
+        assert stats["tags"] is True and stats["tags_refused"] == 0
+        assert stats["errors"] >= 1
     finally:
         await store.close()
 

@@ -3,12 +3,14 @@ the cache's clock, the per-tenant bound, prefetch that never waits, demote, reta
 what the store is told. Real stores (memory; subclasses that record or hold back calls)."""
 
 import asyncio
+import os
 import threading
 
 import numpy as np
 import pytest
 import torch
 
+from kvtier.backends.file import FileStore, FileStoreConfig
 from kvtier.backends.memory import MemoryStore, MemoryStoreConfig
 from kvtier.cache import TieredCache
 from kvtier.cache.hints import LeaseBoundError, LeaseBounds
@@ -16,6 +18,7 @@ from kvtier.config import load_config
 from kvtier.testing import tp_sim
 from kvtier.testing.tp_sim import on_ranks
 from kvtier.tree import Tier
+from tests.backends.stores import new_key
 from tests.controller.helpers import (
     acquire,
     compute,
@@ -291,12 +294,84 @@ def test_store_lease_and_release_reach_the_store_with_its_page_keys():
     cache.pin(A, 45, ("store",))
     cache.controller.wait_idle()  # the storage thread's calls (a drain waits for no hint)
     [(keys, lease_s, prio)] = store.hints
-    assert sorted(keys) == stored and len(keys) == 4 and (lease_s, prio) == (45, 0)
+    # a pin carries no priority (None: the page keeps its own), a retain does
+    assert sorted(keys) == stored and len(keys) == 4 and (lease_s, prio) == (45, None)
     cache.retain(A, 3)
     clock.now = 40.0
     cache.release(A)
     cache.controller.wait_idle()
-    assert [(h[1], h[2]) for h in store.hints[1:]] == [(45.0, 3), (None, 0)]
+    assert [(h[1], h[2]) for h in store.hints[1:]] == [(45.0, 3), (None, None)]
+    assert cache.stats()["hints"]["store_hinted_pages"] == 12
+    check(cache)
+    cache.close()
+
+
+def test_a_retains_priority_outlives_a_pin_and_its_release_in_the_store(tmp_path):
+    """retain(priority=5), then pin and release: the file store still takes the prefix's
+    pages last. Pin and release told the store priority 0, overwriting the retain's: the
+    prefix's pages, the oldest, were the first a flood evicted."""
+    clock = Clock()
+    root = tmp_path / "l3"
+    store = FileStore(FileStoreConfig(root=str(root)), clock=clock)
+    cache = make_cache(store_obj=store, clock=clock)
+    compute(cache, A, seed=1)
+    settle(cache)
+    pages = dict(store._sizes)  # A's store pages: key -> file bytes
+    assert len(pages) == 4
+    cache.retain(A, 5)
+    cache.pin(A, 45, ("store",))
+    cache.controller.wait_idle()
+    clock.now = 10.0
+    cache.release(A)
+    cache.controller.wait_idle()
+    check(cache)
+    cache.close()
+    # another process on the root, with room for A's pages and as much again: a flood of
+    # plain pages evicts its own oldest, never the retained ones
+    page = max(pages.values())
+    flooder = FileStore(
+        FileStoreConfig(root=str(root), capacity_bytes=2 * sum(pages.values())),
+        clock=clock,
+    )
+
+    async def flood_store() -> list[str]:
+        keys = [new_key() for _ in range(16)]
+        for k in keys:
+            await flooder.batch_set([k], [os.urandom(page)])
+        held = [k for k in pages if await flooder.batch_exists([k]) == 1]
+        await flooder.close()
+        return held
+
+    assert asyncio.run(flood_store()) == list(pages)
+    assert flooder.stats()["evictions"] >= 12 and flooder.leases_broken == 0
+
+
+def test_a_retains_priority_outlives_a_pin_and_its_release_in_s3_tags(s3_server):
+    """The same through TieredCache onto the S3 store: the pages' priority tag stays 5
+    after a pin and its release (they tagged it 0)."""
+    from tests.backends.test_leases import s3_store, s3_tags
+
+    store = s3_store(s3_server.url)
+    clock = Clock()
+    cache = make_cache(store_obj=store, clock=clock)
+    compute(cache, A, seed=1)
+    settle(cache)
+    cache.controller.wait_idle()
+    pages = sorted(
+        o["Key"]
+        for o in store.client.list_objects_v2(Bucket=store.config.bucket)["Contents"]
+        if not o["Key"].endswith("manifest.json")
+    )
+    assert len(pages) == 4
+    cache.retain(A, 5)
+    cache.pin(A, 45, ("store",))
+    cache.controller.wait_idle()
+    assert {s3_tags(store, k)["kvtier-priority"] for k in pages} == {"5"}
+    clock.now = 10.0
+    cache.release(A)
+    cache.controller.wait_idle()
+    plain = {"kvtier-lease-until": "0", "kvtier-priority": "5"}
+    assert all(s3_tags(store, k) == plain for k in pages)
     assert cache.stats()["hints"]["store_hinted_pages"] == 12
     check(cache)
     cache.close()
