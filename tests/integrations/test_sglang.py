@@ -721,3 +721,21 @@ def test_data_parallel_ranks_sharing_an_mla_namespace_are_apart_in_sglangs_metri
         (("dp_rank", "0"), ("namespace", namespace), ("tp_rank", "0")): 3,
         (("dp_rank", "1"), ("namespace", namespace), ("tp_rank", "0")): 1,
     }
+
+
+def test_every_override_of_sglangs_storage_says_so(sg):
+    """Each method the backend defines over SGLang's HiCacheStorage is marked @override,
+    so a rename on SGLang's side is caught by a type checker rather than leaving a method
+    HiCache never calls."""
+    from kvtier.integrations.sglang.storage import KvtierStorageBase
+
+    base = sg.hicache_storage.HiCacheStorage
+    unmarked = [
+        name
+        for name, fn in vars(KvtierStorageBase).items()
+        if callable(fn)
+        and not name.startswith("__")
+        and hasattr(base, name)
+        and not getattr(fn, "__override__", False)
+    ]
+    assert unmarked == []

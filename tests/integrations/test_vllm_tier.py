@@ -673,3 +673,24 @@ def test_lookup_probes_go_through_vllms_lookup_phases():
     assert index.lookup(b, "r1") is Answer.MISS
     index.release("r1")
     assert index.verdicts == {} and index.take_probes() == []
+
+
+def test_every_override_of_vllms_tier_manager_says_so():
+    """Each method KvtierTier (and its metrics mixin) defines over vLLM's
+    SecondaryTierManager is marked @override, so a rename on vLLM's side is caught by a
+    type checker rather than leaving a method vLLM never calls."""
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+    from kvtier.integrations.vllm.metrics import TierMetrics
+    from kvtier.integrations.vllm.tier import KvtierTier
+
+    unmarked = [
+        f"{cls.__name__}.{name}"
+        for cls in (KvtierTier, TierMetrics)
+        for name, fn in vars(cls).items()
+        if callable(fn)
+        and not name.startswith("__")
+        and hasattr(SecondaryTierManager, name)
+        and not getattr(fn, "__override__", False)
+    ]
+    assert unmarked == []

@@ -39,6 +39,7 @@ from typing import Any
 from collections.abc import Sequence
 
 import torch
+from typing_extensions import override
 
 from kvtier.backends.base import Store
 from kvtier.config import KvtierConfig, load_config
@@ -224,6 +225,7 @@ class KvtierStorageBase:
 
     # -- SGLang's registration -------------------------------------------------------------
 
+    @override
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Name the namespace from the host pool SGLang reads and writes through, and
         build the store (once: SGLang registers one pool per backend)."""
@@ -269,6 +271,7 @@ class KvtierStorageBase:
             },
         )
 
+    @override
     def on_host_pools_registered(self) -> None:
         """SGLang registered every host pool (the anchor, then each pool by name). A
         hybrid model's pools (SWA, Mamba, sidecars) are served through the v2 calls;
@@ -397,6 +400,7 @@ class KvtierStorageBase:
 
     # -- v1: host indices (SGLang's zero-copy interface) -----------------------------------
 
+    @override
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None
     ) -> list[bool]:
@@ -425,6 +429,7 @@ class KvtierStorageBase:
                 pool.set_from_flat_data_page(start, staged.view(pool.dtype))
         return ok
 
+    @override
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None
     ) -> list[bool]:
@@ -435,15 +440,18 @@ class KvtierStorageBase:
 
     # -- the legacy interface: flat page tensors --------------------------------------------
 
+    @override
     def exists(self, key: str) -> bool:
         return self._exists([key]) == 1
 
+    @override
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """How many of `keys`, from the first, the store holds."""
         if self._export is not None:
             self._export.tick()
         return self._exists(keys)
 
+    @override
     def get(
         self, key: str, target_location: torch.Tensor | None = None, target_sizes=None
     ) -> torch.Tensor | None:
@@ -451,6 +459,7 @@ class KvtierStorageBase:
             [key], None if target_location is None else [target_location]
         )[0]
 
+    @override
     def batch_get(
         self,
         keys: list[str],
@@ -476,6 +485,7 @@ class KvtierStorageBase:
         ok = self._read(keys, views)
         return [t if good else None for t, good in zip(target_locations, ok)]
 
+    @override
     def set(
         self,
         key: str,
@@ -485,6 +495,7 @@ class KvtierStorageBase:
     ) -> bool:
         return self.batch_set([key], None if value is None else [value])
 
+    @override
     def batch_set(
         self,
         keys: list[str],
@@ -618,6 +629,7 @@ class KvtierStorageBase:
             plan.append((t, pool, starts, full))
         return plan
 
+    @override
     def batch_exists_v2(
         self, keys: list[str], pool_transfers=None, extra_info=None
     ) -> Any:
@@ -679,6 +691,7 @@ class KvtierStorageBase:
             self.breaker, lambda: self.store.exists_each(full), [False] * len(full)
         )
 
+    @override
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
         """Read each transfer's pages (`keys`, into `host_indices`) from the store, one
         store call for all. A page is copied into SGLang's host pool only once its frame
@@ -715,6 +728,7 @@ class KvtierStorageBase:
         self._count("get", len(full), sum(sum(v) for v in out.values()))
         return out
 
+    @override
     def batch_set_v2(self, transfers, extra_info=None) -> dict:
         """Write each transfer's pages (`host_indices`, under `keys`) to the store, each
         pool in its own namespace, one store call for all. Returns {pool: [bool per key]}."""
@@ -776,6 +790,7 @@ class KvtierStorageBase:
 
     # -- operations ------------------------------------------------------------------------
 
+    @override
     def clear(self) -> bool:
         """Delete this namespace's pages, and those of a hybrid model's other pools (other
         models, tenants and ranks keep theirs)."""
@@ -814,6 +829,7 @@ class KvtierStorageBase:
             **({} if self.breaker is None else self.breaker.stats()),
         }
 
+    @override
     def get_stats(self):
         """SGLang's StorageMetrics (per-batch pages and GB/s since the last call), or None
         where SGLang's metrics module cannot be imported."""

@@ -10,6 +10,8 @@ config info labels name kvtier's version, store, namespace and tenant key id on 
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from dataclasses import fields
 from typing import Any
 
@@ -66,6 +68,7 @@ class TierMetrics:
             )
         return defs
 
+    @override
     def get_stats(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
@@ -91,6 +94,7 @@ class TierMetrics:
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
         return INFO_KEYS
 
+    @override
     def config_info(self) -> dict:
         return dict(
             zip(

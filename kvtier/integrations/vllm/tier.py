@@ -17,6 +17,8 @@ the store and the breaker and hands outcomes back through one queue.
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 import dataclasses
 import logging
 import queue
@@ -162,12 +164,14 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
 
     # -- lookups: never wait on the network (index.py) -------------------------------------
 
+    @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """A dict lookup of the index (and, once something landed since, the outcomes)."""
         if self._landed:
             self._take_outcomes()
         return self.index.lookup(key, req_context.req_id)
 
+    @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._take_outcomes()
         for probe in self.index.take_probes():
@@ -180,6 +184,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
 
     # -- jobs --------------------------------------------------------------------------------
 
+    @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Every row is written, also one this tier once stored: the store may have evicted
         it since (its capacity, a TTL, another writer's purge), which `index.present` never
@@ -190,6 +195,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         self.counters["store_keys"] += len(job.keys)
         self._start(self._store(job), job)
 
+    @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs += 1
         self.counters["load_jobs"] += 1
@@ -367,11 +373,13 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             )
         self.index.forget(key, unreadable=True)
 
+    @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._take_outcomes()
         done, self._results = self._results, []
         return done
 
+    @override
     def drain_jobs(self) -> None:
         """Wait for every job and probe to end (each store call ends within its timeout,
         plus, after a timeout, until the store stopped touching the rows); results stay
@@ -381,18 +389,22 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         for fut in list(self._futures):  # ended, and its callback may not have run yet
             self._ended(fut)
 
+    @override
     def has_pending_work(self) -> bool:
         self._take_outcomes()
         return bool(self._jobs or self.index.in_flight or self._results)
 
     # -- requests, events, hints -------------------------------------------------------------
 
+    @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.index.release(req_context.req_id)
 
+    @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._take_outcomes()
         if not self._events:
@@ -400,6 +412,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         out, self._events[:] = list(self._events), []
         return out
 
+    @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Known-stored rows just used: the store's eviction order hears it (no I/O waits)."""
         full = self.store_keys(k for k in keys if k in self.index.present)
@@ -421,6 +434,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             **self.breaker.stats(),
         }
 
+    @override
     def shutdown(self) -> None:
         """Drain, close the store, stop the loop; a second call does nothing."""
         if self._closed:
