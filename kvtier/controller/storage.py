@@ -135,6 +135,9 @@ class StorageWorker:
         )
         slots_count = max(1, pages_in_flight // self.chunk)
         self.store_loop = StoreLoop(cpus, name="kvtier-storage")
+        # hints reach the store one at a time, in the order the scheduler gave them (S3
+        # reads a page's tags before it rewrites them: two at once would lose one)
+        self._hints_in_order = asyncio.Lock()
         self.loop = self.store_loop.loop
 
         async def semaphore() -> asyncio.Semaphore:
@@ -196,10 +199,11 @@ class StorageWorker:
     ) -> None:
         hint = self.store.hint
         try:
-            done = await store_call(
-                self.breaker,
-                lambda: hint(list(keys), lease_s=lease_s, priority=priority),
-            )
+            async with self._hints_in_order:  # a store's hint may read, then write
+                done = await store_call(
+                    self.breaker,
+                    lambda: hint(list(keys), lease_s=lease_s, priority=priority),
+                )
         except StoreDown:  # skipped: a hint is not worth waiting for the store
             self.hints_failed += 1
             return
