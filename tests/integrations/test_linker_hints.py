@@ -3,6 +3,8 @@ pages survive offloads that evict every other page, leave after the lease on the
 clock, pages published later are pinned as they arrive, and a tenant over its bound gets
 the error with nothing changed. Engine-free, over a real file store."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -121,3 +123,83 @@ def test_new_tenant_names_cannot_pin_the_whole_host_tier(tmp_path):
     core.hints.pin(keys[:3], ttl_s=50, tenant="t2")
     assert core.check_accounting() == []
     core.close()
+
+
+def flood(core, root, page: int, capacity: int) -> None:
+    """Another process on the store's root writes 16 plain pages within `capacity`."""
+    flooder = FileStore(FileStoreConfig(root=str(root), capacity_bytes=capacity))
+    keys = core.l3.keys(page_keys(range(100, 116)))
+
+    async def run() -> None:
+        for k in keys:
+            await flooder.batch_set([k], [bytes(page)])
+        stats = flooder.stats()
+        assert stats["evictions"] >= 12 and stats["leases_broken"] == 0
+        await flooder.close()
+
+    asyncio.run(run())
+
+
+def test_a_store_lease_reaches_the_file_store_and_a_release_ends_it(tmp_path):
+    """pin(tiers=("host", "store")) leases the prefix's pages in the file store's table: a
+    flood by another process on the root evicts only unleased pages; release ends the
+    leases. The linker used to count the store tier as not honoured and tell no store."""
+    clock = Clock()
+    pool, core = make(tmp_path, host_pages=6, clock=clock)
+    prefix, other = page_keys([1, 2]), page_keys([3, 4])
+    offload(core, pool, prefix, 1)
+    offload(core, pool, other, 3)
+    store, leased, plain = core.store, core.l3.keys(prefix), core.l3.keys(other)
+    core.hints.pin(prefix, ttl_s=60, tiers=("host", "store"))
+    core.quiesce()
+    assert all(store._leases.leased(k) for k in leased)
+    assert not any(k in store._leases for k in plain)
+    stats = core.hints.stats()
+    assert (stats["store_hints"], stats["store_hinted_pages"]) == (1, 2)
+    assert (stats["unhonoured"], stats["store_hints_failed"]) == (0, 0)
+    page = max(store._sizes.values())
+    flood(core, tmp_path / "l3", page, 2 * len(leased + plain) * page)
+
+    async def held(keys) -> list[bool]:
+        return [await store.batch_exists([k]) == 1 for k in keys]
+
+    assert core.l3.store_loop.run(held(leased)) == [True, True]
+    assert core.hints.release(prefix) == 1
+    core.quiesce()
+    assert not any(k in store._leases for k in leased)
+    assert core.hints.stats()["store_hints"] == 2 and not core.index.pins
+    assert core.check_accounting() == []
+    core.close()
+
+
+def test_a_page_keeps_the_longest_store_lease_left_and_its_retained_priority(tmp_path):
+    """Two store leases share page a: the shorter's pin never shortens a's lease, its
+    expiry on the linker's clock leaves a the longer's time, and b's ends; a retain's
+    priority outlives both. With no store the same hints are counted as not honoured."""
+    clock = Clock()
+    pool, core = make(tmp_path, host_pages=6, clock=clock)
+    a, b, c = page_keys([1, 2, 3])
+    offload(core, pool, [a, b, c], 1)
+    store = core.store
+    ka, kb, kc = core.l3.keys([a, b, c])
+    core.hints.retain([a, b, c], 5)
+    core.hints.pin([a], ttl_s=50, tiers=("store",))
+    core.hints.pin([a, b], ttl_s=10, tiers=("store",))
+    core.quiesce()
+    assert store._leases.remaining(ka) > 40 and 0 < store._leases.remaining(kb) <= 10
+    assert not store._leases.leased(kc)
+    clock.now = 10.0
+    core.lookup("r", [a])  # the linker reaps: the shorter lease ends
+    core.quiesce()
+    assert core.hints.stats()["expired"] == 1
+    assert store._leases.remaining(ka) > 30 and not store._leases.leased(kb)
+    assert all(store._leases.get(k).priority == 5 for k in (ka, kb, kc))
+    assert not core.index.pins and core.hints.stats()["lease_bytes"] == {}
+    core.close()
+
+    bare = LinkerCore(core.pool, core.settings, None, clock=clock)
+    bare.hints.pin([a], ttl_s=5, tiers=("host", "store"))
+    bare.hints.retain([a], 5)
+    assert bare.hints.stats()["unhonoured"] == 2
+    assert bare.hints.stats()["store_hints"] == 0
+    bare.close()

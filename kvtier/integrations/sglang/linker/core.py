@@ -99,7 +99,6 @@ class LinkerCore:
         self.page_size = pool.config.page_size
         self.mirror = HostMirror(pool, settings.mirror)
         self.index = HostIndex(self.mirror.allocator)
-        self.hints = LinkerHints(self.index, self.mirror.page_bytes, clock)  # hints.py
         self.counters = LinkerCounters()
         write_stream = streams("linker-write", pool.device)
         load_stream = streams("linker-load", pool.device)
@@ -107,6 +106,9 @@ class LinkerCore:
             None
             if store is None
             else LinkerStore(store, self.mirror, settings, self.counters, clock)
+        )
+        self.hints = LinkerHints(  # hints.py
+            self.index, self.mirror.page_bytes, clock, l3
         )
         self.store_ops = StoreOps(
             l3,

@@ -7,9 +7,13 @@ A lease pins the prefix's published host pages until it expires on the linker's 
 bound of host bytes, and all tenants' leases together the same bound: over either, `pin`
 raises LeaseBoundError naming tenant, tier, bytes asked and bound, and nothing changes.
 SGLang owns the device tier, its tree and the
-order of its evictions, and the linker reads the store only into a load: a device or
-store lease, `prefetch`, `demote` and `retain` are advice it cannot honour here, counted
-(`stats()`), never an error. Scheduler thread only, like the linker.
+order of its evictions: a device lease, `prefetch` and `demote` are advice it cannot
+honour here, counted (`stats()`), never an error. A lease naming the `store` tier, and
+`retain(priority)`, go on to the linker's store (`LinkerStore.hint`: one guarded call on its
+store loop, in order, never waited for), for the store keys of the prefix's pages; a
+release or an expiry tells the store each page's lease left, the longest of the live store
+leases holding the page, None (released) where none does. With no store they are counted
+as not honoured. Scheduler thread only, like the linker.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvtier.cache.hints import (
     parse_tiers,
 )
 from kvtier.integrations.sglang.linker.host_index import HostIndex
+from kvtier.integrations.sglang.linker.store_io import LinkerStore
 
 
 @dataclass(eq=False)
@@ -34,10 +39,12 @@ class LinkerLease:
     keys: tuple[str, ...]
     asked: int  # host bytes it counts against its tenant's bound
     expires: float
+    host: bool = True  # it pins the prefix's host pages
+    store: bool = False  # the store holds the prefix's pages for it
     pinned: list[str] = field(default_factory=list)  # what it holds pins on
 
     def short(self) -> bool:
-        return len(self.pinned) < len(self.keys)
+        return self.host and len(self.pinned) < len(self.keys)
 
 
 @dataclass(slots=True)
@@ -47,14 +54,22 @@ class LinkerHintCounters:
     pins_refused: int = 0
     releases: int = 0
     expired: int = 0
-    unhonoured: int = 0  # device or store leases, prefetch, demote, retain
+    unhonoured: int = 0  # device leases, prefetch, demote; store ones with no store
+    retains: int = 0
+    store_hints: int = (
+        0  # LinkerStore.hint calls sent (its thread counts what they did)
+    )
 
 
 class LinkerHints:
     def __init__(
-        self, index: HostIndex, page_bytes: int, clock: Callable[[], float]
+        self,
+        index: HostIndex,
+        page_bytes: int,
+        clock: Callable[[], float],
+        store: LinkerStore | None = None,
     ) -> None:
-        self.index = index
+        self.index, self.store = index, store
         self.page_bytes = page_bytes
         self.clock = clock
         # per tenant, and for all tenants together (a tenant is a name the caller gives)
@@ -73,7 +88,7 @@ class LinkerHints:
     ) -> LinkerLease:
         tenant, ttl, named = check_tenant(tenant), check_ttl(ttl_s), parse_tiers(tiers)
         keys = tuple(_keys("pin", keys))
-        asked = len(set(keys)) * self.page_bytes
+        asked = len(set(keys)) * self.page_bytes if HintTier.HOST in named else 0
         have = self.held.get(tenant, 0)
         if HintTier.HOST in named and have + asked > self.bound:
             self.counters.pins_refused += 1
@@ -89,16 +104,22 @@ class LinkerHints:
                 f"while all tenants' leases hold {total}; their bound together is "
                 f"{self.bound} bytes"
             )
-        self.counters.unhonoured += bool(named - {HintTier.HOST})
+        honoured = {HintTier.HOST} | ({HintTier.STORE} if self.store else set())
+        self.counters.unhonoured += bool(named - honoured)
         lease = LinkerLease(self._next, tenant, keys, asked, self.clock() + ttl)
+        lease.host = HintTier.HOST in named
+        lease.store = HintTier.STORE in named and self.store is not None
         self._next += 1
         self.counters.pins += 1
-        if HintTier.HOST not in named:
+        if not (HintTier.HOST in named or lease.store):
             return lease  # nothing here holds it
         self.leases[lease.id] = lease
-        self.held[tenant] = have + asked
-        self._take(lease)
-        self.counters.pins_short += lease.short()
+        if HintTier.HOST in named:
+            self.held[tenant] = have + asked
+            self._take(lease)
+            self.counters.pins_short += lease.short()
+        if lease.store:
+            self._tell_store(keys, None)
         return lease
 
     def release(
@@ -134,7 +155,11 @@ class LinkerHints:
         _keys("retain", keys)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"retain: priority={priority!r}: must be an integer")
-        self.counters.unhonoured += 1
+        self.counters.retains += 1
+        if self.store is None:
+            self.counters.unhonoured += 1
+            return
+        self._tell_store(keys, int(priority))  # the pages' leases stay as they are
 
     def poll(self) -> None:
         """Expire leases on the clock; pin what arrived for the short ones."""
@@ -159,6 +184,9 @@ class LinkerHints:
         }
         out["leases"] = len(self.leases)
         out["lease_bytes"] = dict(self.held)
+        if self.store is not None:
+            out["store_hinted_pages"] = self.store.hinted_pages
+            out["store_hints_failed"] = self.store.hints_failed
         return out
 
     def _take(self, lease: LinkerLease) -> None:
@@ -168,12 +196,39 @@ class LinkerHints:
 
     def _drop(self, lease: LinkerLease) -> None:
         del self.leases[lease.id]
-        self.held[lease.tenant] -= lease.asked
-        if not self.held[lease.tenant]:
-            del self.held[lease.tenant]
+        if lease.asked:
+            self.held[lease.tenant] -= lease.asked
+            if not self.held[lease.tenant]:
+                del self.held[lease.tenant]
         if lease.pinned:
             self.index.unpin(lease.pinned)
         lease.pinned = []
+        if lease.store:  # its pages other leases hold keep theirs
+            self._tell_store(lease.keys, None)
+
+    def _tell_store(self, keys: Sequence[str], priority: int | None) -> None:
+        """Tell the store, for the pages of `keys`, the lease each keeps now (and
+        `priority`: a `retain`'s; None keeps the pages' own, so a pin, a release or an
+        expiry never undoes a retain): the longest time left of the live store leases
+        holding the page, None where none does (its lease ends), in runs of pages alike
+        (the rule `TieredCache`'s hints follow, kvtier/cache/hints.py)."""
+        if self.store is None:
+            return
+        keys = list(dict.fromkeys(keys))
+        now, left = self.clock(), dict.fromkeys(keys)
+        for lease in self.leases.values():
+            if not lease.store:
+                continue
+            t = max(lease.expires - now, 0.001)
+            for k in lease.keys:
+                if k in left and (left[k] is None or left[k] < t):
+                    left[k] = t
+        a = 0
+        for b in range(1, len(keys) + 1):
+            if b == len(keys) or left[keys[b]] != left[keys[a]]:
+                self.store.hint(keys[a:b], left[keys[a]], priority)
+                self.counters.store_hints += 1
+                a = b
 
 
 def _keys(what: str, keys) -> list[str]:

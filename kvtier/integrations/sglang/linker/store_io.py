@@ -9,6 +9,8 @@ store loop of its own, behind its breaker.
   past `landed`; SETTLED, the store stopped touching the pages (a read that timed out may
   still write them until then); ABANDONED, given up on stuck while it could write them.
 - `write(keys, pages)`: host pages to the store (a `BackupOp`; `finished` once settled).
+- `hint(keys, lease_s, priority)`: an agent's lease or priority for the pages (`Store.hint`),
+  one guarded call, in the order given, never waited for (linker/hints.py).
 
 Each call takes SGLang's page keys; their store keys are made on the storage thread
 (`PageKeys`), never on the scheduler's.
@@ -16,6 +18,7 @@ Each call takes SGLang's page keys; their store keys are made on the storage thr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -81,6 +84,11 @@ class LinkerStore:
         )  # a full disk fails every write: not a line each
         self.progress = threading.Event()  # set whenever a read moves
         self.key_of = key_maker(settings.key_prefix, self.namespace_id)
+        # hints reach the store one at a time, in the order the scheduler gave them (a
+        # store's hint may read a page's lease, then write it)
+        self._hints_in_order = asyncio.Lock()
+        self.hinted_pages = 0  # pages the store's `hint` acted on (storage thread)
+        self.hints_failed = 0
 
     @property
     def timeout_s(self) -> float:
@@ -202,6 +210,36 @@ class LinkerStore:
         return backup_calls(
             self.breaker, self.store, op, self.manifest, write, self._complain
         )
+
+    # -- hints -------------------------------------------------------------------------------
+
+    def hint(
+        self, keys: Sequence[str], lease_s: float | None, priority: int | None
+    ) -> None:
+        """Called from the scheduler thread: pass an agent's hint for these pages on to the
+        store (`Store.hint`), as one guarded store call. Advice: a store that is down or
+        fails is counted (`hints_failed`) and logged, never waited for; `drain` waits for
+        the call like any op."""
+        self.store_loop.start(self._hint(self._lazy(keys), lease_s, priority))
+
+    async def _hint(
+        self, keys: PageKeys, lease_s: float | None, priority: int | None
+    ) -> None:
+        hint = self.store.hint
+        try:
+            async with self._hints_in_order:
+                done = await store_call(
+                    self.breaker,
+                    lambda: hint(list(keys), lease_s=lease_s, priority=priority),
+                )
+        except StoreDown:  # skipped: a hint is not worth waiting for the store
+            self.hints_failed += 1
+            return
+        except Exception as exc:  # advice: never an op's failure
+            self.hints_failed += 1
+            self._complain("hint", f"hint for {len(keys)} pages failed: {exc}")
+            return
+        self.hinted_pages += int(done or 0)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
