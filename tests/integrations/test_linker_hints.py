@@ -4,6 +4,7 @@ clock, pages published later are pinned as they arrive, and a tenant over its bo
 the error with nothing changed. Engine-free, over a real file store."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -203,3 +204,13 @@ def test_a_page_keeps_the_longest_store_lease_left_and_its_retained_priority(tmp
     assert bare.hints.stats()["unhonoured"] == 2
     assert bare.hints.stats()["store_hints"] == 0
     bare.close()
+
+    # MLA: a rank that does not write the shared store pages holds the lease, tells no store
+    again = FileStore(FileStoreConfig(root=str(tmp_path / "l3")), timeout_s=5.0)
+    quiet = LinkerCore(
+        core.pool, replace(core.settings, writes_store=False), again, clock=clock
+    )
+    quiet.hints.pin([a], ttl_s=5, tiers=("host", "store"))
+    stats = quiet.hints.stats()
+    assert (stats["leases"], stats["store_hints"], stats["unhonoured"]) == (1, 0, 0)
+    quiet.close()

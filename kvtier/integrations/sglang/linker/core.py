@@ -108,7 +108,7 @@ class LinkerCore:
             else LinkerStore(store, self.mirror, settings, self.counters, clock)
         )
         self.hints = LinkerHints(  # hints.py
-            self.index, self.mirror.page_bytes, clock, l3
+            self.index, self.mirror.page_bytes, clock, l3, settings.writes_store
         )
         self.store_ops = StoreOps(
             l3,

@@ -68,8 +68,12 @@ class LinkerHints:
         page_bytes: int,
         clock: Callable[[], float],
         store: LinkerStore | None = None,
+        tells_store: bool = True,
     ) -> None:
         self.index, self.store = index, store
+        # MLA: every rank holds the lease, the rank that writes the shared store pages
+        # alone tells the store (the others' calls would repeat its, out of its order)
+        self.tells_store = tells_store
         self.page_bytes = page_bytes
         self.clock = clock
         # per tenant, and for all tenants together (a tenant is a name the caller gives)
@@ -212,7 +216,7 @@ class LinkerHints:
         expiry never undoes a retain): the longest time left of the live store leases
         holding the page, None where none does (its lease ends), in runs of pages alike
         (the rule `TieredCache`'s hints follow, kvtier/cache/hints.py)."""
-        if self.store is None:
+        if self.store is None or not self.tells_store:
             return
         keys = list(dict.fromkeys(keys))
         now, left = self.clock(), dict.fromkeys(keys)
