@@ -13,6 +13,7 @@ SGLang linker, the SGLang storage backend, the vLLM tier). All run on the store 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -65,6 +66,32 @@ async def guarded(
     except StoreError as exc:
         await settle(breaker, exc)
         return fallback
+
+
+async def send_hint(
+    breaker: Breaker,
+    store: Store,
+    in_order: asyncio.Lock,
+    keys: list[str],
+    lease_s: float | None,
+    priority: int | None,
+    complain: Callable[[str, str], None],
+) -> int | None:
+    """An agent's hint for `keys` to the store (`Store.hint`), one guarded call at a time
+    under `in_order` (a store's hint may read, then write: two at once would lose one).
+    Advice: a skip or a failure is None (a failure logged through `complain`), never
+    raised; else how many pages the store acted on."""
+    try:
+        async with in_order:
+            done = await store_call(
+                breaker, lambda: store.hint(keys, lease_s=lease_s, priority=priority)
+            )
+    except StoreDown:  # skipped: a hint is not worth waiting for the store
+        return None
+    except Exception as exc:  # advice: never an op's failure
+        complain("hint", f"hint for {len(keys)} pages failed: {exc}")
+        return None
+    return int(done or 0)
 
 
 async def lifetime(

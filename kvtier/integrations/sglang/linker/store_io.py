@@ -31,7 +31,7 @@ import numpy as np
 from kvtier.backends.base import Store
 from kvtier.errors import Complaints, KvtierError, StoreDown
 from kvtier.storeio.breaker import Breaker
-from kvtier.storeio.call import lifetime, store_call
+from kvtier.storeio.call import lifetime, send_hint, store_call
 from kvtier.storeio.loop import StoreLoop
 from kvtier.storeio.ops import BackupOp, PageKeys, StoreOp
 from kvtier.storeio.writes import Manifest, backup_calls, payloads, write_pages
@@ -225,21 +225,19 @@ class LinkerStore:
     async def _hint(
         self, keys: PageKeys, lease_s: float | None, priority: int | None
     ) -> None:
-        hint = self.store.hint
-        try:
-            async with self._hints_in_order:
-                done = await store_call(
-                    self.breaker,
-                    lambda: hint(list(keys), lease_s=lease_s, priority=priority),
-                )
-        except StoreDown:  # skipped: a hint is not worth waiting for the store
+        done = await send_hint(
+            self.breaker,
+            self.store,
+            self._hints_in_order,
+            list(keys),
+            lease_s,
+            priority,
+            self._complain,
+        )
+        if done is None:
             self.hints_failed += 1
-            return
-        except Exception as exc:  # advice: never an op's failure
-            self.hints_failed += 1
-            self._complain("hint", f"hint for {len(keys)} pages failed: {exc}")
-            return
-        self.hinted_pages += int(done or 0)
+        else:
+            self.hinted_pages += done
 
     # -- lifecycle -----------------------------------------------------------------------------
 
