@@ -23,6 +23,8 @@ from kvtier.errors import KvtierConfigError
 from kvtier.integrations.observe import linker_series, sglang_export, startup_line
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.integrations.sglang.linker.geometry import geometry_of, pool_over
+from kvtier.integrations.sglang.linker.hybrid import kv_geometry, plan_of, side_cores
+from kvtier.integrations.sglang.linker.pools import KV, Side
 from kvtier.integrations.stack import build_stack
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,25 @@ def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
     return transfers[0]
 
 
+def _parts(transfers: list[PoolTransfer]) -> tuple[Side, dict[str, Side]]:
+    """A hybrid model's transfers: the KV pool's, and each side pool's by name."""
+    parts: dict[str, Side] = {}
+    for t in transfers:
+        name = getattr(t.name, "value", t.name)
+        if name in parts:
+            raise ValueError(f"kvtier linker: two transfers for pool {name!r}")
+        slots = t.device_indices
+        parts[name] = Side(
+            list(t.keys or []), None if slots is None else slots.to(torch.int64)
+        )
+    kv = parts.pop(KV, None)
+    if kv is None:
+        raise ValueError(
+            f"kvtier linker: transfers for pools {sorted(parts)} without the KV pool's"
+        )
+    return kv, parts
+
+
 LENGTHS = 16  # restorable lengths a lookup names besides its longest
 
 
@@ -96,20 +117,21 @@ class KvtierLinker(UnifiedCacheLinker):
         self, server_args, params, *, components, extra_config=None, forward_stream=None
     ) -> None:
         extra = parse_extra(extra_config)
-        others = sorted(str(c) for c in components if c != ComponentType.FULL)
-        if others:
-            raise ValueError(
-                f"kvtier linker: tree components {others} are not supported (Full attention only)"
-            )
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        plan = plan_of(  # None for a Full-only model (hybrid.py)
+            kvcache,
+            params.req_to_token_pool,
+            {ComponentType(c).name.lower() for c in components},
+            params.page_size,
+            getattr(params, "sliding_window_size", None),
+        )
         config = load_config(extra["kvtier_config"])
         if config.mirror is None:
             raise KvtierConfigError(
                 f"mirror: null in {extra['kvtier_config']}: the linker's host tier needs a "
                 "mirror section (ratio or size_bytes)"
             )
-        pool, mla = pool_over(
-            params.token_to_kv_pool_allocator.get_kvcache(), params.page_size
-        )
+        pool, mla = pool_over(kvcache if plan is None else plan.full, params.page_size)
         rank, size = tp_of(params)
         geometry = geometry_of(
             config,
@@ -121,6 +143,8 @@ class KvtierLinker(UnifiedCacheLinker):
             rank,
             size,
         )
+        if plan is not None:
+            geometry = kv_geometry(geometry, plan)
         # the store's calls run on the core's storage worker, which takes the breaker's config
         stack = build_stack(
             config=config,
@@ -139,12 +163,35 @@ class KvtierLinker(UnifiedCacheLinker):
             cpus=stack.cpus,
             keyed_hash=stack.keyed,
         )
-        self.core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
-        self.layer_done_counter = self.core.counter
+        kv_core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
+        self.core = kv_core
         self.pools = {PoolName.KV: pool}
+        self.hybrid = plan is not None
+        if plan is not None:  # a core per side pool beside the KV's (pools.py)
+            shard = f"pp={params.pp_rank}/{params.pp_size}:cp={params.attn_cp_rank}/{params.attn_cp_size}"
+            self.core = side_cores(
+                kv_core,
+                plan,
+                config,
+                geometry,
+                settings,
+                (rank, size),
+                shard,
+                forward_stream,
+            )
+            self.pools.update({PoolName(s.name): s.pool for s in plan.sides})
+        self.layer_done_counter = self.core.counter
+        if PoolName.MAMBA in self.pools:  # Mamba layers wait on the request pool
+            params.req_to_token_pool.register_layer_transfer_counter(self.core.counter)
         self.forward_stream = forward_stream
-        host = f"{self.core.mirror.allocator.num_pages} pages x {self.core.mirror.page_bytes} B"
+        host = f"{kv_core.mirror.allocator.num_pages} pages x {kv_core.mirror.page_bytes} B"
         tiers = f"SGLang device -> kvtier host ({host}, {config.mirror.layout})"
+        if plan is not None:
+            tiers += "; " + ", ".join(
+                f"{n} pool: {c.mirror.allocator.num_pages} pages x {c.mirror.page_bytes} B"
+                for n, c in self.core.cores.items()
+                if n != KV
+            )
         if store is not None:
             tiers += f" -> kvtier store {store.name}"
         log.info(
@@ -167,11 +214,17 @@ class KvtierLinker(UnifiedCacheLinker):
 
     @override
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        if self.hybrid:
+            kv, sides = _parts(transfers)
+            windows = {name: len(side.keys) for name, side in sides.items()}
+            return self.core.lookup(rid, kv.keys, windows)
         keys = list(_kv(transfers).keys or [])
         return restorable(self.core.lookup(rid, keys), len(keys))
 
     @override
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        if self.hybrid:
+            return self.core.load(rid, *_parts(transfers))
         kv = _kv(transfers)
         return self.core.load(rid, list(kv.keys or []), kv.device_indices)
 
@@ -191,6 +244,8 @@ class KvtierLinker(UnifiedCacheLinker):
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
+        if self.hybrid:
+            return self.core.offload(*_parts(transfers))
         kv = _kv(transfers)
         return self.core.offload(list(kv.keys or []), kv.device_indices)
 

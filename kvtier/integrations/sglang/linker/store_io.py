@@ -132,6 +132,31 @@ class LinkerStore:
             self.counters.lookup_store_errors += 1
         return 0
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the store holds each of `keys` (one `exists_each`, as `leading_run` is
+        bounded): a hybrid model's side pools restore a window that need not start at
+        the first page. A skipped or failed call: none held."""
+        fut = self.store_loop.submit(self._present(self._lazy(keys)))
+        try:
+            return fut.result(self.store.timeout_s + 0.5)
+        except Exception as exc:
+            self.counters.lookup_store_errors += 1
+            log.warning(
+                "kvtier linker: store lookup of %d pages gave up: %r", len(keys), exc
+            )
+            return [False] * len(keys)
+
+    async def _present(self, keys: PageKeys) -> list[bool]:
+        try:
+            return await store_call(
+                self.breaker, lambda: self.store.exists_each(list(keys))
+            )
+        except StoreDown:
+            self.counters.lookup_store_skipped += 1
+        except KvtierError:
+            self.counters.lookup_store_errors += 1
+        return [False] * len(keys)
+
     # -- reads and writes ----------------------------------------------------------------------
 
     def read(self, keys: Sequence[str], pages: np.ndarray) -> StoreRead:

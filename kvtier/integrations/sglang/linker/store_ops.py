@@ -109,6 +109,12 @@ class StoreOps:
             (i for i, k in enumerate(keys[:stored]) if k in self.unreadable), stored
         )
 
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the store holds each of `keys`, a page known not to verify as absent."""
+        held = self.l3.present(keys)
+        unreadable = self.unreadable
+        return [h and k not in unreadable for k, h in zip(keys, held)]
+
     def read(self, keys: Sequence[str], pages: np.ndarray) -> StoreRead:
         return self.l3.read(keys, pages)
 

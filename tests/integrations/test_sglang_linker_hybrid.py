@@ -1,0 +1,184 @@
+"""kvtier's linker under a hybrid model: SGLang 0.5.23's real UnifiedRadixCache with
+(FULL, SWA) and (FULL, MAMBA) components over real CPU pools, built by its test kit, and
+kvtier's `KvtierLinker` created by SGLang's factory, driven as SGLang's scheduler drives
+it. Every load is checked byte for byte against what was computed: the KV prefix, the SWA
+window ending at the hit, the Mamba state at the hit (sglang_hybrid_server.py).
+
+The scenario (page 4, window 2 pages): P = 3 pages, X and Y = 2 pages, Z = 1 page;
+compute P+X, then P+Y; evict the device; request P+X+Z, P+Y, P+Z. Under SWA every length
+whose window is stored restores (P+Z: P); under Mamba only where a node ended when it was
+offloaded (P+Z: nothing, P was split off P+X and has no state of its own).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.testing import sglang_loader
+from tests.integrations.sglang_hybrid_server import PS, HybridServer
+from tests.integrations.sglang_linker_server import engine_keys, write_yaml
+from tests.integrations.test_sglang_linker import store_section
+from tests.servers import IN_CI
+
+P = list(range(100, 100 + 3 * PS))
+X = list(range(200, 200 + 2 * PS))
+Y = list(range(300, 300 + 2 * PS))
+Z = list(range(400, 400 + PS))
+KINDS = ["swa", "mamba"]
+# tokens restored for P+X+Z, P+Y, P+Z
+HITS = {"swa": [20, 20, 12], "mamba": [20, 20, 0]}
+
+
+@pytest.fixture(scope="module")
+def sg():
+    try:
+        return sglang_loader.load()
+    except sglang_loader.Unavailable as exc:
+        if IN_CI:
+            pytest.fail(f"{exc}; .ci/run must install it")
+        pytest.skip(str(exc))
+
+
+def scenario(server: HybridServer) -> None:
+    server.compute(P + X, seed=1)
+    server.compute(P + Y, seed=2)
+
+
+def requests(server: HybridServer) -> list[int]:
+    return [
+        server.match_load(P + X + Z + [7]),
+        server.match_load(P + Y + [7]),
+        server.match_load(P + Z + [7]),
+    ]
+
+
+def side(server: HybridServer):
+    return server.linker.core.cores[server.kind]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_host_round_trip_of_every_pool(sg, tmp_path, kind):
+    server = HybridServer(sg, write_yaml(tmp_path, {"backend": "none"}), kind)
+    assert set(server.linker.pools) == {server.PoolName.KV, server.PoolName(kind)}
+    scenario(server)
+    server.evict_all()
+    assert requests(server) == HITS[kind]
+    c = side(server).stats()["counters"]
+    assert c["load_pages"] > 0 and c["load_failures"] == 0
+    server.check()
+    server.close()
+
+
+@pytest.mark.parametrize("store", ["file", "redis", "s3"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_store_round_trip_of_every_pool(sg, tmp_path, request, kind, store):
+    """The pages of every pool reach the store; a fresh worker (empty host tiers) loads
+    them back byte for byte, each pool from its own namespace."""
+    path = write_yaml(tmp_path, store_section(store, request, tmp_path))
+    first = HybridServer(sg, path, kind)
+    scenario(first)
+    first.close()  # drains the store writes
+    written = side(first).stats()["counters"]["l3_write_pages"]
+    assert written == (7 if kind == "swa" else 2)  # SWA: P, X, Y pages; Mamba: 2 states
+    second = HybridServer(sg, path, kind)
+    second.pages, second.states = first.pages, first.states
+    assert requests(second) == HITS[kind]
+    c = side(second).stats()["counters"]
+    assert c["l3_read_pages"] > 0 and c["load_failures"] == 0
+    second.check()
+    second.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lookup_never_answers_a_length_whose_window_or_state_is_missing(
+    sg, tmp_path, request, kind
+):
+    """The side pool's page at the end of X is gone from the store (the KV pages all
+    there): SWA restores every length whose window does not hold it (4 pages of P+X+Z's
+    5), Mamba nothing (its one state at P+X was that page); the KV core alone would
+    have answered 5."""
+    path = write_yaml(tmp_path, store_section("file", request, tmp_path))
+    first = HybridServer(sg, path, kind)
+    scenario(first)
+    first.close()
+    keys = engine_keys(sg, first, P + X + Z)
+    gone = side(first).l3.keys([keys[4]])[0]
+    prefix, ns, h = gone.rsplit("/", 2)
+    (tmp_path / "l3" / prefix / ns / h[0:2] / h[2:4] / h).unlink()
+    second = HybridServer(sg, path, kind)  # the file store indexes its files on open
+    second.pages, second.states = first.pages, first.states
+    window = {"swa": 2, "mamba": 1}[kind]
+    core = second.linker.core
+    assert core.kv.lookup("probe", keys) == 5
+    assert core.lookup("probe", keys, {kind: window}) == (
+        [1, 2, 3, 4] if kind == "swa" else []
+    )
+    assert second.match_load(P + X + Z + [7]) == (16 if kind == "swa" else 0)
+    second.check()
+    second.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cancel_abort_and_reset_free_every_pin(sg, tmp_path, request, kind):
+    """A request aborted while its load is queued (SGLang's release_request ->
+    cancel_queued_load) gives back every pool's pins and store reads; SGLang's reset
+    empties every pool's host tier; the store keeps the pages, so the next request
+    still restores."""
+    path = write_yaml(tmp_path, store_section("file", request, tmp_path))
+    first = HybridServer(sg, path, kind)
+    scenario(first)
+    first.close()
+    server = HybridServer(sg, path, kind)
+    server.pages, server.states = first.pages, first.states
+    server.compute(list(range(500, 500 + 3 * PS)), seed=9)  # some pages on host
+    server.evict_all()
+    tokens = P + X + Z + [7]
+    req = server.request(tokens)
+    result = server.match(req, tokens)
+    server.r2t.alloc([req])
+    n, _ = server.cache.init_load_back(
+        sg.bpc.InitLoadBackParams(
+            best_match_node=result.best_match_node,
+            host_hit_length=result.host_hit_length,
+            req=req,
+        )
+    )
+    assert n == 20
+    cores = server.linker.core.cores
+    assert all(c.stats()["queues"]["loads_queued"] == 1 for c in cores.values())
+    slots = server.cache.linker.private_load_indices[req.rid]
+    server.cache.linker.release_request(req.rid)  # what SGLang's abort does
+    server.release(req, slots)
+    server.linker.core.quiesce()  # the cancelled reads settle; their pages go back
+    for core in cores.values():
+        s = core.stats()
+        assert s["queues"]["loads_queued"] == 0
+        assert s["counters"]["loads_cancelled"] == 1
+        host = s["host"]
+        assert host["pages_pinned"] == 0
+        assert host["pages_free"] + host["pages_published"] == host["pages_total"]
+    server.check()
+    server.cache.reset()
+    for core in cores.values():
+        host = core.stats()["host"]
+        assert host["pages_free"] == host["pages_total"]
+    assert server.match_load(tokens) == 20
+    server.check()
+    server.close()
+
+
+def test_every_pools_namespace_names_the_models_window(sg, tmp_path):
+    """Two SWA models that differ only in their window share no page of any pool, and a
+    hybrid model's KV pages are not a Full-only model's."""
+    path = write_yaml(tmp_path, {"backend": "none"})
+    a = HybridServer(sg, path, "swa", window=8)
+    b = HybridServer(sg, path, "swa", window=12)
+    ids = [
+        {n: c.settings.namespace.id for n, c in s.linker.core.cores.items()}
+        for s in (a, b)
+    ]
+    assert ids[0]["kv"] != ids[1]["kv"] and ids[0]["swa"] != ids[1]["swa"]
+    assert ids[0]["kv"] != ids[0]["swa"]
+    assert "window=8" in a.linker.core.cores["swa"].settings.namespace.layout
+    a.close()
+    b.close()
