@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvtier.testing import fault_sim, linker_sim, tp_sim
+from kvtier.testing import fault_sim, hybrid_sim, linker_sim, tp_sim
 from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
 
 
@@ -46,9 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         help="SGLang's calls into kvtier's linker (linker_sim.py)",
     )
     p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="--linker for a hybrid model: (FULL, SWA) and (FULL, MAMBA) (hybrid_sim.py)",
+    )
+    p.add_argument(
         "--plant",
-        choices=sorted(linker_sim.PLANTED),
-        help="--linker with a known bug, to be found",
+        choices=sorted({*linker_sim.PLANTED, *hybrid_sim.HYBRID_PLANTED}),
+        help="--linker (--hybrid: the hybrid ones) with a known bug, to be found",
     )
     p.add_argument(
         "--actions",
@@ -56,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         help="write every episode's actions to FILE, one a line (to compare two versions)",
     )
     args = p.parse_args(argv)
+    planted = hybrid_sim.HYBRID_PLANTED if args.hybrid else linker_sim.PLANTED
+    if args.plant and args.plant not in planted:
+        p.error(
+            f"--plant {args.plant}: {'with' if args.hybrid else 'without'} --hybrid the "
+            f"planted bugs are {', '.join(sorted(planted))}"
+        )
     if (args.linker or args.plant) and args.ranks != 1:
         p.error(
             f"--ranks {args.ranks} with --linker: the linker simulator runs one rank "
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, actions) -> int:
-    if args.linker or args.plant:
+    if args.linker or args.plant or args.hybrid:
         return _linker(args, actions)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
     if args.episode_seed is None:
@@ -127,20 +138,17 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int, actions) -> tuple | None:
 
 
 def _linker(args, actions) -> int:
+    sim = hybrid_sim if args.hybrid else linker_sim
     if args.episode_seed is None:
         return (
             1
-            if linker_sim.run(
-                args.steps, args.seed, args.episode, args.plant, actions=actions
-            )
+            if sim.run(args.steps, args.seed, args.episode, args.plant, actions=actions)
             else 0
         )
-    failure = linker_sim.run_episode(args.episode_seed, args.steps, args.plant, actions)
+    failure = sim.run_episode(args.episode_seed, args.steps, args.plant, actions)
     if failure is not None:
         step, exc, setup, log = failure
-        linker_sim.report(
-            sys.stdout, exc, args.episode_seed, setup, step, log, args.plant
-        )
+        sim.report(sys.stdout, exc, args.episode_seed, setup, step, log, args.plant)
     print(
         f"linker fault sim: {args.steps} steps, {int(failure is not None)} violations"
     )
