@@ -182,3 +182,18 @@ def test_every_pools_namespace_names_the_models_window(sg, tmp_path):
     assert "window=8" in a.linker.core.cores["swa"].settings.namespace.layout
     a.close()
     b.close()
+
+
+def test_a_long_tails_lengths_are_thinned_alike_on_every_rank(sg):
+    """A lookup of 64 pages names at most 17 lengths (SGLang marks each in a mask, one
+    tensor write at a time): the longest and those below it on a stride of 4, so two
+    ranks whose pools hold different lengths still meet on a length both can restore."""
+    from kvtier.integrations.sglang.linker.shell import thinned
+
+    a = [p for p in range(1, 41) if p != 12]  # rank a: no window at 12
+    b = list(range(1, 35))
+    ta, tb = thinned(a, 64), thinned(b, 64)
+    assert ta == [4, 8, 16, 20, 24, 28, 32, 36, 40]
+    assert tb == [4, 8, 12, 16, 20, 24, 28, 32, 34]
+    assert max(set(ta) & set(tb)) == 32 and set(ta) <= set(a) and set(tb) <= set(b)
+    assert thinned([], 64) == [] and thinned([3, 5], 5) == [3, 5]

@@ -156,6 +156,11 @@ class PoolCores:
     def l3(self):
         return self.kv.l3
 
+    @property
+    def hints(self):
+        """An agent's hints act on the KV pool's pages (`hints.py`)."""
+        return self.kv.hints
+
     def _core(self, name: str) -> LinkerCore:
         core = self.cores.get(name)
         if core is None:
@@ -227,9 +232,11 @@ class PoolCores:
         out = []
         for p in lengths:
             span = range(max(0, p - window), p)
-            if all(on_host[i] or in_store[i] for i in span):
-                if sum(in_store[i] for i in span) <= room - window:
-                    out.append(p)
+            if not all(on_host[i] or in_store[i] for i in span):
+                continue
+            # its load pins the window's host pages, then reserves one per store page
+            if not any(in_store[i] for i in span) or len(span) <= room:
+                out.append(p)
         if out:  # the window a load would take is the newest in this pool's LRU
             core.index.run(keys[max(0, out[-1] - window) : out[-1]])
         c = core.counters

@@ -110,6 +110,16 @@ def restorable(pages: int, asked: int) -> list[int]:
     return [*range(stride, pages, stride), pages]
 
 
+def thinned(lengths: list[int], asked: int) -> list[int]:
+    """A hybrid model's restorable lengths (sparse: where every pool can restore), as
+    `restorable` names a Full model's: the longest, and those below it on the same stride
+    (the same on every rank, so the ranks' sets still meet there)."""
+    if not lengths:
+        return []
+    stride, last = -(-asked // LENGTHS), lengths[-1]
+    return [p for p in lengths[:-1] if p % stride == 0] + [last]
+
+
 class KvtierLinker(UnifiedCacheLinker):
     """kvtier's host tier and stores below SGLang's radix tree and device pool."""
 
@@ -217,7 +227,7 @@ class KvtierLinker(UnifiedCacheLinker):
         if self.hybrid:
             kv, sides = _parts(transfers)
             windows = {name: len(side.keys) for name, side in sides.items()}
-            return self.core.lookup(rid, kv.keys, windows)
+            return thinned(self.core.lookup(rid, kv.keys, windows), len(kv.keys))
         keys = list(_kv(transfers).keys or [])
         return restorable(self.core.lookup(rid, keys), len(keys))
 
