@@ -34,6 +34,7 @@ from typing import ClassVar
 import torch
 
 from kvtier.integrations.sglang.linker.core import LinkerCore
+from kvtier.tiers.indices import slots_of
 from kvtier.tiers.pool import DeviceKVPool
 
 KV = "kv"
@@ -169,11 +170,34 @@ class PoolCores:
             )
         return core
 
+    def _checked(self, kv: Side, sides: dict[str, Side]) -> dict[str, LinkerCore]:
+        """Every part's core, each part checked before any core queues one: a bad part
+        refused after another pool queued its own would leave that pool's op unmatched."""
+        cores = {}
+        for name, part in {KV: kv, **sides}.items():
+            core = cores[name] = self._core(name)
+            keys = part.keys
+            if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+                raise ValueError(
+                    f"pool {name!r}: keys: expected a list of SGLang page keys "
+                    "(non-empty strings)"
+                )
+            if part.slots is None:
+                raise ValueError(f"pool {name!r}: device_indices missing")
+            n = slots_of(part.slots).shape[0]
+            if n != len(keys) * core.page_size:
+                raise ValueError(
+                    f"pool {name!r}: device_indices has {n} slots for {len(keys)} "
+                    f"pages; expected {len(keys) * core.page_size} "
+                    f"({core.page_size} per page)"
+                )
+        return cores
+
     # -- offload -----------------------------------------------------------------------
 
     def offload(self, kv: Side, sides: dict[str, Side]) -> bool:
         parts = {KV: kv, **sides}
-        cores = {name: self._core(name) for name in parts}
+        cores = self._checked(kv, sides)
         for name, part in parts.items():
             cores[name].offload(part.keys, part.slots)
         self.offloads.append(tuple(parts))
@@ -248,7 +272,7 @@ class PoolCores:
 
     def load(self, rid: str, kv: Side, sides: dict[str, Side]) -> bool:
         parts = {KV: kv, **sides}
-        cores = {name: self._core(name) for name in parts}
+        cores = self._checked(kv, sides)
         for name, part in parts.items():
             cores[name].load(rid, part.keys, part.slots)
         return True
