@@ -86,7 +86,8 @@ def plan_of(kvcache, req_to_token_pool, components: set[str], page_size: int, wi
         for g, local in req_to_token_pool.mamba_map.items():
             plan.owner[g - start] = ("mamba", local)
         plan.sides.append(SidePool("mamba", StateRows(layers), layers[0], 1))
-    full = [plan.full.k_buffer[0]] if hasattr(plan.full, "k_buffer") else []
+    buffers = getattr(plan.full, "k_buffer", None) or plan.full.kv_buffer  # MHA, MLA
+    full = [buffers[0]]
     sig = ";".join(
         [f"kv[{describe(full)}]"]
         + [
