@@ -30,15 +30,18 @@ class HybridServer:
         get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
         CT = sg.component_type.ComponentType
         self.sg, self.kind, self.PoolName = sg, kind, PoolName
-        extra = (
-            {"sliding_window_size": window}
-            if kind == "swa"
-            else {"enable_mamba_extra_buffer": True, "mamba_cache_size": 60}
-        )
-        comps = (CT.FULL, CT.SWA if kind == "swa" else CT.MAMBA)
+        self.has_swa, self.has_mamba = "swa" in kind, "mamba" in kind
+        extra = {}
+        comps = [CT.FULL]
+        if self.has_swa:
+            extra["sliding_window_size"] = window
+            comps.append(CT.SWA)
+        if self.has_mamba:
+            extra.update(enable_mamba_extra_buffer=True, mamba_cache_size=60)
+            comps.append(CT.MAMBA)
         self.cfg = sg.cfg.CacheConfig(
             page_size=PS,
-            components=comps,
+            components=tuple(comps),
             num_layers=4,
             full_attention_layer_ids=(1, 3),
             head_num=2,
@@ -100,7 +103,7 @@ class HybridServer:
         return [self._rows(name, b, idx).clone() for b in self.buffers(name)]
 
     def alloc_tokens(self, k: int) -> torch.Tensor:
-        if self.kind != "swa":
+        if not self.has_swa:
             return self.alloc.alloc(k)
         # SWATokenToKVPoolAllocator.alloc asserts page_size 1: full and SWA pages, then
         # the mapping, as the kit's mixins do
@@ -132,14 +135,14 @@ class HybridServer:
             key=sg.radix_cache.RadixKey(array("q", tokens)), value=slots
         )
         written = [("kv", slots)]
-        if self.kind == "swa":
+        if self.has_swa:
             written.append(("swa", self.alloc.full_to_swa_index_mapping[slots]))
         for name, idx in written:
             rows = self.fill(name, idx, g)
             for i in range(len(tokens) // PS):
                 page = [r[i * PS : (i + 1) * PS] for r in rows]
                 self.pages.setdefault((name, tuple(tokens[: (i + 1) * PS])), page)
-        if self.kind == "mamba":
+        if self.has_mamba:
             req = self.request(tokens)
             self.r2t.alloc([req])
             slot = req.kv.mamba_pool_idx.unsqueeze(0)
@@ -201,12 +204,12 @@ class HybridServer:
         failed = self.cache.finish_external_linker_loads([req])
         assert n == h and failed == []
         assert same(self.read("kv", slots), self.want("kv", tokens, 0, h))
-        if self.kind == "swa":
+        if self.has_swa:
             w = mr.swa_host_hit_length
             assert w > 0
             swa_slots = self.alloc.full_to_swa_index_mapping[slots[-w:]]
             assert same(self.read("swa", swa_slots), self.want("swa", tokens, h - w, h))
-        else:
+        if self.has_mamba:
             slot = req.kv.mamba_pool_idx.unsqueeze(0)
             assert same(self.read("mamba", slot), self.states[tuple(tokens[:h])])
         self.release(req, slots)
@@ -216,7 +219,7 @@ class HybridServer:
         """The request ends: its private slots go back (it was never inserted)."""
         if slots is not None:
             self.alloc.free(slots)
-        if self.kind == "mamba" and req.kv is not None and req.kv.holds_mamba:
+        if self.has_mamba and req.kv is not None and req.kv.holds_mamba:
             self.r2t.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
             req.kv.mamba_pool_idx = None
 

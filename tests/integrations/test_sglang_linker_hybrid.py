@@ -197,3 +197,27 @@ def test_a_long_tails_lengths_are_thinned_alike_on_every_rank(sg):
     assert tb == [4, 8, 12, 16, 20, 24, 28, 32, 34]
     assert max(set(ta) & set(tb)) == 32 and set(ta) <= set(a) and set(tb) <= set(b)
     assert thinned([], 64) == [] and thinned([3, 5], 5) == [3, 5]
+
+
+@pytest.mark.parametrize("store", ["none", "file"])
+def test_full_swa_and_mamba_together(sg, tmp_path, request, store):
+    """(FULL, SWA, MAMBA): SGLang's SWAKVPool beside a Mamba request pool; every load
+    brings the KV prefix, the SWA window and the state, byte for byte, from host or from
+    a fresh worker's store; a length restores only where both side pools can."""
+    path = write_yaml(tmp_path, store_section(store, request, tmp_path))
+    first = HybridServer(sg, path, "swa+mamba")
+    assert set(first.linker.core.cores) == {"kv", "swa", "mamba"}
+    scenario(first)
+    first.evict_all()
+    assert requests(first) == [20, 20, 0]
+    first.check()
+    first.close()
+    if store == "none":
+        return
+    second = HybridServer(sg, path, "swa+mamba")
+    second.pages, second.states = first.pages, first.states
+    assert requests(second) == [20, 20, 0]
+    for name in ("swa", "mamba"):
+        assert second.linker.core.cores[name].stats()["counters"]["l3_read_pages"] > 0
+    second.check()
+    second.close()
