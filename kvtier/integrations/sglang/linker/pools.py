@@ -29,8 +29,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import is_not, or_
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from kvtier.integrations.sglang.linker.core import LinkerCore
@@ -242,25 +245,26 @@ class PoolCores:
         self, core: LinkerCore, keys: Sequence[str], window: int, lengths: list[int]
     ) -> list[int]:
         """The lengths of `lengths` whose window of `window` pages this pool holds (on
-        host, or in its store with host room to read it)."""
+        host, or in its store with host room to read it). Prefix counts make each length
+        one subtraction: lookups answer long tails on the scheduler thread."""
         window = max(1, window)
-        lo = max(0, lengths[0] - window)
-        on_host = [core.index.get(k) is not None for k in keys]
+        on_host = list(map(is_not, map(core.index.get, keys), repeat(None)))
         in_store = [False] * len(keys)
+        lo = max(0, lengths[0] - window)
         missing = [i for i in range(lo, len(keys)) if not on_host[i]]
         if missing and core.l3 is not None:
             found = core.store_ops.present([keys[i] for i in missing])
             for i, held in zip(missing, found):
                 in_store[i] = held
-        room = core.index.room()
-        out = []
-        for p in lengths:
-            span = range(max(0, p - window), p)
-            if not all(on_host[i] or in_store[i] for i in span):
-                continue
-            # its load pins the window's host pages, then reserves one per store page
-            if not any(in_store[i] for i in span) or len(span) <= room:
-                out.append(p)
+        # held[i]: pages of keys[:i] held; stored[i]: of those, in the store only
+        held = np.array([0, *accumulate(map(or_, on_host, in_store))])
+        stored = np.array([0, *accumulate(in_store)])
+        ends = np.array(lengths)
+        starts = np.maximum(ends - window, 0)
+        whole = held[ends] - held[starts] == ends - starts
+        # its load pins the window's host pages, then reserves one per store page
+        fits = (stored[ends] == stored[starts]) | (ends - starts <= core.index.room())
+        out = ends[whole & fits].tolist()
         if out:  # the window a load would take is the newest in this pool's LRU
             core.index.run(keys[max(0, out[-1] - window) : out[-1]])
         c = core.counters
