@@ -138,8 +138,10 @@ class PoolsCounter:
 
 
 class PoolCores:
-    """`cores[name]`: each pool's LinkerCore (`kv` first); `windows[name]`: a side pool's
-    window in pages at most (SWA: the model's window; Mamba: 1)."""
+    """SGLang's calls for a hybrid model, each handed to every pool's LinkerCore
+    (`cores[name]`, `kv` first); `offloads` names the pools of each offload in flight,
+    oldest first. A lookup's `windows[name]` is a side pool's window in pages (SGLang's
+    `len(transfer.keys)`: SWA the model's window at most, Mamba 1)."""
 
     def __init__(
         self,
