@@ -267,6 +267,9 @@ _HASH_CHUNK = (
     1 << 20
 )  # big pages are written in chunks of this many bytes, hashed in cache
 _READ_CHUNK = 256 << 10  # pages are read in chunks of this many bytes, hashed in cache
+# the largest page read whole under the stop flag (`_read_in_memory`): a call giving up
+# (`StopFlag.set`, on the store's loop) waits for at most one such copy from memory
+_WHOLE_READ = 64 << 20
 
 
 def read_pages_into(items: list[tuple], stop=None) -> list:
@@ -287,15 +290,15 @@ def read_pages_into(items: list[tuple], stop=None) -> list:
 
 
 def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop, memory) -> bool:
-    """A file in memory (`memory`: the job's `_MemoryDevices`) is read whole, straight
-    into `view` (`_read_in_memory`); any other in chunks through this thread's buffer,
-    each hashed while it is in cache and copied in (`copy_out`), so a read that blocks (a
-    hung mount) blocks into that buffer (the header read with the first chunk, a byte
-    more with the last: none may follow). FrameError where it is not the page asked for
+    """A file in memory (`memory`: the job's `_MemoryDevices`) of up to `_WHOLE_READ`
+    bytes is read whole, straight into `view` (`_read_in_memory`); any other in chunks
+    through this thread's buffer, each hashed while it is in cache and copied in
+    (`copy_out`), so a read that blocks (a hung mount) blocks into that buffer (the
+    header read with the first chunk, a byte more with the last: none may follow). FrameError where it is not the page asked for
     (`view` may then hold part of it, which the caller must not use)."""
     fd, device = _open_page(path)
     try:
-        if memory(fd, device):
+        if len(view) <= _WHOLE_READ and memory(fd, device):
             return _read_in_memory(fd, ns, h, view, stop)
         return _read_chunks(fd, ns, h, view, stop)
     finally:

@@ -113,17 +113,21 @@ def _framed_files(tmp_path, sizes: list[int]):
     return out
 
 
-@pytest.mark.parametrize("in_memory", [False, True])
-def test_file_reads_check_each_page_on_its_own(in_memory, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "in_memory, whole", [(False, 0), (True, 64 << 20), (True, 4096)]
+)
+def test_file_reads_check_each_page_on_its_own(in_memory, whole, tmp_path, monkeypatch):
     """Pages are read in chunks through the I/O thread's buffer, hashed there and copied
-    into the caller's, or (a file in memory) whole, straight into the caller's buffer
-    and checked there: either way pages of one chunk, of exactly one chunk, over it, cut
-    short by a byte, with a byte too many, with a flipped last byte or gone each get
-    their own verdict, and only the good ones their bytes."""
+    into the caller's, or (a file in memory, up to `_WHOLE_READ` bytes) whole, straight
+    into the caller's buffer and checked there: either way pages of one chunk, of
+    exactly one chunk, over it, cut short by a byte, with a byte too many, with a
+    flipped last byte or gone each get their own verdict, and only the good ones their
+    bytes."""
     from kvtier.backends import file_io
     from kvtier.backends.frame import FrameError
 
     monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: in_memory)
+    monkeypatch.setattr(file_io, "_WHOLE_READ", whole)
 
     chunk = file_io._READ_CHUNK
     sizes = [chunk + 3 * 4096, chunk + 3 * 4096, chunk, 2 * chunk + 1, chunk + 3 * 4096]
