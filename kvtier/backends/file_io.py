@@ -267,6 +267,9 @@ _HASH_CHUNK = (
     1 << 20
 )  # big pages are written in chunks of this many bytes, hashed in cache
 _READ_CHUNK = 256 << 10  # pages are read in chunks of this many bytes, hashed in cache
+# the largest page read whole under the stop flag (`_read_in_memory`): a call giving up
+# (`StopFlag.set`, on the store's loop) waits for at most one such copy from memory
+_WHOLE_READ = 64 << 20
 
 
 def read_pages_into(items: list[tuple], stop=None) -> list:
@@ -287,46 +290,76 @@ def read_pages_into(items: list[tuple], stop=None) -> list:
 
 
 def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop, memory) -> bool:
-    """The payload in chunks (the header read with the first, a byte more with the last:
-    none may follow), each hashed while it is in cache. A file in memory (`memory`: the
-    job's `_MemoryDevices`) is read straight into `view`, under the call's stop flag
-    (`_writing`); any other through this thread's buffer, copied in (`copy_out`), so a
-    read that blocks (a hung mount) blocks into that buffer. FrameError where it is not the page asked for (`view`
-    may then hold part of it, which the caller must not use)."""
-    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
+    """A file in memory (`memory`: the job's `_MemoryDevices`) of up to `_WHOLE_READ`
+    bytes is read whole, straight into `view` (`_read_in_memory`); any other in chunks
+    through this thread's buffer, each hashed while it is in cache and copied in
+    (`copy_out`), so a read that blocks (a hung mount) blocks into that buffer (the
+    header read with the first chunk, a byte more with the last: none may follow). FrameError where it is not the page asked for
+    (`view` may then hold part of it, which the caller must not use)."""
     fd, device = _open_page(path)
     try:
-        buf = None if memory(fd, device) else _staging(min(_READ_CHUNK, size))
-        hasher, done, at = xxhash.xxh3_64(), 0, 0
-        while True:
-            k = min(_READ_CHUNK, size - done)
-            into = view[done : done + k] if buf is None else buf[:k]
-            last = done + k == size
-            bufs = ([header] if done == 0 else []) + [into] + ([extra] if last else [])
-            if buf is None:  # memory: a read short of what was asked ended the file
-                with _writing(stop):
-                    n = os.preadv(fd, bufs, at)
-            else:
-                n = _preadv_all(fd, bufs, at)
-            at += n
-            if done == 0:
-                length, checksum = frame.check_header(
-                    header[: min(n, frame.HEADER_SIZE)], ns, h
-                )
-                if length != size:
-                    raise FrameError(f"page is {length} bytes, the buffer {size}")
-                n -= frame.HEADER_SIZE
-            got = min(n, k)
-            if n > k:
-                raise FrameError("trailing bytes after the payload")
-            hasher.update(into[:got])
-            if buf is not None:
-                copy_out(stop, view[done : done + got], into[:got])
-            done += got
-            if got < k or last:
-                break
+        if len(view) <= _WHOLE_READ and memory(fd, device):
+            return _read_in_memory(fd, ns, h, view, stop)
+        return _read_chunks(fd, ns, h, view, stop)
     finally:
         os.close(fd)
+
+
+def _read_in_memory(fd: int, ns: str, h: bytes, view: memoryview, stop) -> bool:
+    """Header, payload and a byte more in one preadv into `view` under the call's stop
+    flag (`_writing`: a read from memory cannot block), then checked there. Per page, not
+    per chunk: what a page costs in Python is what 256 KiB rows are slow by."""
+    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
+    bufs = [header, view, extra]
+    with _writing(stop):
+        n = os.preadv(fd, bufs, 0)
+        if n < frame.HEADER_SIZE + size:  # a short read before the end, or a short file
+            n = _preadv_all(fd, bufs, 0)
+    length, checksum = frame.check_header(header[: min(n, frame.HEADER_SIZE)], ns, h)
+    if length != size:
+        raise FrameError(f"page is {length} bytes, the buffer {size}")
+    if n > frame.HEADER_SIZE + size:
+        raise FrameError("trailing bytes after the payload")
+    if n < frame.HEADER_SIZE + size:
+        raise FrameError(
+            f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}"
+        )
+    hasher = (
+        xxhash.xxh3_64()
+    )  # the streaming hasher lets the GIL go, the one-shot does not
+    hasher.update(view)
+    if hasher.intdigest() != checksum:
+        raise FrameError("checksum mismatch")
+    return True
+
+
+def _read_chunks(fd: int, ns: str, h: bytes, view: memoryview, stop) -> bool:
+    """`_read_page` of a file not in memory: chunks through this thread's buffer."""
+    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
+    buf = _staging(min(_READ_CHUNK, size))
+    hasher, done, at = xxhash.xxh3_64(), 0, 0
+    while True:
+        k = min(_READ_CHUNK, size - done)
+        into = buf[:k]
+        last = done + k == size
+        bufs = ([header] if done == 0 else []) + [into] + ([extra] if last else [])
+        n = _preadv_all(fd, bufs, at)
+        at += n
+        if done == 0:
+            length, checksum = frame.check_header(
+                header[: min(n, frame.HEADER_SIZE)], ns, h
+            )
+            if length != size:
+                raise FrameError(f"page is {length} bytes, the buffer {size}")
+            n -= frame.HEADER_SIZE
+        got = min(n, k)
+        if n > k:
+            raise FrameError("trailing bytes after the payload")
+        hasher.update(into[:got])
+        copy_out(stop, view[done : done + got], into[:got])
+        done += got
+        if got < k or last:
+            break
     if done != size:
         raise FrameError(f"payload is {done} bytes, the frame says {length}")
     if hasher.intdigest() != checksum:

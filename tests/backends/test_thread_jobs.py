@@ -113,13 +113,21 @@ def _framed_files(tmp_path, sizes: list[int]):
     return out
 
 
-def test_file_reads_in_chunks_check_each_page_on_its_own(tmp_path):
+@pytest.mark.parametrize(
+    "in_memory, whole", [(False, 0), (True, 64 << 20), (True, 4096)]
+)
+def test_file_reads_check_each_page_on_its_own(in_memory, whole, tmp_path, monkeypatch):
     """Pages are read in chunks through the I/O thread's buffer, hashed there and copied
-    into the caller's: pages of one chunk, of exactly one chunk, over it, cut short by a
-    byte, with a byte too many, with a flipped last byte or gone each get their own
-    verdict, and only the good ones their bytes."""
+    into the caller's, or (a file in memory, up to `_WHOLE_READ` bytes) whole, straight
+    into the caller's buffer and checked there: either way pages of one chunk, of
+    exactly one chunk, over it, cut short by a byte, with a byte too many, with a
+    flipped last byte or gone each get their own verdict, and only the good ones their
+    bytes."""
     from kvtier.backends import file_io
     from kvtier.backends.frame import FrameError
+
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: in_memory)
+    monkeypatch.setattr(file_io, "_WHOLE_READ", whole)
 
     chunk = file_io._READ_CHUNK
     sizes = [chunk + 3 * 4096, chunk + 3 * 4096, chunk, 2 * chunk + 1, chunk + 3 * 4096]
@@ -149,9 +157,11 @@ def test_a_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
     in_memory, tmp_path, monkeypatch
 ):
     """Once the call gave up on a read job (its StopFlag set), the job writes nothing more
-    into the caller's buffers, even mid-page: the owner reuses them at once (a vLLM row).
-    Both ways a chunk lands there: copied from the I/O thread's buffer, and read straight
-    in (a file in memory, tmpfs)."""
+    into the caller's buffers: the owner reuses them at once (a vLLM row). Both ways a
+    page lands there: in chunks copied from the I/O thread's buffer (given up on after
+    the first chunk's read: no byte of the page lands), and, for a file in memory
+    (tmpfs), read whole straight in by one read under the stop flag (given up on during
+    it: that page is whole, and the next page's buffer is never written)."""
     import os
     import threading
 
@@ -159,24 +169,30 @@ def test_a_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
     from kvtier.backends.io_threads import StopFlag
 
     chunk = file_io._READ_CHUNK
-    [(path, ns, h, _)] = _framed_files(tmp_path, [3 * chunk])
-    stop, buf = StopFlag(), bytearray(3 * chunk)
+    files = _framed_files(tmp_path, [3 * chunk, chunk])
+    stop, bufs = StopFlag(), [bytearray(3 * chunk), bytearray(chunk)]
     real = os.preadv
 
     def read_then_give_up(fd, bufs, offset, *flags):
         n = real(fd, bufs, offset, *flags)
-        # the call gives up meanwhile: its set() waits for a write into `buf` in progress
-        # (this one, read straight in), so the flag is up once it ended
+        # the call gives up meanwhile: its set() waits for a write into the caller's
+        # buffer in progress (this one, when read straight in), so the flag is up once
+        # it ended
         threading.Event.set(stop)
         return n
 
     monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: in_memory)
     monkeypatch.setattr(os, "preadv", read_then_give_up)
-    [got] = file_io.read_pages_into([(path, ns, h, memoryview(buf))], stop)
-    assert isinstance(got, OSError) and "given up on" in str(got)
-    assert buf[chunk if in_memory else 0 :] == bytes(
-        len(buf) - (chunk if in_memory else 0)
+    got = file_io.read_pages_into(
+        [(path, ns, h, memoryview(b)) for (path, ns, h, _), b in zip(files, bufs)],
+        stop,
     )
+    if in_memory:
+        assert got == [True] and bytes(bufs[0]) == files[0][3]
+    else:
+        assert len(got) == 1 and isinstance(got[0], OSError)
+        assert "given up on" in str(got[0]) and bufs[0] == bytes(3 * chunk)
+    assert bufs[1] == bytes(chunk)
 
 
 def test_pages_in_memory_are_read_straight_in(tmp_path):

@@ -114,6 +114,35 @@ def test_cascade_then_promotion_gives_back_the_same_bytes(
     assert reader.tier.kvtier_stats()["store_down"] is False
 
 
+def test_a_steps_jobs_and_probes_reach_the_store_loop_keeping_the_gil(
+    tmp_path, rigs, monkeypatch
+):
+    """vLLM's scheduler thread hands the tier's store loop its jobs and probes through
+    the GIL-keeping wake-up (StoreLoop.post), never asyncio's call_soon_threadsafe: that
+    one sends on a socket with the GIL let go, the store loop's thread takes it, and the
+    scheduler waits to get it back, once per job."""
+    import threading
+
+    cfg = conf({"backend": "file", "root": str(tmp_path / "l3")})
+    writer, reader = rigs(cfg), rigs(cfg)
+    woken_by = []
+    for rig in (writer, reader):
+        loop = rig.tier._loop.loop
+        real = loop.call_soon_threadsafe
+
+        def counted(*args, real=real, **kw):
+            woken_by.append(threading.current_thread())
+            return real(*args, **kw)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    keys = new_keys(4)
+    written = writer.store(keys)
+    seen, got = reader.load(keys)  # probes, then a promotion
+    assert names(seen) == [["RETRY", "HIT_PENDING", "HIT"]] * 4
+    assert got == written
+    assert threading.main_thread() not in woken_by
+
+
 def test_drain_jobs_on_reset_ends_every_job_first(tmp_path, rigs):
     """reset_cache drains the tier and asserts no job is left (vLLM's own check)."""
     rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3")}))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing_extensions import override
 
+import asyncio
 import dataclasses
 import logging
 import queue
@@ -80,6 +81,18 @@ class _Done:
     unknown: frozenset = (
         frozenset()
     )  # keys whose read failed on an error: nothing learnt of them
+
+
+def _hand_over(task: asyncio.Task, fut: Future) -> None:
+    """A job's or probe's task ended (loop thread): its outcome into the caller's future;
+    a task cancelled (the loop closing under it) ends it with the CancelledError, so that
+    `_ended` fails its keys."""
+    if task.cancelled():
+        fut.set_exception(asyncio.CancelledError())
+    elif task.exception() is not None:
+        fut.set_exception(task.exception())
+    else:
+        fut.set_result(task.result())
 
 
 class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stats hooks
@@ -272,12 +285,20 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         )
 
     def _start(self, coro, what: TransferJob | Probe) -> None:
+        """Hand `coro` to the store loop through `StoreLoop.post`: the jobs and probes of
+        one step wake it once, with a write that keeps the GIL (storeio/waker.py), where
+        a `submit` each cost a GIL-releasing wake-up of the caller, vLLM's scheduler."""
         if self._closed:
             coro.close()
             raise RuntimeError("kvtier vLLM tier: shut down")
-        fut = self._loop.submit(coro)
+        fut: Future = Future()
         self._futures[fut] = what
         fut.add_done_callback(lambda f: self._post(("ended", f)))
+        self._loop.post(
+            lambda: self._loop.loop.create_task(coro).add_done_callback(
+                lambda task: _hand_over(task, fut)
+            )
+        )
 
     def _post(self, item: tuple) -> None:
         """Hand an outcome to the caller's thread (from the loop thread)."""
@@ -417,7 +438,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         """Known-stored rows just used: the store's eviction order hears it (no I/O waits)."""
         full = self.store_keys(k for k in keys if k in self.index.present)
         if full and not self.breaker.down:
-            self._loop.call_soon(lambda: self._touch_now(full))
+            self._loop.post(lambda: self._touch_now(full))
 
     def _touch_now(self, full: list[str]) -> None:
         try:
