@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from kvtier.testing import fault_sim, hybrid_sim, linker_sim, tp_sim
+from kvtier.testing import fault_sim, linker_sim, tp_sim
+from kvtier.testing import linker_hybrid_sim
 from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
 
 
@@ -48,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--hybrid",
         action="store_true",
-        help="--linker for a hybrid model: (FULL, SWA) and (FULL, MAMBA) (hybrid_sim.py)",
+        help="--linker for a hybrid model: (FULL, SWA) and (FULL, MAMBA) (linker_hybrid_sim.py)",
     )
     p.add_argument(
         "--plant",
-        choices=sorted({*linker_sim.PLANTED, *hybrid_sim.HYBRID_PLANTED}),
+        choices=sorted({*linker_sim.PLANTED, *linker_hybrid_sim.HYBRID_PLANTED}),
         help="--linker (--hybrid: the hybrid ones) with a known bug, to be found",
     )
     p.add_argument(
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         help="write every episode's actions to FILE, one a line (to compare two versions)",
     )
     args = p.parse_args(argv)
-    planted = hybrid_sim.HYBRID_PLANTED if args.hybrid else linker_sim.PLANTED
+    planted = linker_hybrid_sim.HYBRID_PLANTED if args.hybrid else linker_sim.PLANTED
     if args.plant and args.plant not in planted:
         p.error(
             f"--plant {args.plant}: {'with' if args.hybrid else 'without'} --hybrid the "
@@ -138,7 +139,7 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int, actions) -> tuple | None:
 
 
 def _linker(args, actions) -> int:
-    sim = hybrid_sim if args.hybrid else linker_sim
+    sim = linker_hybrid_sim if args.hybrid else linker_sim
     if args.episode_seed is None:
         return (
             1

@@ -1,4 +1,4 @@
-"""The linker fault simulator's hybrid setups (kvtier/testing/hybrid_sim.py): SGLang's
+"""The linker fault simulator's hybrid setups (kvtier/testing/linker_hybrid_sim.py): SGLang's
 calls into kvtier's linker for a (FULL, SWA) or (FULL, MAMBA) model, every pool's copies
 and store calls failing, timing out and finishing late, with a byte oracle per pool."""
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from kvtier.testing import hybrid_sim
+from kvtier.testing import linker_hybrid_sim as hybrid_sim
 
 
 def test_drawn_hybrid_episodes_have_no_violations():
