@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvtier.testing import fault_sim, linker_sim, tp_sim
+from kvtier.testing import fault_sim, hybrid_sim, linker_sim, tp_sim
 from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
 
 
@@ -46,9 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         help="SGLang's calls into kvtier's linker (linker_sim.py)",
     )
     p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a hybrid model's cache: FULL, SWA and Mamba components (hybrid_sim.py)",
+    )
+    p.add_argument(
         "--plant",
-        choices=sorted(linker_sim.PLANTED),
-        help="--linker with a known bug, to be found",
+        choices=sorted(linker_sim.PLANTED) + list(hybrid_sim.PLANTED),
+        help="--linker or --hybrid with a known bug, to be found (linker: "
+        f"{', '.join(sorted(linker_sim.PLANTED))}; hybrid: {', '.join(hybrid_sim.PLANTED)})",
     )
     p.add_argument(
         "--actions",
@@ -62,6 +68,17 @@ def main(argv: list[str] | None = None) -> int:
             "(its ranks' agreement is tested on SGLang's classes, "
             "tests/integrations/test_sglang_linker.py)"
         )
+    if args.hybrid and (args.linker or args.ranks != 1):
+        p.error(
+            "--hybrid runs kvtier's own cache on one rank: not with --linker or --ranks"
+        )
+    hybrid_plant = args.plant in hybrid_sim.PLANTED
+    if args.plant and hybrid_plant != args.hybrid:
+        p.error(
+            f"--plant {args.plant}: a {'hybrid' if hybrid_plant else 'linker'} bug; "
+            f"hybrid plants ({', '.join(hybrid_sim.PLANTED)}) go with --hybrid, the others "
+            "with --linker"
+        )
     logging.basicConfig(
         level=logging.CRITICAL
     )  # the simulator causes failures on purpose
@@ -73,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, actions) -> int:
+    if args.hybrid:
+        return _hybrid(args, actions)
     if args.linker or args.plant:
         return _linker(args, actions)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
@@ -124,6 +143,32 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int, actions) -> tuple | None:
     finally:
         write_actions(actions, f"episode {ep_seed}", sim.log)
     return None
+
+
+def _hybrid(args, actions) -> int:
+    if args.episode_seed is None:
+        bad = hybrid_sim.run_hybrid(
+            args.steps, args.seed, args.episode, plant=args.plant, actions=actions
+        )
+        return 1 if bad else 0
+    setup = hybrid_sim.HybridSetup.draw_hybrid(
+        random.Random(args.episode_seed), args.plant
+    )
+    sim, step, failure = hybrid_sim.HybridFaultSim(args.episode_seed, setup), 0, None
+    try:
+        for step in range(args.steps):  # noqa: B007 (reported on a failure)
+            sim.step()
+        sim.close()
+    except Exception as exc:
+        failure = exc
+        flags = " --hybrid" + (f" --plant {args.plant}" if args.plant else "")
+        report(sys.stdout, exc, args.episode_seed, setup, step, sim.log, flags=flags)
+    finally:
+        write_actions(actions, f"episode {args.episode_seed}", sim.log)
+    print(
+        f"fault sim (hybrid): {args.steps} steps, {int(failure is not None)} violations"
+    )
+    return int(failure is not None)
 
 
 def _linker(args, actions) -> int:
