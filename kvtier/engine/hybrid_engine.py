@@ -90,7 +90,9 @@ class HybridEngine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.rows = ReqToTokenPool(max_batch, max_context)
-        self.swa_rows = torch.zeros_like(self.rows.req_to_token)
+        self.swa_rows = torch.zeros(
+            self.rows.req_to_token.shape, dtype=torch.int64
+        )  # the cache takes int64 rows
         self.pools = HybridPools(
             *hybrid_pools(cache), self.rows.req_to_token, self.swa_rows
         )

@@ -17,7 +17,10 @@ chunk); a finish keeps the state at its page-aligned length through a snapshot s
 `plant` puts a known bug into the cache's tree, for the simulator to find:
 - `mamba-split`: a split gives the node's state to the upper half, so a match that ends
   there restores a state taken at another length;
-- `swa-short`: a match accepts a node whose SWA window lacks its first page.
+- `swa-order`: a restore hands the pieces of an SWA window that spans several nodes in
+  the wrong order (bottom-up), so each token's slot holds another token's K/V.
+
+Both patch a private of the tree or the cache (a test's own bug, never shipped).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kvtier.tiers.pool import PoolConfig, StatePoolConfig
 
 LAYERS = (Component.FULL, Component.SWA, Component.MAMBA)
 STATE = 4  # floats in a state
-PLANTED = ("mamba-split", "swa-short")
+PLANTED = ("mamba-split", "swa-order")
 
 
 def reference_state(tokens: np.ndarray) -> torch.Tensor:
@@ -90,32 +93,46 @@ def hreq(rid: str, tokens: np.ndarray) -> HReq:
 
 
 class HybridFaultSim(FaultSim):
+    turns: list[
+        np.ndarray
+    ]  # what the last requests that finished fed: next turns extend them
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.turns = []
+        super().__init__(*args, **kwargs)
+
     def make_cache(self, config, **parts):
         from kvtier.cache.hybrid import HybridTieredCache
 
         s: HybridSetup = self.setup  # type: ignore[assignment]
         ps = s.page_size
-        kv = PoolConfig(
-            size=config.pool.size,
-            num_layers=1,
-            page_size=ps,
-            num_kv_heads=1,
-            head_dim=2,
-            dtype="float32",
-        )
+        pages = config.pool.size // ps
+
+        def kv(size: int) -> PoolConfig:
+            return PoolConfig(
+                size=size,
+                num_layers=1,
+                page_size=ps,
+                num_kv_heads=1,
+                head_dim=2,
+                dtype="float32",
+            )
+
+        # smaller side pools than FULL's: their own evictions (SWA tombstones, states
+        # dropped) happen while FULL KV stays
         specs = {
-            Component.FULL: ComponentSpec(Component.FULL, kv),
-            Component.SWA: ComponentSpec(Component.SWA, kv, window=s.window),
+            Component.FULL: ComponentSpec(Component.FULL, kv(config.pool.size)),
+            Component.SWA: ComponentSpec(
+                Component.SWA, kv(ps * (pages * 3 // 4)), window=s.window
+            ),
             Component.MAMBA: ComponentSpec(
                 Component.MAMBA,
-                StatePoolConfig(
-                    size=config.pool.size // ps, num_layers=1, state_shape=(STATE,)
-                ),
+                StatePoolConfig(size=pages // 2, num_layers=1, state_shape=(STATE,)),
             ),
         }
         cache = HybridTieredCache(config, specs, LAYERS, **parts)
         if s.plant is not None:
-            plant(cache.tree, s.plant)
+            plant(cache, s.plant)
         return cache
 
     # -- the request sequence, with every component -------------------------------------------
@@ -130,6 +147,9 @@ class HybridFaultSim(FaultSim):
         ps = self.setup.page_size
         base = self.rng.choice(self.bases)
         keep = self.rng.randrange(0, self.max_len // ps + 1) * ps
+        if self.turns and self.rng.random() < 0.5:  # a next turn: states are at ends
+            base = self.rng.choice(self.turns)
+            keep = len(base)
         extra = [
             self.rng.randrange(self.vocab)
             for _ in range(self.rng.randrange(1, 2 * ps + 2))
@@ -314,6 +334,7 @@ class HybridFaultSim(FaultSim):
 
     def _finish(self, req: HReq) -> None:
         del self.running[req.rid]
+        self.turns = [*self.turns[-7:], req.tokens]
         try:
             self.cache.cache_finished(
                 req.rid,
@@ -351,10 +372,11 @@ class HybridFaultSim(FaultSim):
             self._acquire(again)
 
 
-def plant(tree, what: str) -> None:
-    """Put the bug `what` (PLANTED) into `tree`, a `HybridRadixTree`."""
+def plant(cache, what: str) -> None:
+    """Put the bug `what` (PLANTED) into `cache`, a `HybridTieredCache`."""
     if what not in PLANTED:
         raise ValueError(f"plant={what!r}: allowed: {', '.join(PLANTED)}")
+    tree = cache.tree
     if what == "mamba-split":
         split = tree._split
 
@@ -371,7 +393,8 @@ def plant(tree, what: str) -> None:
 
         tree._split = bad_split
     else:
-        tree.swa_window = max(1, tree.swa_window - tree.page_size)
+        pieces = cache._window_pieces
+        cache._window_pieces = lambda node, length: pieces(node, length)[::-1]
 
 
 def run_hybrid(
