@@ -47,6 +47,7 @@ from kvtier.cache.components import SideSlots
 from kvtier.cache.facade import Acquired, TieredCache
 from kvtier.cache.requests import Held
 from kvtier.cache.side_ops import HybridLoads, HybridWrites
+from kvtier.config import load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import ComponentCopy
 from kvtier.tiers.components import Component, ComponentSpec
@@ -137,6 +138,13 @@ class HybridTieredCache(TieredCache):
                 "HybridTieredCache: one rank only (tensor parallelism is not supported)"
             )
 
+    @classmethod
+    def from_yaml(
+        cls, path: str, components, layers, tp_group=None, **overrides
+    ) -> HybridTieredCache:
+        """`TieredCache.from_yaml` with the model's components and layer plan."""
+        return cls(load_config(path, overrides), components, layers, tp_group)
+
     def _new_tree(self, *args) -> HybridRadixTree:
         return HybridRadixTree(
             *args, components=tuple(self._specs), swa_window=self._window
@@ -147,6 +155,11 @@ class HybridTieredCache(TieredCache):
             self._specs, self.config.mirror, self.tree, self.controller
         )
         self._side_held: dict[str, SideHeld] = {}
+        # what restores read of each side component, per tier it came from (SWA in tokens,
+        # MAMBA in states): stats()["components"]
+        self._side_hits = {
+            (c, t): 0 for c in self.side.sides for t in ("device", "host")
+        }
         super()._wire(device_allocator, clock)
 
     def _new_writes(self, *args) -> HybridWrites:
@@ -275,6 +288,10 @@ class HybridTieredCache(TieredCache):
         if own is None:
             self.unlock(full_dev)
             return None
+        for tier, slots in pieces:
+            self._side_hits[(Component.SWA, tier.name.lower())] += slots.size
+        if state is not None:
+            self._side_hits[(Component.MAMBA, state[0].name.lower())] += 1
         return self._hold(request_id, key, node, full_dev, length, device_hit, own, op)
 
     def _window_pieces(self, node, length: int) -> list[tuple[Tier, np.ndarray]]:
@@ -588,7 +605,31 @@ class HybridTieredCache(TieredCache):
             "run the request's prefill in one chunk"
         )
 
-    # -- checks -------------------------------------------------------------------------------
+    # -- checks and numbers -------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """`TieredCache.stats`, plus per side component (`components`): what restores read
+        from each tier (`hits_device`, `hits_host`: SWA tokens, states) and where its slots
+        are (`device_free`, `device_tree`, `host_free`, `host_tree`)."""
+        out = super().stats()
+        comps = {}
+        for c, side in self.side.sides.items():
+            tree = self.tree
+            entry = {
+                "hits_device": self._side_hits[(c, "device")],
+                "hits_host": self._side_hits[(c, "host")],
+                "device_free": side.allocator.available_size(),
+                "device_tree": tree.component_evictable_size(c, D)
+                + tree.component_protected_size(c, D),
+            }
+            if side.mirror is not None:
+                entry["host_free"] = self.controller.component_host_accounting(c).free
+                entry["host_tree"] = tree.component_evictable_size(
+                    c, H
+                ) + tree.component_protected_size(c, H)
+            comps[c.value] = entry
+        out["components"] = comps
+        return out
 
     def check_accounting(self) -> None:
         """`TieredCache.check_accounting`, and free + tree + requests + ops (+ deferred) ==

@@ -64,8 +64,13 @@ def test_a_request_resumes_bitwise_from_device_and_from_host(model):
     check(cache)
     assert cache.evict(1000) == 26  # every node is backed up: host keeps them all
     check(cache)
+    comps = cache.stats()["components"]
     r = serve(cache, model, c, "r3")
     assert (r.length, r.got.device_hit, r.got.host_hit) == (26, 0, 26)
+    after = cache.stats()["components"]
+    for name, entry in after.items():  # the window and the state came from host
+        assert entry["hits_host"] > comps[name]["hits_host"], name
+        assert entry["hits_device"] == comps[name]["hits_device"], name
     cache.drain()
     check(cache)
     cache.close()
