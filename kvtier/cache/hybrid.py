@@ -597,12 +597,83 @@ class HybridTieredCache(TieredCache):
             self.side.free_request(Component.MAMBA, np.array(rest, dtype=np.int64))
 
     def cache_unfinished(
-        self, request_id: str, tokens, kv_indices: torch.Tensor, extra_key=None
-    ) -> torch.Tensor:
-        """Chunked prefill is not supported for a hybrid model yet: ValueError."""
-        raise ValueError(
-            "cache_unfinished: chunked prefill is not supported for a hybrid model; "
-            "run the request's prefill in one chunk"
+        self,
+        request_id: str,
+        tokens,
+        kv_indices: torch.Tensor,
+        extra_key: str | None = None,
+        *,
+        swa_indices: torch.Tensor | None = None,
+        mamba_slot: int | None = None,
+    ) -> HybridAcquired:
+        """Chunked prefill: keep the page-aligned KV so far, as `cache_finished` takes it
+        (`swa_indices`: the request's SWA row for [swa_start, len(tokens)); `mamba_slot`:
+        the state after exactly the aligned length, required with MAMBA), and hold the
+        request on it. Returns the request's prefix anew, as from `acquire`: `indices` the
+        canonical FULL slots of [0, aligned) (repoint the row to them), `swa_indices` the
+        tree's SWA slots of the window ending there (repoint those positions; its row's
+        SWA slots past `aligned` stay its own and follow them in its next row), and its
+        working `state_slot`, unchanged."""
+        self._check_open("cache_unfinished")
+        held = self.requests.require(request_id, "cache_unfinished")
+        sh = self._side_held[request_id]
+        key = self.key(tokens, extra_key)
+        kv = self._row("cache_unfinished", kv_indices, len(key))
+        held.check_finish("cache_unfinished", request_id, key, kv, self.slots)
+        row = self._swa_row("cache_unfinished", request_id, sh, swa_indices, len(key))
+        self._check_state("cache_unfinished", request_id, sh, mamba_slot)
+        aligned = len(key) - len(key) % self.page_size
+        if mamba_slot is not None and int(mamba_slot) == sh.state_slots[0]:
+            raise ValueError(
+                f"cache_unfinished: mamba_slot={mamba_slot!r} is the request's working "
+                "state slot (its forward goes on from it): pass a snapshot (alloc_state)"
+            )
+        if Component.MAMBA in self.side and mamba_slot is None and aligned:
+            raise ValueError(
+                f"cache_unfinished: request_id={request_id!r}: mamba_slot is required (the "
+                f"state after exactly {aligned} tokens: the prefix it holds on ends there)"
+            )
+        sh.row = row
+        self._check_load(request_id, held, kv)
+        given = _EMPTY if row is None else row[: aligned - sh.swa_start]
+        r = self.tree.insert(
+            key[:aligned],
+            kv[:aligned],
+            swa_indices=None if row is None else given,
+            swa_start=sh.swa_start,
+            mamba_slot=mamba_slot,
+        )
+        self._give_back(kv, held.tree_len, r.prefix_len, aligned, aligned)
+        if row is not None:
+            self.side.take_back(Component.SWA, given.size - sh.swa_tree_len)
+        if mamba_slot is not None:
+            sh.state_slots.remove(int(mamba_slot))
+            self.side.take_back(Component.MAMBA, 1)
+        m = self.tree.match_prefix(key[:aligned], touch=False)
+        assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
+        node = m.last_device_node
+        self.lock(node)
+        self.unlock(held.node)
+        self.requests.hold(request_id, Held(node, aligned, None, key[:aligned]))
+        pieces = self._window_pieces(node, aligned)
+        handed = joined_slots([s for _, s in pieces]) if pieces else _EMPTY
+        handed = concat([handed]) if handed.size else _EMPTY
+        swa_start = max(0, aligned - self.tree.wp) if Component.SWA in self.side else 0
+        state = sh.state_slots[0] if sh.state_slots else None
+        self._side_held[request_id] = SideHeld(
+            swa_start, handed.size, handed, _EMPTY, sh.state_slots, True
+        )
+        self.writes.after_insert(r.added)
+        return HybridAcquired(
+            True,
+            tensor(concat([m.device_slots]) if aligned else _EMPTY),
+            aligned,
+            0,
+            0,
+            tensor(handed),
+            swa_start,
+            handed.size,
+            state,
         )
 
     # -- checks and numbers -------------------------------------------------------------------
