@@ -47,6 +47,7 @@ from kvtier.cache.components import SideSlots
 from kvtier.cache.facade import Acquired, TieredCache
 from kvtier.cache.requests import Held
 from kvtier.cache.side_ops import HybridLoads, HybridWrites
+from kvtier.config import load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import ComponentCopy
 from kvtier.tiers.components import Component, ComponentSpec
@@ -137,6 +138,13 @@ class HybridTieredCache(TieredCache):
                 "HybridTieredCache: one rank only (tensor parallelism is not supported)"
             )
 
+    @classmethod
+    def from_yaml(
+        cls, path: str, components, layers, tp_group=None, **overrides
+    ) -> HybridTieredCache:
+        """`TieredCache.from_yaml` with the model's components and layer plan."""
+        return cls(load_config(path, overrides), components, layers, tp_group)
+
     def _new_tree(self, *args) -> HybridRadixTree:
         return HybridRadixTree(
             *args, components=tuple(self._specs), swa_window=self._window
@@ -147,6 +155,11 @@ class HybridTieredCache(TieredCache):
             self._specs, self.config.mirror, self.tree, self.controller
         )
         self._side_held: dict[str, SideHeld] = {}
+        # what restores read of each side component, per tier it came from (SWA in tokens,
+        # MAMBA in states): stats()["components"]
+        self._side_hits = {
+            (c, t): 0 for c in self.side.sides for t in ("device", "host")
+        }
         super()._wire(device_allocator, clock)
 
     def _new_writes(self, *args) -> HybridWrites:
@@ -275,6 +288,10 @@ class HybridTieredCache(TieredCache):
         if own is None:
             self.unlock(full_dev)
             return None
+        for tier, slots in pieces:
+            self._side_hits[(Component.SWA, tier.name.lower())] += slots.size
+        if state is not None:
+            self._side_hits[(Component.MAMBA, state[0].name.lower())] += 1
         return self._hold(request_id, key, node, full_dev, length, device_hit, own, op)
 
     def _window_pieces(self, node, length: int) -> list[tuple[Tier, np.ndarray]]:
@@ -580,15 +597,110 @@ class HybridTieredCache(TieredCache):
             self.side.free_request(Component.MAMBA, np.array(rest, dtype=np.int64))
 
     def cache_unfinished(
-        self, request_id: str, tokens, kv_indices: torch.Tensor, extra_key=None
-    ) -> torch.Tensor:
-        """Chunked prefill is not supported for a hybrid model yet: ValueError."""
-        raise ValueError(
-            "cache_unfinished: chunked prefill is not supported for a hybrid model; "
-            "run the request's prefill in one chunk"
+        self,
+        request_id: str,
+        tokens,
+        kv_indices: torch.Tensor,
+        extra_key: str | None = None,
+        *,
+        swa_indices: torch.Tensor | None = None,
+        mamba_slot: int | None = None,
+    ) -> HybridAcquired:
+        """Chunked prefill: keep the page-aligned KV so far, as `cache_finished` takes it
+        (`swa_indices`: the request's SWA row for [swa_start, len(tokens)); `mamba_slot`:
+        the state after exactly the aligned length, required with MAMBA), and hold the
+        request on it. Returns the request's prefix anew, as from `acquire`: `indices` the
+        canonical FULL slots of [0, aligned) (repoint the row to them), `swa_indices` the
+        tree's SWA slots of the window ending there (repoint those positions; its row's
+        SWA slots past `aligned` stay its own and follow them in its next row), and its
+        working `state_slot`, unchanged."""
+        self._check_open("cache_unfinished")
+        held = self.requests.require(request_id, "cache_unfinished")
+        sh = self._side_held[request_id]
+        key = self.key(tokens, extra_key)
+        kv = self._row("cache_unfinished", kv_indices, len(key))
+        held.check_finish("cache_unfinished", request_id, key, kv, self.slots)
+        row = self._swa_row("cache_unfinished", request_id, sh, swa_indices, len(key))
+        self._check_state("cache_unfinished", request_id, sh, mamba_slot)
+        aligned = len(key) - len(key) % self.page_size
+        if mamba_slot is not None and int(mamba_slot) == sh.state_slots[0]:
+            raise ValueError(
+                f"cache_unfinished: mamba_slot={mamba_slot!r} is the request's working "
+                "state slot (its forward goes on from it): pass a snapshot (alloc_state)"
+            )
+        if Component.MAMBA in self.side and mamba_slot is None and aligned:
+            raise ValueError(
+                f"cache_unfinished: request_id={request_id!r}: mamba_slot is required (the "
+                f"state after exactly {aligned} tokens: the prefix it holds on ends there)"
+            )
+        sh.row = row
+        self._check_load(request_id, held, kv)
+        given = _EMPTY if row is None else row[: aligned - sh.swa_start]
+        r = self.tree.insert(
+            key[:aligned],
+            kv[:aligned],
+            swa_indices=None if row is None else given,
+            swa_start=sh.swa_start,
+            mamba_slot=mamba_slot,
+        )
+        self._give_back(kv, held.tree_len, r.prefix_len, aligned, aligned)
+        if row is not None:
+            self.side.take_back(Component.SWA, given.size - sh.swa_tree_len)
+        if mamba_slot is not None:
+            sh.state_slots.remove(int(mamba_slot))
+            self.side.take_back(Component.MAMBA, 1)
+        m = self.tree.match_prefix(key[:aligned], touch=False)
+        assert m.device_slots.size == aligned, "a just-inserted chunk is not on device"
+        node = m.last_device_node
+        self.lock(node)
+        self.unlock(held.node)
+        self.requests.hold(request_id, Held(node, aligned, None, key[:aligned]))
+        pieces = self._window_pieces(node, aligned)
+        handed = joined_slots([s for _, s in pieces]) if pieces else _EMPTY
+        handed = concat([handed]) if handed.size else _EMPTY
+        swa_start = max(0, aligned - self.tree.wp) if Component.SWA in self.side else 0
+        state = sh.state_slots[0] if sh.state_slots else None
+        self._side_held[request_id] = SideHeld(
+            swa_start, handed.size, handed, _EMPTY, sh.state_slots, True
+        )
+        self.writes.after_insert(r.added)
+        return HybridAcquired(
+            True,
+            tensor(concat([m.device_slots]) if aligned else _EMPTY),
+            aligned,
+            0,
+            0,
+            tensor(handed),
+            swa_start,
+            handed.size,
+            state,
         )
 
-    # -- checks -------------------------------------------------------------------------------
+    # -- checks and numbers -------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """`TieredCache.stats`, plus per side component (`components`): what restores read
+        from each tier (`hits_device`, `hits_host`: SWA tokens, states) and where its slots
+        are (`device_free`, `device_tree`, `host_free`, `host_tree`)."""
+        out = super().stats()
+        comps = {}
+        for c, side in self.side.sides.items():
+            tree = self.tree
+            entry = {
+                "hits_device": self._side_hits[(c, "device")],
+                "hits_host": self._side_hits[(c, "host")],
+                "device_free": side.allocator.available_size(),
+                "device_tree": tree.component_evictable_size(c, D)
+                + tree.component_protected_size(c, D),
+            }
+            if side.mirror is not None:
+                entry["host_free"] = self.controller.component_host_accounting(c).free
+                entry["host_tree"] = tree.component_evictable_size(
+                    c, H
+                ) + tree.component_protected_size(c, H)
+            comps[c.value] = entry
+        out["components"] = comps
+        return out
 
     def check_accounting(self) -> None:
         """`TieredCache.check_accounting`, and free + tree + requests + ops (+ deferred) ==

@@ -64,8 +64,13 @@ def test_a_request_resumes_bitwise_from_device_and_from_host(model):
     check(cache)
     assert cache.evict(1000) == 26  # every node is backed up: host keeps them all
     check(cache)
+    comps = cache.stats()["components"]
     r = serve(cache, model, c, "r3")
     assert (r.length, r.got.device_hit, r.got.host_hit) == (26, 0, 26)
+    after = cache.stats()["components"]
+    for name, entry in after.items():  # the window and the state came from host
+        assert entry["hits_host"] > comps[name]["hits_host"], name
+        assert entry["hits_device"] == comps[name]["hits_device"], name
     cache.drain()
     check(cache)
     cache.close()
@@ -310,3 +315,64 @@ def test_the_slots_a_copy_reads_are_not_reused_while_it_runs():
     cache.close()
     all_free(cache)
     np.testing.assert_array_equal(side.pins[Tier.DEVICE].most_common(1), [])
+
+
+def test_chunked_prefill_keeps_each_chunk_and_resumes_bitwise(model):
+    """cache_unfinished after each chunk (with the state snapshot at its aligned end):
+    the chunks are in the tree, the rest of the run is bitwise the uncached one, and a
+    later request hits the chunk ends."""
+    from kvtier.engine.hybrid import HybridChunk, HybridPools
+    from tests.cache.hybrid_rig import MAX_CONTEXT, _dummy_state, _dummy_swa
+
+    cache = make_hybrid(model)
+    has_swa, has_state = Component.SWA in cache.side, Component.MAMBA in cache.side
+    tokens = seq(23, 30)
+    dense = model.forward_dense(tokens)
+    got = cache.acquire(tokens.tolist(), "r1")
+    full_rows = torch.zeros(1, MAX_CONTEXT, dtype=torch.int64)
+    swa_rows = torch.zeros(1, MAX_CONTEXT, dtype=torch.int64)
+    pools = HybridPools(
+        cache.pool,
+        cache.component_pool(Component.SWA) if has_swa else _dummy_swa(model),
+        cache.component_pool(Component.MAMBA) if has_state else _dummy_state(model),
+        full_rows,
+        swa_rows,
+    )
+    work = got.state_slot if has_state else 1
+    out, start, swa_start = [], 0, 0
+    for end in (8, 14, 23):  # chunks start on page boundaries (pages of 2)
+        n = end - start
+        full = cache.alloc(n)
+        swa = cache.alloc_swa(n) if has_swa else torch.zeros(n, dtype=torch.int64)
+        full_rows[0, start:end] = full[:n]
+        swa_rows[0, start:end] = swa[:n]
+        snap = cache.alloc_state("r1") if has_state else None
+        aligned = end - end % cache.page_size
+        snaps = () if snap is None or aligned <= start else ((aligned, snap),)
+        ch = HybridChunk(0, start, tokens[start:end], full[:n], swa[:n], work, snaps)
+        out += model.forward_cached([ch], pools, cache.begin_forward(["r1"]).wait_layer)
+        kv = full_rows[0, :end]
+        row = swa_rows[0, swa_start:end] if has_swa else None
+        if end == 23:
+            cache.cache_finished(
+                "r1", tokens.tolist(), kv, swa_indices=row, mamba_slot=snap
+            )
+            break
+        got = cache.cache_unfinished(
+            "r1", tokens[:end].tolist(), kv, swa_indices=row, mamba_slot=snap
+        )
+        full_rows[0, : len(got.indices)] = got.indices
+        if has_swa:
+            swa_rows[0, got.swa_start : len(got.indices)] = got.swa_indices
+        swa_start, start = got.swa_start, end
+        assert got.state_slot == (work if has_state else None)
+        check(cache)
+    assert torch.equal(torch.cat(out), dense)
+    cache.drain()
+    check(cache)
+    r = serve(cache, model, torch.cat([tokens[:15], seq(4, 31)]), "r2")
+    assert r.length == 14  # the second chunk's aligned end, from the tree
+    cache.drain()
+    check(cache)
+    cache.close()
+    all_free(cache)
