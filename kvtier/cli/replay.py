@@ -165,7 +165,9 @@ def run(args, default_config: str) -> int:
         cache.close()
     summary = _summary(results, seconds, stats, config.pool.page_size, checked, worst)
     if hybrid:
-        summary["hybrid"] = _hybrid_summary(results, config.pool.page_size, summary)
+        summary["hybrid"] = _hybrid_summary(
+            results, config.pool.page_size, summary, stats
+        )
     summary["verify_failures"] = wrong
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -323,7 +325,7 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
     }
 
 
-def _hybrid_summary(results, page_size: int, summary: dict) -> dict:
+def _hybrid_summary(results, page_size: int, summary: dict, stats: dict) -> dict:
     """What each side component restored, and the hit rate of a cache that never evicts
     when only lengths with a state (and their window) are restorable."""
     from kvtier.engine.bounds import finish_state_points, restorable_hit_rate
@@ -337,6 +339,11 @@ def _hybrid_summary(results, page_size: int, summary: dict) -> dict:
         "full_tokens": dict(h),
         "swa_window_tokens": {"device": on_device, "loaded": swa - on_device},
         "mamba_states": sum(r.state_hit for r in results),
+        # what restores read from each tier, per side component (the cache's count)
+        "side_hits": {
+            c: {"device": v["hits_device"], "host": v["hits_host"]}
+            for c, v in stats.get("components", {}).items()
+        },
         "requests_with_hit": sum(r.cached > 0 for r in results),
         "restorable_bound": bound,
         "hit_rate_over_bound": summary["hit_rate"] / bound if bound else None,
@@ -347,12 +354,18 @@ def _hybrid_lines(s: dict) -> list[str]:
     hy = s["hybrid"]
     f, w = hy["full_tokens"], hy["swa_window_tokens"]
     ratio = hy["hit_rate_over_bound"]
+    side = hy["side_hits"]
+
+    def tiers(c: str) -> str:
+        t = side.get(c, {"device": 0, "host": 0})
+        return f"read from device {t['device']}, host {t['host']}"
+
     return [
         f"components   full        device {f['device']}, host {f['host']}, store {f['storage']} tokens",
         f"             swa         {w['device'] + w['loaded']} window tokens restored "
-        f"({w['device']} held on device, {w['loaded']} loaded or copied)",
+        f"({w['device']} held on device, {w['loaded']} loaded or copied; {tiers('swa')})",
         f"             mamba       {hy['mamba_states']} states restored "
-        f"({hy['requests_with_hit']} requests hit)",
+        f"({hy['requests_with_hit']} requests hit; {tiers('mamba')})",
         f"hybrid bound             {hy['restorable_bound']:.1%}   (restorable lengths only: "
         f"a state and its window); hit rate {'n/a' if ratio is None else f'{ratio:.2f}x'} of it",
     ]

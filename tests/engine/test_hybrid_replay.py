@@ -81,6 +81,9 @@ def test_replay_hybrid_verifies_what_it_loads_back_from_host(tmp_path, capsys):
     assert s["verify_failures"] == [] and s["verified_requests"] == 5
     assert s["hit_tokens"]["host"] >= 32
     assert s["hybrid"]["swa_window_tokens"]["loaded"] >= 8
+    # the cache's own count: the window and the state came back from host
+    assert s["hybrid"]["side_hits"]["swa"]["host"] >= 8
+    assert s["hybrid"]["side_hits"]["mamba"]["host"] >= 1
 
 
 def test_the_table_shows_each_component_and_the_hybrid_bound(tmp_path, capsys):
