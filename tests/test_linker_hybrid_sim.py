@@ -42,4 +42,4 @@ def test_a_full_only_plant_is_refused_with_hybrid(capsys):
             ["--linker", "--hybrid", "--plant", "unverified-store-read", "--steps", "1"]
         )
     assert exc.value.code == 2
-    assert "with --hybrid the planted bugs are" in capsys.readouterr().err
+    assert "with --linker --hybrid the planted bugs are" in capsys.readouterr().err

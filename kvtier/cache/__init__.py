@@ -9,10 +9,13 @@ one owner of its state (kvtier/README.md):
     prefetch.py     store prefetches: start, grant, insert what landed, name ready requests
     completions.py  the one agreement per poll, as a named record, and applying it
     hints.py        agent hints: leases (pin, release), prefetch, demote, retain
+    components.py   a hybrid model's side components: their pools, mirrors, slot owners
+    hybrid.py       HybridTieredCache: the facade over a hybrid model's components
 
 Each part calls only the ones listed below it; the facade calls them all.
 """
 
 from kvtier.cache.facade import Acquired, TieredCache
+from kvtier.cache.hybrid import HybridAcquired, HybridTieredCache
 
-__all__ = ["Acquired", "TieredCache"]
+__all__ = ["Acquired", "HybridAcquired", "HybridTieredCache", "TieredCache"]

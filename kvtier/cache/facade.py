@@ -142,7 +142,7 @@ class TieredCache:
             if keys is None
             else keys.current.page_hash(config.tree.hash_algo)
         )
-        self.tree = RadixTree(
+        self.tree = self._new_tree(
             config.pool.page_size,
             config.tree.eviction_policy,
             config.tree.slru_threshold,
@@ -228,10 +228,10 @@ class TieredCache:
             has_mirror,
             back_up=self._back_up,
         )
-        self.writes = Writes(
+        self.writes = self._new_writes(
             self.slots, cfg, self.stats_obj, key_of, complain, self.events
         )
-        self.loads = Loads(
+        self.loads = self._new_loads(
             self.slots,
             cfg,
             self.stats_obj,
@@ -259,6 +259,20 @@ class TieredCache:
             self._default_bounds(),
             self.config.tree.eviction_policy.value == "priority",
         )
+
+    def _new_tree(self, *args) -> RadixTree:
+        """The tree of a full-attention model (a hybrid cache builds its own)."""
+        return RadixTree(*args)
+
+    def _new_writes(self, *args) -> Writes:
+        return Writes(*args)
+
+    def _new_loads(self, *args) -> Loads:
+        return Loads(*args)
+
+    def _forward_layers(self) -> int:
+        """The layers a forward's waiter counts (the pool's; a hybrid model's own)."""
+        return self.pool.num_layers
 
     def _default_bounds(self) -> LeaseBounds:
         """Per tenant and for all tenants together: half the pool, half the mirror, and the
@@ -644,7 +658,7 @@ class TieredCache:
             loads,
             self.config.store.timeout_s + 30.0,
             self.agreement,
-            self.pool.num_layers,
+            self._forward_layers(),
         )
 
     def poll(self) -> list[str]:

@@ -126,6 +126,7 @@ def run(args, default_config: str) -> int:
     from kvtier.cache import TieredCache
     from kvtier.config import load_config
     from kvtier.engine.engine import Engine, timed_run
+    from kvtier.engine.hybrid_engine import HybridEngine, hybrid_cache
     from kvtier.engine.workloads import generate, load_trace
 
     config = load_config(args.config, base=default_config)
@@ -136,12 +137,22 @@ def run(args, default_config: str) -> int:
         if args.trace
         else generate(args.workload, args.requests, model.config.vocab, args.seed)
     )
+    hybrid = model.kind == "hybrid"
     if getattr(args, "hints", False):
+        if hybrid:
+            raise KvtierConfigError(
+                "--hints with the hybrid model: the hinted replay runs the full-attention "
+                "engine only (use --model tiny)"
+            )
         return _run_hints(args, model, config, turns)
-    cache = TieredCache(config)
+    cache = hybrid_cache(config, model) if hybrid else TieredCache(config)
     try:
         cache.set_prefill_rate(getattr(args, "prefill_tokens_per_s", None))
-        engine = Engine(cache, model, max_batch=args.batch)
+        engine = (
+            HybridEngine(cache, model, max_batch=args.batch)
+            if hybrid
+            else Engine(cache, model, max_batch=args.batch)
+        )
         progress = None if args.json or not sys.stderr.isatty() else _progress
         results, seconds = timed_run(
             engine, turns, keep_logits=args.verify is not None, progress=progress
@@ -153,6 +164,10 @@ def run(args, default_config: str) -> int:
     finally:
         cache.close()
     summary = _summary(results, seconds, stats, config.pool.page_size, checked, worst)
+    if hybrid:
+        summary["hybrid"] = _hybrid_summary(
+            results, config.pool.page_size, summary, stats
+        )
     summary["verify_failures"] = wrong
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -310,6 +325,52 @@ def _summary(results, seconds, stats, page_size, checked, worst) -> dict:
     }
 
 
+def _hybrid_summary(results, page_size: int, summary: dict, stats: dict) -> dict:
+    """What each side component restored, and the hit rate of a cache that never evicts
+    when only lengths with a state (and their window) are restorable."""
+    from kvtier.engine.bounds import finish_state_points, restorable_hit_rate
+
+    pairs = [(r.prompt, r.prompt + r.output[:-1]) for r in results if r.error is None]
+    bound = restorable_hit_rate(pairs, page_size, finish_state_points)
+    swa = sum(r.swa_hit for r in results)
+    on_device = sum(r.swa_device for r in results)
+    h = summary["hit_tokens"]
+    return {
+        "full_tokens": dict(h),
+        "swa_window_tokens": {"device": on_device, "loaded": swa - on_device},
+        "mamba_states": sum(r.state_hit for r in results),
+        # what restores read from each tier, per side component (the cache's count)
+        "side_hits": {
+            c: {"device": v["hits_device"], "host": v["hits_host"]}
+            for c, v in stats.get("components", {}).items()
+        },
+        "requests_with_hit": sum(r.cached > 0 for r in results),
+        "restorable_bound": bound,
+        "hit_rate_over_bound": summary["hit_rate"] / bound if bound else None,
+    }
+
+
+def _hybrid_lines(s: dict) -> list[str]:
+    hy = s["hybrid"]
+    f, w = hy["full_tokens"], hy["swa_window_tokens"]
+    ratio = hy["hit_rate_over_bound"]
+    side = hy["side_hits"]
+
+    def tiers(c: str) -> str:
+        t = side.get(c, {"device": 0, "host": 0})
+        return f"read from device {t['device']}, host {t['host']}"
+
+    return [
+        f"components   full        device {f['device']}, host {f['host']}, store {f['storage']} tokens",
+        f"             swa         {w['device'] + w['loaded']} window tokens restored "
+        f"({w['device']} held on device, {w['loaded']} loaded or copied; {tiers('swa')})",
+        f"             mamba       {hy['mamba_states']} states restored "
+        f"({hy['requests_with_hit']} requests hit; {tiers('mamba')})",
+        f"hybrid bound             {hy['restorable_bound']:.1%}   (restorable lengths only: "
+        f"a state and its window); hit rate {'n/a' if ratio is None else f'{ratio:.2f}x'} of it",
+    ]
+
+
 def _table(s: dict) -> str:
     h = s["hit_tokens"]
     p = max(s["prompt_tokens"], 1)
@@ -321,6 +382,7 @@ def _table(s: dict) -> str:
         f"             host        {h['host']:>8}  ({h['host'] / p:.1%})",
         f"             store       {h['storage']:>8}  ({h['storage'] / p:.1%})",
         f"hit rate                 {s['hit_rate']:.1%}   (an infinite cache that starts empty: {s['infinite_cache_hit_rate']:.1%})",
+        *(_hybrid_lines(s) if "hybrid" in s else ()),
         f"prefill computed         {s['prefill_tokens_computed']} tokens (without cache: {s['prefill_tokens_without_cache']})",
         f"bytes moved  dev->host   {_mib(b['device_to_host'])}   host->dev {_mib(b['host_to_device'])}",
         f"             host->store {_mib(b['host_to_store'])}   store->host {_mib(b['store_to_host'])}",

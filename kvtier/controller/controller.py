@@ -38,6 +38,17 @@ from kvtier.tiers.pool import DeviceKVPool
 Tag = TypeVar("Tag")  # what the caller ties an op to (the cache: a tree node)
 
 
+@dataclass(slots=True, frozen=True)
+class ComponentCopy:
+    """A side component's part of a write or a load (a hybrid model's SWA KV or state
+    slots), copied in the same op as its FULL KV: device slots of the component's pool and
+    host slots of its mirror (`CacheController.add_component`)."""
+
+    component: object  # tiers.components.Component
+    device_slots: np.ndarray
+    host_slots: np.ndarray
+
+
 class OpKind(IntEnum):
     WRITE = 0
     LOAD = 1
@@ -73,6 +84,7 @@ class WriteOp(Generic[Tag]):
     failed_elsewhere: bool = (
         False  # landed here, failed on another rank: failed on every rank
     )
+    extras: tuple[ComponentCopy, ...] = ()  # side components, reserved like host_slots
 
 
 @dataclass(eq=False)
@@ -88,6 +100,9 @@ class LoadOp(Generic[Tag]):
     handle: Handle
     started: float = field(default_factory=time.perf_counter)
     orphaned: bool = False
+    extras: tuple[
+        ComponentCopy, ...
+    ] = ()  # side components: device slots the request's too
 
     @property
     def ok(self) -> bool:
@@ -150,6 +165,34 @@ class CacheController:
         self._copies_done = (
             0  # write and load handles finished (bumped by their runners)
         )
+        self.components: dict = {}  # side component -> (pool, mirror): add_component
+
+    def add_component(self, component, pool: DeviceKVPool, mirror: HostMirror | None):
+        """A hybrid model's side component (SWA KV, states): its pool and mirror, whose
+        slots ride in writes and loads as `ComponentCopy` extras. Its mirror's allocator is
+        behind `host_lock` like the FULL one's."""
+        self.components[component] = (pool, mirror)
+
+    def alloc_component_host(self, component, n: int) -> np.ndarray | None:
+        with self.host_lock:
+            return self.components[component][1].allocator.alloc_slots(n)
+
+    def free_component_host(self, component, slots: np.ndarray) -> None:
+        if slots.size:
+            with self.host_lock:
+                self.components[component][1].allocator.free_slots(slots)
+
+    def component_host_accounting(self, component) -> HostAccounting:
+        """A side component's host slots outside the tree (as `host_accounting`)."""
+        with self.host_lock:
+            free = self.components[component][1].allocator.available_size()
+            n = sum(
+                x.host_slots.size
+                for op in (*self._queued_writes, *self._queues[OpKind.WRITE])
+                for x in op.extras
+                if x.component == component
+            )
+            return HostAccounting(free, n, 0)
 
     @property
     def store(self) -> Store | None:
@@ -233,12 +276,16 @@ class CacheController:
 
     # -- device -> host -----------------------------------------------------------------------
 
-    def write(self, device_slots: np.ndarray, tag: Tag) -> np.ndarray | None:
-        """Reserve host slots and queue a device->host copy; None if the mirror is full."""
+    def write(
+        self, device_slots: np.ndarray, tag: Tag, extras: tuple[ComponentCopy, ...] = ()
+    ) -> np.ndarray | None:
+        """Reserve host slots and queue a device->host copy; None if the mirror is full.
+        `extras`: side components' copies (their host slots reserved by the caller) that
+        land, or fail, with it; the op owns their host slots until it is applied."""
         host = self.alloc_host(device_slots.size)
         if host is None:
             return None
-        self._queued_writes.append(WriteOp(device_slots, host, tag))
+        self._queued_writes.append(WriteOp(device_slots, host, tag, extras=extras))
         return host
 
     def flush_writes(self) -> None:
@@ -249,9 +296,14 @@ class CacheController:
         dev = _joined([op.device_slots for op in ops])
         host = _joined([op.host_slots for op in ops])
         mirror, pool = self.mirror, self.pool
-        handle = self.write_stream.submit(
-            lambda h: mirror.backup(pool, dev, host), Handle(on_done=self._copy_done)
-        )
+        sides = self._side_copies([x for op in ops for x in op.extras])
+
+        def job(h: Handle) -> None:
+            mirror.backup(pool, dev, host)
+            for (side_pool, side_mirror), d, hs in sides:
+                side_mirror.backup(side_pool, d, hs)
+
+        handle = self.write_stream.submit(job, Handle(on_done=self._copy_done))
         writes = self._queues[OpKind.WRITE]
         for op in ops:
             op.handle = handle
@@ -265,24 +317,59 @@ class CacheController:
 
     # -- host -> device -----------------------------------------------------------------------
 
+    def _side_copies(self, extras) -> list:
+        """Per side component in `extras`: ((pool, mirror), device slots, host slots),
+        joined."""
+        out = []
+        for component, (pool, mirror) in self.components.items():
+            mine = [x for x in extras if x.component == component and x.host_slots.size]
+            if mine:
+                out.append(
+                    (
+                        (pool, mirror),
+                        _joined([x.device_slots for x in mine]),
+                        _joined([x.host_slots for x in mine]),
+                    )
+                )
+        return out
+
     def load(
-        self, host_slots: np.ndarray, device_slots: np.ndarray, tag: Tag
+        self,
+        host_slots: np.ndarray,
+        device_slots: np.ndarray,
+        tag: Tag,
+        extras: tuple[ComponentCopy, ...] = (),
+        layers: list | None = None,
     ) -> LoadOp:
-        """Copy host slots into (already allocated) device slots, one layer at a time."""
+        """Copy host slots into (already allocated) device slots, one layer at a time.
+        A hybrid model's load (`layers`: per model layer, its component and its layer in
+        that component's pool) copies, per model layer in order, that layer's FULL KV or
+        side component (`extras`) and then signals the layer landed."""
         mirror, pool = self.mirror, self.pool
         check_slots("host_slots", host_slots)
         check_slots("device_slots", device_slots, host_slots.size)
+        if layers is None:
+            layers = [(None, layer) for layer in range(pool.num_layers)]
+        by_pool = {id(p): (p, m, d, hs) for (p, m), d, hs in self._side_copies(extras)}
 
         def job(h: Handle) -> None:
-            plan = mirror.plan(
-                device_slots, host_slots
-            )  # by whoever runs the job (streams.py)
-            for layer in range(pool.num_layers):
-                mirror.load_layer(pool, host_slots, device_slots, layer, plan)
-                h.layer_done(layer)
+            # plans by whoever runs the job (streams.py)
+            plans = {k: m.plan(d, hs) for k, (p, m, d, hs) in by_pool.items()}
+            plan = mirror.plan(device_slots, host_slots) if host_slots.size else None
+            for i, (component, layer) in enumerate(layers):
+                if component is None or component not in self.components:
+                    if host_slots.size:
+                        mirror.load_layer(pool, host_slots, device_slots, layer, plan)
+                else:
+                    side_pool = self.components[component][0]
+                    got = by_pool.get(id(side_pool))
+                    if got is not None:
+                        p, m, d, hs = got
+                        m.load_layer(p, hs, d, layer, plans[id(side_pool)])
+                h.layer_done(i)
 
-        handle = self.load_stream.submit(job, Handle(pool.num_layers, self._copy_done))
-        op = LoadOp(host_slots, device_slots, tag, handle)
+        handle = self.load_stream.submit(job, Handle(len(layers), self._copy_done))
+        op = LoadOp(host_slots, device_slots, tag, handle, extras=tuple(extras))
         self._queues[OpKind.LOAD].append(op)
         return op
 

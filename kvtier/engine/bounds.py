@@ -6,7 +6,10 @@ tokens (a state cannot be rewound or advanced without recomputing), with the SWA
 that ends at L whole; a cache that never evicts keeps the window before every state it
 keeps, so the states decide. Which lengths have a state is the engine's choice, passed as
 `state_points`; `chunk_state_points` is an engine that takes one at every page-aligned
-prefill chunk end and at the page-aligned end of what a finished request fed.
+prefill chunk end and at the page-aligned end of what a finished request fed,
+`finish_state_points` one that takes a state only where a request finishes (kvtier's
+hybrid reference engine, `engine/hybrid_engine.py`: its cache keeps a hybrid prefix at
+`cache_finished` only).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def chunk_state_points(chunk_size: int) -> Callable[[int, int], list[int]]:
         return [*range(chunk_size, prompt_len, chunk_size), fed_len]
 
     return points
+
+
+def finish_state_points(prompt_len: int, fed_len: int) -> list[int]:
+    """A state only at the end of what a finished request fed (floored to a page)."""
+    return [fed_len]
 
 
 def restorable_hit_rate(

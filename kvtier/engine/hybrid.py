@@ -155,6 +155,13 @@ class HybridPools:
     swa_rows: torch.Tensor
 
 
+_COMPONENT_OF = {
+    LayerKind.FULL: Component.FULL,
+    LayerKind.SWA: Component.SWA,
+    LayerKind.RECURRENT: Component.MAMBA,
+}
+
+
 class HybridModel:
     kind = "hybrid"
 
@@ -276,6 +283,11 @@ class HybridModel:
             )
             specs[Component.MAMBA] = ComponentSpec(Component.MAMBA, state)
         return specs
+
+    def layer_components(self) -> tuple[Component, ...]:
+        """The component each layer's cached piece belongs to, bottom up (the cache's
+        `layers`: a load lands layer i's piece before `wait_layer(i)` returns)."""
+        return tuple(_COMPONENT_OF[kind] for kind in self.config.layers)
 
     def check_pools(self, pools: HybridPools) -> None:
         """Each pool must have this model's geometry (float32): a clear error otherwise."""

@@ -44,6 +44,8 @@ class Chunk:
 
 
 class TinyTransformer:
+    kind = "tiny"
+
     def __init__(self, config: ModelConfig = ModelConfig()) -> None:
         self.config = c = config
         g = torch.Generator().manual_seed(c.seed)

@@ -201,7 +201,7 @@ class FaultSim:
                 "encrypt": setup.sealing == "aes-gcm",
             }
         cfg = load_config(None, overrides, env={})
-        self.cache = TieredCache(
+        self.cache = self.make_cache(
             cfg,
             store=self.store,
             stream_factory=self.streams.factory,
@@ -232,6 +232,10 @@ class FaultSim:
         ] = []  # store-page copies into host pages no prefetch owned (parts.py)
         if setup.store_pages > 1:
             watch_copies(self.cache, self.stray)
+
+    def make_cache(self, config, **parts) -> TieredCache:
+        """The cache under test, on the simulator's streams, store and clock."""
+        return TieredCache(config, **parts)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -276,13 +280,17 @@ class FaultSim:
         elif r < 0.96:
             self.flush()
         elif r < 0.98:
-            what = misuse(self)
+            what = self.misuse()
             if what:
                 self.note(f"misuse refused: {what}")
         else:
             self.poll()
         self.settle()
         self.check()
+
+    def misuse(self) -> str | None:
+        """One call a buggy engine makes, refused with nothing changed (misuse.py)."""
+        return misuse(self)
 
     def arrive(self) -> None:
         if len(self.waiting) + len(self.running) >= 3:

@@ -11,8 +11,7 @@ import sys
 
 import torch
 
-from kvtier.testing import fault_sim, linker_sim, tp_sim
-from kvtier.testing import linker_hybrid_sim
+from kvtier.testing import fault_sim, hybrid_sim, linker_hybrid_sim, linker_sim, tp_sim
 from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
 
 
@@ -49,12 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--hybrid",
         action="store_true",
-        help="--linker for a hybrid model: (FULL, SWA) and (FULL, MAMBA) (linker_hybrid_sim.py)",
+        help="a hybrid model: kvtier's own cache with FULL, SWA and Mamba components "
+        "(hybrid_sim.py); with --linker, the linker's (FULL, SWA) and (FULL, MAMBA) pools "
+        "(linker_hybrid_sim.py)",
     )
     p.add_argument(
         "--plant",
-        choices=sorted({*linker_sim.PLANTED, *linker_hybrid_sim.HYBRID_PLANTED}),
-        help="--linker (--hybrid: the hybrid ones) with a known bug, to be found",
+        choices=sorted(
+            {
+                *linker_sim.PLANTED,
+                *linker_hybrid_sim.HYBRID_PLANTED,
+                *hybrid_sim.PLANTED,
+            }
+        ),
+        help="a known bug, to be found (--linker: "
+        f"{', '.join(sorted(linker_sim.PLANTED))}; --linker --hybrid: "
+        f"{', '.join(sorted(linker_hybrid_sim.HYBRID_PLANTED))}; --hybrid: "
+        f"{', '.join(hybrid_sim.PLANTED)})",
     )
     p.add_argument(
         "--actions",
@@ -62,18 +72,37 @@ def main(argv: list[str] | None = None) -> int:
         help="write every episode's actions to FILE, one a line (to compare two versions)",
     )
     args = p.parse_args(argv)
-    planted = linker_hybrid_sim.HYBRID_PLANTED if args.hybrid else linker_sim.PLANTED
-    if args.plant and args.plant not in planted:
+    if args.plant in linker_hybrid_sim.HYBRID_PLANTED:
+        args.linker = True  # a plant of the linker's hybrid pools
+    linker_mode = args.linker or (args.plant in linker_sim.PLANTED)
+    planted = (
+        (linker_hybrid_sim.HYBRID_PLANTED if args.hybrid else linker_sim.PLANTED)
+        if linker_mode
+        else hybrid_sim.PLANTED
+    )
+    if args.plant in hybrid_sim.PLANTED and not (linker_mode or args.hybrid):
         p.error(
-            f"--plant {args.plant}: {'with' if args.hybrid else 'without'} --hybrid the "
-            f"planted bugs are {', '.join(sorted(planted))}"
+            f"--plant {args.plant}: a bug of kvtier's hybrid cache; it goes with --hybrid"
         )
-    if (args.linker or args.plant) and args.ranks != 1:
+    if args.plant and args.plant not in planted:
+        mode = (
+            ("--linker --hybrid" if args.hybrid else "--linker")
+            if linker_mode
+            else "--hybrid"
+        )
+        p.error(
+            f"--plant {args.plant}: with {mode} the planted bugs are "
+            f"{', '.join(sorted(planted))}"
+        )
+    if linker_mode and args.ranks != 1:
         p.error(
             f"--ranks {args.ranks} with --linker: the linker simulator runs one rank "
             "(its ranks' agreement is tested on SGLang's classes, "
             "tests/integrations/test_sglang_linker.py)"
         )
+    if args.hybrid and args.ranks != 1:
+        p.error("--hybrid runs kvtier's own cache on one rank: not with --ranks")
+    args.linker = linker_mode
     logging.basicConfig(
         level=logging.CRITICAL
     )  # the simulator causes failures on purpose
@@ -85,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, actions) -> int:
-    if args.linker or args.plant or args.hybrid:
+    if args.linker:
+        return _linker(args, actions)
+    if args.hybrid:
+        return _hybrid(args, actions)
         return _linker(args, actions)
     allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
     if args.episode_seed is None:
@@ -136,6 +168,32 @@ def _one_rank(ep_seed: int, setup: Setup, steps: int, actions) -> tuple | None:
     finally:
         write_actions(actions, f"episode {ep_seed}", sim.log)
     return None
+
+
+def _hybrid(args, actions) -> int:
+    if args.episode_seed is None:
+        bad = hybrid_sim.run_hybrid(
+            args.steps, args.seed, args.episode, plant=args.plant, actions=actions
+        )
+        return 1 if bad else 0
+    setup = hybrid_sim.HybridSetup.draw_hybrid(
+        random.Random(args.episode_seed), args.plant
+    )
+    sim, step, failure = hybrid_sim.HybridFaultSim(args.episode_seed, setup), 0, None
+    try:
+        for step in range(args.steps):  # noqa: B007 (reported on a failure)
+            sim.step()
+        sim.close()
+    except Exception as exc:
+        failure = exc
+        flags = " --hybrid" + (f" --plant {args.plant}" if args.plant else "")
+        report(sys.stdout, exc, args.episode_seed, setup, step, sim.log, flags=flags)
+    finally:
+        write_actions(actions, f"episode {args.episode_seed}", sim.log)
+    print(
+        f"fault sim (hybrid): {args.steps} steps, {int(failure is not None)} violations"
+    )
+    return int(failure is not None)
 
 
 def _linker(args, actions) -> int:

@@ -29,9 +29,28 @@ from kvtier.tiers.pool import PoolConfig, StatePoolConfig
 
 
 class Component(str, Enum):
+    """The kinds of per-node data a hybrid model's cache keeps, one enum for every layer:
+    the tree keys its per-node data by it, the tiers their pools, mirrors and namespaces."""
+
     FULL = "full"
     SWA = "swa"
     MAMBA = "mamba"
+
+    @classmethod
+    def parse(cls, value: object) -> Component:
+        """`value` as a component: a Component, or its name in any case ("swa", "SWA");
+        else ValueError naming the value and the allowed ones."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        allowed = ", ".join(c.value for c in cls)
+        raise ValueError(
+            f"components: {value!r} is not a component; allowed: {allowed}"
+        )
 
 
 @dataclass(slots=True, frozen=True)

@@ -4,34 +4,16 @@ A tree is built with its component set: FULL alone (a full-attention model: `Rad
 or FULL with SWA and/or MAMBA (`HybridRadixTree`). FULL is the token-indexed KV of the
 full-attention layers and decides which nodes exist; SWA is the token-indexed KV of the
 sliding-window layers (its own slot space); MAMBA is one fixed-size recurrent state slot,
-valid only at the end of the node that holds it.
+valid only at the end of the node that holds it. `Component` is the tiers' enum
+(`tiers/components.py`): one name for a component from the tree down to the store.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from enum import IntEnum
 
-
-class Component(IntEnum):
-    FULL = 0
-    SWA = 1
-    MAMBA = 2
-
-    @classmethod
-    def parse(cls, value: object) -> Component:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
-        allowed = ", ".join(c.name.lower() for c in cls)
-        raise ValueError(
-            f"components: {value!r} is not a component; allowed: {allowed}"
-        )
+from kvtier.tiers.components import Component
 
 
 def parse_components(
@@ -43,7 +25,9 @@ def parse_components(
         raise ValueError(
             f"components={components!r}: expected a collection of components, e.g. (FULL, SWA)"
         )
-    parsed = tuple(sorted({Component.parse(c) for c in components}))
+    parsed = tuple(
+        c for c in Component if c in {Component.parse(x) for x in components}
+    )
     if Component.FULL not in parsed:
         raise ValueError(
             f"components={components!r}: must include FULL (full-attention KV decides what the tree holds)"

@@ -90,6 +90,7 @@ class HybridRadixTree(RadixTree):
             [EvictableLeaves(mamba_key, True), EvictableLeaves(mamba_key, True)],
         ]
         self._freed: list[list[list[np.ndarray]]] = [[[], []], [[], []]]
+        self._sink = getattr(self, "_sink", None)
         self._dropped: list[
             HybridNode
         ] = []  # FULL went from a tier: settle around them
@@ -171,6 +172,17 @@ class HybridRadixTree(RadixTree):
         self._end(node)
         return size
 
+    def set_frees_sink(self, sink) -> None:
+        """`sink(frees)` is handed every `ComponentFrees` a call lets go, as the call returns
+        them (a cache frees them there, whoever made the call: a write's unlock, an
+        eviction); None: only returned. The tree still frees nothing itself."""
+        self._sink = sink
+
+    def take_frees(self) -> ComponentFrees:
+        """Slots let go since the last call that returned frees (none, after every public
+        call that can let slots go): what is left over, to the sink too."""
+        return self._take_frees()
+
     def _take_frees(self) -> ComponentFrees:
         f = self._freed
         out = ComponentFrees(
@@ -180,6 +192,8 @@ class HybridRadixTree(RadixTree):
             joined_slots(f[MAMBA][H]),
         )
         self._freed = [[[], []], [[], []]]
+        if self._sink is not None and len(out):
+            self._sink(out)
         return out
 
     # -- structure -----------------------------------------------------------------------------

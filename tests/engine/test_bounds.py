@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.engine.bounds import chunk_state_points, restorable_hit_rate
+from kvtier.engine.bounds import (
+    chunk_state_points,
+    finish_state_points,
+    restorable_hit_rate,
+)
 from kvtier.engine.engine import Result, infinite_hit_rate
 
 
@@ -52,3 +56,20 @@ def test_the_bound_never_exceeds_the_full_attention_bound():
         pairs.append((prompt, prompt + out[:-1]))
     hybrid = restorable_hit_rate(pairs, 4, chunk_state_points(16))
     assert 0 < hybrid <= infinite_hit_rate(results, 4)
+
+
+def test_states_only_where_requests_finish():
+    """Page 4, states only at the end of what each request fed. A feeds 15 tokens: a
+    state at 12. B (20 tokens, fed 20: a state at 20) shares A's first 14: it hits 12 (none
+    at 16). C shares only 9 tokens with A and B: no state at or below 9, 0. B again: its
+    key is 19 tokens, below its own state at 20, so 12 again."""
+    a = seq(range(10))
+    fed_a = a + seq(range(100, 105))  # 15 tokens: state at 12
+    b = fed_a[:14] + seq(range(200, 206))  # 20 tokens, fed 20: state at 20
+    c = fed_a[:9] + seq(range(300, 311))
+    pairs = [(a, fed_a), (b, b), (c, c), (b, b)]
+    got = restorable_hit_rate(pairs, 4, finish_state_points)
+    assert got == pytest.approx((0 + 12 + 0 + 12) / (10 + 20 + 20 + 20))
+    # an engine that also takes states at chunk ends of 8 restores C's first 8
+    chunked = restorable_hit_rate(pairs, 4, chunk_state_points(8))
+    assert chunked == pytest.approx((0 + 12 + 8 + 16) / 70)

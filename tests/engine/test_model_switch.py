@@ -1,5 +1,6 @@
 """The reference model is chosen by `model:` in the config or `tierctl replay --model`;
-a hybrid model is refused, in one line, by a cache that holds one full-attention pool."""
+`tierctl serve` refuses a hybrid model in one line (replay runs it:
+test_hybrid_replay.py)."""
 
 from __future__ import annotations
 
@@ -62,25 +63,6 @@ def test_a_bad_model_setting_is_one_line_naming_it(tmp_path, capsys, text, messa
         == 2
     )
     assert message in capsys.readouterr().err
-
-
-def test_replay_refuses_a_hybrid_model_its_cache_cannot_hold(
-    tmp_path, capsys, cache_home
-):
-    threads = set(threading.enumerate())
-    assert (
-        main(["replay", "--model", "hybrid", "--config", "memory", "--requests", "2"])
-        == 2
-    )
-    assert REFUSAL in capsys.readouterr().err
-    hybrid = config_file(tmp_path, "model: hybrid\n")
-    assert main(["replay", "--config", hybrid, "--requests", "2"]) == 2
-    assert REFUSAL in capsys.readouterr().err
-    # the refused caches were closed: no thread of theirs is left
-    assert not [t for t in set(threading.enumerate()) - threads if t.is_alive()]
-    assert (
-        main(["replay", "--config", hybrid, "--model", "tiny", "--requests", "2"]) == 0
-    )
 
 
 def test_serve_refuses_a_hybrid_model_and_closes_its_cache(tmp_path):

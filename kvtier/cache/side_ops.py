@@ -1,0 +1,199 @@
+"""Writes and loads of a hybrid model's cache: FULL KV as `Writes` and `Loads` move it,
+with the side components (SWA KV, states) in the same op (`ComponentCopy` extras), so
+they land, fail and roll back together. Scheduler thread only.
+
+- A node's write carries its SWA KV and state that are on device and not on host. When
+  it lands, each half the node was split into during the write gets its share on host
+  (`set_component`); a failed write frees the side host slots it reserved. The device
+  slots it reads are pinned (`SideSlots.pin`) until it is applied.
+- A request's load carries the host parts of its window's SWA KV and of its state into
+  slots the request owns; the host slots it reads are pinned until it is applied.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.cache.components import SideSlots
+from kvtier.cache.loads import Loads
+from kvtier.cache.writes import Writes
+from kvtier.controller.controller import ComponentCopy, LoadOp, WriteOp
+from kvtier.tiers.components import Component
+from kvtier.tiers.indices import concat
+from kvtier.tree import Tier, TreeNode
+
+D, H = Tier.DEVICE, Tier.HOST
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class HybridWrites(Writes):
+    def __init__(self, side: SideSlots, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.side = side
+
+    def write_node(self, node: TreeNode) -> bool:
+        """`Writes.write_node`, with the node's side components on device and not on host."""
+        if (
+            node.backed_up
+            or node.id in self.writing
+            or not node.on_device
+            or not self.has_mirror
+        ):
+            return node.backed_up or node.id in self.writing
+        parent = node.parent
+        if parent is not self.tree.root and not self._host_copy_coming(parent):
+            return False
+        self.slots.make_host_room(len(node))
+        extras = self._extras(node)
+        host = self.ctl.write(node.values[D], node, extras)
+        if host is None:
+            self._drop_extras(extras)
+            self.counters.writes_skipped_no_host_space += 1
+            return False
+        self.tree.lock(node)
+        self.writing.add(node.id)
+        return True
+
+    def _extras(self, node) -> tuple[ComponentCopy, ...]:
+        out = []
+        for component, values in (
+            (Component.SWA, node.swa),
+            (Component.MAMBA, node.mamba),
+        ):
+            if component not in self.side or values[D] is None or values[H] is not None:
+                continue
+            dev = np.asarray(values[D], dtype=np.int64).reshape(-1)
+            host = self.side.alloc_host(component, dev.size)
+            if host is None:
+                continue  # written without it: a miss on host for this component
+            self.side.pin(component, D, dev)
+            out.append(ComponentCopy(component, dev, host))
+        return tuple(out)
+
+    def _drop_extras(self, extras, free_host: bool = True) -> None:
+        for x in extras:
+            self.side.unpin(x.component, D, x.device_slots)
+            if free_host:
+                self.side.free_host(x.component, x.host_slots)
+
+    def apply(self, op: WriteOp[TreeNode]) -> None:
+        super().apply(op)
+        extras, op.extras = op.extras, ()
+        if not extras:
+            return
+        landed = (
+            op.handle.error is None
+            and not op.failed_elsewhere
+            and op.tag.values[H] is not None
+        )
+        if not landed:
+            self._drop_extras(extras)
+            return
+        halves = self._landed(op.tag, op.host_slots.size)[::-1]  # top-down
+        for x in extras:
+            self.side.unpin(x.component, D, x.device_slots)
+            if x.component == Component.MAMBA:
+                self._settle_state(op.tag, x)
+            else:
+                self._settle_swa(halves, x)
+
+    def _settle_state(self, node, x: ComponentCopy) -> None:
+        if node.mamba[H] is None and node.values[H] is not None:
+            self.tree.set_component(node, Component.MAMBA, H, int(x.host_slots[0]))
+        else:
+            self.side.free_host(x.component, x.host_slots)
+
+    def _settle_swa(self, halves: list, x: ComponentCopy) -> None:
+        """Each half gets the host copy of its tokens' SWA KV (what the write read was the
+        tree's SWA KV of those tokens: pinned, so not reused meanwhile)."""
+        offset = sum(len(h) for h in halves) - x.host_slots.size
+        for h in halves:
+            lo, hi = max(offset, 0), offset + len(h)
+            offset = hi
+            if hi <= 0:
+                continue
+            part = x.host_slots[lo:hi]
+            if h.swa[H] is None and h.values[H] is not None:
+                self.tree.set_component(h, Component.SWA, H, part)
+            else:
+                self.side.free_host(x.component, part)
+
+    def release(self, op: WriteOp[TreeNode]) -> None:
+        super().release(op)
+        extras, op.extras = op.extras, ()
+        self._drop_extras(extras)
+
+
+class HybridLoads(Loads):
+    """Loads whose ops may carry side components (`acquire` builds them); an orphaned
+    op's side device slots are freed with its FULL ones, and every host slot it read is
+    unpinned when it is applied."""
+
+    def __init__(self, side: SideSlots, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.side = side
+        self._pinned: set[LoadOp] = set()  # ops whose extras' host slots are pinned
+
+    def start_hybrid(
+        self, node: TreeNode | None, extras: list[ComponentCopy], layers: list
+    ) -> LoadOp | None:
+        """One load op for a request: the host-only FULL path ending at `node` (None:
+        none) into fresh device slots, and `extras` (side components into slots the
+        request allocated), per model layer (`layers`). The host slots of `extras` are
+        pinned until the op is applied. None (nothing started) if the device is short."""
+        chain = [] if node is None else self.tree.nodes_to_load(node)
+        total = sum(len(n) for n in chain)
+        if chain:
+            self.tree.protect_host(node)
+        device = self.slots.alloc_device(total) if total else _EMPTY
+        if device is None:
+            self.tree.release_host(node)
+            self.short_of_room()
+            return None
+        host = (
+            concat([n.values[H] for n in self.tree.nodes_to_load(node)])
+            if chain
+            else _EMPTY
+        )
+        assert host.size == total, f"the host path to {node} changed length"
+        for x in extras:
+            self.side.pin(x.component, H, x.host_slots)
+        op = self.ctl.load(host, device, node, tuple(extras), layers)
+        self._pinned.add(op)
+        self.counters.loads += 1
+        return op
+
+    def orphan(self, op: LoadOp) -> None:
+        done = op.handle.is_done() and not self.ctl.load_pending(op)
+        super().orphan(op)
+        for x in op.extras:
+            if done:
+                self.side.free_request(x.component, x.device_slots)
+            else:
+                self.side.orphan(x.component, x.device_slots.size)
+
+    def apply(self, op: LoadOp) -> None:
+        orphaned = op.orphaned
+        if op.tag is not None and op.host_slots.size:
+            super().apply(op)
+        else:  # side parts alone: no host path was protected
+            if op.handle.error is not None:
+                self.counters.load_failures += 1
+                self.complain("load", f"host->device load failed: {op.handle.error}")
+            if orphaned:
+                self._free_orphan(op)
+        self._settle(op, orphaned)
+
+    def release(self, op: LoadOp) -> None:
+        orphaned = op.orphaned
+        super().release(op)
+        self._settle(op, orphaned)
+
+    def _settle(self, op: LoadOp, orphaned: bool) -> None:
+        pinned = op in self._pinned
+        self._pinned.discard(op)
+        for x in op.extras:
+            if pinned:
+                self.side.unpin(x.component, H, x.host_slots)
+            if orphaned:
+                self.side.free_orphaned(x.component, x.device_slots)

@@ -1,0 +1,104 @@
+"""`tierctl replay --model hybrid --verify`: the hybrid reference model over the hybrid
+cache gives the tokens and logits of an uncached run, from a fresh cache and again from
+the store a first run left; the summary counts hits per tier and per component against
+the hybrid bound."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.cli.main import main
+
+
+def trace(tmp_path) -> str:
+    """Three sessions over a shared 24-token prefix (page 4, window 6). States are taken
+    where requests finish: c0 at 40, a0 at 32 (its prompt: one output, nothing more fed),
+    b0 at 36, a1 at 44, b1 at 44. One request a forward: the bound's order is the run's."""
+    shared = list(range(1, 25))
+    a0 = shared + list(range(100, 108))  # 32 tokens
+    turns = [
+        ("c", 0, a0 + list(range(500, 508)), 3),  # first: a miss
+        ("a", 0, a0, 1),  # c's state (40) is past its key: a miss
+        ("b", 0, shared + list(range(200, 210)), 3),  # diverges at 24: a miss
+        ("a", 1, list(range(300, 308)), 4),  # history (33) + 8: a0's state, 32
+        ("b", 1, list(range(400, 405)), 3),  # history (37) + 5: b0's state, 36
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"session": s, "turn": t, "prompt": p, "output_len": n}) + "\n"
+            for s, t, p, n in turns
+        )
+    )
+    return str(path)
+
+
+def config(tmp_path, pool: int = 256) -> str:
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(
+        "model:\n  kind: hybrid\n  window: 6\n"
+        f"pool:\n  size: {pool}\n  page_size: 4\n"
+        f"store:\n  backend: file\n  root: {tmp_path / 'store'}\n"
+    )
+    return str(path)
+
+
+def replay(tmp_path, capsys, *extra: str, pool: int = 256) -> tuple[int, dict]:
+    rc = main(
+        ["replay", "--config", config(tmp_path, pool), "--trace", trace(tmp_path)]
+        + ["--verify", "--json", "--batch", "1", *extra]
+    )
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_replay_hybrid_verifies_from_a_fresh_cache_and_from_the_warm_store(
+    tmp_path, capsys
+):
+    rc, s = replay(tmp_path, capsys)
+    assert rc == 0, s
+    assert s["verify_failures"] == [] and s["verified_requests"] == 5
+    assert s["failed_requests"] == 0 and s["counts_add_up"]
+    hy = s["hybrid"]
+    assert s["hit_tokens"]["device"] + s["hit_tokens"]["host"] == 68
+    assert hy["mamba_states"] == 2 and hy["requests_with_hit"] == 2
+    assert hy["swa_window_tokens"]["device"] + hy["swa_window_tokens"]["loaded"] == 16
+    assert hy["restorable_bound"] == pytest.approx(68 / s["prompt_tokens"])
+    assert hy["hit_rate_over_bound"] >= 0.95
+    # the same trace on a new cache over the store the first run left
+    rc, warm = replay(tmp_path, capsys)
+    assert rc == 0, warm
+    assert warm["verify_failures"] == [] and warm["verified_requests"] == 5
+    assert warm["failed_requests"] == 0 and warm["counts_add_up"]
+
+
+def test_replay_hybrid_verifies_what_it_loads_back_from_host(tmp_path, capsys):
+    """A device pool of 64 tokens: each request evicts the one before it to host, and b1
+    restores b0's prefix (its FULL KV, window and state) from there."""
+    rc, s = replay(tmp_path, capsys, pool=64)
+    assert rc == 0, s
+    assert s["verify_failures"] == [] and s["verified_requests"] == 5
+    assert s["hit_tokens"]["host"] >= 32
+    assert s["hybrid"]["swa_window_tokens"]["loaded"] >= 8
+    # the cache's own count: the window and the state came back from host
+    assert s["hybrid"]["side_hits"]["swa"]["host"] >= 8
+    assert s["hybrid"]["side_hits"]["mamba"]["host"] >= 1
+
+
+def test_the_table_shows_each_component_and_the_hybrid_bound(tmp_path, capsys):
+    rc = main(
+        ["replay", "--config", config(tmp_path), "--trace", trace(tmp_path)]
+        + ["--model", "hybrid", "--verify", "--batch", "1"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for line in ("components   full", "swa ", "mamba ", "hybrid bound", "verified"):
+        assert line in out, out
+    assert "VERIFY FAILED" not in out
+
+
+def test_hints_with_the_hybrid_model_are_refused_by_name(tmp_path, capsys):
+    rc = main(["replay", "--config", config(tmp_path), "--hints", "--requests", "2"])
+    assert rc == 2
+    assert "--hints with the hybrid model" in capsys.readouterr().err

@@ -1,0 +1,30 @@
+"""The fault simulator over the hybrid cache (kvtier/testing/hybrid_sim.py): no violation
+on the real code, and each planted bug found."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from kvtier.testing.hybrid_sim import PLANTED, run_hybrid
+
+
+def test_hybrid_fault_sim_finds_no_violation():
+    out = io.StringIO()
+    assert run_hybrid(400, seed=0, episode=200, out=out) == 0, out.getvalue()
+
+
+@pytest.mark.parametrize("plant", PLANTED)
+def test_hybrid_fault_sim_finds_the_planted_bug(plant):
+    out = io.StringIO()
+    assert run_hybrid(400, seed=0, episode=200, out=out, plant=plant) > 0
+    assert "VIOLATION" in out.getvalue() and f"--plant {plant}" in out.getvalue()
+
+
+def test_the_command_line_refuses_a_plant_of_the_other_simulator(capsys):
+    from kvtier.testing.sim_cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--plant", "mamba-split", "--steps", "1"])
+    assert "go with --hybrid" in capsys.readouterr().err
