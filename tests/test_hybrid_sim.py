@@ -27,4 +27,4 @@ def test_the_command_line_refuses_a_plant_of_the_other_simulator(capsys):
 
     with pytest.raises(SystemExit):
         main(["--plant", "mamba-split", "--steps", "1"])
-    assert "go with --hybrid" in capsys.readouterr().err
+    assert "goes with --hybrid" in capsys.readouterr().err
