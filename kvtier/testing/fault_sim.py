@@ -630,13 +630,16 @@ def run(
     seed: int,
     episode: int = 400,
     allow_kernel: bool = False,
-    out=sys.stdout,
+    out=None,
     setups: list[Setup] | None = None,
     actions=None,
 ) -> int:
     """Run `steps` steps in episodes of `episode` steps; returns the number of violations.
     Each episode draws its setup from its seed, or takes the next of `setups`. `actions`,
     a text file or None, receives every episode's action log (`write_actions`)."""
+    out = (
+        sys.stdout if out is None else out
+    )  # the stdout of the call, not of the import
     master = random.Random(seed)
     done = violations = 0
     while done < steps:

@@ -515,9 +515,12 @@ def run(
     seed: int,
     episode: int = 400,
     plant: str | None = None,
-    out=sys.stdout,
+    out=None,
     actions=None,
 ) -> int:
+    out = (
+        sys.stdout if out is None else out
+    )  # the stdout of the call, not of the import
     master = random.Random(seed)
     done = violations = 0
     while done < steps:

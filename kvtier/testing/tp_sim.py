@@ -247,10 +247,13 @@ def run(
     seed: int,
     ranks: int = 2,
     episode: int = 400,
-    out=sys.stdout,
+    out=None,
     actions=None,
 ) -> int:
     """`steps` steps in episodes of `episode`, on `ranks` ranks; the number of violations."""
+    out = (
+        sys.stdout if out is None else out
+    )  # the stdout of the call, not of the import
     master = random.Random(seed)
     done = violations = 0
     while done < steps:
