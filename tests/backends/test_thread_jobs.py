@@ -195,6 +195,48 @@ def test_a_file_read_given_up_on_writes_no_byte_of_the_callers_buffer(
     assert bufs[1] == bytes(chunk)
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_page_in_memory_lands_in_the_callers_buffer_only_under_the_stop_flag(
+    whole, tmp_path, monkeypatch
+):
+    """A page file in memory read whole, straight into the caller's buffer, is read
+    holding the call's stop flag (`StopFlag.writing`, which `set` takes: a give-up waits
+    for that read, and no byte lands after it); one over `_WHOLE_READ` is read in chunks
+    through the I/O thread's buffer, not holding it (a give-up never waits on a read).
+    Given up on after the job's check between pages, as the page is opened, the page's
+    read lands nowhere."""
+    import os
+
+    from kvtier.backends import file_io
+    from kvtier.backends.io_threads import StopFlag
+
+    chunk = file_io._READ_CHUNK
+    files = _framed_files(tmp_path, [2 * chunk, chunk])
+    stop, bufs = StopFlag(), [bytearray(2 * chunk), bytearray(chunk)]
+    items = [(p, ns, h, memoryview(b)) for (p, ns, h, _), b in zip(files, bufs)]
+    real, held = os.preadv, []
+
+    def reading(fd, targets, offset, *flags):
+        held.append(stop.writing.locked())
+        return real(fd, targets, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", reading)
+    monkeypatch.setattr(file_io, "_WHOLE_READ", 2 * chunk if whole else chunk)
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: True)
+    assert file_io.read_pages_into(items[:1], stop) == [True]
+    assert bytes(bufs[0]) == files[0][3]
+    assert held and held == [whole] * len(held)
+
+    def give_up_as_it_opens(fd, device):
+        stop.set()  # the call gives up: the job passed its check between pages
+        return True
+
+    monkeypatch.setattr(file_io, "_in_memory", give_up_as_it_opens)
+    [got] = file_io.read_pages_into(items[1:], stop)
+    assert isinstance(got, OSError) and "given up on" in str(got)
+    assert bufs[1] == bytes(chunk)
+
+
 def test_pages_in_memory_are_read_straight_in(tmp_path):
     """A page file on tmpfs is read into the caller's buffer, not copied through the I/O
     thread's: its filesystem is memory, so the read cannot block."""
