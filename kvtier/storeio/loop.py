@@ -70,7 +70,14 @@ class StoreLoop:
         with self._pending_lock:
             batch, self._pending, self._wake_scheduled = self._pending, [], False
         for fn in batch:
-            fn()
+            try:
+                fn()
+            except (
+                Exception
+            ):  # a bug in one posted call must not drop the rest of its batch
+                log.exception(
+                    "store loop: a posted call raised; the rest of its batch runs"
+                )
 
     def start(self, coro: Awaitable) -> None:
         """Run an op's `coro` on the loop (through `post`); `drain` waits for it. Counted,

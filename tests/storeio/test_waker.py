@@ -59,3 +59,26 @@ def test_a_closed_waker_writes_nowhere(tmp_path):
     finally:
         os.close(number)
         os.close(other)
+
+
+def test_a_posted_call_that_raises_does_not_drop_the_rest_of_its_batch(caplog):
+    """Calls posted together run as one batch on the loop: one that raises (a bug) is
+    logged, and the calls posted after it still run (a lost one could be a job whose
+    future nobody would ever end, and a `drain` waiting on it forever)."""
+    import threading
+
+    from kvtier.storeio.loop import StoreLoop
+
+    loop = StoreLoop(name="test-loop")
+    ran, done, hold = [], threading.Event(), threading.Event()
+    try:
+        loop.post(hold.wait)  # the batch below is posted while the loop is busy
+        loop.post(lambda: 1 / 0)
+        loop.post(lambda: ran.append("after"))
+        loop.post(done.set)
+        hold.set()
+        assert done.wait(10)
+    finally:
+        loop.close()
+    assert ran == ["after"]
+    assert "a posted call raised" in caplog.text
