@@ -42,8 +42,14 @@ class HostIndex:
             OrderedDict()
         )  # published, unpinned; coldest first
         self.pins: dict[str, int] = {}
-        self.reserved: set[int] = set()
+        # reserved pages, by page number: one vector write per op, not a set op per page
+        self._reserved = np.zeros(allocator.num_pages + 1, dtype=bool)
         self.evicted_pages = 0
+
+    @property
+    def reserved(self) -> set[int]:
+        """The pages reserved by ops (for the checks: a pass over the tier)."""
+        return set(np.flatnonzero(self._reserved).tolist())
 
     def get(self, key: str) -> int | None:
         return self.pages.get(key)
@@ -92,7 +98,7 @@ class HostIndex:
         assert pages is not None, (
             "host allocator short after eviction: its count is wrong"
         )
-        self.reserved.update(pages.tolist())
+        self._reserved[pages] = True
         return pages
 
     def publish(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
@@ -100,7 +106,7 @@ class HostIndex:
         key already published keeps its page, and this one goes back: False (the caller
         must not use it any more). One allocator call for all that go back."""
         known, lru = self.pages, self.lru
-        self.reserved.difference_update(pages)
+        self._reserved[pages] = False
         fresh = dict(zip(keys, pages))
         # the usual case, in C loops: keys distinct, none published (a key named twice
         # keeps its first page below; the other goes back)
@@ -123,13 +129,18 @@ class HostIndex:
     def release(self, pages: np.ndarray) -> None:
         """Reserved pages whose op ended without publishing them."""
         if len(pages):
-            self.reserved.difference_update(pages.tolist())
+            self._reserved[pages] = False
             self.allocator.free_pages(np.asarray(pages, dtype=np.int64))
 
     def pin(self, keys: Sequence[str]) -> list[str]:
         """Pin the published ones of `keys`; returns those (the caller unpins exactly them)."""
         pages, pins, lru = self.pages, self.pins, self.lru
         got = list(compress(keys, map(pages.__contains__, keys)))
+        once = dict.fromkeys(got, 1)
+        if len(once) == len(got) and pins.keys().isdisjoint(once):  # the usual case
+            deque(map(lru.__delitem__, got), maxlen=0)
+            pins.update(once)
+            return got
         fresh = list(dict.fromkeys(filterfalse(pins.__contains__, got)))
         deque(map(lru.__delitem__, fresh), maxlen=0)  # out of the LRU while pinned
         pins.update(dict.fromkeys(fresh, 0))
@@ -140,7 +151,11 @@ class HostIndex:
         """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
         pins, pages = self.pins, self.pages
         if len(set(keys)) == len(keys):  # the usual case, in C loops
-            pins.update(zip(keys, map(operator.sub, map(pins.__getitem__, keys), ONES)))
+            held = list(map(pins.pop, keys))
+            if held.count(1) == len(held):  # each loses its last pin
+                self.lru.update(zip(keys, map(pages.__getitem__, keys)))
+                return
+            pins.update(zip(keys, map(operator.sub, held, ONES)))
         else:
             for k in keys:
                 pins[k] -= 1
