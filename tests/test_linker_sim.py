@@ -19,6 +19,7 @@ FOUND_AS = {
     "unverified-store-read": "finished True but page",
     "early-offload-completion": "finished True but page",
     "lookup-ignores-host-room": "pages its load cannot land: no host room",
+    "lookup-counts-pinned-room": "pages its load cannot land: no host room",
 }
 
 
@@ -27,7 +28,8 @@ def test_each_planted_bug_is_found(plant):
     """A load that does not check its store reads verified, and an offload reported
     complete before its copy ran: both hand a request bytes that are not its KV. A lookup
     that promises store pages without the host room to read them into: the load queued
-    right after it fails (SGLang would abort the request)."""
+    right after it fails (SGLang would abort the request); so does one that counts the
+    host pages its load will pin as room for the store pages after them."""
     out = io.StringIO()
     assert linker_sim.run(4000, seed=1, episode=400, plant=plant, out=out) > 0
     assert FOUND_AS[plant] in out.getvalue()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.cache.hints import LeaseBoundError
 from kvtier.storeio.breaker import BreakerConfig
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
@@ -84,10 +85,27 @@ class _RoomBlindLookupCore(LinkerCore):
         return end
 
 
+class _RunBlindRoomCore(LinkerCore):
+    """Planted bug: a lookup counts the host run its load will pin as room for the store
+    pages after it (a pinned page cannot be evicted)."""
+
+    def lookup(self, rid, keys) -> int:
+        self._reap()
+        index = self.index
+        end, _ = index.run(keys)
+        if end < len(keys) and self.l3 is not None:
+            room = index.room()
+            if room > 0:
+                stored = self.store_ops.leading_run(keys[end : end + room])
+                end, _ = index.run(keys, end + stored, room - stored)
+        return end
+
+
 PLANTED = {
     "unverified-store-read": _UnverifiedReadCore,
     "early-offload-completion": _EarlyPopCore,
     "lookup-ignores-host-room": _RoomBlindLookupCore,
+    "lookup-counts-pinned-room": _RunBlindRoomCore,
 }
 
 
@@ -164,8 +182,13 @@ class LinkerSim:
             read_wait_s=0.0,
             breaker=BreakerConfig(failures=3, backoff_s=0.0),
         )  # no wall clock decides
+        self.now = 0.0  # the linker's clock: one tick a step (leases expire on it)
         self.core = PLANTED.get(plant, LinkerCore)(
-            self.pool, settings, self.store, streams=self.streams.factory
+            self.pool,
+            settings,
+            self.store,
+            streams=self.streams.factory,
+            clock=lambda: self.now,
         )
         self.free = list(
             range(1, self.device_pages + 1)
@@ -258,6 +281,7 @@ class LinkerSim:
     # -- SGLang's calls ------------------------------------------------------------------------
 
     def step(self) -> None:
+        self.now += 1.0
         r = self.rng.random()
         for limit, action in (
             (0.14, self.compute),
@@ -267,7 +291,9 @@ class LinkerSim:
             (0.54, self.cancel),
             (0.66, self.forward),
             (0.78, self.resolve_copy),
-            (0.97, self.resolve_store),
+            (0.93, self.resolve_store),
+            (0.96, self.lease),
+            (0.97, self.aborted),
             (1.0, self.reset),
         ):
             if r < limit:
@@ -304,7 +330,8 @@ class LinkerSim:
         self.note(f"lookup {rid} {len(keys)} pages -> {found}")
         if found == 0 or rid in self.queued or self.rng.random() < 0.2:
             return
-        agreed = self.rng.randint(1, found)  # another rank may have found fewer
+        # one rank (or ranks that agree) loads all it found; another rank may have found fewer
+        agreed = found if self.rng.random() < 0.5 else self.rng.randint(1, found)
         pages = self.take(agreed)
         if pages is None:
             return
@@ -317,6 +344,36 @@ class LinkerSim:
             )
         self.queued[rid] = (keys[:agreed], pages)
         self.note(f"load {rid} {agreed} pages into device {pages}")
+
+    def lease(self) -> None:
+        """An agent's host lease on a prompt (pins its host pages, and those published
+        later, until released or expired: up to half the host tier per tenant), or the
+        release of one."""
+        hints = self.core.hints
+        if hints.leases and self.rng.random() < 0.4:
+            lease = hints.leases[self.rng.choice(sorted(hints.leases))]
+            gone = hints.release(lease.keys, lease.tenant)
+            self.note(f"release {gone} leases of {lease.tenant}")
+            return
+        keys, ttl = self.prompt(), self.rng.randint(1, 300)
+        tenant = self.rng.choice(["a", "b"])
+        try:
+            lease = hints.pin(keys, ttl, ("host",), tenant)
+        except LeaseBoundError:
+            self.note(f"lease {tenant} {len(keys)} pages: over its bound")
+            return
+        self.note(
+            f"lease {tenant} {len(keys)} pages for {ttl} steps: {len(lease.pinned)} pinned"
+        )
+
+    def aborted(self) -> None:
+        """Requests matched, then aborted before their load (SGLang tells the linker
+        nothing): lookups that no load follows."""
+        for _ in range(self.rng.randint(2, 6)):
+            keys = self.prompt()
+            self.note(
+                f"lookup, then abort: {len(keys)} pages -> {self.core.lookup('x', keys)}"
+            )
 
     def start(self) -> None:
         index = self.core.start_layer_wise_loading()

@@ -224,3 +224,101 @@ def test_an_offload_naming_a_page_twice_copies_it_once(tmp_path):
     assert load(core, pool, key, 6) == [2.0]
     assert core.check_accounting() == []
     core.close()
+
+
+def test_a_host_run_stops_at_the_first_unpublished_page_and_at_the_budget():
+    """`run` from `start`: the end of the published run, cut before the page that would
+    make its evictable pages more than `budget`; pinned pages are not counted and not
+    touched; the evictable pages it covers (only those) become the newest, in run order."""
+    from kvtier.integrations.sglang.linker.host_index import HostIndex
+    from kvtier.tiers.allocator import PagedAllocator
+
+    index = HostIndex(PagedAllocator(8 * PS, PS))
+    keys = page_keys([1, 2, 3, 4, 5, 6, 7, 8])
+    index.publish(keys[:6], index.reserve(6).tolist())  # a..f; g, h not published
+    index.pin([keys[1], keys[3]])  # b, d out of the LRU
+    assert index.run(keys) == (6, 4)  # a c e f touched, in that order
+    assert list(index.lru) == [keys[0], keys[2], keys[4], keys[5]]
+    assert index.run(keys, 2, 1) == (4, 1)  # from c: c counted, d pinned, e over
+    assert list(index.lru) == [keys[0], keys[4], keys[5], keys[2]]
+    assert index.run(keys, 1, 0) == (2, 0)  # b pinned: free of the budget; c is not
+    assert index.run(keys, 6) == (6, 0) and index.run(keys[6:]) == (0, 0)
+    assert index.run(keys[:3] + keys[6:] + keys[3:6]) == (3, 2)  # stops at g
+    assert list(index.lru) == [keys[4], keys[5], keys[0], keys[2]]
+    index.unpin([keys[1], keys[3]])
+    assert index.check() == []
+
+
+def test_host_eviction_follows_an_lru_model_through_many_touches():
+    """Random publishes, runs, pins, unpins and reservations on a small tier, far past the
+    point where the index rebuilds its queue of touched batches: the LRU order, the
+    victims (coldest first) and room always match a plain ordered-dict model."""
+    import random
+    from collections import OrderedDict
+
+    from kvtier.integrations.sglang.linker.host_index import HostIndex
+    from kvtier.tiers.allocator import PagedAllocator
+
+    rng = random.Random(5)
+    index = HostIndex(PagedAllocator(12 * PS, PS))
+    keys = page_keys(list(range(1, 31)))
+    lru: OrderedDict[str, int] = (
+        OrderedDict()
+    )  # the model: unpinned published, coldest first
+    pinned: dict[str, int] = {}  # key -> page, pinned
+    held: list[list[str]] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.08:
+            want = rng.sample(
+                [k for k in keys if k not in index.pages], rng.randint(1, 4)
+            )
+            room = index.room()
+            pages = index.reserve(len(want))
+            if pages is None:
+                assert (
+                    len(want) - index.free_pages() > len(lru) and index.room() == room
+                )
+                continue
+            short = len(want) - (room - len(lru))
+            victims = [lru.popitem(last=False)[0] for _ in range(max(short, 0))]
+            assert not any(v in index.pages for v in victims)
+            index.publish(want, pages.tolist())
+            lru.update(zip(want, pages.tolist()))
+        elif op < 0.6:
+            budget = rng.choice([None, 0, 1, 3, 6])
+            run = rng.sample(
+                list(index.pages), min(len(index.pages), rng.randint(1, 12))
+            )
+            run.insert(rng.randint(0, len(run)), rng.choice(keys))  # maybe unpublished
+            end, unpinned = index.run(run, 0, budget)
+            n = 0
+            for i, k in enumerate(run):
+                if k not in pinned and k not in lru:
+                    assert end == i
+                    break
+                if k in lru:
+                    if n == budget:
+                        assert end == i
+                        break
+                    lru.move_to_end(k)
+                    n += 1
+            assert unpinned == n
+        elif op < 0.8:
+            got = index.pin(rng.sample(keys, 3))
+            for k in got:
+                if k in lru:
+                    pinned[k] = lru.pop(k)
+            held.append(got)
+        elif held:
+            got = held.pop(rng.randrange(len(held)))
+            index.unpin(got)
+            for k in got:
+                if k in pinned and k not in index.pins:
+                    lru[k] = pinned.pop(k)
+        assert list(index.lru) == list(
+            lru
+        ) and index.room() == index.free_pages() + len(lru)
+    while held:
+        index.unpin(held.pop())
+    assert index.check() == [] and index.evicted_pages > 100

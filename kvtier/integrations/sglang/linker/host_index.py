@@ -12,18 +12,24 @@ whole prefix), so this index is flat. A page is in one of three states:
 
 A pin (a load or a store write reading the page) keeps a published page from eviction;
 pins count, and each is released once by its owner. The evictable pages (published, no
-pin) sit in one LRU, coldest first: a pinned page is out of it until its last pin goes.
-Every call costs what it touches or returns (a run of keys, the victims it evicts), never
-the size of the tier; each reservation and eviction is one allocator call.
+pin) are ordered by a logical clock kept per host page number: a touch (publish, a
+lookup's run, the last unpin) stamps its pages with the next ticks, in order, as one
+vector write, and queues the batch; eviction takes the oldest stamps off the queue's cold
+end, skipping entries a later touch, a pin or an eviction made stale, so a pinned page is
+out of the LRU until its last pin goes, then the newest. The queue is rebuilt from the
+evictable pages once it holds twice the tier (amortised: at least a tier of touches each).
+Every call costs what it touches or returns (a run of keys, the victims it evicts): per
+page, a dict op on its key and vector writes, no Python step; each reservation and
+eviction is one allocator call.
 Scheduler thread only.
 """
 
 from __future__ import annotations
 
 import operator
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from itertools import compress, filterfalse, islice, repeat
+from itertools import compress, filterfalse, islice, repeat, takewhile
 
 import numpy as np
 
@@ -38,12 +44,34 @@ class HostIndex:
     def __init__(self, allocator: PagedAllocator) -> None:
         self.allocator = allocator
         self.pages: dict[str, int] = {}  # published
-        self.lru: OrderedDict[str, int] = (
-            OrderedDict()
-        )  # published, unpinned; coldest first
         self.pins: dict[str, int] = {}
-        self.reserved: set[int] = set()
+        total = allocator.num_pages + 1
+        # by page number, one vector write per op: reserved; published and unpinned (the
+        # LRU's members); the key a published page holds; its last touch's stamp
+        self._reserved = np.zeros(total, dtype=bool)
+        self._evictable = np.zeros(total, dtype=bool)
+        self._key = np.full(total, None, dtype=object)
+        self._clock = np.zeros(total, dtype=np.int64)
+        self._evictable_count = 0
+        self._tick = 0
+        # touched batches, oldest first: (stamps, pages); an entry is live while its page
+        # is evictable and still carries that stamp
+        self._touched: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._queued = 0
         self.evicted_pages = 0
+
+    @property
+    def reserved(self) -> set[int]:
+        """The pages reserved by ops (for the checks: a pass over the tier)."""
+        return set(np.flatnonzero(self._reserved).tolist())
+
+    @property
+    def lru(self) -> dict[str, int]:
+        """The evictable pages, key -> page, coldest first (for the checks and tests: a
+        pass over the tier)."""
+        pages = np.flatnonzero(self._evictable)
+        pages = pages[np.argsort(self._clock[pages], kind="stable")]
+        return dict(zip(self._key[pages].tolist(), pages.tolist()))
 
     def get(self, key: str) -> int | None:
         return self.pages.get(key)
@@ -53,7 +81,44 @@ class HostIndex:
 
     def room(self) -> int:
         """Pages a reservation could get now: free, or published and unpinned."""
-        return self.free_pages() + len(self.lru)
+        return self.free_pages() + self._evictable_count
+
+    def _pages_of(self, keys: Sequence[str]) -> np.ndarray:
+        return np.fromiter(
+            map(self.pages.__getitem__, keys), dtype=np.int64, count=len(keys)
+        )
+
+    def _touch(self, pages: np.ndarray) -> None:
+        """Make evictable `pages` the newest, in order."""
+        n = len(pages)
+        if not n:
+            return
+        stamps = np.arange(self._tick, self._tick + n, dtype=np.int64)
+        self._tick += n
+        self._clock[pages] = stamps
+        self._touched.append((stamps, pages))
+        self._queued += n
+        if self._queued > 2 * len(self._clock) + 16:  # stale entries: rebuild
+            live = np.flatnonzero(self._evictable)
+            live = live[np.argsort(self._clock[live], kind="stable")]
+            self._touched = deque([(self._clock[live], live)])
+            self._queued = len(live)
+
+    def _coldest(self, n: int) -> np.ndarray:
+        """The `n` evictable pages with the oldest stamps, oldest first (n <= evictable)."""
+        taken, touched = [], self._touched
+        while n:
+            stamps, pages = touched.popleft()
+            self._queued -= len(pages)
+            live = self._evictable[pages] & (self._clock[pages] == stamps)
+            stamps, pages = stamps[live], pages[live]
+            if len(pages) > n:
+                touched.appendleft((stamps[n:], pages[n:]))
+                self._queued += len(pages) - n
+                pages = pages[:n]
+            taken.append(pages)
+            n -= len(pages)
+        return np.concatenate(taken) if taken else np.zeros(0, np.int64)
 
     def run(
         self, keys: Sequence[str], start: int = 0, budget: int | None = None
@@ -61,61 +126,72 @@ class HostIndex:
         """(end, unpinned): the end of the run of `keys` from `start` published here, and
         how many of them are evictable now (the run stops before the page that would make
         that more than `budget`). Each is touched (made the newest in the LRU)."""
-        pages, lru = self.pages, self.lru
-        i, n, unpinned = start, len(keys), 0
-        while i < n:
-            key = keys[i]
-            if key not in pages:
-                break
-            if key in lru:
-                if budget is not None and unpinned == budget:
-                    break
-                lru.move_to_end(key)
-                unpinned += 1
-            i += 1
-        return i, unpinned
+        # C loops and vector ops, no Python step per page
+        found = list(takewhile(self.pages.__contains__, islice(keys, start, None)))
+        pages = self._pages_of(found)
+        evictable = self._evictable[pages]
+        touched = pages[evictable]
+        end = len(found)
+        if budget is not None and len(touched) > budget:
+            end = int(np.flatnonzero(evictable)[budget])
+            touched = touched[:budget]
+        self._touch(touched)
+        return start + end, len(touched)
 
     def reserve(self, n: int) -> np.ndarray | None:
         """`n` pages for an op, evicting unpinned pages (coldest first) when short; None
         (and nothing evicted) if pins leave too few."""
         short = n - self.free_pages()
         if short > 0:
-            if short > len(self.lru):
+            if short > self._evictable_count:
                 return None
-            lru = self.lru
-            keys = list(islice(lru, short))  # the cold end, taken by C loops
-            victims = np.fromiter(map(lru.pop, keys), dtype=np.int64, count=short)
-            deque(map(self.pages.__delitem__, keys), maxlen=0)
+            victims = self._coldest(short)
+            deque(map(self.pages.__delitem__, self._key[victims].tolist()), maxlen=0)
+            self._key[victims] = None
+            self._evictable[victims] = False
+            self._evictable_count -= short
             self.allocator.free_pages(victims)
             self.evicted_pages += short
         pages = self.allocator.alloc_pages(n)
         assert pages is not None, (
             "host allocator short after eviction: its count is wrong"
         )
-        self.reserved.update(pages.tolist())
+        self._reserved[pages] = True
         return pages
+
+    def _published(self, keys: list[str], pages: np.ndarray) -> None:
+        """`pages`, just published under `keys`, join the LRU as its newest."""
+        key = np.empty(len(keys), dtype=object)
+        key[:] = keys
+        self._key[pages] = key
+        self._evictable[pages] = True
+        self._evictable_count += len(pages)
+        self._touch(pages)
 
     def publish(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
         """Reserved pages whose bytes landed and verified become their keys': True each. A
         key already published keeps its page, and this one goes back: False (the caller
         must not use it any more). One allocator call for all that go back."""
-        known, lru = self.pages, self.lru
-        self.reserved.difference_update(pages)
+        known = self.pages
+        self._reserved[pages] = False
         fresh = dict(zip(keys, pages))
         # the usual case, in C loops: keys distinct, none published (a key named twice
         # keeps its first page below; the other goes back)
         if len(fresh) == len(keys) and known.keys().isdisjoint(fresh):
             known.update(fresh)
-            lru.update(fresh)
+            self._published(list(fresh), np.asarray(pages, dtype=np.int64))
             return [True] * len(fresh)
-        kept, back = [], []
+        kept, back, new, new_pages = [], [], [], []
         for key, page in zip(keys, pages):
             if key in known:
                 back.append(page)
                 kept.append(False)
                 continue
-            known[key] = lru[key] = page
+            known[key] = page
+            new.append(key)
+            new_pages.append(page)
             kept.append(True)
+        self._published(new, np.array(new_pages, dtype=np.int64))
         if back:
             self.allocator.free_pages(np.array(back, dtype=np.int64))
         return kept
@@ -123,24 +199,35 @@ class HostIndex:
     def release(self, pages: np.ndarray) -> None:
         """Reserved pages whose op ended without publishing them."""
         if len(pages):
-            self.reserved.difference_update(pages.tolist())
+            self._reserved[pages] = False
             self.allocator.free_pages(np.asarray(pages, dtype=np.int64))
 
     def pin(self, keys: Sequence[str]) -> list[str]:
         """Pin the published ones of `keys`; returns those (the caller unpins exactly them)."""
-        pages, pins, lru = self.pages, self.pins, self.lru
+        pages, pins = self.pages, self.pins
         got = list(compress(keys, map(pages.__contains__, keys)))
-        fresh = list(dict.fromkeys(filterfalse(pins.__contains__, got)))
-        deque(map(lru.__delitem__, fresh), maxlen=0)  # out of the LRU while pinned
-        pins.update(dict.fromkeys(fresh, 0))
-        _count(pins, got)
+        once = dict.fromkeys(got, 1)
+        if len(once) == len(got) and pins.keys().isdisjoint(once):  # the usual case
+            fresh = got
+            pins.update(once)
+        else:
+            fresh = list(dict.fromkeys(filterfalse(pins.__contains__, got)))
+            pins.update(dict.fromkeys(fresh, 0))
+            _count(pins, got)
+        # out of the LRU while pinned
+        self._evictable[self._pages_of(fresh)] = False
+        self._evictable_count -= len(fresh)
         return got
 
     def unpin(self, keys: Sequence[str]) -> None:
         """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
-        pins, pages = self.pins, self.pages
+        pins = self.pins
         if len(set(keys)) == len(keys):  # the usual case, in C loops
-            pins.update(zip(keys, map(operator.sub, map(pins.__getitem__, keys), ONES)))
+            held = list(map(pins.pop, keys))
+            if held.count(1) == len(held):  # each loses its last pin
+                self._unpinned(keys)
+                return
+            pins.update(zip(keys, map(operator.sub, held, ONES)))
         else:
             for k in keys:
                 pins[k] -= 1
@@ -149,16 +236,27 @@ class HostIndex:
         )
         if freed:
             deque(map(pins.__delitem__, freed), maxlen=0)
-            self.lru.update(zip(freed, map(pages.__getitem__, freed)))
+            self._unpinned(freed)
+
+    def _unpinned(self, keys: Sequence[str]) -> None:
+        """Published `keys` whose last pin went join the LRU as its newest, in order."""
+        pages = self._pages_of(keys)
+        self._evictable[pages] = True
+        self._evictable_count += len(pages)
+        self._touch(pages)
 
     def clear(self) -> None:
         """Every published page back to free, but those still pinned (their owner op has
         not ended) and reserved ones, which their ops give back."""
-        if self.lru:
-            for k in self.lru:
-                del self.pages[k]
-            self.allocator.free_pages(np.array(list(self.lru.values()), dtype=np.int64))
-            self.lru.clear()
+        if self._evictable_count:
+            pages = np.flatnonzero(self._evictable)
+            deque(map(self.pages.__delitem__, self._key[pages].tolist()), maxlen=0)
+            self._key[pages] = None
+            self._evictable[pages] = False
+            self._evictable_count = 0
+            self.allocator.free_pages(pages.astype(np.int64))
+        self._touched.clear()
+        self._queued = 0
 
     def check(self) -> list[str]:
         """free + published + reserved == total, no page twice, pins only on published
@@ -179,6 +277,9 @@ class HostIndex:
         if stray:
             problems.append(f"{len(stray)} pins on keys that are not published")
         unpinned = {k: p for k, p in self.pages.items() if k not in self.pins}
-        if unpinned != dict(self.lru):
+        lru = self.lru
+        if unpinned != lru or self._evictable_count != len(lru):
             problems.append("the host LRU is not exactly the unpinned published pages")
+        if any(self._key[p] != k for k, p in self.pages.items()):
+            problems.append("a published host page does not name its key")
         return problems
