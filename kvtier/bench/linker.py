@@ -32,7 +32,18 @@ HiCache needs four CPU stand-ins (`kvtier/bench/hicache_cpu.py`), which this ben
 applies to its own process: its copy kernels become free no-ops, which flatters HiCache.
 Without SGLang the benchmark says so and exits 0.
 
+`--hybrid swa` / `--hybrid mamba` run SGLang's hybrid cache instead (FULL+SWA: `SWAKVPool`, a
+128-token window; FULL+MAMBA: `HybridLinearKVPool` beside `HybridReqToTokenPool`'s Mamba2
+states), its pools built as SGLang's test kit builds them and its tree as the server does,
+with every arm but TieredCache (it has no hybrid pools) and the same trace, pools, host ratio
+and write policy. A Mamba state is cached where a finished request's forward last tracked it
+(the chunk grid: 64 tokens or the page), so a length restores only there; the loop, like the
+Full one, inserts a request only when it finishes, so the state a server's prefill tracks at
+a branching point (a shared system prompt's end) is not modelled, and a trace of first turns
+(the first 150 requests) restores no Mamba prefix in any arm.
+
 Run: python benchmarks/linker.py --page-size 1 --page-size 16   (--requests 60 for a quick run)
+     python benchmarks/linker.py --hybrid swa --hybrid mamba --page-size 16
 """
 
 from __future__ import annotations
