@@ -5,7 +5,8 @@ in kvtier's package does.
 Only what has no CPU implementation in 0.5.23 is replaced:
 
 1. `pool_host/common.py: _cuda_host_register` -> no-op (pinning needs an NVIDIA driver).
-2. every `transfer_kv_*` kernel of `sgl_kernel.kvcacheio` (imported only on CUDA/ROCm/XPU)
+2. every `transfer_kv_*` kernel of `sgl_kernel.kvcacheio` (imported only on CUDA/ROCm/XPU;
+   the Mamba host pool's state copies among them)
    -> a no-op that counts its calls. On a GPU each is one asynchronous launch costing the
    launching thread a few µs; here it is ~0.1 µs and moves no bytes: HiCache's copies are
    free, which favours it (kvtier's copies are real memcpys, on its own threads).
@@ -34,6 +35,8 @@ KERNELS = (
     "transfer_kv_per_layer_mla_pf_lf",
     "transfer_kv_per_layer_pf_lf",
     "transfer_kv_per_layer_ph_lf",
+    "transfer_kv_mamba_lf_pf",
+    "transfer_kv_mamba_pf_lf",
 )
 MODULES = (
     "sglang.srt.mem_cache.pool_host.mha",
@@ -42,6 +45,7 @@ MODULES = (
     "sglang.srt.mem_cache.pool_host.unified",
     "sglang.srt.mem_cache.pool_host.page_unified",
     "sglang.srt.mem_cache.pool_host.hisparse",
+    "sglang.srt.mem_cache.pool_host.mamba",
     "sglang.srt.mem_cache.hisparse_memory_pool",
 )
 
@@ -91,7 +95,10 @@ class Shims:
         n = 0
         for name in ("mem_pool_host", "storage_host_pool"):
             pool = getattr(cache_controller, name, None)
-            if pool is not None and getattr(pool, "pin_memory", False):
-                pool.pin_memory = False
-                n += 1
+            # a hybrid model's host pool is a group: one host pool per device pool
+            members = [pool] + [e.host_pool for e in getattr(pool, "entries", ())]
+            for member in members:
+                if member is not None and getattr(member, "pin_memory", False):
+                    member.pin_memory = False
+                    n += 1
         return n

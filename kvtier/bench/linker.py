@@ -32,7 +32,18 @@ HiCache needs four CPU stand-ins (`kvtier/bench/hicache_cpu.py`), which this ben
 applies to its own process: its copy kernels become free no-ops, which flatters HiCache.
 Without SGLang the benchmark says so and exits 0.
 
+`--hybrid swa` / `--hybrid mamba` run SGLang's hybrid cache instead (FULL+SWA: `SWAKVPool`, a
+128-token window; FULL+MAMBA: `HybridLinearKVPool` beside `HybridReqToTokenPool`'s Mamba2
+states), its pools built as SGLang's test kit builds them and its tree as the server does,
+with every arm but TieredCache (it has no hybrid pools) and the same trace, pools, host ratio
+and write policy. A Mamba state is cached where a finished request's forward last tracked it
+(the chunk grid: 64 tokens or the page), so a length restores only there; the loop, like the
+Full one, inserts a request only when it finishes, so the state a server's prefill tracks at
+a branching point (a shared system prompt's end) is not modelled, and a trace of first turns
+(the first 150 requests) restores no Mamba prefix in any arm.
+
 Run: python benchmarks/linker.py --page-size 1 --page-size 16   (--requests 60 for a quick run)
+     python benchmarks/linker.py --hybrid swa --hybrid mamba --page-size 16
 """
 
 from __future__ import annotations
@@ -92,8 +103,43 @@ class UrcArm:
         longest: int,
         in_flight: int,
         root: str,
+        hybrid: str | None = None,
     ) -> None:
         self.sg, self.kind, self.page, self.in_flight = sg, kind, page, in_flight
+        self.hybrid = hybrid
+        if hybrid is not None:
+            self._hybrid_cache(hybrid, size, longest)
+        else:
+            self._full_cache(size, longest)
+        TREE_CORES.add(type(self.cache.tree_core).__name__)
+        self.kv = self.allocator.get_kvcache()
+        self.linker = None
+        self.exits: list = []
+        if kind.startswith("hicache"):
+            self._hicache(root if kind == "hicache_file" else None)
+        elif kind.startswith("linker"):
+            self._linker(root if kind == "linker_file" else None)
+        sa = sg.server_args
+        sa.set_global_server_args_for_scheduler(self._server_args())
+        self.by_call: dict[str, list[float]] = {}
+        self.cpu = 0.0
+
+    def _server_args(self, **kw):
+        args = self.sg.server_args.ServerArgs(
+            model_path="dummy", page_size=self.page, **kw
+        )
+        if self.hybrid is not None:  # what the kit presets for a Mamba model
+            args._mamba_cache_chunk_size = self._mamba_chunk()
+        return args
+
+    def _mamba_chunk(self) -> int:
+        """The Mamba state grid, in tokens: FLA's chunk (64) or the page, as the kit sets."""
+        return max(64, self.page)
+
+    # -- building ------------------------------------------------------------------------
+
+    def _full_cache(self, size: int, longest: int) -> None:
+        sg, page, in_flight = self.sg, self.page, self.in_flight
         sa = sg.server_args
         sa.set_global_server_args_for_scheduler(
             sa.ServerArgs(model_path="dummy", page_size=page)
@@ -131,22 +177,47 @@ class UrcArm:
         )
         self.cache = sg.urc.UnifiedRadixCache(params=params)
         self.cache.cache_init_params = params
-        TREE_CORES.add(type(self.cache.tree_core).__name__)
-        self.kv = self.allocator.get_kvcache()
-        self.linker = None
-        self.exits: list = []
-        if kind.startswith("hicache"):
-            self._hicache(root if kind == "hicache_file" else None)
-        elif kind.startswith("linker"):
-            self._linker(root if kind == "linker_file" else None)
-        sa = sg.server_args
-        sa.set_global_server_args_for_scheduler(
-            sa.ServerArgs(model_path="dummy", page_size=page)
-        )
-        self.by_call: dict[str, list[float]] = {}
-        self.cpu = 0.0
 
-    # -- building ------------------------------------------------------------------------
+    def _hybrid_cache(self, hybrid: str, size: int, longest: int) -> None:
+        """SGLang's hybrid cache as its test kit builds it (`build_fixture`): 4 layers, the
+        full-attention ones 1 and 3, the others sliding-window (`SWAKVPool`, a window of
+        `WINDOW` tokens) or Mamba (`HybridReqToTokenPool`'s state pool, one state slot per
+        request row and `MAMBA_STATES_PER_ROW` per row for the tree)."""
+        sg, page = self.sg, self.page
+        CT = sg.component_type.ComponentType
+        extra: dict = {}
+        if hybrid == "swa":
+            extra["sliding_window_size"] = WINDOW
+        else:  # a page > 1 needs the extra buffer (the kit's own Mamba configs)
+            extra["enable_mamba_extra_buffer"] = page > 1
+            extra["mamba_cache_size"] = MAMBA_STATES_PER_ROW * (self.in_flight + 1)
+        cfg = sg.cfg.CacheConfig(
+            page_size=page,
+            components=(CT.FULL, CT.SWA if hybrid == "swa" else CT.MAMBA),
+            num_layers=4,
+            full_attention_layer_ids=(1, 3),
+            kv_size=size,
+            max_num_reqs=self.in_flight + 1,
+            max_context_len=longest + 2 * page,
+            head_num=1,
+            head_dim=16,
+            dtype=torch.float16,
+            **extra,
+        )
+        kit_cache, self.allocator, self.r2t = sg.fx.build_fixture(cfg)
+        # the pools as the kit builds them; the tree as the server builds it (the kit
+        # wraps its tree core in a checking inspector and turns the paged allocators'
+        # debug checks on)
+        params = kit_cache.cache_init_params
+        for alloc in (
+            self.allocator,
+            getattr(self.allocator, "full_attn_allocator", None),
+            getattr(self.allocator, "swa_attn_allocator", None),
+        ):
+            if getattr(alloc, "debug_mode", False):
+                alloc.debug_mode = False
+        self.cache = sg.urc.UnifiedRadixCache(params=params)
+        self.cache.cache_init_params = params
 
     def _hicache(self, root: str | None) -> None:
         sg = self.sg
@@ -159,9 +230,7 @@ class UrcArm:
             ):
                 cm.__enter__()
                 self.exits.append(cm)
-        args = sg.server_args.ServerArgs(
-            model_path="dummy",
-            page_size=self.page,
+        args = self._server_args(
             hicache_ratio=2.0,
             hicache_io_backend="kernel",
             hicache_write_policy="write_through",
@@ -318,7 +387,7 @@ class UrcArm:
         ]
         lens = [r.prefix_len for r in reqs]
         extend = sum(totals) - sum(lens)
-        if page == 1:
+        if page == 1 or self.allocator.page_size == 1:  # the kit's Mamba allocator
             out = self._call("alloc", alloc.alloc_token_slots, cache, extend)
         else:
             plens = torch.tensor(lens, dtype=torch.int64)
@@ -357,14 +426,28 @@ class UrcArm:
         """The batch's loads start, the forward waits per layer, then its loads are checked."""
         cache = self.cache
         index = self._call("start", cache.ready_to_load_host_cache)
-        counter = self.kv.layer_transfer_counter
+        counter = getattr(self.kv, "layer_transfer_counter", None)
         if counter is not None and index is not None and index >= 0:
             counter.set_consumer(index)
-        for layer in range(self.kv.layer_num):
-            self._call("forward", self.kv.get_key_buffer, layer)
+        if self.hybrid is None:
+            for layer in range(self.kv.layer_num):
+                self._call("forward", self.kv.get_key_buffer, layer)
+            return self._call("finish_loads", cache.finish_external_linker_loads, reqs)
+        for layer in range(4):  # full 1, 3; sliding-window or Mamba 0, 2
+            if self.hybrid == "mamba" and layer in (0, 2):  # waits on the request pool
+                self._call("forward", self.r2t.mamba2_layer_cache, layer)
+            else:
+                self._call("forward", self.kv.get_key_buffer, layer)
         return self._call("finish_loads", cache.finish_external_linker_loads, reqs)
 
     def release(self, req, output: np.ndarray) -> None:
+        if self.hybrid == "mamba" and self.cache.enable_mamba_extra_buffer:
+            # the forward tracks the state on the chunk grid (schedule_batch's
+            # mamba_track_seqlen_aligned): the last grid point the request reached is
+            # where its finished state is cached
+            total = len(req.origin_input_ids) + len(output)
+            chunk = self._mamba_chunk()
+            req.kv.mamba_last_track_seqlen = (total - 1) // chunk * chunk
         req.output_ids = _tokens(output)
         req.finished_reason = self.sg.schedule_batch.FINISH_LENGTH(length=len(output))
         self._call(
@@ -390,10 +473,17 @@ class UrcArm:
 
 
 def urc_arm(
-    sg, kind: str, trace, size: int, page: int, in_flight: int, root: str
+    sg,
+    kind: str,
+    trace,
+    size: int,
+    page: int,
+    in_flight: int,
+    root: str,
+    hybrid: str | None = None,
 ) -> ArmRun:
     longest = max(len(t.prompt) + len(t.output) for t in trace)
-    arm = UrcArm(sg, kind, size, page, longest, in_flight, root)
+    arm = UrcArm(sg, kind, size, page, longest, in_flight, root, hybrid)
     pending = list(range(len(trace)))
     restored = device = failed_loads = 0
     cpu0 = time.process_time()
@@ -452,6 +542,15 @@ def tiered_arm(trace, size: int, page: int, in_flight: int) -> ArmRun:
     )
 
 
+# a hybrid run: the arms on SGLang's tree (TieredCache has no hybrid pools)
+HYBRID_ARMS = ARMS[:-1]
+HYBRID = {
+    "swa": "full-attention layers 1, 3; sliding-window layers 0, 2",
+    "mamba": "full-attention layers 1, 3; Mamba2 layers 0, 2",
+}
+WINDOW = 128  # SWA window, tokens (gpt-oss's)
+MAMBA_STATES_PER_ROW = 8  # Mamba state slots the pool holds per request row
+
 SHIMS = Shims()
 TREE_CORES: set[str] = (
     set()
@@ -471,6 +570,7 @@ def run(
     in_flight: int = 8,
     device_fraction: float = 0.10,
     sg=None,
+    hybrid: str | None = None,
 ) -> dict:
     trace = multiturn(
         sessions=150,
@@ -487,34 +587,36 @@ def run(
         -(-2 * longest // page) * page,
         int(working_set * device_fraction) // page * page,
     )
-    runs: dict[str, list[ArmRun]] = {k: [] for k in ARMS}
+    arms = ARMS if hybrid is None else HYBRID_ARMS
+    runs: dict[str, list[ArmRun]] = {k: [] for k in arms}
     for _ in range(rounds):
-        for kind in ARMS:
+        for kind in arms:
             gc.collect()
             with tempfile.TemporaryDirectory() as root:
                 if kind == "tieredcache":
                     out = tiered_arm(trace, size, page, in_flight)
                 else:
-                    out = urc_arm(sg, kind, trace, size, page, in_flight, root)
+                    out = urc_arm(sg, kind, trace, size, page, in_flight, root, hybrid)
             runs[kind].append(out)
     n = len(trace)
     med = {k: statistics.median(r.cpu for r in v) / n * 1e6 for k, v in runs.items()}
     proc = {
         k: statistics.median(r.process for r in v) / n * 1e6 for k, v in runs.items()
     }
+    head = "" if hybrid is None else f"hybrid {hybrid} ({HYBRID[hybrid]}), "
     print(
-        f"page {page}: {n} requests ({in_flight} in flight), working set {working_set} tokens, "
+        f"{head}page {page}: {n} requests ({in_flight} in flight), working set {working_set} tokens, "
         f"device pool {size} tokens ({size / working_set:.0%}), host 2x, write-through, "
         f"stores on {tempfile.gettempdir()}; {rounds} alternating rounds, medians"
     )
-    for k in ARMS:
+    for k in arms:
         last = runs[k][-1]
         print(
             f"  {LABELS[k]:<48} scheduler {med[k]:8.0f} µs/request  process {proc[k]:8.0f} "
             f"µs/request  restored {last.restored} tokens  device hits {last.device_hit}  "
             f"failed loads {last.failed_loads}"
         )
-    for k in ARMS:
+    for k in arms:
         last = runs[k][-1]
         print(
             f"  {k} by call (µs/request, last round): "
@@ -530,6 +632,18 @@ def run(
         f"  same-round ratios, linker+file / HiCache host+file: {same('linker_file', 'hicache_file')}"
     )
     print(f"  same-round ratios, linker / HiCache host: {same('linker', 'hicache')}")
+    if hybrid is not None:
+        return {
+            "page": page,
+            "hybrid": hybrid,
+            "us": med,
+            "process_us": proc,
+            "X": med["linker_file"] / med["hicache_file"],
+            "Y": med["linker"] / med["hicache"],
+            "Z": runs["linker"][-1].restored / max(1, runs["hicache"][-1].restored),
+            "restored": runs["linker"][-1].restored,
+            "hicache_restored": runs["hicache"][-1].restored,
+        }
     print(
         f"  same-round ratios, TieredCache / HiCache host+file: {same('tieredcache', 'hicache_file')}"
     )
@@ -549,6 +663,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--in-flight", type=int, default=8)
+    p.add_argument(
+        "--hybrid",
+        choices=sorted(HYBRID),
+        action="append",
+        help="run SGLang's hybrid cache (FULL+SWA, FULL+MAMBA) instead of the Full one, "
+        "with every arm but TieredCache; repeatable",
+    )
     args = p.parse_args(argv)
     pages = args.page_size or [1, 16]
     try:
@@ -566,14 +687,33 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "HiCache runs on CPU with stand-ins for its CUDA-only calls (kvtier/bench/hicache_cpu.py): "
         "its copy kernels are free no-ops, which flatters HiCache"
     )
-    results = [
-        run(page, args.requests, args.rounds, args.in_flight, sg=sg) for page in pages
-    ]
+    if args.hybrid:
+        results = [
+            run(page, args.requests, args.rounds, args.in_flight, sg=sg, hybrid=h)
+            for h in args.hybrid
+            for page in pages
+        ]
+    else:
+        results = [
+            run(page, args.requests, args.rounds, args.in_flight, sg=sg)
+            for page in pages
+        ]
     print(
         f"SGLang tree core: {', '.join(sorted(TREE_CORES))}; copy kernels HiCache launched "
         f"(free here): {sum(SHIMS.calls.values())}"
     )
     for r in results:
+        if "hybrid" in r:
+            restored = (
+                f"restored {r['Z']:.2f}x HiCache's tokens"
+                if r["hicache_restored"]
+                else f"restored {r['restored']} tokens, HiCache none"
+            )
+            print(
+                f"linker hybrid {r['hybrid']}: page {r['page']} scheduler {r['Y']:.2f}x "
+                f"HiCache (host), {restored}"
+            )
+            continue
         print(
             f"linker: page {r['page']} scheduler {r['X']:.2f}x HiCache (host+file), "
             f"{r['Y']:.2f}x HiCache (host), restored {r['Z']:.2f}x HiCache's tokens"

@@ -60,3 +60,47 @@ def test_a_short_run_prints_every_arm_and_the_ratio_lines():
     assert (
         out.stdout.count("failed loads 0 ") + out.stdout.count("failed loads 0\n") == 6
     )
+
+
+@pytest.mark.parametrize("hybrid", ["swa", "mamba"])
+def test_a_short_hybrid_run_prints_every_arm_and_its_line(hybrid):
+    """SGLang's hybrid cache (FULL+SWA, FULL+MAMBA) as its test kit builds the pools, with
+    every arm but TieredCache: each arm's line, the hybrid ratio line last, no failed load;
+    under SWA the linker restores tokens from its host tier (the trace's first turns share
+    only system prompts, where a Mamba model has no state to restore)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed")
+    out = run(
+        "import sys\nfrom kvtier.bench.linker import main\n"
+        "sys.exit(main(['--requests', '12', '--rounds', '1', '--page-size', '16', "
+        f"'--hybrid', '{hybrid}']))"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    # every host pool of HiCache's hybrid group is unpinned: a pinned one fails each L3
+    # prefetch (logged, not raised) and HiCache + file would restore less than it can
+    assert "pin_memory" not in out.stderr, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "RustUnifiedTreeCore" in out.stdout  # the server's tree core, not the kit's
+    assert re.fullmatch(
+        rf"linker hybrid {hybrid}: page 16 scheduler \d+\.\d\dx HiCache \(host\), "
+        r"restored (\d+\.\d\dx HiCache's tokens|\d+ tokens, HiCache none)",
+        lines[-1],
+    )
+    assert f"hybrid {hybrid} (" in out.stdout
+    rows = {}
+    for label in (
+        "SGLang, no tiers",
+        "SGLang HiCache, host",
+        "SGLang HiCache, host + its file L3",
+        "kvtier linker, host",
+        "kvtier linker, host + kvtier file store",
+    ):
+        found = [ln for ln in lines if ln.startswith(f"  {label:<48} scheduler ")]
+        assert len(found) == 1, (label, out.stdout)
+        rows[label] = found[0]
+    assert "TieredCache" not in out.stdout
+    for row in rows.values():
+        assert re.search(r"failed loads 0$", row), row
+    restored = int(re.search(r"restored (\d+) tokens", rows["kvtier linker, host"])[1])
+    if hybrid == "swa":
+        assert restored > 0
