@@ -63,7 +63,10 @@ _EMPTY = np.empty(0, dtype=np.int64)
 @dataclass(slots=True, frozen=True)
 class HybridAcquired(Acquired):
     """`Acquired` (FULL: `indices`, hits per tier) plus the side components of the prefix,
-    L = len(indices) tokens:
+    L = len(indices) tokens. `device_hit` counts the tokens every component had on device,
+    `host_hit` the rest (`storage_hit` is 0: no store prefetch yet); the tree's locked FULL
+    slots at the front of `indices` may reach past `device_hit` (FULL KV on device whose
+    window or state came from host).
 
     - `swa_indices`: SWA slots of tokens [swa_start, L), swa_start = max(0, L - W) with W
       the window rounded up to whole pages (empty without SWA, or when L is 0). The first
@@ -86,15 +89,14 @@ class HybridAcquired(Acquired):
 class SideHeld:
     """What a request holds of the side components: its window [swa_start, L) (`handed`:
     the first `swa_tree_len` the tree's, the rest its own, those in `copied` filled on the
-    scheduler thread, the others by its load), and its state slots (the first from
-    `acquire`; `state_copied`: filled on the scheduler thread, not by the load)."""
+    scheduler thread, the others by its load), and its state slots (the first, from
+    `acquire`, the working slot its forward advances)."""
 
     swa_start: int
     swa_tree_len: int
     handed: np.ndarray
     copied: np.ndarray
     state_slots: list[int]
-    state_copied: bool
     row: np.ndarray | None = (
         None  # its SWA row at a finish (an abort from there frees it)
     )
@@ -400,16 +402,12 @@ class HybridTieredCache(TieredCache):
             handed = joined_slots([s for _, s in pieces]) if pieces else _EMPTY
             tree_swa = handed.size
         st = own.get(Component.MAMBA)
-        state_copied = st is not None and not any(
-            e.component == Component.MAMBA for e in extras
-        )
         self._side_held[rid] = SideHeld(
             swa_start,
             tree_swa,
             concat([handed]) if handed.size else _EMPTY,
             copied,
             [] if st is None else [int(st[0])],
-            state_copied,
         )
         self._count_lookup(len(key), device_hit, length - device_hit, 0)
         full = joined_slots(self._path_slots(full_dev))
@@ -661,7 +659,7 @@ class HybridTieredCache(TieredCache):
         swa_start = max(0, aligned - self.tree.wp) if Component.SWA in self.side else 0
         state = sh.state_slots[0] if sh.state_slots else None
         self._side_held[request_id] = SideHeld(
-            swa_start, handed.size, handed, _EMPTY, sh.state_slots, True
+            swa_start, handed.size, handed, _EMPTY, sh.state_slots
         )
         self.writes.after_insert(r.added)
         return HybridAcquired(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtier.engine.hybrid import LayerKind
+from kvtier.errors import TransferError
 from kvtier.testing.parts import SimStreams
 from kvtier.tiers.components import Component
 from kvtier.tree import Tier
@@ -38,6 +39,23 @@ def all_free(cache) -> None:
         if side.mirror is not None:
             free = cache.controller.component_host_accounting(c).free
             assert free == side.mirror.size, c
+
+
+def claims_hold(cache, tokens) -> None:
+    """The match's handles claim only what is there: at `last_device_node` the window's
+    SWA KV and the state on device, at `last_host_node` on device or host."""
+    tree = cache.tree
+    m = tree.match_prefix(cache.key(tokens.tolist()), touch=False)
+    for node, tiers in (
+        (m.last_device_node, (Tier.DEVICE,)),
+        (m.last_host_node, (Tier.DEVICE, Tier.HOST)),
+    ):
+        if node is tree.root:
+            continue
+        for n in tree.window_nodes(node):
+            assert any(n.swa[t] is not None for t in tiers), (node, n)
+        if Component.MAMBA in cache.side:
+            assert any(node.mamba[t] is not None for t in tiers), node
 
 
 def serve(cache, model, tokens, rid, dense=None):
@@ -118,6 +136,7 @@ def test_random_evictions_never_give_a_length_whose_pieces_are_missing(model):
         if base.numel() > 40:
             base = base[:10]
         tokens = torch.cat([base, seq(rng.randrange(3, 12), 100 + step)])
+        claims_hold(cache, tokens)
         r = serve(cache, model, tokens, f"r{step}")
         served.append(tokens)
         hits += r.length
@@ -196,6 +215,19 @@ def test_a_failed_load_is_named_and_its_request_aborted_without_leaks(model):
         waiter.wait_layer(layer)
     assert waiter.failed() == ["r2"]
     cache.abort("r2", got.indices, swa_indices=got.swa_indices)
+    cache.drain()
+    check(cache)
+    got = cache.acquire(b.tolist(), "r2b")  # fails again; its finish is refused
+    with pytest.raises(TransferError, match="load failed"):
+        cache.cache_finished(
+            "r2b",
+            b[:16].tolist(),
+            got.indices,
+            swa_indices=got.swa_indices if Component.SWA in cache.side else None,
+        )
+    assert cache.match_prefix(b.tolist(), count=False).last_device_node is (
+        cache.tree.root
+    )
     cache.drain()
     check(cache)
     streams.auto.choice = lambda seq_: "ok"
