@@ -7,8 +7,9 @@ Two phases, as a FULL prefetch (controller/storage.py):
    pages `batch_exists` (a leading run), then per candidate end the state under the
    MAMBA namespace and the window's pages under the SWA namespace (`exists_each`); the
    longest end every component has. It reads those pages (each store page verified by its
-   frame) into buffers of its own; any page of any component missing or not verifying
-   makes the op a miss (`length` 0): never part of a prefix, never wrong bytes;
+   frame) into buffers of its own; a page of any component missing or not verifying
+   makes that end not restorable: the next shorter end whose pages all verify is taken
+   (its missing pages read then), or none (`length` 0, a miss): never wrong bytes;
 2. scheduler (`poll`): takes host slots of each component's mirror, copies the verified
    bytes in, hangs the FULL pages under the anchor (`insert_host`) and gives the nodes
    the window's SWA KV and the state (`set_component`); the request's next `acquire`
@@ -100,29 +101,35 @@ async def _find_and_read(worker, op: HybridPrefetchOp) -> None:
         )
         for j, e in enumerate(ends):
             good[j] = good[j] and all(have[max(0, e - w) - lo : e - lo])
-    best = max((e for e, g in zip(ends, good) if g), default=None)
-    if best is None or op.stop:
-        return
-    reads = [(None, list(range(first, best)))]
-    if w:
-        reads.append(("swa", list(range(max(0, best - w), best))))
-    if op.state:
-        reads.append(("mamba", [best - 1]))
-    got = {}
-    for c, pages in reads:
+    got = {
+        None: {},
+        "swa": {},
+        "mamba": {},
+    }  # per component: page -> verified bytes or None
+
+    async def have(c, pages) -> bool:
+        """Are `pages` of component `c` read and verified? (Reads those not read yet.)"""
+        todo = [i for i in pages if i not in got[c]]
+        if todo:
+            key, buffers = op.keys[c], [bytearray(op.page_bytes[c]) for _ in todo]
+            ok = await worker.call(
+                lambda: store.batch_get_into([key(chain[i]) for i in todo], buffers)
+            )
+            for i, b, good_read in zip(todo, buffers, ok):
+                got[c][i] = b if good_read else None
+        return all(got[c][i] is not None for i in pages)
+
+    for e in sorted((e for e, g in zip(ends, good) if g), reverse=True):
         if op.stop:
             return
-        key = op.keys[c]
-        buffers = [bytearray(op.page_bytes[c]) for _ in pages]
-        ok = await worker.call(
-            lambda k=key, p=pages, b=buffers: store.batch_get_into(
-                [k(chain[i]) for i in p], b
-            )
-        )
-        if not all(ok):  # a miss, or a page that did not verify: the op is a miss
-            return
-        got[c] = buffers
-    op.full = got[None]
-    op.swa = got.get("swa", [])
-    op.state_bytes = got["mamba"][0] if op.state else None
-    op.length = best - first  # last: the scheduler reads the buffers only past it
+        if not await have(None, range(first, e)):
+            continue  # a FULL page below e missing or not verifying: a shorter end
+        if w and not await have("swa", range(max(0, e - w), e)):
+            continue
+        if op.state and not await have("mamba", [e - 1]):
+            continue
+        op.full = [got[None][i] for i in range(first, e)]
+        op.swa = [got["swa"][i] for i in range(max(0, e - w), e)] if w else []
+        op.state_bytes = got["mamba"][e - 1] if op.state else None
+        op.length = e - first  # last: the scheduler reads the buffers only past it
+        return

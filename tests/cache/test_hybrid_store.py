@@ -166,17 +166,39 @@ def _damage(cache, tmp_path, component, tokens) -> int:
 
 
 @pytest.mark.parametrize("component", [Component.SWA, Component.MAMBA])
-def test_a_damaged_swa_page_or_state_makes_that_length_a_miss(
+def test_a_damaged_swa_page_or_state_makes_that_length_not_restorable(
     model, tmp_path, component
 ):
+    """Prefixes of 10 and 16 tokens stored; the window's last SWA page (or the state) of
+    16 damaged: 16 is not restorable, a shorter length whose every page verifies is (10
+    with states; 14 with SWA alone, whose window [8, 14) is intact), byte-right."""
     cache = make_hybrid(model, tmp_path, store="file")
     if component not in cache.side:
         pytest.skip(f"no {component.value} in this model")
     a = seq(16, 31)
+    serve(cache, model, a[:10], "w0")
     stored(cache, model, tmp_path, a)
     assert _damage(cache, tmp_path, component, a) == 1
     cache.flush()
     b = torch.cat([a, seq(3, 32)])
+    r = serve(cache, model, b, "r1")  # logits equal to the uncached run's
+    want = 10 if Component.MAMBA in cache.side else 14
+    assert r.length == r.got.storage_hit == want
+    cache.drain()
+    check(cache)
+    cache.close()
+    all_free(cache)
+
+
+def test_a_damaged_state_with_no_shorter_one_is_a_miss(model, tmp_path):
+    cache = make_hybrid(model, tmp_path, store="file")
+    if Component.MAMBA not in cache.side:
+        pytest.skip("no mamba in this model")
+    a = seq(16, 33)
+    stored(cache, model, tmp_path, a)
+    assert _damage(cache, tmp_path, Component.MAMBA, a) == 1
+    cache.flush()
+    b = torch.cat([a, seq(3, 34)])
     r = serve(cache, model, b, "r1")  # a miss, and the run from scratch is right
     assert r.length == 0 and r.got.storage_hit == 0
     assert cache.tree.total_size(H) == 0  # nothing of the damaged prefix was kept
