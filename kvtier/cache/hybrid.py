@@ -912,7 +912,9 @@ class HybridTieredCache(TieredCache):
     def stats(self) -> dict:
         """`TieredCache.stats`, plus per side component (`components`): what restores read
         from each tier (`hits_device`, `hits_host`: SWA tokens, states) and where its slots
-        are (`device_free`, `device_tree`, `host_free`, `host_tree`)."""
+        are (`device_free`, `device_tree`, `host_free`, `host_tree`); with a store, the
+        pages its backups stored and failed to store (`store_write_pages`,
+        `store_write_failures`; SWA pages, states)."""
         out = super().stats()
         comps = {}
         for c, side in self.side.sides.items():
@@ -929,6 +931,12 @@ class HybridTieredCache(TieredCache):
                 entry["host_tree"] = tree.component_evictable_size(
                     c, H
                 ) + tree.component_protected_size(c, H)
+            if c in self.writes.side_stored:
+                stored, failed = self.writes.side_stored[c]
+                entry["store_write_pages"], entry["store_write_failures"] = (
+                    stored,
+                    failed,
+                )
             comps[c.value] = entry
         out["components"] = comps
         return out

@@ -94,8 +94,10 @@ def stored(cache, model, tmp_path, tokens) -> dict:
     serve(cache, model, tokens, "w")
     cache.drain()
     counts = cache.writes.side_stored
+    comps = cache.stats()["components"]
     for c in cache.side.sides:  # every side component went to the store, nothing failed
         assert counts[c][0] > 0 and counts[c][1] == 0, (c, counts)
+        assert comps[c.value]["store_write_pages"] == counts[c][0]
     snap = snapshot(cache, tokens)
     check(cache)
     return snap
