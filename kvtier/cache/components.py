@@ -75,9 +75,6 @@ class SideSlots:
     def pool(self, component: Component) -> DeviceKVPool:
         return self.sides[component].pool
 
-    def has_host(self) -> bool:
-        return all(s.mirror is not None for s in self.sides.values())
-
     # -- device -------------------------------------------------------------------------------
 
     def alloc_device(self, component: Component, n: int) -> np.ndarray | None:

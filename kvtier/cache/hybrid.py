@@ -35,6 +35,7 @@ host; a host part is loaded into slots the request owns. A full-attention caller
 
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 from collections.abc import Mapping, Sequence
@@ -46,24 +47,48 @@ import torch
 from kvtier.cache.components import SideSlots
 from kvtier.cache.facade import Acquired, TieredCache
 from kvtier.cache.requests import Held
+from kvtier.cache import side_prefetch
 from kvtier.cache.side_ops import HybridLoads, HybridWrites
+from kvtier.cache.side_prefetch import HybridPrefetchOp
 from kvtier.config import load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import ComponentCopy
+from kvtier.hashing import key_maker
+from kvtier.storeio.writes import Manifest
 from kvtier.tiers.components import Component, ComponentSpec
 from kvtier.tiers.indices import check_size, check_slots, concat, tensor
 from kvtier.tiers.streams import make_stream
-from kvtier.tree import HybridRadixTree, Tier
+from kvtier.tree import HybridRadixTree, KnownHashes, Tier
 from kvtier.tree.radix import joined_slots
 
+log = logging.getLogger(__name__)
 D, H = Tier.DEVICE, Tier.HOST
 _EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(eq=False)
+class SidePrefetch:
+    """A request's store prefetch (`cache/side_prefetch.py`), on the scheduler's side:
+    the key, the anchor it hangs under (protected on host until applied), and once
+    applied the tokens [lo, hi) it put on host."""
+
+    op: HybridPrefetchOp
+    key: object
+    anchor: object
+    applied: bool = False
+    discarded: bool = False  # its request was aborted: nobody takes it
+    awaited: bool = False  # and a new request with its id waits: name it at the end
+    span: tuple[int, int] = (0, 0)
 
 
 @dataclass(slots=True, frozen=True)
 class HybridAcquired(Acquired):
     """`Acquired` (FULL: `indices`, hits per tier) plus the side components of the prefix,
-    L = len(indices) tokens:
+    L = len(indices) tokens. `device_hit` counts the tokens every component had on device,
+    `host_hit` the tokens found on host, `storage_hit` those a store prefetch brought (every
+    component of them restorable from it: `cache/side_prefetch.py`); the tree's locked FULL
+    slots at the front of `indices` may reach past `device_hit` (FULL KV on device whose
+    window or state came from host).
 
     - `swa_indices`: SWA slots of tokens [swa_start, L), swa_start = max(0, L - W) with W
       the window rounded up to whole pages (empty without SWA, or when L is 0). The first
@@ -86,15 +111,14 @@ class HybridAcquired(Acquired):
 class SideHeld:
     """What a request holds of the side components: its window [swa_start, L) (`handed`:
     the first `swa_tree_len` the tree's, the rest its own, those in `copied` filled on the
-    scheduler thread, the others by its load), and its state slots (the first from
-    `acquire`; `state_copied`: filled on the scheduler thread, not by the load)."""
+    scheduler thread, the others by its load), and its state slots (the first, from
+    `acquire`, the working slot its forward advances)."""
 
     swa_start: int
     swa_tree_len: int
     handed: np.ndarray
     copied: np.ndarray
     state_slots: list[int]
-    state_copied: bool
     row: np.ndarray | None = (
         None  # its SWA row at a finish (an abort from there frees it)
     )
@@ -118,8 +142,10 @@ class HybridTieredCache(TieredCache):
         of each model layer, bottom up (`Component.FULL` for a full-attention layer, `SWA`
         for a sliding-window one, `MAMBA` for a recurrent one): `begin_forward`'s waiter
         counts the model's layers and a load lands layer i's component data before
-        `wait_layer(i)` returns. One rank (no tensor parallelism); the store keeps FULL
-        pages only (a hybrid request is not prefetched from it)."""
+        `wait_layer(i)` returns. One rank (no tensor parallelism). The store keeps every
+        component's pages, each under its namespace (`tiers/components.py`; store pages of
+        one device page: with `store.page_tokens` > page_size it keeps FULL pages only and
+        a hybrid request is not prefetched from it)."""
         self._specs = _check_specs(components)
         self._plan = _layer_plan(layers, self._specs)
         swa = self._specs.get(Component.SWA)
@@ -155,15 +181,27 @@ class HybridTieredCache(TieredCache):
             self._specs, self.config.mirror, self.tree, self.controller
         )
         self._side_held: dict[str, SideHeld] = {}
+        # per side component: its store namespace's key maker and manifest
+        self._side_store = {}
+        prefix = self.config.store.key_prefix
+        for c, side in self.side.sides.items():
+            if side.mirror is None or self.controller.storage is None:
+                continue
+            ns = self._specs[c].namespace(self.namespace)
+            manifest = Manifest(prefix, ns.id, ns.manifest(side.mirror.page_bytes))
+            self._side_store[c] = (key_maker(prefix, ns.id), manifest)
         # what restores read of each side component, per tier it came from (SWA in tokens,
         # MAMBA in states): stats()["components"]
         self._side_hits = {
             (c, t): 0 for c in self.side.sides for t in ("device", "host")
         }
+        self._prefetches: dict[str, SidePrefetch] = {}  # store prefetches, by request
+        self._named: list[str] = []  # requests named ready outside a poll (a drain)
+        self._storage_span = (0, 0)
         super()._wire(device_allocator, clock)
 
     def _new_writes(self, *args) -> HybridWrites:
-        return HybridWrites(self.side, *args)
+        return HybridWrites(self.side, self._side_store, *args)
 
     def _new_loads(self, *args) -> HybridLoads:
         return HybridLoads(self.side, *args)
@@ -234,7 +272,11 @@ class HybridTieredCache(TieredCache):
         device path is locked; the window's and the state's device parts are used in
         place under that lock (or copied into the request's slots), their host parts (and
         the host FULL path) loaded in one load op per request whose layer i lands before
-        `wait_layer(i)`. Never waits; `ready` is always True (no store prefetch)."""
+        `wait_layer(i)`. Never waits: as `TieredCache.acquire`, a first call may start a
+        store prefetch of what lies past the match (every component up to the longest
+        length each can restore, `cache/side_prefetch.py`) and return `ready=False`,
+        holding nothing; a later `poll()` names the request, then acquire it again. The
+        prefetch runs to its end (the prefetch policy's early go-ahead is not applied)."""
         self._check_open("acquire")
         if not isinstance(request_id, str):
             raise ValueError(f"acquire: request_id={request_id!r}: must be a str")
@@ -242,8 +284,20 @@ class HybridTieredCache(TieredCache):
             raise ValueError(
                 f"acquire: request_id={request_id!r} already holds a prefix; finish or abort it first"
             )
+        p = self._prefetches.get(request_id)
+        if p is not None and not (p.applied and not p.discarded):
+            p.awaited = p.awaited or p.discarded
+            return HybridAcquired(False, torch.empty(0, dtype=torch.int64))
         key = self.key(tokens, extra_key)
-        m = self.tree.match_prefix(key)
+        if p is None:
+            m = self.tree.match_prefix(key)
+            if self._start_prefetch(request_id, key, m):
+                return HybridAcquired(False, torch.empty(0, dtype=torch.int64))
+            self._storage_span = (0, 0)
+        else:
+            del self._prefetches[request_id]
+            m = self.tree.match_prefix(key, touch=False)
+            self._storage_span = p.span
         if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
             self.writes.write_hot_path(m.last_device_node)
         got = self._restore(request_id, key, m.last_host_node, m.device_slots.size)
@@ -400,18 +454,16 @@ class HybridTieredCache(TieredCache):
             handed = joined_slots([s for _, s in pieces]) if pieces else _EMPTY
             tree_swa = handed.size
         st = own.get(Component.MAMBA)
-        state_copied = st is not None and not any(
-            e.component == Component.MAMBA for e in extras
-        )
         self._side_held[rid] = SideHeld(
             swa_start,
             tree_swa,
             concat([handed]) if handed.size else _EMPTY,
             copied,
             [] if st is None else [int(st[0])],
-            state_copied,
         )
-        self._count_lookup(len(key), device_hit, length - device_hit, 0)
+        lo, hi = self._storage_span
+        storage = max(0, min(length, hi) - max(device_hit, lo))
+        self._count_lookup(len(key), device_hit, length - device_hit - storage, storage)
         full = joined_slots(self._path_slots(full_dev))
         slots = full if load is None else concat([full, load.device_slots])
         assert slots.size == length, (
@@ -421,8 +473,8 @@ class HybridTieredCache(TieredCache):
             True,
             tensor(concat([slots]) if slots.size else _EMPTY),
             device_hit,
-            length - device_hit,
-            0,
+            length - device_hit - storage,
+            storage,
             tensor(self._side_held[rid].handed),
             swa_start,
             tree_swa,
@@ -435,6 +487,179 @@ class HybridTieredCache(TieredCache):
             out.append(node.values[D])
             node = node.parent
         return out[::-1]
+
+    # -- the store ----------------------------------------------------------------------------
+
+    def _start_prefetch(self, request_id: str, key, m) -> bool:
+        """Start the store prefetch of the pages past the match (`cache/side_prefetch.py`)
+        if the store may hold some; True if started (the request waits for a poll)."""
+        storage = self.controller.storage
+        if storage is None or len(self._side_store) < len(self.side.sides):
+            return False
+        if storage.group > 1 or not self.config.controller.storage_backup:
+            return False  # one store page a device page only (what the backup stores)
+        anchor = m.last_host_node
+        if anchor is not self.tree.root and not anchor.backed_up:
+            return False  # the pages hang under a host copy
+        ps = self.page_size
+        start = 0 if anchor is self.tree.root else anchor.end
+        pages = (len(key) - start) // ps
+        if pages <= 0 or pages * ps < self.config.controller.prefetch_min_tokens:
+            return False
+        prefix = self.config.store.key_prefix
+        keys = {None: key_maker(prefix, self.tree.namespace_id)}
+        page_bytes = {None: self.mirror.page_bytes}
+        for c, (key_of, _) in self._side_store.items():
+            keys[c.value] = key_of
+            page_bytes[c.value] = self.side.sides[c].mirror.page_bytes
+        has_swa = Component.SWA in self.side
+        op = HybridPrefetchOp(
+            request_id,
+            self.tree.hashing_below(self.tree.root, key[: start + pages * ps]),
+            start // ps,
+            pages,
+            self.tree.wp // ps if has_swa else 0,
+            Component.MAMBA in self.side,
+            keys,
+            page_bytes,
+        )
+        if anchor is not self.tree.root:
+            self.tree.protect_host(anchor)
+        self._prefetches[request_id] = SidePrefetch(op, key, anchor)
+        side_prefetch.submit(storage, op)
+        self.stats_obj.counters.prefetches += 1
+        return True
+
+    def poll(self) -> list[str]:
+        """`TieredCache.poll`, and the store prefetches of hybrid requests that ended."""
+        ready = super().poll()
+        named, self._named = self._named, []
+        return ready + named + self._apply_prefetches()
+
+    def _apply_prefetches(self) -> list[str]:
+        ready = []
+        for rid, p in list(self._prefetches.items()):
+            if p.applied or not p.op.finished:
+                continue
+            p.applied = True
+            try:
+                if not p.discarded:
+                    p.span = self._insert_prefetched(p)
+            except Exception:  # contained: the request goes on with what the tree has
+                self.stats_obj.counters.apply_errors += 1
+                log.exception("kvtier: applying the store prefetch of %r failed", rid)
+            finally:
+                if p.anchor is not self.tree.root:
+                    self.tree.release_host(p.anchor)
+                    p.anchor = self.tree.root
+            if p.discarded:
+                del self._prefetches[rid]
+            if not p.discarded or p.awaited:
+                ready.append(rid)
+        return ready
+
+    def _insert_prefetched(self, p: SidePrefetch) -> tuple[int, int]:
+        """Host copies of what the op read and verified, every component's, hung in the
+        tree; the tokens [lo, hi) of the store part ((0, 0): a miss, nothing kept)."""
+        op, ps = p.op, self.page_size
+        n = op.length
+        self.stats_obj.counters.prefetch_errors += op.error is not None
+        if n == 0:
+            return 0, 0
+        lo, hi = op.first * ps, (op.first + n) * ps
+        self.slots.make_host_room(n * ps)
+        full = self.controller.alloc_host(n * ps)
+        got = {}
+        for c, count in (
+            (Component.SWA, len(op.swa) * ps),
+            (Component.MAMBA, 1 if op.state else 0),
+        ):
+            if count and full is not None:
+                got[c] = self.side.alloc_host(c, count)
+                if got[c] is None:
+                    full = None
+        if full is None:  # short of host room: a miss
+            for c, slots in got.items():
+                if slots is not None:
+                    self.side.free_host(c, slots)
+            return 0, 0
+        _fill(self.mirror, full[::ps] // ps, op.full)
+        if Component.SWA in got:
+            _fill(
+                self.side.sides[Component.SWA].mirror,
+                got[Component.SWA][::ps] // ps,
+                op.swa,
+            )
+        if Component.MAMBA in got:
+            _fill(
+                self.side.sides[Component.MAMBA].mirror,
+                got[Component.MAMBA],
+                [op.state_bytes],
+            )
+        r = self.tree.insert_host(
+            p.anchor,
+            p.key[lo:hi],
+            full,
+            KnownHashes(0, op.chain[op.first : op.first + n]),
+        )
+        self.controller.free_host(full[: r.prefix_len])
+        node = r.last_node
+        assert node.end == hi, f"a prefetch of [{lo}, {hi}) ended at {node}"
+        self.tree.protect_host(node)  # its window stays live while it is filled in
+        try:
+            self._set_prefetched(node, got, hi)
+        finally:
+            self.tree.release_host(node)
+        self.stats_obj.counters.l3_read_pages += n
+        return lo, hi
+
+    def _set_prefetched(self, node, got: dict, hi: int) -> None:
+        state = got.get(Component.MAMBA)
+        if state is not None:
+            if node.mamba[H] is None:
+                self.tree.set_component(node, Component.MAMBA, H, int(state[0]))
+            else:
+                self.side.free_host(Component.MAMBA, state)
+        swa = got.get(Component.SWA)
+        if swa is None:
+            return
+        self.tree._cut_window(node)
+        start = hi - swa.size
+        kept = np.zeros(swa.size, dtype=bool)
+        for n in self.tree.window_nodes(node):
+            a, b = n.start - start, n.end - start
+            if a < 0 or n.swa[H] is not None or n.values[H] is None:
+                continue  # the tree has it there (or cannot take it): ours is unused
+            self.tree.set_component(n, Component.SWA, H, swa[a:b])
+            kept[a:b] = True
+        if not kept.all():
+            self.side.free_host(Component.SWA, swa[~kept])
+
+    def _end_prefetches(self) -> None:
+        """Stop every store prefetch, wait for them and apply them (a drain, a flush, a
+        close): requests waiting on one are named ready by the next poll."""
+        if not self._prefetches:
+            return
+        for p in self._prefetches.values():
+            p.op.stop = True
+        storage = self.controller.storage
+        if storage is not None:
+            storage.drain(self.config.store.timeout_s + 30.0)
+        self._named += self._apply_prefetches()
+
+    def drain(self) -> None:
+        self._check_open("drain")
+        self._end_prefetches()
+        super().drain()
+
+    def flush(self) -> None:
+        self._end_prefetches()
+        super().flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._end_prefetches()
+        super().close()
 
     # -- finishing a request ------------------------------------------------------------------
 
@@ -562,6 +787,12 @@ class HybridTieredCache(TieredCache):
         """`TieredCache.abort`, plus: the request's SWA row (its own slots in it are
         freed; the tree's are unlocked) and every state slot the request owns. Without
         the row, the window `acquire` handed is freed but `alloc_swa` slots are not."""
+        p = self._prefetches.get(request_id)
+        if p is not None:  # what it landed stays on host for others
+            if p.applied:
+                del self._prefetches[request_id]
+            else:
+                p.discarded = p.op.stop = True
         sh = self._side_held.get(request_id)
         row = None
         if sh is not None and swa_indices is not None:
@@ -661,7 +892,7 @@ class HybridTieredCache(TieredCache):
         swa_start = max(0, aligned - self.tree.wp) if Component.SWA in self.side else 0
         state = sh.state_slots[0] if sh.state_slots else None
         self._side_held[request_id] = SideHeld(
-            swa_start, handed.size, handed, _EMPTY, sh.state_slots, True
+            swa_start, handed.size, handed, _EMPTY, sh.state_slots
         )
         self.writes.after_insert(r.added)
         return HybridAcquired(
@@ -681,7 +912,9 @@ class HybridTieredCache(TieredCache):
     def stats(self) -> dict:
         """`TieredCache.stats`, plus per side component (`components`): what restores read
         from each tier (`hits_device`, `hits_host`: SWA tokens, states) and where its slots
-        are (`device_free`, `device_tree`, `host_free`, `host_tree`)."""
+        are (`device_free`, `device_tree`, `host_free`, `host_tree`); with a store, the
+        pages its backups stored and failed to store (`store_write_pages`,
+        `store_write_failures`; SWA pages, states)."""
         out = super().stats()
         comps = {}
         for c, side in self.side.sides.items():
@@ -698,6 +931,12 @@ class HybridTieredCache(TieredCache):
                 entry["host_tree"] = tree.component_evictable_size(
                     c, H
                 ) + tree.component_protected_size(c, H)
+            if c in self.writes.side_stored:
+                stored, failed = self.writes.side_stored[c]
+                entry["store_write_pages"], entry["store_write_failures"] = (
+                    stored,
+                    failed,
+                )
             comps[c.value] = entry
         out["components"] = comps
         return out
@@ -711,6 +950,12 @@ class HybridTieredCache(TieredCache):
             raise AssertionError(
                 "kvtier accounting broken:\n  " + "\n  ".join(problems)
             )
+
+
+def _fill(mirror, pages: np.ndarray, buffers: list) -> None:
+    """Copy verified store pages into host `pages` of `mirror`."""
+    data = np.frombuffer(b"".join(buffers), dtype=np.uint8)
+    mirror.write_pages(pages, data.reshape(len(buffers), mirror.page_bytes))
 
 
 def _check_specs(components) -> dict[Component, ComponentSpec]:

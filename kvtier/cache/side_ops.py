@@ -6,11 +6,18 @@ they land, fail and roll back together. Scheduler thread only.
   it lands, each half the node was split into during the write gets its share on host
   (`set_component`); a failed write frees the side host slots it reserved. The device
   slots it reads are pinned (`SideSlots.pin`) until it is applied.
+- When a node's FULL pages are backed up to the store, its SWA KV and state on host are
+  too, each under its component's namespace (`tiers/components.py`): SWA page i under the
+  hash of the node's page i, the state under the hash of its last page; their host slots
+  stay pinned until the backup is applied (one store page a device page only).
 - A request's load carries the host parts of its window's SWA KV and of its state into
   slots the request owns; the host slots it reads are pinned until it is applied.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,6 +25,7 @@ from kvtier.cache.components import SideSlots
 from kvtier.cache.loads import Loads
 from kvtier.cache.writes import Writes
 from kvtier.controller.controller import ComponentCopy, LoadOp, WriteOp
+from kvtier.storeio.ops import PageKeys
 from kvtier.tiers.components import Component
 from kvtier.tiers.indices import concat
 from kvtier.tree import Tier, TreeNode
@@ -26,10 +34,25 @@ D, H = Tier.DEVICE, Tier.HOST
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
+@dataclass(eq=False)
+class SideBackup:
+    """The tag of a side component's store backup: the host slots it reads (pinned until
+    it is applied) and what it stored."""
+
+    component: Component
+    slots: np.ndarray
+
+
 class HybridWrites(Writes):
-    def __init__(self, side: SideSlots, *args, **kwargs) -> None:
+    def __init__(self, side: SideSlots, side_store: dict, *args, **kwargs) -> None:
+        """`side_store`: per side component with a store, (key maker of its namespace,
+        its Manifest)."""
         super().__init__(*args, **kwargs)
         self.side = side
+        self.side_store = side_store
+        self._to_store: list[TreeNode] | None = None  # nodes of the write being applied
+        # per side component: pages the store took, and pages it did not
+        self.side_stored = {c: [0, 0] for c in side_store}
 
     def write_node(self, node: TreeNode) -> bool:
         """`Writes.write_node`, with the node's side components on device and not on host."""
@@ -77,7 +100,83 @@ class HybridWrites(Writes):
                 self.side.free_host(x.component, x.host_slots)
 
     def apply(self, op: WriteOp[TreeNode]) -> None:
-        super().apply(op)
+        self._to_store = []
+        try:
+            super().apply(op)
+            self._apply_extras(op)
+        finally:
+            nodes, self._to_store = self._to_store, None
+        for node in nodes:  # once the side components it carried are on host
+            self._backup_sides(node)
+
+    def _backup_to_store(self, node: TreeNode) -> None:
+        super()._backup_to_store(node)
+        if self._to_store is not None:
+            self._to_store.append(node)
+        else:
+            self._backup_sides(node)
+
+    def _backup_sides(self, node: TreeNode) -> None:
+        """Store `node`'s SWA KV and state on host under their namespaces, with its FULL
+        pages (docs/design.md, "Hybrid models: components"): the SWA page i under the hash
+        of the node's page i, the state under the hash of its last page. The host slots
+        are pinned until the backup is applied."""
+        storage = self.ctl.storage
+        if (
+            not self.side_store
+            or storage is None
+            or not self.cfg.storage_backup
+            or storage.group > 1
+            or not self.tree._in_tree(node)
+        ):
+            return
+        chain = functools.cache(self.tree.hashing_of(node))
+        for component, values in (
+            (Component.SWA, node.swa),
+            (Component.MAMBA, node.mamba),
+        ):
+            if component not in self.side_store or values[H] is None:
+                continue
+            key_of, manifest = self.side_store[component]
+            if component == Component.SWA:
+                slots = np.asarray(values[H], dtype=np.int64)
+                pages = slots[:: self.page_size] // self.page_size
+                keys = PageKeys(chain, key_of, len(pages))
+            else:
+                slots = np.array([values[H]], dtype=np.int64)
+                pages = slots
+                keys = PageKeys(lambda c=chain: c()[-1:], key_of, 1)
+            self.side.pin(component, H, slots)
+            self.ctl.backup(
+                keys,
+                pages,
+                SideBackup(component, slots),
+                component=component,
+                manifest=manifest,
+            )
+
+    def apply_backup(self, op) -> None:
+        if not isinstance(op.tag, SideBackup):
+            super().apply_backup(op)
+            return
+        tag, op.tag = op.tag, None
+        if tag is None:
+            return
+        self.side.unpin(tag.component, H, tag.slots)
+        good = sum(op.ok or [])
+        counts = self.side_stored[tag.component]
+        counts[0] += good
+        counts[1] += len(op.keys) - good
+
+    def release_backup(self, op) -> None:
+        if not isinstance(op.tag, SideBackup) and op.tag is not None:
+            super().release_backup(op)
+            return
+        tag, op.tag = op.tag, None
+        if tag is not None:
+            self.side.unpin(tag.component, H, tag.slots)
+
+    def _apply_extras(self, op: WriteOp[TreeNode]) -> None:
         extras, op.extras = op.extras, ()
         if not extras:
             return

@@ -386,12 +386,17 @@ class CacheController:
         tag: Tag,
         lead_in: np.ndarray | None = None,
         deferred: int = 0,
+        component=None,
+        manifest=None,
     ) -> BackupOp | None:
+        """`component`: the pages are host pages of that side component's mirror
+        (`add_component`), stored under its own namespace (`manifest`: its Manifest)."""
         if self.storage is None:
             return None
         op = BackupOp(keys, host_pages, tag, lead_in=lead_in, deferred=deferred)
         self._queues[OpKind.BACKUP].append(op)
-        self.storage.submit_backup(op)
+        mirror = None if component is None else self.components[component][1]
+        self.storage.submit_backup(op, mirror, manifest)
         return op
 
     def prefetch(self, op: PrefetchOp) -> None:

@@ -171,8 +171,15 @@ class StorageWorker:
     def submit_prefetch(self, op: PrefetchOp) -> None:
         self.store_loop.start(self._prefetch(op))
 
-    def submit_backup(self, op: BackupOp) -> None:
-        self.store_loop.start(self._backup(op))
+    def submit_backup(
+        self,
+        op: BackupOp,
+        mirror: HostMirror | None = None,
+        manifest: Manifest | None = None,
+    ) -> None:
+        """`mirror`, `manifest`: a side component's (a hybrid model's SWA KV or states,
+        one store page a host page), in place of the cache's own."""
+        self.store_loop.start(self._backup(op, mirror, manifest))
 
     def touch(self, keys: PageKeys) -> None:
         """Called from the scheduler thread: these pages just left host, so the store's
@@ -333,17 +340,39 @@ class StorageWorker:
                 mirror.write_page(p, t)
         return ok
 
-    async def _backup(self, op: BackupOp) -> None:
+    async def _backup(
+        self,
+        op: BackupOp,
+        mirror: HostMirror | None = None,
+        manifest: Manifest | None = None,
+    ) -> None:
         """Finished only once the store stopped reading the host pages (they stay protected)."""
         await lifetime(
             self.breaker,
             op,
-            lambda: self._backup_calls(op),
+            lambda: self._backup_calls(op, mirror, manifest),
             lambda: self.moved(backup=True),
             finish_settled=True,
         )
 
-    async def _backup_calls(self, op: BackupOp) -> KvtierError | None:
+    async def _backup_calls(
+        self,
+        op: BackupOp,
+        mirror: HostMirror | None = None,
+        manifest: Manifest | None = None,
+    ) -> KvtierError | None:
+        if mirror is not None:  # a side component's pages: one store page each
+            write = partial(
+                write_pages,
+                self.breaker,
+                self.store,
+                op,
+                partial(payloads, mirror),
+                mirror.page_bytes,
+            )
+            return await backup_calls(
+                self.breaker, self.store, op, manifest, write, self._complain
+            )
         if self.group == 1:
             write = partial(
                 write_pages,

@@ -7,9 +7,10 @@ are stored under.
 | SWA       | mha / mla, the sliding-window layers    | `page_size` tokens' KV           | `swa:window=W`        |
 | MAMBA     | `StatePoolConfig`, recurrent layers     | one sequence's state (one slot)  | `mamba`               |
 
-Each component has its own pool, mirror and controller (the same two-phase ops and
-fail-closed rules for every one: the controller moves slots of any pool); only the
-namespace tells them apart in the store. A component's namespace takes the dtype, layout
+Each component has its own pool and mirror; one controller moves the slots of all of
+them, a node's or a request's side components in the same two-phase op as its FULL KV
+(`CacheController.add_component`, the cache's `cache/components.py`); only the namespace
+tells them apart in the store. A component's namespace takes the dtype, layout
 (`PoolConfig.page_layout`: layers and heads, or the state's shape) and page size of its own
 pool, and the window, so two models that differ in any of them never share a stored page:
 its key names another namespace id, and its frame another namespace (a miss).

@@ -69,8 +69,7 @@ class Served:
 
     def __init__(self, cache: HybridTieredCache, model: HybridModel, tokens, rid: str):
         self.cache, self.model, self.tokens, self.rid = cache, model, tokens, rid
-        self.got = got = cache.acquire(tokens.tolist(), rid)
-        assert got.ready
+        self.got = got = acquire(cache, tokens, rid)
         L, n = len(got.indices), len(tokens) - len(got.indices)
         assert n > 0, "the test leaves at least one token to compute"
         self.length = L
@@ -130,6 +129,20 @@ class Served:
 
     def abort(self) -> None:
         self.cache.abort(self.rid, self.kv_row(), swa_indices=self.swa_row())
+
+
+def acquire(cache: HybridTieredCache, tokens, rid: str):
+    """`acquire` as a scheduler runs it: while a store prefetch is in flight the request
+    waits, polled until a poll names it, then acquired again."""
+    got = cache.acquire(tokens.tolist(), rid)
+    for _ in range(10_000):
+        if got.ready:
+            return got
+        if rid in cache.poll():
+            got = cache.acquire(tokens.tolist(), rid)
+        else:
+            cache.wait_progress(0.01)
+    raise AssertionError(f"{rid} was never named ready")
 
 
 def _alloc(cache, alloc, n):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtier.engine.hybrid import LayerKind
+from kvtier.errors import TransferError
 from kvtier.testing.parts import SimStreams
 from kvtier.tiers.components import Component
 from kvtier.tree import Tier
@@ -38,6 +39,23 @@ def all_free(cache) -> None:
         if side.mirror is not None:
             free = cache.controller.component_host_accounting(c).free
             assert free == side.mirror.size, c
+
+
+def claims_hold(cache, tokens) -> None:
+    """The match's handles claim only what is there: at `last_device_node` the window's
+    SWA KV and the state on device, at `last_host_node` on device or host."""
+    tree = cache.tree
+    m = tree.match_prefix(cache.key(tokens.tolist()), touch=False)
+    for node, tiers in (
+        (m.last_device_node, (Tier.DEVICE,)),
+        (m.last_host_node, (Tier.DEVICE, Tier.HOST)),
+    ):
+        if node is tree.root:
+            continue
+        for n in tree.window_nodes(node):
+            assert any(n.swa[t] is not None for t in tiers), (node, n)
+        if Component.MAMBA in cache.side:
+            assert any(node.mamba[t] is not None for t in tiers), node
 
 
 def serve(cache, model, tokens, rid, dense=None):
@@ -118,6 +136,7 @@ def test_random_evictions_never_give_a_length_whose_pieces_are_missing(model):
         if base.numel() > 40:
             base = base[:10]
         tokens = torch.cat([base, seq(rng.randrange(3, 12), 100 + step)])
+        claims_hold(cache, tokens)
         r = serve(cache, model, tokens, f"r{step}")
         served.append(tokens)
         hits += r.length
@@ -198,6 +217,19 @@ def test_a_failed_load_is_named_and_its_request_aborted_without_leaks(model):
     cache.abort("r2", got.indices, swa_indices=got.swa_indices)
     cache.drain()
     check(cache)
+    got = cache.acquire(b.tolist(), "r2b")  # fails again; its finish is refused
+    with pytest.raises(TransferError, match="load failed"):
+        cache.cache_finished(
+            "r2b",
+            b[:16].tolist(),
+            got.indices,
+            swa_indices=got.swa_indices if Component.SWA in cache.side else None,
+        )
+    assert cache.match_prefix(b.tolist(), count=False).last_device_node is (
+        cache.tree.root
+    )
+    cache.drain()
+    check(cache)
     streams.auto.choice = lambda seq_: "ok"
     serve(cache, model, b, "r3")  # the host copy is still good
     cache.drain()
@@ -230,11 +262,11 @@ def test_a_failed_write_keeps_no_side_component_on_host(model):
     all_free(cache)
 
 
-def test_the_file_store_keeps_full_pages_and_a_hybrid_restore_from_it_is_a_miss(
+def test_the_file_store_keeps_every_component_and_a_flushed_prefix_comes_back_from_it(
     model, tmp_path
 ):
-    """The store holds FULL pages only for now: after a flush the prefix is a miss (the
-    window and state are not in the store), and the run from scratch is right."""
+    """After a flush the prefix comes back from the store, every component with it, and
+    the resumed run is right (tests/cache/test_hybrid_store.py checks the bytes)."""
     cache = make_hybrid(model, tmp_path, store="file")
     a = seq(16, 14)
     serve(cache, model, a, "r1")
@@ -243,7 +275,7 @@ def test_the_file_store_keeps_full_pages_and_a_hybrid_restore_from_it_is_a_miss(
     cache.flush()
     check(cache)
     r = serve(cache, model, torch.cat([a, seq(3, 15)]), "r2")
-    assert r.length == 0
+    assert (r.length, r.got.storage_hit) == (16, 16)
     cache.drain()
     check(cache)
     cache.close()
