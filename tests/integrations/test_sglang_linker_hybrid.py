@@ -199,6 +199,21 @@ def test_a_long_tails_lengths_are_thinned_alike_on_every_rank(sg):
     assert thinned([], 64) == [] and thinned([3, 5], 5) == [3, 5]
 
 
+def test_a_short_sparse_set_of_lengths_is_named_whole_so_ranks_still_meet(sg):
+    """Mamba restores only at node ends: a rank whose store read of the state at 13
+    failed answers [5], its peer [5, 13]. Both can restore 5, and SGLang's intersection
+    must find it; thinning each set to the stride of 4 would leave [5] and [13], which
+    never meet, and the request would recompute 5 pages both ranks hold."""
+    from kvtier.integrations.sglang.linker.shell import LENGTHS, thinned
+
+    a, b = [5, 13], [5]
+    assert max(set(thinned(a, 64)) & set(thinned(b, 64))) == 5
+    sparse = list(range(3, 3 + 2 * (LENGTHS + 1), 2))  # 17 lengths: named whole
+    assert thinned(sparse, 64) == sparse
+    longer = list(range(1, LENGTHS + 3))  # 18: thinned as before
+    assert thinned(longer, 64) == [4, 8, 12, 16, 18]
+
+
 @pytest.mark.parametrize("store", ["none", "file"])
 def test_full_swa_and_mamba_together(sg, tmp_path, request, store):
     """(FULL, SWA, MAMBA): SGLang's SWAKVPool beside a Mamba request pool; every load
