@@ -184,6 +184,17 @@ def test_every_pools_namespace_names_the_models_window(sg, tmp_path):
     b.close()
 
 
+def test_a_mamba_pool_with_int8_checkpoints_is_refused(sg, tmp_path):
+    """With SGLang's --enable-int8-mamba-checkpoint a tree node's Mamba value is a slot of
+    the int8 checkpoint pool, not of the active pool the linker copies: the offload read
+    the active pool's row of that number (another request's state, or a freed one) and a
+    later load restored it as this prefix's state. The linker refuses the pool, naming
+    the flag."""
+    path = write_yaml(tmp_path, {"backend": "none"})
+    with pytest.raises(ValueError, match="--enable-int8-mamba-checkpoint"):
+        HybridServer(sg, path, "mamba", enable_int8_mamba_checkpoint=True)
+
+
 def test_a_long_tails_lengths_are_thinned_alike_on_every_rank(sg):
     """A lookup of 64 pages names at most 17 lengths (SGLang marks each in a mask, one
     tensor write at a time): the longest and those below it on a stride of 4, so two
