@@ -23,7 +23,9 @@ def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
 
 
 class HybridServer:
-    def __init__(self, sg, yaml_path: str, kind: str, window: int = WINDOW) -> None:
+    def __init__(
+        self, sg, yaml_path: str, kind: str, window: int = WINDOW, **cfg
+    ) -> None:
         from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.runtime_context import get_parallel
 
@@ -47,6 +49,7 @@ class HybridServer:
             head_num=2,
             head_dim=8,
             **extra,
+            **cfg,  # any other field of the kit's CacheConfig
         )
         self.cache, self.alloc, self.r2t = sg.fx.build_fixture(self.cfg)
         params = self.cache.cache_init_params

@@ -108,3 +108,32 @@ def test_a_mamba_state_restores_only_where_it_was_taken_and_bit_for_bit():
     assert torch.equal(conv[:, 6].view(torch.int16), want[1].view(torch.int16))
     assert cores.check_accounting() == []
     cores.close()
+
+
+def test_a_conv_only_state_pool_moves_its_conv_states():
+    """A conv-only model's temporal state is empty (SGLang sizes it 0): the state pool
+    has no part for it, where a zero-width part failed every offload's copy (no length
+    ever restored); the conv states come back bit for bit."""
+    temporal = torch.zeros(2, 9, 0)
+    conv = torch.zeros(2, 9, 4, dtype=torch.bfloat16)
+    states = StateRows([[temporal[i], conv[i]] for i in range(2)])
+    owner = {0: (KV, 0), 1: ("mamba", 0), 2: (KV, 1), 3: ("mamba", 1)}
+    cores = PoolCores({KV: core(KV, kv_pool()), "mamba": core("mamba", states)}, owner)
+    keys = page_keys([1, 2, 3])
+    conv[:, 3] = torch.tensor([0.25, -3.0, 9.0, 1.5])
+    cores.offload(
+        Side(keys, slots([1, 2, 3])), {"mamba": Side(keys[-1:], torch.tensor([3]))}
+    )
+    settle(cores, 1)
+    assert cores.lookup("r", keys, {"mamba": 1}) == [3]
+    assert cores.load(
+        "r", Side(keys, slots([5, 6, 7])), {"mamba": Side(keys[-1:], torch.tensor([6]))}
+    )
+    index = cores.start_layer_wise_loading()
+    cores.counter.set_consumer(index)
+    for layer in range(4):
+        cores.counter.wait_until(layer)
+    assert cores.finish_layer_wise_loading(index)
+    assert torch.equal(conv[:, 6].view(torch.int16), conv[:, 3].view(torch.int16))
+    assert cores.check_accounting() == []
+    cores.close()

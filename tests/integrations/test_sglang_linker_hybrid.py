@@ -184,6 +184,17 @@ def test_every_pools_namespace_names_the_models_window(sg, tmp_path):
     b.close()
 
 
+def test_a_mamba_pool_with_int8_checkpoints_is_refused(sg, tmp_path):
+    """With SGLang's --enable-int8-mamba-checkpoint a tree node's Mamba value is a slot of
+    the int8 checkpoint pool, not of the active pool the linker copies: the offload read
+    the active pool's row of that number (another request's state, or a freed one) and a
+    later load restored it as this prefix's state. The linker refuses the pool, naming
+    the flag."""
+    path = write_yaml(tmp_path, {"backend": "none"})
+    with pytest.raises(ValueError, match="--enable-int8-mamba-checkpoint"):
+        HybridServer(sg, path, "mamba", enable_int8_mamba_checkpoint=True)
+
+
 def test_a_long_tails_lengths_are_thinned_alike_on_every_rank(sg):
     """A lookup of 64 pages names at most 17 lengths (SGLang marks each in a mask, one
     tensor write at a time): the longest and those below it on a stride of 4, so two
@@ -197,6 +208,21 @@ def test_a_long_tails_lengths_are_thinned_alike_on_every_rank(sg):
     assert tb == [4, 8, 12, 16, 20, 24, 28, 32, 34]
     assert max(set(ta) & set(tb)) == 32 and set(ta) <= set(a) and set(tb) <= set(b)
     assert thinned([], 64) == [] and thinned([3, 5], 5) == [3, 5]
+
+
+def test_a_short_sparse_set_of_lengths_is_named_whole_so_ranks_still_meet(sg):
+    """Mamba restores only at node ends: a rank whose store read of the state at 13
+    failed answers [5], its peer [5, 13]. Both can restore 5, and SGLang's intersection
+    must find it; thinning each set to the stride of 4 would leave [5] and [13], which
+    never meet, and the request would recompute 5 pages both ranks hold."""
+    from kvtier.integrations.sglang.linker.shell import LENGTHS, thinned
+
+    a, b = [5, 13], [5]
+    assert max(set(thinned(a, 64)) & set(thinned(b, 64))) == 5
+    sparse = list(range(3, 3 + 2 * (LENGTHS + 1), 2))  # 17 lengths: named whole
+    assert thinned(sparse, 64) == sparse
+    longer = list(range(1, LENGTHS + 3))  # 18: thinned as before
+    assert thinned(longer, 64) == [4, 8, 12, 16, 18]
 
 
 @pytest.mark.parametrize("store", ["none", "file"])

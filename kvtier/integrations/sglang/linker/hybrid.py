@@ -78,6 +78,7 @@ def plan_of(kvcache, req_to_token_pool, components: set[str], page_size: int, wi
         for g, local in kvcache.full_attention_layer_id_mapping.items():
             plan.owner[g - start] = (KV, local)
     if "mamba" in components:
+        _refuse_unmoved_states(req_to_token_pool)
         cache = req_to_token_pool.mamba_pool.mamba_cache
         layers = [
             [cache.temporal[i], *(c[i] for c in cache.conv)]
@@ -97,6 +98,31 @@ def plan_of(kvcache, req_to_token_pool, components: set[str], page_size: int, wi
     )
     plan.signature = sig + (f";window={window}" if "swa" in components else "")
     return plan
+
+
+def _refuse_unmoved_states(req_to_token_pool) -> None:
+    """A Mamba request pool whose cached states are not the `mamba_cache` rows the tree's
+    slots name: with SGLang's int8 checkpoints a node's state is a slot of the checkpoint
+    pool, so reading the active pool at that number would store another request's state;
+    PLE side states (short conv, n-gram context) ride on the slot and would not be
+    restored with it."""
+    if getattr(req_to_token_pool, "mamba_ckpt_pool", None) is not None:
+        raise ValueError(
+            "kvtier linker: mamba_ckpt_pool is set (SGLang's "
+            "--enable-int8-mamba-checkpoint): the tree's Mamba states are int8 "
+            "checkpoint slots, and the linker moves the active pool's states only; "
+            "run without that flag"
+        )
+    side = [
+        name
+        for name in ("short_conv_pool", "ngram_pool")
+        if getattr(getattr(req_to_token_pool, name, None), "enabled", False)
+    ]
+    if side:
+        raise ValueError(
+            f"kvtier linker: Mamba side states {side} are enabled: the linker moves "
+            "each slot's temporal and conv states only (none of them is allowed)"
+        )
 
 
 def kv_geometry(geometry: Geometry, plan: HybridPlan) -> Geometry:

@@ -69,7 +69,10 @@ class StateRows(DeviceKVPool):
         if not layers or not layers[0]:
             raise ValueError("state pool: no layers or no state buffers")
         rows = layers[0][0].shape[0]
-        views = [[_as_rows(t, rows) for t in parts] for parts in layers]
+        # a conv-only model's temporal state is empty: no bytes to move, no part
+        views = [[_as_rows(t, rows) for t in parts if t.numel()] for parts in layers]
+        if not views[0]:
+            raise ValueError("state pool: every state buffer is empty")
         widths = tuple(v.shape[1] for v in views[0])
         config = StateRowsConfig(
             rows - 1, len(layers), widths, str(layers[0][0].device)

@@ -113,9 +113,11 @@ def restorable(pages: int, asked: int) -> list[int]:
 def thinned(lengths: list[int], asked: int) -> list[int]:
     """A hybrid model's restorable lengths (sparse: where every pool can restore), as
     `restorable` names a Full model's: the longest, and those below it on the same stride
-    (the same on every rank, so the ranks' sets still meet there)."""
-    if not lengths:
-        return []
+    (the same on every rank, so the ranks' sets still meet there). A set of at most
+    `LENGTHS + 1` is named whole: sparse lengths (Mamba's node ends) seldom fall on the
+    stride, and two ranks' thinned sets could miss a length both hold."""
+    if len(lengths) <= LENGTHS + 1:
+        return list(lengths)
     stride, last = -(-asked // LENGTHS), lengths[-1]
     return [p for p in lengths[:-1] if p % stride == 0] + [last]
 
