@@ -38,14 +38,14 @@ from kvtier.testing.parts import SimStore, SimStreams, watch_copies
 
 LAYERS = 2
 SIM_TENANT_KEY = "5a" * 32  # the sealed runs' tenant key (a test key, never a real one)
-_M = (1 << 61) - 1
+HASH_MODULUS = (1 << 61) - 1  # the reference KV's prefix hashes (a Mersenne prime)
 
 
 def reference_kv(tokens: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V) `[len, 1, 2]`: token j's KV is a function of tokens[0..j] only."""
     h, hashes = 0, []
     for t in tokens.tolist():
-        h = (h * 1_000_003 + t + 1) % _M
+        h = (h * 1_000_003 + t + 1) % HASH_MODULUS
         hashes.append(h)
     hs = np.array(hashes, dtype=np.uint64)
     out = []

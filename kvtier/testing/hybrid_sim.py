@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import TransferError
-from kvtier.testing.fault_sim import FaultSim, Setup, _M, reference_kv
+from kvtier.testing.fault_sim import HASH_MODULUS, FaultSim, Setup, reference_kv
 from kvtier.testing.misuse import Violation
 from kvtier.tiers.components import Component, ComponentSpec
 from kvtier.tiers.pool import PoolConfig, StatePoolConfig
@@ -48,7 +48,7 @@ def reference_state(tokens: np.ndarray) -> torch.Tensor:
         return torch.zeros(STATE)
     h = 0
     for t in tokens.tolist():
-        h = (h * 1_000_033 + t + 7) % _M
+        h = (h * 1_000_033 + t + 7) % HASH_MODULUS
     return torch.tensor([(h >> (11 * c)) % (1 << 23) for c in range(STATE)]).float()
 
 

@@ -48,9 +48,9 @@ from kvtier.integrations.sglang import INSTALL_HINT
 from kvtier.integrations.sglang.keys import page_hash_of
 from kvtier.integrations.sglang.storage_v2 import (
     StorageV2,
-    _V2Pool,
-    _bytes_view,
-    _hybrid_signature,
+    V2Pool,
+    bytes_view,
+    hybrid_signature,
 )
 from kvtier.integrations.observe import flat_series, sglang_export, startup_line
 from kvtier.integrations.stack import Geometry, Stack, build_stack, check_config
@@ -195,7 +195,7 @@ class KvtierStorageBase(StorageV2):
         """SGLang registered every host pool (the anchor, then each pool by name). A
         hybrid model's pools (SWA, Mamba, sidecars) are served through the v2 calls;
         the namespace of each, the KV pool's included, then names every pool's geometry
-        and the sliding window (`_hybrid_signature`), so two models that differ in any
+        and the sliding window (`hybrid_signature`), so two models that differ in any
         of them never share a page."""
         pools = self._registered()
         side = sorted(n for n in pools if n != "kv")
@@ -206,8 +206,8 @@ class KvtierStorageBase(StorageV2):
                 "kvtier SGLang backend: register_mem_pool_host() must come before the "
                 "host pools"
             )
-        self._hybrid = _hybrid_signature(pools, self._sliding_window(side))
-        self._v2_pools: dict[str, _V2Pool] = {}
+        self._hybrid = hybrid_signature(pools, self._sliding_window(side))
+        self._v2_pools: dict[str, V2Pool] = {}
         kv = self.namespace
         self.namespace = replace(kv, layout=f"{kv.layout}:hybrid={self._hybrid}")
         self._kv_key = key_maker(self.key_prefix, self.namespace.id)
@@ -336,12 +336,12 @@ class KvtierStorageBase(StorageV2):
             page = pool.get_data_page(start, flat=False)
             if page.is_contiguous():  # read in place
                 targets.append(None)
-                views.append(_bytes_view(page))
+                views.append(bytes_view(page))
                 continue
             if staging is None:
                 staging = torch.empty((len(starts), self.page_bytes), dtype=torch.uint8)
             targets.append(staging[i])
-            views.append(_bytes_view(staging[i]))
+            views.append(bytes_view(staging[i]))
         ok = self._read(keys, views)
         for good, start, staged in zip(ok, starts, targets):
             if good and staged is not None:
@@ -355,7 +355,7 @@ class KvtierStorageBase(StorageV2):
         pool = self.mem_pool_host
         starts = self._page_starts(keys, host_indices)
         pages = [pool.get_data_page(start, flat=True).contiguous() for start in starts]
-        return self._write(keys, [_bytes_view(p) for p in pages])
+        return self._write(keys, [bytes_view(p) for p in pages])
 
     # -- the legacy interface: flat page tensors --------------------------------------------
 
@@ -395,7 +395,7 @@ class KvtierStorageBase(StorageV2):
             )
         views = []
         for k, t in zip(keys, target_locations):
-            v = _bytes_view(t)
+            v = bytes_view(t)
             if len(v) != self.page_bytes:
                 raise ValueError(
                     f"target for key {k!r} is {len(v)} bytes; this pool's pages are {self.page_bytes}"
@@ -428,7 +428,7 @@ class KvtierStorageBase(StorageV2):
                 f"{None if values is None else len(values)}"
             )
         pages = [v.contiguous() for v in values]
-        return all(self._write(keys, [_bytes_view(p) for p in pages]))
+        return all(self._write(keys, [bytes_view(p) for p in pages]))
 
     @override
     def clear(self) -> bool:

@@ -16,7 +16,7 @@ from kvtier.integrations.sglang.keys import page_hash_of
 from kvtier.storeio.call import guarded, read_staged
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
+def bytes_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(
@@ -26,7 +26,7 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 
 @dataclass(frozen=True)
-class _V2Pool:
+class V2Pool:
     """One host pool the v2 calls read and write: SGLang's pool, kvtier's namespace for
     it, the bytes of one key's page and its flat dtype, host slots per key."""
 
@@ -84,7 +84,7 @@ def _pool_geometry(host) -> str:
     return ",".join(parts)
 
 
-def _hybrid_signature(pools: dict[str, Any], window: int | None) -> str:
+def hybrid_signature(pools: dict[str, Any], window: int | None) -> str:
     """Every registered host pool's name and geometry, and the sliding window: what a
     hybrid model's pages depend on beyond one pool's own shape."""
     sig = ";".join(f"{n}[{_pool_geometry(pools[n])}]" for n in sorted(pools))
@@ -129,7 +129,7 @@ class StorageV2:
             )
         return w
 
-    def _v2_pool(self, name) -> _V2Pool:
+    def _v2_pool(self, name) -> V2Pool:
         """The host pool SGLang registered under `name`, its namespace and page size."""
         key = str(name)
         pools = getattr(self, "_v2_pools", None)
@@ -151,7 +151,7 @@ class StorageV2:
                 )
             ns = self._pool_namespace(key, host)
         sample = host.get_data_page(0, flat=True)
-        got = _V2Pool(
+        got = V2Pool(
             key,
             host,
             ns,
@@ -191,7 +191,7 @@ class StorageV2:
             tp_size=size,
         )
 
-    def _v2_plan(self, transfers) -> list[tuple[Any, _V2Pool, list[int], list[str]]]:
+    def _v2_plan(self, transfers) -> list[tuple[Any, V2Pool, list[int], list[str]]]:
         """(transfer, pool, first host slot of each key, kvtier keys) per transfer."""
         if isinstance(transfers, (str, bytes)) or not isinstance(
             transfers, (list, tuple)
@@ -298,7 +298,7 @@ class StorageV2:
             torch.empty((len(f), pool.page_bytes), dtype=torch.uint8)
             for _, pool, _, f in plan
         ]
-        views = [_bytes_view(s[i]) for s in staged for i in range(s.shape[0])]
+        views = [bytes_view(s[i]) for s in staged for i in range(s.shape[0])]
         ok_all: list[bool] = []
         if full:
             ok_all = self._loop.run(
@@ -333,7 +333,7 @@ class StorageV2:
             spaces[pool.namespace.id] = (pool.namespace, pool.page_bytes)
             for start in starts:
                 page = pool.host.get_data_page(start, flat=True).contiguous()
-                view = _bytes_view(page)
+                view = bytes_view(page)
                 if len(view) != pool.page_bytes:
                     raise ValueError(
                         f"pool {pool.name!r}: page at host slot {start} is {len(view)} "
