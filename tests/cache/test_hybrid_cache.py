@@ -305,6 +305,35 @@ def test_finish_refuses_a_foreign_swa_row_or_state_before_anything_changes(model
     all_free(cache)
 
 
+def test_finish_refuses_the_working_state_at_an_unaligned_length(model):
+    """The working state slot holds the state after every token; at an unaligned length
+    that is not the state at the aligned end the tree keeps: kept there, a later hit at
+    that end would resume from the wrong state. Refused before anything changes."""
+    cache = make_hybrid(model)
+    if Component.MAMBA not in cache.side:
+        pytest.skip("no mamba in this model")
+    a = seq(21, 40)  # pages of 2: the tree keeps [0, 20)
+    r = Served(cache, model, a, "r1")
+    with pytest.raises(ValueError, match="working state slot"):
+        cache.cache_finished(
+            "r1",
+            a.tolist(),
+            r.kv_row(),
+            swa_indices=r.swa_row(),
+            mamba_slot=r.got.state_slot,
+        )
+    check(cache)
+    r.finish()  # with its snapshot at 20
+    cache.drain()
+    check(cache)
+    r = serve(cache, model, torch.cat([a[:20], seq(3, 41)]), "r2")
+    assert r.length == 20
+    cache.drain()
+    check(cache)
+    cache.close()
+    all_free(cache)
+
+
 def test_construction_errors_name_the_field():
     model = make_model()
     specs = model.component_specs(32, 4, 2)
