@@ -692,9 +692,20 @@ class HybridTieredCache(TieredCache):
         held.check_finish("cache_finished", request_id, key, kv, self.slots)
         row = self._swa_row("cache_finished", request_id, sh, swa_indices, len(key))
         self._check_state("cache_finished", request_id, sh, mamba_slot)
+        aligned = len(key) - len(key) % self.page_size
+        if (
+            mamba_slot is not None
+            and aligned != len(key)
+            and int(mamba_slot) == sh.state_slots[0]
+        ):
+            raise ValueError(
+                f"cache_finished: mamba_slot={mamba_slot!r} is the request's working state "
+                f"slot, which holds the state after all {len(key)} tokens, not after the "
+                f"page-aligned {aligned} the tree keeps: pass a snapshot taken at {aligned} "
+                "(alloc_state), or None"
+            )
         sh.row = row
         self._check_load(request_id, held, kv)
-        aligned = len(key) - len(key) % self.page_size
         given = _EMPTY if row is None else row[: aligned - sh.swa_start]
         r = self.tree.insert(
             key[:aligned],

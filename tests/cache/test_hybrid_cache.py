@@ -305,6 +305,35 @@ def test_finish_refuses_a_foreign_swa_row_or_state_before_anything_changes(model
     all_free(cache)
 
 
+def test_finish_refuses_the_working_state_at_an_unaligned_length(model):
+    """The working state slot holds the state after every token; at an unaligned length
+    that is not the state at the aligned end the tree keeps: kept there, a later hit at
+    that end would resume from the wrong state. Refused before anything changes."""
+    cache = make_hybrid(model)
+    if Component.MAMBA not in cache.side:
+        pytest.skip("no mamba in this model")
+    a = seq(21, 40)  # pages of 2: the tree keeps [0, 20)
+    r = Served(cache, model, a, "r1")
+    with pytest.raises(ValueError, match="working state slot"):
+        cache.cache_finished(
+            "r1",
+            a.tolist(),
+            r.kv_row(),
+            swa_indices=r.swa_row(),
+            mamba_slot=r.got.state_slot,
+        )
+    check(cache)
+    r.finish()  # with its snapshot at 20
+    cache.drain()
+    check(cache)
+    r = serve(cache, model, torch.cat([a[:20], seq(3, 41)]), "r2")
+    assert r.length == 20
+    cache.drain()
+    check(cache)
+    cache.close()
+    all_free(cache)
+
+
 def test_construction_errors_name_the_field():
     model = make_model()
     specs = model.component_specs(32, 4, 2)
@@ -406,5 +435,55 @@ def test_chunked_prefill_keeps_each_chunk_and_resumes_bitwise(model):
     assert r.length == 14  # the second chunk's aligned end, from the tree
     cache.drain()
     check(cache)
+    cache.close()
+    all_free(cache)
+
+
+def test_host_slots_a_load_reads_are_not_reused_while_it_runs(model):
+    """A request's load of its window (and state) from host, the FULL KV on device: the
+    tree lets those host slots go meanwhile (evicted there), every free host slot is then
+    taken and overwritten, and still the load reads what the tree held (its host slots
+    were deferred, not freed), so the run equals the uncached one."""
+    streams = SimStreams(random.Random(3))
+    cache = make_hybrid(model, stream_factory=streams.factory)
+    streams.auto = random.Random(0)
+    streams.auto.choice = lambda seq_: "ok"
+    a = seq(20, 50)
+    serve(cache, model, a, "r1")
+    cache.drain()
+    for c in cache.side.sides:
+        cache.tree.evict_component(c, Tier.DEVICE, 1000)
+    check(cache)
+    streams.auto = None
+    b = torch.cat([a, seq(5, 51)])
+    real = cache.acquire
+
+    def acquire_then_reuse(tokens, rid, extra_key=None):
+        got = real(tokens, rid, extra_key)
+        assert got.host_hit == 20 and streams.pending  # the side parts' load, held
+        for c, side in cache.side.sides.items():
+            assert cache.tree.evict_component(c, Tier.HOST, 1000).evicted > 0
+            assert side.deferred[Tier.HOST]
+            free = cache.controller.component_host_accounting(c).free
+            taken = cache.controller.alloc_component_host(c, free)
+            ps, m = side.mirror.page_size, side.mirror
+            for layer in range(m.num_layers):
+                for part in range(len(m.widths)):
+                    m.view(layer, part)[taken // ps, taken % ps] = float("nan")
+            cache.controller.free_component_host(c, taken)
+        check(cache)
+        ok = random.Random(0)
+        ok.choice = lambda seq_: "ok"
+        while streams.pending:
+            streams.resolve(streams.pending[0], "ok", ok)
+        return got
+
+    cache.acquire = acquire_then_reuse
+    serve(cache, model, b, "r2")
+    cache.acquire = real
+    cache.drain()
+    check(cache)
+    for side in cache.side.sides.values():
+        assert not side.deferred[Tier.HOST]
     cache.close()
     all_free(cache)
