@@ -10,7 +10,8 @@ they land, fail and roll back together. Scheduler thread only.
   that ends inside another request's node puts its state and window on the split's upper
   half; a window replaces a tombstone): `write_sides` writes them in an op of their own
   (no FULL slots), landing and failing as above. Write-through does it after a finish and
-  after each write lands.
+  after each write lands; write-back when a device eviction would drop them (the tree
+  lists such a node as needing a backup).
 - A request's load carries the host parts of its window's SWA KV and of its state into
   slots the request owns; the host slots it reads are pinned until it is applied.
 """
@@ -100,6 +101,17 @@ class HybridWrites(Writes):
         while n is not self.tree.root and (n is last or n.start >= swa_start):
             self.write_sides(n)
             n = n.parent
+
+    def write_paths(self, leaves: list[TreeNode]) -> None:
+        """`Writes.write_paths`, and the side components on device only of the nodes on
+        those paths already backed up (write-back eviction lists a leaf that has them; its
+        ancestors become leaves next)."""
+        super().write_paths(leaves)
+        for leaf in leaves:
+            n = leaf
+            while n is not self.tree.root:
+                self.write_sides(n)  # not backed up: its write carries them
+                n = n.parent
 
     def _sides_missing(self, node) -> bool:
         return any(

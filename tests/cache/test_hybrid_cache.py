@@ -408,3 +408,28 @@ def test_sides_a_finish_puts_on_a_node_already_on_host_are_written_through(model
     cache.close()
     check(cache)
     all_free(cache)
+
+
+def test_write_back_saves_the_sides_of_a_backed_up_node_before_evicting_it(model):
+    """Write-back: a finish puts its state and window on a node whose FULL KV is on host
+    (split from one an eviction backed up); the next device eviction writes them to host
+    before it drops them, and the next turn restores that length from host, bitwise."""
+    cache = make_hybrid(model, write_policy="write_back")
+    a = seq(20, 31)
+    serve(cache, model, a, "r1")
+    assert cache.evict(1000) == 20  # backed up, then evicted
+    if (
+        Component.MAMBA not in cache.side
+    ):  # every window is kept: drop them (tombstones)
+        cache.tree.evict_component(Component.SWA, Tier.HOST, 1000)
+    serve(cache, model, a[:10], "r2")  # nothing at 10 yet: computed, then kept there
+    check(cache)
+    assert cache.evict(1000) == 10
+    check(cache)
+    r = serve(cache, model, torch.cat([a[:10], seq(5, 32)]), "r3")
+    assert (r.length, r.got.device_hit, r.got.host_hit) == (10, 0, 10)
+    cache.drain()
+    check(cache)
+    cache.close()
+    check(cache)
+    all_free(cache)
