@@ -725,6 +725,7 @@ class HybridTieredCache(TieredCache):
         self.requests.release(request_id)
         del self._side_held[request_id]
         self.writes.after_insert(r.added)
+        self.writes.after_finish(r.last_node, sh.swa_start)
 
     def _swa_row(self, what, request_id, sh: SideHeld, swa_indices, tokens: int):
         """The request's SWA row, checked before anything changes (as its FULL row)."""
@@ -906,6 +907,7 @@ class HybridTieredCache(TieredCache):
             swa_start, handed.size, handed, _EMPTY, sh.state_slots
         )
         self.writes.after_insert(r.added)
+        self.writes.after_finish(r.last_node, sh.swa_start)
         return HybridAcquired(
             True,
             tensor(concat([m.device_slots]) if aligned else _EMPTY),

@@ -6,7 +6,13 @@ they land, fail and roll back together. Scheduler thread only.
   it lands, each half the node was split into during the write gets its share on host
   (`set_component`); a failed write frees the side host slots it reserved. The device
   slots it reads are pinned (`SideSlots.pin`) until it is applied.
-- When a node's FULL pages are backed up to the store, its SWA KV and state on host are
+- A node whose FULL KV is already on host gets side components on device later (a finish
+  that ends inside another request's node puts its state and window on the split's upper
+  half; a window replaces a tombstone): `write_sides` writes them in an op of their own
+  (no FULL slots), landing and failing as above. Write-through does it after a finish and
+  after each write lands; write-back when a device eviction would drop them (the tree
+  lists such a node as needing a backup).
+- When a node's FULL pages (or, later, side components written on their own) are backed up to the store, its SWA KV and state on host are
   too, each under its component's namespace (`tiers/components.py`): SWA page i under the
   hash of the node's page i, the state under the hash of its last page; their host slots
   stay pinned until the backup is applied (one store page a device page only).
@@ -24,6 +30,7 @@ import numpy as np
 from kvtier.cache.components import SideSlots
 from kvtier.cache.loads import Loads
 from kvtier.cache.writes import Writes
+from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import ComponentCopy, LoadOp, WriteOp
 from kvtier.storeio.ops import PageKeys
 from kvtier.tiers.components import Component
@@ -53,9 +60,15 @@ class HybridWrites(Writes):
         self._to_store: list[TreeNode] | None = None  # nodes of the write being applied
         # per side component: pages the store took, and pages it did not
         self.side_stored = {c: [0, 0] for c in side_store}
+        # node id -> its length when a side-only write of it was queued (its halves, if
+        # it is split meanwhile, share what the write read)
+        self.writing_sides: dict[int, int] = {}
 
     def write_node(self, node: TreeNode) -> bool:
-        """`Writes.write_node`, with the node's side components on device and not on host."""
+        """`Writes.write_node`, with the node's side components on device and not on host
+        (a node already backed up: those alone, `write_sides`)."""
+        if node.backed_up and node.id not in self.writing:
+            self.write_sides(node)
         if (
             node.backed_up
             or node.id in self.writing
@@ -76,6 +89,61 @@ class HybridWrites(Writes):
         self.tree.lock(node)
         self.writing.add(node.id)
         return True
+
+    def write_sides(self, node: TreeNode) -> bool:
+        """Queue a write of `node`'s side components that are on device and not on host,
+        its FULL KV being on host already: an op with no FULL slots, whose side host
+        slots are reserved (and whose device slots pinned) until it is applied. False if
+        there is nothing to write, or no host room for any of it."""
+        if (
+            not self.has_mirror
+            or not node.backed_up
+            or not node.on_device
+            or node.id in self.writing
+            or node.id in self.writing_sides
+            or not self._sides_missing(node)
+        ):
+            return False
+        extras = self._extras(node)
+        if not extras:
+            self.counters.writes_skipped_no_host_space += 1
+            return False
+        if self.ctl.write(_EMPTY, node, extras) is None:  # never: no FULL slots
+            self._drop_extras(extras)
+            return False
+        self.writing_sides[node.id] = len(node)
+        return True
+
+    def after_finish(self, last: TreeNode, swa_start: int) -> None:
+        """Write-through, after a finish's insert ending at `last`: the nodes it gave a
+        state or SWA KV whose FULL KV was already on host (not new: `after_insert` writes
+        those) get them written too."""
+        if self.cfg.write_policy != WritePolicy.WRITE_THROUGH or not self.has_mirror:
+            return
+        n = last
+        while n is not self.tree.root and (n is last or n.start >= swa_start):
+            self.write_sides(n)
+            n = n.parent
+
+    def write_paths(self, leaves: list[TreeNode]) -> None:
+        """`Writes.write_paths`, and the side components on device only of the nodes on
+        those paths already backed up (write-back eviction lists a leaf that has them; its
+        ancestors become leaves next)."""
+        super().write_paths(leaves)
+        for leaf in leaves:
+            n = leaf
+            while n is not self.tree.root:
+                self.write_sides(n)  # not backed up: its write carries them
+                n = n.parent
+
+    def _sides_missing(self, node) -> bool:
+        return any(
+            component in self.side and values[D] is not None and values[H] is None
+            for component, values in (
+                (Component.SWA, node.swa),
+                (Component.MAMBA, node.mamba),
+            )
+        )
 
     def _extras(self, node) -> tuple[ComponentCopy, ...]:
         out = []
@@ -100,14 +168,27 @@ class HybridWrites(Writes):
                 self.side.free_host(x.component, x.host_slots)
 
     def apply(self, op: WriteOp[TreeNode]) -> None:
+        if op.host_slots.size == 0 and op.tag.id in self.writing_sides:
+            for h in self._apply_sides(op):  # the side components it put on host
+                self._backup_sides(h)
+            return
         self._to_store = []
         try:
             super().apply(op)
-            self._apply_extras(op)
+            extras, op.extras = op.extras, ()
+            if self.cfg.write_policy == WritePolicy.WRITE_THROUGH:
+                # sides that reached the node while its FULL KV was being written
+                after = self._landed(op.tag, op.host_slots.size)
+            else:
+                after = []
+            self._settle_extras(op, extras)
         finally:
             nodes, self._to_store = self._to_store, None
         for node in nodes:  # once the side components it carried are on host
             self._backup_sides(node)
+        for h in after:
+            if h.backed_up:
+                self.write_sides(h)
 
     def _backup_to_store(self, node: TreeNode) -> None:
         super()._backup_to_store(node)
@@ -176,8 +257,32 @@ class HybridWrites(Writes):
         if tag is not None:
             self.side.unpin(tag.component, H, tag.slots)
 
-    def _apply_extras(self, op: WriteOp[TreeNode]) -> None:
+    def _apply_sides(self, op: WriteOp[TreeNode]) -> list[TreeNode]:
+        """A side-only write: each half of the node (split meanwhile) gets its share on
+        host if it still holds its FULL KV there; a failed one frees what it reserved. The
+        halves, or none if it failed."""
+        length = self.writing_sides.pop(op.tag.id)
         extras, op.extras = op.extras, ()
+        op.applied = True
+        if op.handle.error is not None or op.failed_elsewhere:
+            self.counters.write_failures += 1
+            self.complain(
+                "write",
+                f"device->host write of side components failed: "
+                f"{op.handle.error or 'on another rank'}",
+            )
+            self._drop_extras(extras)
+            return []
+        halves = self._landed(op.tag, length)[::-1]  # top-down
+        for x in extras:
+            self.side.unpin(x.component, D, x.device_slots)
+            if x.component == Component.MAMBA:
+                self._settle_state(op.tag, x)
+            else:
+                self._settle_swa(halves, x)
+        return halves
+
+    def _settle_extras(self, op: WriteOp[TreeNode], extras) -> None:
         if not extras:
             return
         landed = (
@@ -218,6 +323,8 @@ class HybridWrites(Writes):
                 self.side.free_host(x.component, part)
 
     def release(self, op: WriteOp[TreeNode]) -> None:
+        if op.host_slots.size == 0:
+            self.writing_sides.pop(op.tag.id, None)
         super().release(op)
         extras, op.extras = op.extras, ()
         self._drop_extras(extras)
@@ -228,9 +335,15 @@ class HybridLoads(Loads):
     op's side device slots are freed with its FULL ones, and every host slot it read is
     unpinned when it is applied."""
 
-    def __init__(self, side: SideSlots, *args, **kwargs) -> None:
+    def __init__(self, side: SideSlots, side_store: dict, *args, **kwargs) -> None:
+        """`side_store`: per side component with a store, (key maker of its namespace,
+        its Manifest)."""
         super().__init__(*args, **kwargs)
         self.side = side
+        self.side_store = side_store
+        self._to_store: list[TreeNode] | None = None  # nodes of the write being applied
+        # per side component: pages the store took, and pages it did not
+        self.side_stored = {c: [0, 0] for c in side_store}
         self._pinned: set[LoadOp] = set()  # ops whose extras' host slots are pinned
 
     def start_hybrid(

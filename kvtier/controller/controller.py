@@ -299,7 +299,8 @@ class CacheController:
         sides = self._side_copies([x for op in ops for x in op.extras])
 
         def job(h: Handle) -> None:
-            mirror.backup(pool, dev, host)
+            if dev.size:  # none: side components alone (their FULL KV is on host)
+                mirror.backup(pool, dev, host)
             for (side_pool, side_mirror), d, hs in sides:
                 side_mirror.backup(side_pool, d, hs)
 

@@ -150,9 +150,11 @@ class HybridEngine:
                 busy.add(turn.session)
                 i += 1
                 continue
+            prompt = self._prompt(turn)
+            if self._load_must_wait(prompt):
+                break  # it starts when a request of the batch ends (or a copy lands)
             del self._waiting[i]
             busy.add(turn.session)
-            prompt = self._prompt(turn)
             need = len(prompt) + turn.output_len
             limit = min(self.cache.config.pool.size - self.page_size, self.max_context)
             if turn.output_len < 1 or need > limit:
@@ -165,6 +167,18 @@ class HybridEngine:
                 continue
             self._acquire(f"h-{self._next_id}", turn, prompt, done)
             self._next_id += 1
+
+    def _load_must_wait(self, prompt: list[int]) -> bool:
+        """Is the prompt's restorable prefix on host, with no device room to load it into
+        until a request of the batch ends or the copies in flight land? The request then
+        waits (as the full-attention engine's): started now, its load would find no room
+        and it would recompute the whole prefix."""
+        if not (self._active or self.cache.writes.writing):
+            return False  # nothing that ends soon would make room: start it
+        m = self.cache.match_prefix(
+            np.asarray(prompt[:-1], dtype=np.int64), count=False
+        )
+        return m.host_hit_length > self.cache.room()
 
     def _prompt(self, turn: Turn) -> list[int]:
         history = self.histories.get(turn.session)

@@ -520,6 +520,12 @@ class HybridRadixTree(RadixTree):
             self._settle_dropped(),
         )
 
+    def _unsaved(self, node: HybridNode) -> bool:
+        """Its SWA KV or state is on device and not on host (write-back saves them first)."""
+        return (node.swa[D] is not None and node.swa[H] is None) or (
+            node.mamba[D] is not None and node.mamba[H] is None
+        )
+
     def evict_host(self, num_tokens: int) -> HostEviction:
         r = super().evict_host(num_tokens)
         return HostEviction(

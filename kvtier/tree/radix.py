@@ -430,7 +430,7 @@ class RadixTree:
             for node in order:
                 if evicted >= num_tokens:
                     break
-                if node.backed_up:
+                if node.backed_up and not (backup_first and self._unsaved(node)):
                     demoted.append(node)
                 elif backup_first:
                     needs_backup.append(node)
@@ -445,6 +445,11 @@ class RadixTree:
         return DeviceEviction(
             joined_slots(freed), evicted, demoted, removed, needs_backup
         )
+
+    def _unsaved(self, node: TreeNode) -> bool:
+        """Does `node`, backed up, hold on device what its host copy lacks (a hybrid tree:
+        side components)? Write-back then backs it up before evicting it."""
+        return False
 
     def evict_host(self, num_tokens: int) -> HostEviction:
         """Evict at least `num_tokens` host tokens from host-only leaves (they leave the tree)."""

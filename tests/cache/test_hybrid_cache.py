@@ -486,4 +486,60 @@ def test_host_slots_a_load_reads_are_not_reused_while_it_runs(model):
     for side in cache.side.sides.values():
         assert not side.deferred[Tier.HOST]
     cache.close()
+
+
+def test_sides_a_finish_puts_on_a_node_already_on_host_are_written_through(model):
+    """A finish whose end falls inside another request's node, already on host: the
+    split's upper half takes the state and the window there (SWA alone: the window that
+    replaces a tombstone), on device only, and write-through writes them to host too; after the device is evicted the next turn
+    restores that length from host, bitwise."""
+    cache = make_hybrid(model)
+    a = seq(20, 21)
+    serve(cache, model, a, "r1")
+    cache.drain()
+    if (
+        Component.MAMBA not in cache.side
+    ):  # every window is kept: drop them (tombstones)
+        for tier in (Tier.DEVICE, Tier.HOST):
+            cache.tree.evict_component(Component.SWA, tier, 1000)
+    serve(cache, model, a[:10], "r2")  # nothing at 10 yet: computed, then kept there
+    cache.drain()
+    check(cache)
+    node = cache.match_prefix(a[:10].tolist(), count=False).last_device_node
+    assert node.end == 10 and node.values[Tier.HOST] is not None
+    for values in (node.swa, node.mamba):
+        assert (values[Tier.DEVICE] is None) == (values[Tier.HOST] is None)
+    assert cache.evict(1000) == 20
+    check(cache)
+    r = serve(cache, model, torch.cat([a[:10], seq(5, 22)]), "r3")
+    assert (r.length, r.got.device_hit, r.got.host_hit) == (10, 0, 10)
+    cache.drain()
+    check(cache)
+    cache.close()
+    check(cache)
+    all_free(cache)
+
+
+def test_write_back_saves_the_sides_of_a_backed_up_node_before_evicting_it(model):
+    """Write-back: a finish puts its state and window on a node whose FULL KV is on host
+    (split from one an eviction backed up); the next device eviction writes them to host
+    before it drops them, and the next turn restores that length from host, bitwise."""
+    cache = make_hybrid(model, write_policy="write_back")
+    a = seq(20, 31)
+    serve(cache, model, a, "r1")
+    assert cache.evict(1000) == 20  # backed up, then evicted
+    if (
+        Component.MAMBA not in cache.side
+    ):  # every window is kept: drop them (tombstones)
+        cache.tree.evict_component(Component.SWA, Tier.HOST, 1000)
+    serve(cache, model, a[:10], "r2")  # nothing at 10 yet: computed, then kept there
+    check(cache)
+    assert cache.evict(1000) == 10
+    check(cache)
+    r = serve(cache, model, torch.cat([a[:10], seq(5, 32)]), "r3")
+    assert (r.length, r.got.device_hit, r.got.host_hit) == (10, 0, 10)
+    cache.drain()
+    check(cache)
+    cache.close()
+    check(cache)
     all_free(cache)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvtier.cli.main import main
 
@@ -102,3 +103,48 @@ def test_hints_with_the_hybrid_model_are_refused_by_name(tmp_path, capsys):
     rc = main(["replay", "--config", config(tmp_path), "--hints", "--requests", "2"])
     assert rc == 2
     assert "--hints with the hybrid model" in capsys.readouterr().err
+
+
+def test_a_turn_whose_prefix_is_on_host_waits_for_device_room_to_load_it():
+    """The batch holds the device: a turn whose restorable prefix (its FULL KV, window and
+    state) is on host waits until a request ends, then loads it; started at once, its load
+    found no room and it recomputed everything (the replay at 0.60x of its bound)."""
+    from kvtier.cli.replay import with_weights
+    from kvtier.config import load_config
+    from kvtier.engine.hybrid import HybridConfig, HybridModel
+    from kvtier.engine.hybrid_engine import HybridEngine, hybrid_cache
+    from kvtier.engine.sessions import Histories
+    from kvtier.engine.workloads import Turn
+
+    model = HybridModel(HybridConfig(seed=3, window=6))
+    overrides = {
+        "pool": {"size": 64, "page_size": 4, "num_layers": 1},
+        "store": {"backend": "none"},
+    }
+    config = with_weights(load_config(None, overrides, env={}), model)
+    cache = hybrid_cache(config, model)
+    histories = Histories()
+    (a0,) = HybridEngine(cache, model, max_batch=2, histories=histories).run(
+        [Turn("a", 0, tuple(range(1, 25)), 1)]  # its state at 24, written to host
+    )
+    assert a0.error is None
+    cache.drain()
+    cache.evict(1000)
+    assert cache.match_prefix(list(range(1, 25)), count=False).host_hit_length == 24
+    results = HybridEngine(cache, model, max_batch=2, histories=histories).run(
+        [
+            Turn("x", 0, tuple(range(100, 144)), 8),  # 44 of the 64 slots, then more
+            Turn("y", 0, tuple(range(300, 304)), 1),  # ends first: a1 is admitted
+            Turn("a", 1, tuple(range(200, 204)), 1),
+        ]
+    )
+    assert [r.error for r in results] == [None] * 3
+    (a1,) = [r for r in results if r.session == "a"]
+    assert (a1.cached, a1.host_hit, a1.state_hit) == (24, 24, 1)
+    # what it computed over the loaded prefix is the uncached run's token
+    dense = model.forward_dense(torch.tensor(a1.prompt))
+    assert a1.output == [int(dense[-1].argmax())]
+    cache.drain()
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
