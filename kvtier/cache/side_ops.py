@@ -335,15 +335,9 @@ class HybridLoads(Loads):
     op's side device slots are freed with its FULL ones, and every host slot it read is
     unpinned when it is applied."""
 
-    def __init__(self, side: SideSlots, side_store: dict, *args, **kwargs) -> None:
-        """`side_store`: per side component with a store, (key maker of its namespace,
-        its Manifest)."""
+    def __init__(self, side: SideSlots, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.side = side
-        self.side_store = side_store
-        self._to_store: list[TreeNode] | None = None  # nodes of the write being applied
-        # per side component: pages the store took, and pages it did not
-        self.side_stored = {c: [0, 0] for c in side_store}
         self._pinned: set[LoadOp] = set()  # ops whose extras' host slots are pinned
 
     def start_hybrid(

@@ -82,8 +82,10 @@ def test_replay_hybrid_verifies_what_it_loads_back_from_host(tmp_path, capsys):
     assert s["verify_failures"] == [] and s["verified_requests"] == 5
     assert s["hit_tokens"]["host"] >= 32
     assert s["hybrid"]["swa_window_tokens"]["loaded"] >= 8
-    # the cache's own count: the window and the state came back from host
-    assert s["hybrid"]["side_hits"]["swa"]["host"] >= 8
+    # the cache's own count: the window (in part: the rest may still be on device) and
+    # the state came back from host
+    assert s["hybrid"]["side_hits"]["swa"]["host"] > 0
+    assert s["hybrid"]["hit_rate_over_bound"] >= 0.95
     assert s["hybrid"]["side_hits"]["mamba"]["host"] >= 1
 
 
