@@ -74,6 +74,7 @@ class LinkerSettings:
     keyed_hash: KeyedHash | None = (
         None  # a tenant key's (docs/security.md): SGLang's page keys go through it
     )
+    store_group: int = 1  # engine pages in a store page, on average (store_pages.py)
 
 
 class LinkerCore:

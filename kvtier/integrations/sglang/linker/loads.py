@@ -132,7 +132,11 @@ class Loads:
         if pages is None:
             op.doomed = f"no host room to read {missing.size} pages from the store"
             return
-        op.read = self.store_ops.read([op.keys[i] for i in missing.tolist()], pages)
+        at = missing.tolist()
+        # where the missing pages are not one run, each run is grouped on its own
+        cuts = np.flatnonzero(np.diff(missing) != 1) + 1
+        stretches = np.diff([0, *cuts.tolist(), len(at)]).tolist()
+        op.read = self.store_ops.read([op.keys[i] for i in at], pages, stretches)
         op.read_index = missing
         op.host_pages[missing] = pages
 

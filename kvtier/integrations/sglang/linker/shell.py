@@ -9,6 +9,7 @@ components, extra_config, forward_stream)` and attaches it with `init_cache_link
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from typing_extensions import override
@@ -22,7 +23,11 @@ from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError
 from kvtier.integrations.observe import linker_series, sglang_export, startup_line
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
-from kvtier.integrations.sglang.linker.geometry import geometry_of, pool_over
+from kvtier.integrations.sglang.linker.geometry import (
+    geometry_of,
+    pool_over,
+    store_group,
+)
 from kvtier.integrations.stack import build_stack
 
 log = logging.getLogger(__name__)
@@ -110,6 +115,10 @@ class KvtierLinker(UnifiedCacheLinker):
         pool, mla = pool_over(
             params.token_to_kv_pool_allocator.get_kvcache(), params.page_size
         )
+        group = store_group(config, params.page_size)
+        # the linker groups engine pages itself (store_pages.py): its store keys carry the
+        # group, so the namespace stays that of one engine page per store page
+        config = replace(config, store=replace(config.store, page_tokens=None))
         rank, size = tp_of(params)
         geometry = geometry_of(
             config,
@@ -138,6 +147,7 @@ class KvtierLinker(UnifiedCacheLinker):
             max_inflight_bytes=c.max_inflight_prefetch_bytes,
             cpus=stack.cpus,
             keyed_hash=stack.keyed,
+            store_group=group,
         )
         self.core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
         self.layer_done_counter = self.core.counter
@@ -147,6 +157,8 @@ class KvtierLinker(UnifiedCacheLinker):
         tiers = f"SGLang device -> kvtier host ({host}, {config.mirror.layout})"
         if store is not None:
             tiers += f" -> kvtier store {store.name}"
+            if group > 1:
+                tiers += f" (store pages of {group} engine pages on average)"
         log.info(
             startup_line(
                 "SGLang linker",

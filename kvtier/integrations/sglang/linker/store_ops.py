@@ -57,17 +57,24 @@ class StoreOps:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def offloaded(self, copied: list[str], keys: list[str], pages: np.ndarray) -> None:
+    def offloaded(
+        self,
+        copied: list[str],
+        keys: list[str],
+        pages: np.ndarray,
+        contiguous: bool = False,
+    ) -> None:
         """An offload that copied `copied` published `keys` (`pages`) on host: a rank that
         does not write the store forgets they were unreadable (the writing rank forgets
-        once stored, in `reap`); the writing rank stores them (pinned until settled)."""
+        once stored, in `reap`); the writing rank stores them (pinned until settled).
+        `contiguous`: `keys` are one run of their sequence, in order."""
         if self.unreadable and not self.writes_store:
             for k in copied:
                 self.unreadable.pop(k, None)
         if self.l3 is None or not self.writes_store or not keys:
             return
         pinned = self.index.pin(keys)
-        self.backups.append((self.l3.write(keys, pages), pinned, keys))
+        self.backups.append((self.l3.write(keys, pages, contiguous), pinned, keys))
 
     def reap(self) -> None:
         """Settle what the storage thread finished: store writes unpin their pages, ended
@@ -109,8 +116,10 @@ class StoreOps:
             (i for i, k in enumerate(keys[:stored]) if k in self.unreadable), stored
         )
 
-    def read(self, keys: Sequence[str], pages: np.ndarray) -> StoreRead:
-        return self.l3.read(keys, pages)
+    def read(
+        self, keys: Sequence[str], pages: np.ndarray, stretches: list[int] | None = None
+    ) -> StoreRead:
+        return self.l3.read(keys, pages, stretches)
 
     def wait(self, read: StoreRead, seconds: float) -> bool:
         return self.l3.wait(read, seconds)
