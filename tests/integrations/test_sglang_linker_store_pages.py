@@ -212,3 +212,34 @@ def test_page_tokens_not_a_multiple_of_sglangs_page_is_refused(sg, tmp_path):
         KvtierConfigError, match=r"store.page_tokens=24: .* page size 16"
     ):
         Server(sg, yaml_with(tmp_path, 24), page_size=16)
+
+
+def test_a_store_hit_longer_than_the_host_tier_reads_the_segment_it_ends_in(
+    sg, tmp_path
+):
+    """A 192-token prompt in the store, a worker whose host tier holds 102 pages: the
+    lookup promises 102 pages although the 102nd ends inside a segment (the load reads
+    that segment's store page and keeps its pages up to there), and they load byte for
+    byte."""
+    path = yaml_with(tmp_path, 16)
+    first = Server(sg, path, page_size=1, kv_size=512)
+    prompt = list(range(100, 292))
+    want = first.compute(prompt, seed=7)
+    first.close()
+    hashes = hashes_of(sg, first, prompt)
+    small = Server(
+        sg,
+        write_yaml(
+            tmp_path,
+            {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 16},
+            mirror={"ratio": 0.2},
+        ),
+        page_size=1,
+        kv_size=512,
+    )
+    room = small.linker.stats()["host"]["pages_total"]
+    assert room < len(prompt) and room - 1 not in store_pages.ends(hashes, 16)
+    found, got = load_prefix(small, prompt, [7])
+    assert found == room
+    assert_same(got, [w[:found] for w in want])
+    small.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
+LOOKED = 1024  # lookups whose keys a load may still ask for (matched, not yet loaded)
 StreamFactory = Callable[[str, torch.device], TransferStream]
 
 
@@ -142,6 +144,8 @@ class LinkerCore:
             read_wait_s,
         )
         self.closed = False
+        # store pages of several engine pages: the keys of recent lookups (rid -> keys)
+        self._looked: OrderedDict[str, Sequence[str]] = OrderedDict()
 
     @property
     def l3(self) -> LinkerStore | None:
@@ -199,8 +203,12 @@ class LinkerCore:
             # the load pins the host run (out of the LRU), then reserves a page per store page
             room = index.room() - unpinned
             if room > 0:
-                stored = self.store_ops.leading_run(keys[end : end + room])
+                stored = self.store_ops.leading_run(keys[end:], room)
                 end, _ = index.run(keys, end + stored, room - stored)
+        if self.store_ops.l3 is not None and self.settings.store_group > 1:
+            self._looked[rid] = keys  # a load of its first pages reads its store pages
+            while len(self._looked) > LOOKED:
+                self._looked.popitem(last=False)
         c = self.counters
         c.lookups += 1
         c.lookup_pages += n
@@ -213,7 +221,14 @@ class LinkerCore:
     def load(self, rid: str, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
         self._reap()
-        self.loads.load(rid, list(keys), slots)
+        around = self._looked.pop(rid, None)
+        if around is not None and not (
+            len(around) >= len(keys) > 0
+            and around[0] == keys[0]
+            and around[len(keys) - 1] == keys[-1]
+        ):
+            around = None
+        self.loads.load(rid, list(keys), slots, around)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 class StoreRead(StoreOp):
     keys: PageKeys  # store keys (made on the storage thread)
     pages: np.ndarray  # host pages, one per key
-    stretches: list[int] | None = None  # lengths of its contiguous runs (None: one)
+    around: PageKeys | None = None  # grouped reads: the lookup's run its pages are in
+    at: list[int] | None = None  # ... and where in it each of them is
     landed: int = 0
     answered: bool = (
         False  # the store answered: a page short of `keys` missed or did not verify
@@ -115,8 +116,13 @@ class LinkerStore:
 
     # -- lookup --------------------------------------------------------------------------------
 
-    def leading_run(self, keys: Sequence[str]) -> int:
-        fut = self.store_loop.submit(self._exists(self._lazy(keys)))
+    def leading_run(self, keys: Sequence[str], limit: int | None = None) -> int:
+        """The store's leading run of `keys`, at most `limit` (a store page of several
+        engine pages may end past it)."""
+        limit = len(keys) if limit is None else min(limit, len(keys))
+        if self.group == 1:
+            keys = keys[:limit]
+        fut = self.store_loop.submit(self._exists(self._lazy(keys), limit))
         try:
             return fut.result(self.store.timeout_s + 0.5)
         except Exception as exc:
@@ -126,11 +132,11 @@ class LinkerStore:
             )
             return 0
 
-    async def _exists(self, keys: PageKeys) -> int:
+    async def _exists(self, keys: PageKeys, limit: int) -> int:
         try:
             if self.group > 1:
                 return await store_pages.leading_run(
-                    keys.chain(), self.group, self.key_of, self._exists_call
+                    keys.chain(), self.group, self.key_of, self._exists_call, limit
                 )
             return await store_call(
                 self.breaker, lambda: self.store.batch_exists(list(keys))
@@ -150,11 +156,14 @@ class LinkerStore:
         self,
         keys: Sequence[str],
         pages: np.ndarray,
-        stretches: list[int] | None = None,
+        around: tuple[Sequence[str], list[int]] | None = None,
     ) -> StoreRead:
-        """Read `keys` into host `pages`; `stretches`: the lengths of the runs of `keys`
-        that are contiguous in their sequence (None: all of them are one)."""
-        read = StoreRead(self._lazy(keys), pages, stretches)
+        """Read `keys` into host `pages`; `around`: the run of keys they are in, in their
+        sequence's order, and where each of them is in it (None: `keys` are that run)."""
+        if around is None:
+            around = (keys, list(range(len(keys))))
+        context = self._lazy(around[0]) if self.group > 1 else None
+        read = StoreRead(self._lazy(keys), pages, context, around[1])
         self.store_loop.submit(
             lifetime(
                 self.breaker,
@@ -203,42 +212,39 @@ class LinkerStore:
         return ok
 
     async def _read_segments(self, read: StoreRead) -> list[bool]:
-        """Each segment of each stretch from its store page (read into a buffer, its pages
-        past the stretch's start copied into host pages once verified), the rest from their
-        own store pages; per page, did it verify."""
+        """Each segment holding pages of the read from its store page (into a buffer; the
+        read's pages copied into host pages once verified), the rest from their own store
+        pages; per page, did it verify. The segments are those of `read.around`'s keys, the
+        lookup's run the read's pages are in: a segment may end past the last one read."""
         g, pb, key_of = self.group, self.mirror.page_bytes, self.key_of
-        hashes = read.keys.chain()
-        wanted = []  # (first, last, its page count or None where it starts before)
-        at = 0
-        for length in read.stretches or [len(hashes)]:
-            cut, _ = store_pages.segments(hashes[at : at + length], g)
-            wanted += [
-                (
-                    at + (a + 1 if a is not None else 0),
-                    at + b,
-                    None if a is None else b - a,
-                )
-                for a, b in zip([None, *cut], cut)
-            ]
-            at += length
-        ok = [False] * len(hashes)
+        hashes = read.around.chain()
+        at = read.at
+        ok = [False] * len(at)
+        wanted = []  # (its end, its page count or None where it starts before, read slots)
+        cut, k = store_pages.ends(hashes, g), 0
+        for a, b in zip([None, *cut], cut):
+            first = k
+            while k < len(at) and at[k] <= b:
+                k += 1
+            if k > first:
+                wanted.append((b, None if a is None else b - a, first, k))
+            if k == len(at):
+                break
         if wanted:
-            keys = [
-                key_of(store_pages.segment_hash(hashes[b], g)) for _, b, _ in wanted
-            ]
+            keys = [key_of(store_pages.segment_hash(hashes[b], g)) for b, *_ in wanted]
             blobs = await store_call(self.breaker, lambda: self.store.batch_get(keys))
-            for (first, last, count), blob in zip(wanted, blobs):
-                need = last - first + 1
+            for (b, count, first, last), blob in zip(wanted, blobs):
                 have = -1 if blob is None or len(blob) % pb else len(blob) // pb
-                if have < need or (count is not None and have != count):
+                if have < b - at[first] + 1 or (count is not None and have != count):
                     continue  # missing, or not the segment this key names: its pages' own
-                rows = np.frombuffer(blob, np.uint8).reshape(have, pb)[have - need :]
-                self.mirror.write_pages(read.pages[first : last + 1], rows)
-                ok[first : last + 1] = [True] * need
+                rows = np.frombuffer(blob, np.uint8).reshape(have, pb)
+                pick = [have - 1 - (b - i) for i in at[first:last]]
+                self.mirror.write_pages(read.pages[first:last], rows[pick])
+                ok[first:last] = [True] * (last - first)
         rest = [i for i, good in enumerate(ok) if not good]
         if rest:
             own = await self._read_own(
-                [key_of(hashes[i]) for i in rest], read.pages[rest]
+                [key_of(hashes[at[i]]) for i in rest], read.pages[rest]
             )
             for i, good in zip(rest, own):
                 ok[i] = good

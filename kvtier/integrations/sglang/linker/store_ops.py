@@ -109,17 +109,21 @@ class StoreOps:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def leading_run(self, keys: Sequence[str]) -> int:
-        """The store's leading run of `keys`, stopped before a page known not to verify."""
-        stored = self.l3.leading_run(keys)
+    def leading_run(self, keys: Sequence[str], limit: int | None = None) -> int:
+        """The store's leading run of `keys` (at most `limit`), stopped before a page known
+        not to verify."""
+        stored = self.l3.leading_run(keys, limit)
         return next(
             (i for i, k in enumerate(keys[:stored]) if k in self.unreadable), stored
         )
 
     def read(
-        self, keys: Sequence[str], pages: np.ndarray, stretches: list[int] | None = None
+        self,
+        keys: Sequence[str],
+        pages: np.ndarray,
+        around: tuple[Sequence[str], list[int]] | None = None,
     ) -> StoreRead:
-        return self.l3.read(keys, pages, stretches)
+        return self.l3.read(keys, pages, around)
 
     def wait(self, read: StoreRead, seconds: float) -> bool:
         return self.l3.wait(read, seconds)

@@ -83,28 +83,33 @@ async def leading_run(
     group: int,
     key_of: Callable[[bytes], str],
     exists: Callable[[list[str]], Awaitable[int]],
+    limit: int | None = None,
 ) -> int:
-    """Pages of the stretch, from its first, that the store can give: each segment from its
-    store page or its pages' own, then the tail's pages. One `exists` (a leading run) per
-    segment that two runs met in, and one more."""
+    """Pages of the stretch, from its first and at most `limit`, that the store can give:
+    each segment from its store page (one that ends past `limit` too: its pages before
+    `limit` are read from it) or its pages' own, then the tail's pages. One `exists` (a
+    leading run) per segment that two runs met in, and one more."""
+    n = len(hashes)
+    limit = n if limit is None else min(limit, n)
     cut, tail = segments(hashes, group)
-    n, at, j = len(hashes), 0, 0
-    while True:
+    cut = [e for e in cut if e < limit] + [e for e in cut if e >= limit][:1]
+    own_to = limit if tail < limit else tail  # the tail's pages asked about
+    at, j = 0, 0
+    while at < limit:
         probe = [key_of(segment_hash(hashes[e], group)) for e in cut[j:]]
-        probe += [key_of(h) for h in hashes[tail:]]
+        probe += [key_of(h) for h in hashes[tail:own_to]]
         found = await exists(probe) if probe else 0
         whole = len(cut) - j
         if found > whole:  # every segment, and some of the tail
-            return tail + found - whole
+            return min(tail + found - whole, limit)
         if found == whole:  # every segment (none: then the tail is the whole stretch)
-            return tail
+            return min(cut[-1] + 1 if cut else 0, limit)
         j += found
         at = cut[j - 1] + 1 if j else 0
-        mine = [key_of(h) for h in hashes[at : cut[j] + 1]]  # the segment's own pages
+        mine = [key_of(h) for h in hashes[at : min(cut[j] + 1, limit)]]  # its own pages
         got = await exists(mine)
         if got < len(mine):
             return at + got
+        at += got
         j += 1
-        at = cut[j - 1] + 1
-        if at >= n:
-            return n
+    return limit
