@@ -55,7 +55,7 @@ from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
-LOOKED = 1024  # lookups whose keys a load may still ask for (matched, not yet loaded)
+LOOKED = 256  # store hits whose keys a load may still ask for (matched, not yet loaded)
 StreamFactory = Callable[[str, torch.device], TransferStream]
 
 
@@ -205,7 +205,7 @@ class LinkerCore:
             if room > 0:
                 stored = self.store_ops.leading_run(keys[end:], room)
                 end, _ = index.run(keys, end + stored, room - stored)
-        if self.store_ops.l3 is not None and self.settings.store_group > 1:
+        if stored and self.settings.store_group > 1:
             self._looked[rid] = keys  # a load of its first pages reads its store pages
             while len(self._looked) > LOOKED:
                 self._looked.popitem(last=False)
