@@ -243,3 +243,51 @@ def test_a_store_hit_longer_than_the_host_tier_reads_the_segment_it_ends_in(
     assert found == room
     assert_same(got, [w[:found] for w in want])
     small.close()
+
+
+def _leading_run_case(rng) -> None:
+    """One store written by runs that start and end anywhere (some writes lost), and one
+    lookup that starts and stops anywhere: `leading_run` against the reference."""
+    import asyncio
+
+    group = rng.choice([2, 4, 16])
+    hashes = [rng.randbytes(32) for _ in range(rng.randrange(1, 80))]
+    key_of = bytes.hex
+    stored: set[str] = set()
+    for _ in range(rng.randrange(4)):
+        a = rng.randrange(len(hashes))
+        b = rng.randrange(a, len(hashes)) + 1
+        for p in store_pages.write_plan(hashes[a:b], group):
+            if rng.random() < 0.9:
+                h = hashes[a + p.last]
+                stored.add(key_of(store_pages.segment_hash(h, group) if p.whole else h))
+    run = hashes[rng.randrange(len(hashes)) :]
+    limit = rng.randrange(1, len(run) + 2)
+    cut = store_pages.ends(run, group)
+
+    def gives(i: int) -> bool:
+        end = next((e for e in cut if e >= i), None)
+        whole = end is not None and (
+            key_of(store_pages.segment_hash(run[end], group)) in stored
+        )
+        return whole or key_of(run[i]) in stored
+
+    want = next((i for i in range(min(limit, len(run))) if not gives(i)), None)
+    want = min(limit, len(run)) if want is None else want
+
+    async def exists(keys: list[str]) -> int:
+        return next((i for i, k in enumerate(keys) if k not in stored), len(keys))
+
+    got = asyncio.run(store_pages.leading_run(run, group, key_of, exists, limit))
+    assert got == want, (group, limit, cut)
+
+
+def test_a_lookups_leading_run_is_the_first_page_no_store_page_gives():
+    """`store_pages.leading_run` against a reference: the answer is the first page that
+    neither its segment's store page nor its own gives (a segment may end past the
+    lookup's limit), capped at the limit; 300 random stores and lookups."""
+    import random
+
+    rng = random.Random(45)
+    for _ in range(300):
+        _leading_run_case(rng)
