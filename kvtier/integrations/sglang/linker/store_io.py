@@ -43,6 +43,7 @@ from kvtier.integrations.sglang.linker import store_pages
 from kvtier.tiers.mirror import HostMirror
 
 log = logging.getLogger(__name__)
+MEMO = 1 << 16  # page hashes the storage thread remembers (~200 bytes each)
 
 
 @dataclass(eq=False)
@@ -90,6 +91,7 @@ class LinkerStore:
         self.progress = threading.Event()  # set whenever a read moves
         self.key_of = key_maker(settings.key_prefix, self.namespace_id)
         self.group = settings.store_group  # engine pages a store page holds, on average
+        self._memo: dict[str, bytes] = {}  # SGLang key -> page hash (storage thread)
         # hints reach the store one at a time, in the order the scheduler gave them (a
         # store's hint may read a page's lease, then write it)
         self._hints_in_order = asyncio.Lock()
@@ -107,12 +109,22 @@ class LinkerStore:
 
     def _lazy(self, keys: Sequence[str]) -> PageKeys:
         """`keys(keys)`, made on first use: by the storage thread."""
-        engine, keyed = list(keys), self.keyed
-        return PageKeys(
-            lambda: [page_hash_of(k, keyed) for k in engine],
-            self.key_of,
-            count=len(engine),
-        )
+        engine = list(keys)
+        return PageKeys(partial(self._hashes, engine), self.key_of, count=len(engine))
+
+    def _hashes(self, engine: list[str]) -> list[bytes]:
+        """The page hashes of SGLang's keys (storage thread): the recent ones remembered,
+        since lookups ask about the same prefixes again and again."""
+        memo = self._memo
+        if len(memo) > MEMO:
+            memo.clear()
+        out = list(map(memo.get, engine))
+        if None in out:
+            keyed = self.keyed
+            for i, h in enumerate(out):
+                if h is None:
+                    out[i] = memo[engine[i]] = page_hash_of(engine[i], keyed)
+        return out
 
     # -- lookup --------------------------------------------------------------------------------
 
