@@ -291,3 +291,40 @@ def test_a_lookups_leading_run_is_the_first_page_no_store_page_gives():
     rng = random.Random(45)
     for _ in range(300):
         _leading_run_case(rng)
+
+
+def test_host_pages_evicted_between_a_host_only_lookup_and_its_load_still_load(
+    sg, tmp_path
+):
+    """A prompt on host (and in the store, its segments whole), a request on its first
+    pages that ends inside a segment: its lookup finds them all on host; an offload that
+    would evict them runs before its load. Those pages are stored only inside the segment's
+    store page, which ends past the request's pages, so the load could not read them from
+    the store: the lookup's host pages stay until its load, which lands byte for byte
+    (the old code evicted them and failed the load: SGLang aborts the batch)."""
+    path = write_yaml(
+        tmp_path,
+        {"backend": "file", "root": str(tmp_path / "l3"), "page_tokens": 16},
+        mirror={"ratio": 0.5},
+    )
+    server = Server(sg, path, page_size=1, kv_size=512)
+    prompt = list(range(100, 292))
+    want = server.compute(prompt, seed=8)
+    hashes = hashes_of(sg, server, prompt)
+    cut = store_pages.ends(hashes, 16)
+    assert len(cut) >= 3 and cut[2] - cut[1] >= 3
+    k = cut[1] + 3  # its last page is inside the third segment, stored whole
+    server.evict_all()
+    req = server.request(prompt[:k] + [7])
+    result = server.match(req, prompt[:k] + [7])
+    assert result.host_hit_length == k
+    assert server.linker.stats()["counters"]["store_hit_pages"] == 0
+    evicted = server.linker.stats()["host"]["pages_evicted"]
+    server.compute(list(range(1000, 1240)), seed=9)  # 240 pages offloaded, 64 free
+    assert server.linker.stats()["host"]["pages_evicted"] - evicted >= 240 - 64
+    n, slots, failed = server.load(req, result)
+    assert failed == [] and n == k
+    assert_same(server.read(slots), [w[:k] for w in want])
+    server.allocator.free(slots)
+    server.check()
+    server.close()
