@@ -251,7 +251,13 @@ class UrcArm:
         store = (
             {"backend": "none"}
             if root is None
-            else {"backend": "file", "root": root, "capacity_bytes": 1 << 34}
+            else {
+                "backend": "file",
+                "root": root,
+                "capacity_bytes": 1 << 34,
+                # the store page TieredCache's arm gets (store_pages.py in the linker)
+                "page_tokens": store_page_tokens(self.page, None),
+            }
         )
         doc = {
             "mirror": {"ratio": 2.0, "layout": "page_first"},

@@ -133,6 +133,7 @@ class LinkerSetup:
     layout: str
     host_pages: int
     store: bool
+    group: int = 1  # engine pages in a store page, on average (linker/store_pages.py)
 
     @classmethod
     def draw(cls, rng: random.Random) -> LinkerSetup:
@@ -141,6 +142,7 @@ class LinkerSetup:
             rng.choice(["page_first", "layer_first"]),
             rng.choice([6, 16, 32]),
             rng.random() < 0.85,
+            rng.choice([1, 2, 4]),
         )
 
 
@@ -181,6 +183,7 @@ class LinkerSim:
             ),
             read_wait_s=0.0,
             breaker=BreakerConfig(failures=3, backoff_s=0.0),
+            store_group=setup.group,
         )  # no wall clock decides
         self.now = 0.0  # the linker's clock: one tick a step (leases expire on it)
         self.core = PLANTED.get(plant, LinkerCore)(

@@ -15,7 +15,11 @@ storage thread (`StorageWorker`).
   the store part and the host pages after it are capped at the host room a reservation
   could get then (free, or published and unpinned, less the host pages the load pins).
   A lookup pins nothing (SGLang says nothing when a matched request is aborted, so a pin
-  would outlive it); the pages it found become the newest in the LRU.
+  would outlive it); the pages it found become the newest in the LRU. With store pages
+  of several engine pages, the last lookup's host pages stay pinned until the next lookup
+  or load (one lookup's at most): SGLang matches a request just before its load, and a
+  host page evicted in between may be stored only inside a store page that ends past the
+  request's pages, which its load could not read.
 - `load(rid, keys, device_slots)`: queue; host pages are pinned, the rest are read from
   the store into reserved host pages at once (a storage-thread op). Always True for a
   well-formed call: SGLang needs the same answer on every rank, and a failure is reported
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +59,7 @@ from kvtier.tiers.mirror import HostMirror, MirrorConfig
 from kvtier.tiers.pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
+LOOKED = 256  # store hits whose keys a load may still ask for (matched, not yet loaded)
 StreamFactory = Callable[[str, torch.device], TransferStream]
 
 
@@ -74,6 +80,7 @@ class LinkerSettings:
     keyed_hash: KeyedHash | None = (
         None  # a tenant key's (docs/security.md): SGLang's page keys go through it
     )
+    store_group: int = 1  # engine pages in a store page, on average (store_pages.py)
 
 
 class LinkerCore:
@@ -141,6 +148,10 @@ class LinkerCore:
             read_wait_s,
         )
         self.closed = False
+        # store pages of several engine pages: the keys of recent lookups (rid -> keys)
+        self._looked: OrderedDict[str, Sequence[str]] = OrderedDict()
+        # ... and the last lookup's host pages, pinned until the next lookup or load
+        self._held: list[str] = []
 
     @property
     def l3(self) -> LinkerStore | None:
@@ -190,6 +201,7 @@ class LinkerCore:
     def lookup(self, rid: str, keys: Sequence[str]) -> int:
         """Pages of `keys`, from the first, that a load queued next can restore."""
         self._reap()
+        self._release_held()
         n = len(keys)
         index = self.index
         host, unpinned = index.run(keys)
@@ -198,8 +210,17 @@ class LinkerCore:
             # the load pins the host run (out of the LRU), then reserves a page per store page
             room = index.room() - unpinned
             if room > 0:
-                stored = self.store_ops.leading_run(keys[end : end + room])
+                stored = self.store_ops.leading_run(keys[end:], room)
                 end, _ = index.run(keys, end + stored, room - stored)
+        if self.settings.store_group > 1:
+            if stored:
+                self._looked[rid] = (
+                    keys  # a load of its first pages reads its store pages
+                )
+                while len(self._looked) > LOOKED:
+                    self._looked.popitem(last=False)
+            if end > stored:  # its host pages stay until its load pins them
+                self._held = self.index.pin(keys[:end])
         c = self.counters
         c.lookups += 1
         c.lookup_pages += n
@@ -212,8 +233,21 @@ class LinkerCore:
     def load(self, rid: str, keys: Sequence[str], device_slots) -> bool:
         slots = self._check(keys, device_slots)
         self._reap()
-        self.loads.load(rid, list(keys), slots)
+        around = self._looked.pop(rid, None)
+        if around is not None and not (
+            len(around) >= len(keys) > 0
+            and around[0] == keys[0]
+            and around[len(keys) - 1] == keys[-1]
+        ):
+            around = None
+        self.loads.load(rid, list(keys), slots, around)
+        self._release_held()  # the load pinned its host pages
         return True
+
+    def _release_held(self) -> None:
+        if self._held:
+            self.index.unpin(self._held)
+            self._held = []
 
     def cancel_queued_load(self, rid: str) -> bool:
         return self.loads.cancel(rid)
@@ -249,6 +283,7 @@ class LinkerCore:
                 running,
             )
         self.hints.release_all()
+        self._release_held()
         self.index.clear()
 
     def close(self) -> None:
@@ -276,7 +311,12 @@ class LinkerCore:
                 f"{sorted(owned)[:8]}..."
             )
         held: dict[str, int] = {}
-        for keys in self.store_ops.pinned() + self.loads.pinned() + self.hints.pinned():
+        for keys in [
+            self._held,
+            *self.store_ops.pinned(),
+            *self.loads.pinned(),
+            *self.hints.pinned(),
+        ]:
             for k in keys:
                 held[k] = held.get(k, 0) + 1
         if held != self.index.pins:

@@ -5,6 +5,7 @@ Imports no SGLang: it reads SGLang's objects by their attribute names."""
 from __future__ import annotations
 
 from kvtier.config import KvtierConfig
+from kvtier.errors import KvtierConfigError
 from kvtier.integrations.stack import Geometry
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -28,6 +29,22 @@ def pool_over(kvcache, page_size: int) -> tuple[DeviceKVPool, bool]:
         f"kvtier linker: SGLang KV pool {type(kvcache).__name__} is not supported "
         "(MHATokenToKVPool and MLATokenToKVPool are)"
     )
+
+
+def store_group(config: KvtierConfig, page_size: int) -> int:
+    """Engine pages in one store page (`store.page_tokens`, store_pages.py): 1 without
+    the key, and where SGLang's page is as large or larger (a store page is never less
+    than one engine page); a multiple of SGLang's page size otherwise."""
+    tokens = config.store.page_tokens
+    if tokens is None or tokens <= page_size:
+        return 1
+    if tokens % page_size:
+        origin = config.sources.get("store.page_tokens", "default")
+        raise KvtierConfigError(
+            f"store.page_tokens={tokens!r}: must be a multiple of SGLang's page size "
+            f"{page_size} (--page-size), or at most it ({origin})"
+        )
+    return tokens // page_size
 
 
 def geometry_of(

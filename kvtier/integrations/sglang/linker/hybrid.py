@@ -172,6 +172,7 @@ def side_cores(
                 mirror=mirror,
                 writes_store=True,
                 keyed_hash=stack.keyed,
+                store_group=1,  # a side pool's pages (windows, states) are stored one a key
             )
             cores[side.name] = LinkerCore(
                 side.pool, own, stack.store, forward_stream=forward_stream

@@ -39,6 +39,7 @@ class LoadOp:
     read: StoreRead | None = None  # store pages -> reserved host pages
     read_index: np.ndarray | None = None  # which pages of `keys` the read covers
     doomed: str | None = None  # why it cannot succeed (known when queued)
+    around: list[str] | None = None  # the lookup's keys, of which `keys` are the first
 
 
 @dataclass(eq=False)
@@ -111,13 +112,21 @@ class Loads:
         self.queued: dict[str, LoadOp] = {}
         self.started: dict[int, LoadBatch] = {}
 
-    def load(self, rid: str, keys: list[str], slots: np.ndarray) -> None:
+    def load(
+        self,
+        rid: str,
+        keys: list[str],
+        slots: np.ndarray,
+        around: list[str] | None = None,
+    ) -> None:
+        """`around`: the keys its lookup was asked about (`keys` their first ones), where
+        a store page read may end past `keys`."""
         self.cancel(rid)
         pinned = self.index.pin(keys)
         host = np.fromiter(
             map(self.index.pages.get, keys, repeat(0)), dtype=np.int64, count=len(keys)
         )
-        op = LoadOp(rid, keys, slots, host, pinned)
+        op = LoadOp(rid, keys, slots, host, pinned, around=around)
         missing = np.flatnonzero(host == 0)
         if missing.size:
             self._read_missing(op, missing)
@@ -132,7 +141,10 @@ class Loads:
         if pages is None:
             op.doomed = f"no host room to read {missing.size} pages from the store"
             return
-        op.read = self.store_ops.read([op.keys[i] for i in missing.tolist()], pages)
+        at = missing.tolist()
+        # store pages of several engine pages are those of the lookup's whole run
+        around = (op.around or op.keys, at)
+        op.read = self.store_ops.read([op.keys[i] for i in at], pages, around)
         op.read_index = missing
         op.host_pages[missing] = pages
 

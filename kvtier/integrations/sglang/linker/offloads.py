@@ -36,6 +36,7 @@ class OffloadOp:
     )  # earlier ops copying some of its pages
     refused: bool = False  # no host room
     success: bool | None = None
+    whole: bool = False  # `keys` are every page SGLang offloaded, in order (one run)
 
 
 class Offloads:
@@ -106,7 +107,7 @@ class Offloads:
         handle = Handle(0)
         ready = self._forward_ready()
         self.write_stream.submit(lambda h: self._copy_out(picked, host, ready), handle)
-        op = OffloadOp(new, pages, handle, depends)
+        op = OffloadOp(new, pages, handle, depends, whole=new is keys)
         copying.update(dict.fromkeys(new, op))
         self.ops.append(op)
 
@@ -153,7 +154,7 @@ class Offloads:
             pages = pages[np.array(kept, dtype=bool)]
         self.counters.offload_pages += len(op.keys)
         self.counters.d2h_bytes += len(op.keys) * self.mirror.page_bytes
-        self.store_ops.offloaded(op.keys, keys, pages)
+        self.store_ops.offloaded(op.keys, keys, pages, op.whole and keys is op.keys)
         if not op.success:
             self.counters.offload_failures += 1
         return op.success

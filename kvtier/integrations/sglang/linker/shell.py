@@ -9,6 +9,7 @@ components, extra_config, forward_stream)` and attaches it with `init_cache_link
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from typing_extensions import override
@@ -22,7 +23,11 @@ from kvtier.config import load_config
 from kvtier.errors import KvtierConfigError
 from kvtier.integrations.observe import linker_series, sglang_export, startup_line
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
-from kvtier.integrations.sglang.linker.geometry import geometry_of, pool_over
+from kvtier.integrations.sglang.linker.geometry import (
+    geometry_of,
+    pool_over,
+    store_group,
+)
 from kvtier.integrations.sglang.linker.hybrid import kv_geometry, plan_of, side_cores
 from kvtier.integrations.sglang.linker.pools import KV, Side
 from kvtier.integrations.stack import build_stack
@@ -144,6 +149,10 @@ class KvtierLinker(UnifiedCacheLinker):
                 "mirror section (ratio or size_bytes)"
             )
         pool, mla = pool_over(kvcache if plan is None else plan.full, params.page_size)
+        group = store_group(config, params.page_size)
+        # the linker groups engine pages itself (store_pages.py): its store keys carry the
+        # group, so the namespace stays that of one engine page per store page
+        config = replace(config, store=replace(config.store, page_tokens=None))
         rank, size = tp_of(params)
         geometry = geometry_of(
             config,
@@ -174,6 +183,7 @@ class KvtierLinker(UnifiedCacheLinker):
             max_inflight_bytes=c.max_inflight_prefetch_bytes,
             cpus=stack.cpus,
             keyed_hash=stack.keyed,
+            store_group=group,
         )
         kv_core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
         self.core = kv_core
@@ -206,6 +216,8 @@ class KvtierLinker(UnifiedCacheLinker):
             )
         if store is not None:
             tiers += f" -> kvtier store {store.name}"
+            if group > 1:
+                tiers += f" (store pages of {group} engine pages on average)"
         log.info(
             startup_line(
                 "SGLang linker",

@@ -57,17 +57,24 @@ class StoreOps:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def offloaded(self, copied: list[str], keys: list[str], pages: np.ndarray) -> None:
+    def offloaded(
+        self,
+        copied: list[str],
+        keys: list[str],
+        pages: np.ndarray,
+        contiguous: bool = False,
+    ) -> None:
         """An offload that copied `copied` published `keys` (`pages`) on host: a rank that
         does not write the store forgets they were unreadable (the writing rank forgets
-        once stored, in `reap`); the writing rank stores them (pinned until settled)."""
+        once stored, in `reap`); the writing rank stores them (pinned until settled).
+        `contiguous`: `keys` are one run of their sequence, in order."""
         if self.unreadable and not self.writes_store:
             for k in copied:
                 self.unreadable.pop(k, None)
         if self.l3 is None or not self.writes_store or not keys:
             return
         pinned = self.index.pin(keys)
-        self.backups.append((self.l3.write(keys, pages), pinned, keys))
+        self.backups.append((self.l3.write(keys, pages, contiguous), pinned, keys))
 
     def reap(self) -> None:
         """Settle what the storage thread finished: store writes unpin their pages, ended
@@ -102,9 +109,10 @@ class StoreOps:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def leading_run(self, keys: Sequence[str]) -> int:
-        """The store's leading run of `keys`, stopped before a page known not to verify."""
-        stored = self.l3.leading_run(keys)
+    def leading_run(self, keys: Sequence[str], limit: int | None = None) -> int:
+        """The store's leading run of `keys` (at most `limit`), stopped before a page known
+        not to verify."""
+        stored = self.l3.leading_run(keys, limit)
         return next(
             (i for i, k in enumerate(keys[:stored]) if k in self.unreadable), stored
         )
@@ -115,8 +123,13 @@ class StoreOps:
         unreadable = self.unreadable
         return [h and k not in unreadable for k, h in zip(keys, held)]
 
-    def read(self, keys: Sequence[str], pages: np.ndarray) -> StoreRead:
-        return self.l3.read(keys, pages)
+    def read(
+        self,
+        keys: Sequence[str],
+        pages: np.ndarray,
+        around: tuple[Sequence[str], list[int]] | None = None,
+    ) -> StoreRead:
+        return self.l3.read(keys, pages, around)
 
     def wait(self, read: StoreRead, seconds: float) -> bool:
         return self.l3.wait(read, seconds)
