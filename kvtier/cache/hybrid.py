@@ -577,8 +577,10 @@ class HybridTieredCache(TieredCache):
             if count and full is not None:
                 got[c] = self.side.alloc_host(c, count)
                 if got[c] is None:
-                    full = None
-        if full is None:  # short of host room: a miss
+                    break
+        if full is None or any(s is None for s in got.values()):  # short: a miss
+            if full is not None:
+                self.controller.free_host(full)
             for c, slots in got.items():
                 if slots is not None:
                     self.side.free_host(c, slots)

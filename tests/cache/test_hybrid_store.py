@@ -251,3 +251,35 @@ def test_a_request_with_the_same_id_as_an_aborted_prefetch_is_named_when_it_ends
     check(cache)
     cache.close()
     all_free(cache)
+
+
+def test_a_prefetch_short_of_a_side_components_host_room_is_a_miss_without_leaks(
+    model, tmp_path
+):
+    """The prefetch read every component, but when it is applied a side component's
+    mirror has no room (other holders took it all): a miss, and the FULL host slots it
+    had already taken go back (they leaked: the host accounting broke)."""
+    first = make_hybrid(model, tmp_path, store="file")
+    a = seq(14, 61)
+    stored(first, model, tmp_path, a)
+    first.close()
+    cache = make_hybrid(model, tmp_path, store="file")
+    b = torch.cat([a, seq(5, 62)])
+    assert not cache.acquire(b.tolist(), "r1").ready
+    last = list(cache.side.sides)[-1]
+    free = cache.controller.component_host_accounting(last).free
+    taken = cache.controller.alloc_component_host(last, free)
+    for _ in range(10_000):
+        if "r1" in cache.poll():
+            break
+        cache.wait_progress(0.01)
+    else:
+        raise AssertionError("r1 was never named ready")
+    got = cache.acquire(b.tolist(), "r1")
+    assert got.ready and got.storage_hit == 0 and len(got.indices) == 0
+    cache.abort("r1", got.indices, swa_indices=got.swa_indices)
+    cache.controller.free_component_host(last, taken)
+    assert cache.tree.total_size(H) == 0
+    check(cache)
+    cache.close()
+    all_free(cache)
