@@ -47,9 +47,9 @@ import torch
 from kvtier.cache.components import SideSlots
 from kvtier.cache.facade import Acquired, TieredCache
 from kvtier.cache.requests import Held
-from kvtier.cache import side_prefetch
+from kvtier.controller import side_prefetch
 from kvtier.cache.side_ops import HybridLoads, HybridWrites
-from kvtier.cache.side_prefetch import HybridPrefetchOp
+from kvtier.controller.side_prefetch import HybridPrefetchOp
 from kvtier.config import load_config
 from kvtier.controller.config import WritePolicy
 from kvtier.controller.controller import ComponentCopy
@@ -68,7 +68,7 @@ _EMPTY = np.empty(0, dtype=np.int64)
 
 @dataclass(eq=False)
 class SidePrefetch:
-    """A request's store prefetch (`cache/side_prefetch.py`), on the scheduler's side:
+    """A request's store prefetch (`controller/side_prefetch.py`), on the scheduler's side:
     the key, the anchor it hangs under (protected on host until applied), and once
     applied the tokens [lo, hi) it put on host."""
 
@@ -86,7 +86,7 @@ class HybridAcquired(Acquired):
     """`Acquired` (FULL: `indices`, hits per tier) plus the side components of the prefix,
     L = len(indices) tokens. `device_hit` counts the tokens every component had on device,
     `host_hit` the tokens found on host, `storage_hit` those a store prefetch brought (every
-    component of them restorable from it: `cache/side_prefetch.py`); the tree's locked FULL
+    component of them restorable from it: `controller/side_prefetch.py`); the tree's locked FULL
     slots at the front of `indices` may reach past `device_hit` (FULL KV on device whose
     window or state came from host).
 
@@ -274,7 +274,7 @@ class HybridTieredCache(TieredCache):
         the host FULL path) loaded in one load op per request whose layer i lands before
         `wait_layer(i)`. Never waits: as `TieredCache.acquire`, a first call may start a
         store prefetch of what lies past the match (every component up to the longest
-        length each can restore, `cache/side_prefetch.py`) and return `ready=False`,
+        length each can restore, `controller/side_prefetch.py`) and return `ready=False`,
         holding nothing; a later `poll()` names the request, then acquire it again. The
         prefetch runs to its end (the prefetch policy's early go-ahead is not applied)."""
         self._check_open("acquire")
@@ -491,7 +491,7 @@ class HybridTieredCache(TieredCache):
     # -- the store ----------------------------------------------------------------------------
 
     def _start_prefetch(self, request_id: str, key, m) -> bool:
-        """Start the store prefetch of the pages past the match (`cache/side_prefetch.py`)
+        """Start the store prefetch of the pages past the match (`controller/side_prefetch.py`)
         if the store may hold some; True if started (the request waits for a poll)."""
         storage = self.controller.storage
         if storage is None or len(self._side_store) < len(self.side.sides):

@@ -84,6 +84,7 @@ def test_the_breaker_guarded_store_call_is_written_once():
     assert breaker_calls("succeeded") == [call]
     assert breaker_calls("abandoned") == ["storeio/call.py:settle"]
     assert sorted(breaker_calls("admit")) == [
+        "controller/side_prefetch.py:_calls",  # a hybrid model's prefetch starts
         "controller/storage.py:StorageWorker._prefetch_pages",
         call,
         "storeio/writes.py:backup_calls",
@@ -135,9 +136,14 @@ def test_reads_into_memory_are_made_in_known_places_only():
         }
     )
     assert readers == [
+        # a hybrid prefetch reads into buffers of its own (an abandoned read writes nothing
+        # anybody reads), copied into host slots once verified
+        "controller/side_prefetch.py:_find_and_read",  # in its nested have()
+        "controller/side_prefetch.py:_find_and_read.have",
         "controller/storage.py:StorageWorker._read",
         "controller/store_pages.py:read",
-        "integrations/sglang/linker/store_io.py:LinkerStore._read_pages",
+        # the linker's host pages (page_first), else buffers copied in once verified
+        "integrations/sglang/linker/store_io.py:LinkerStore._read_own",
         "storeio/call.py:read_staged",
     ]
 
