@@ -274,12 +274,7 @@ class HybridWrites(Writes):
             self._drop_extras(extras)
             return []
         halves = self._landed(op.tag, length)[::-1]  # top-down
-        for x in extras:
-            self.side.unpin(x.component, D, x.device_slots)
-            if x.component == Component.MAMBA:
-                self._settle_state(op.tag, x)
-            else:
-                self._settle_swa(halves, x)
+        self._settle(op.tag, halves, extras)
         return halves
 
     def _settle_extras(self, op: WriteOp[TreeNode], extras) -> None:
@@ -294,10 +289,15 @@ class HybridWrites(Writes):
             self._drop_extras(extras)
             return
         halves = self._landed(op.tag, op.host_slots.size)[::-1]  # top-down
+        self._settle(op.tag, halves, extras)
+
+    def _settle(self, node, halves: list, extras) -> None:
+        """Each copy that landed goes to the node (a state: its end) or its halves (SWA
+        KV: each its tokens'), its device slots unpinned."""
         for x in extras:
             self.side.unpin(x.component, D, x.device_slots)
             if x.component == Component.MAMBA:
-                self._settle_state(op.tag, x)
+                self._settle_state(node, x)
             else:
                 self._settle_swa(halves, x)
 

@@ -637,9 +637,8 @@ def run(
     """Run `steps` steps in episodes of `episode` steps; returns the number of violations.
     Each episode draws its setup from its seed, or takes the next of `setups`. `actions`,
     a text file or None, receives every episode's action log (`write_actions`)."""
-    out = (
-        sys.stdout if out is None else out
-    )  # the stdout of the call, not of the import
+    # the stdout of the call, not of the import
+    out = sys.stdout if out is None else out
     master = random.Random(seed)
     done = violations = 0
     while done < steps:

@@ -578,9 +578,8 @@ def run(
     out=None,
     actions=None,
 ) -> int:
-    out = (
-        sys.stdout if out is None else out
-    )  # the stdout of the call, not of the import
+    # the stdout of the call, not of the import
+    out = sys.stdout if out is None else out
     master = random.Random(seed)
     done = violations = 0
     while done < steps:

@@ -251,9 +251,8 @@ def run(
     actions=None,
 ) -> int:
     """`steps` steps in episodes of `episode`, on `ranks` ranks; the number of violations."""
-    out = (
-        sys.stdout if out is None else out
-    )  # the stdout of the call, not of the import
+    # the stdout of the call, not of the import
+    out = sys.stdout if out is None else out
     master = random.Random(seed)
     done = violations = 0
     while done < steps:
