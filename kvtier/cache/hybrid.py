@@ -612,7 +612,11 @@ class HybridTieredCache(TieredCache):
             self._set_prefetched(node, got, hi)
         finally:
             self.tree.release_host(node)
-        self.stats_obj.counters.l3_read_pages += n
+        c = self.stats_obj.counters
+        c.l3_read_pages += n
+        # the verified bytes it read, every component's (the FULL pages, the window, the state)
+        c.l3_read_bytes += sum(len(b) for b in op.full) + sum(len(b) for b in op.swa)
+        c.l3_read_bytes += len(op.state_bytes or b"")
         return lo, hi
 
     def _set_prefetched(self, node, got: dict, hi: int) -> None:

@@ -121,6 +121,11 @@ def test_a_flush_then_a_restore_from_the_store_is_byte_equal_per_component(
     )
     for c, want in snap.items():
         assert same(out[c], want), c
+    # what the store gave is counted (the replay's store->host bytes): at least the FULL
+    # pages, and more where a window or a state came too
+    full = 16 // cache.mirror.page_size * cache.mirror.page_bytes
+    assert cache.stats()["counters"]["l3_read_bytes"] > full or len(snap) == 1
+    assert cache.stats()["counters"]["l3_read_bytes"] >= full
     check(cache)
     r = serve(cache, model, b, "r2")  # logits equal to the uncached run's
     assert r.length == 16
