@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +33,7 @@ from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.integrations.sglang.linker.pools import KV, PoolCores, Side, StateRows
 from kvtier.storeio.breaker import BreakerConfig
 from kvtier.testing.fault_sim import write_actions
-from kvtier.testing.linker_sim import LookupStore, page_keys
+from kvtier.testing.linker_sim import LookupStore, page_keys, run_episodes
 from kvtier.testing.misuse import Violation
 from kvtier.testing.parts import SimStreams
 from kvtier.tiers.indices import page_slots
@@ -581,22 +580,6 @@ def run(
     out=None,
     actions=None,
 ) -> int:
-    # the stdout of the call, not of the import
-    out = sys.stdout if out is None else out
-    master = random.Random(seed)
-    done = violations = 0
-    while done < steps:
-        ep_seed = master.randrange(1 << 30)
-        n = min(episode, steps - done)
-        failure = run_episode(ep_seed, n, plant, actions)
-        if failure is not None:
-            violations += 1
-            step, exc, setup, log = failure
-            report(out, exc, ep_seed, setup, step, log, plant)
-        done += n
-    print(
-        f"hybrid linker fault sim: {steps} steps"
-        f"{' with ' + plant if plant else ''}, {violations} violations",
-        file=out,
+    return run_episodes(
+        steps, seed, episode, plant, out, actions, run_episode, report, "hybrid linker"
     )
-    return violations

@@ -578,6 +578,16 @@ def run(
     out=None,
     actions=None,
 ) -> int:
+    return run_episodes(
+        steps, seed, episode, plant, out, actions, run_episode, report, "linker"
+    )
+
+
+def run_episodes(
+    steps, seed, episode, plant, out, actions, one, report_one, label: str
+) -> int:
+    """`steps` steps in episodes of `episode` (`one(ep_seed, n, plant, actions)`: a
+    failure or None), each failure reported by `report_one`; the number of violations."""
     # the stdout of the call, not of the import
     out = sys.stdout if out is None else out
     master = random.Random(seed)
@@ -585,14 +595,15 @@ def run(
     while done < steps:
         ep_seed = master.randrange(1 << 30)
         n = min(episode, steps - done)
-        failure = run_episode(ep_seed, n, plant, actions)
+        failure = one(ep_seed, n, plant, actions)
         if failure is not None:
             violations += 1
             step, exc, setup, log = failure
-            report(out, exc, ep_seed, setup, step, log, plant)
+            report_one(out, exc, ep_seed, setup, step, log, plant)
         done += n
     print(
-        f"linker fault sim: {steps} steps{' with ' + plant if plant else ''}, {violations} violations",
+        f"{label} fault sim: {steps} steps{' with ' + plant if plant else ''}, "
+        f"{violations} violations",
         file=out,
     )
     return violations
