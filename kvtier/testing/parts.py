@@ -73,26 +73,6 @@ class SimStreams:
         else:
             h.finish()
 
-    def _do_get(self, call: Call, outcome: str, rng):
-        """`_do_get_into`'s outcomes, the frames returned (`batch_get` verifies them)."""
-        if outcome == "error":
-            raise ConnectionResetError("sim: connection reset")
-        out = []
-        others = list(self._pages.values())
-        for key in call.keys:
-            blob = self._pages.get(key)
-            if blob is not None and rng.random() < 0.5:
-                if outcome == "corrupt":
-                    blob = blob[:-1] + bytes([blob[-1] ^ 0x5A])
-                elif outcome == "truncate":
-                    blob = blob[: rng.randrange(len(blob))]
-                elif outcome == "swap" and others:
-                    blob = rng.choice(others)
-                elif outcome == "miss":
-                    blob = None
-            out.append(blob)
-        return out
-
     def resolve_all(self, rng: random.Random) -> None:
         while self.pending:
             self.resolve(
