@@ -34,3 +34,21 @@ def test_the_command_line_refuses_a_plant_of_the_other_simulator(capsys):
     with pytest.raises(SystemExit):
         main(["--plant", "mamba-split", "--steps", "1"])
     assert "goes with --hybrid" in capsys.readouterr().err
+
+
+def test_a_reported_violation_replays_from_the_command_line_it_prints(capsys):
+    """The report of a violation names the command line that replays its episode; run,
+    that command line reports the same violation at the same step."""
+    from kvtier.testing.sim_cli import main
+
+    out = io.StringIO()
+    assert run_hybrid(400, seed=0, episode=200, out=out, plant="mamba-split") > 0
+    lines = out.getvalue().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("VIOLATION"))
+    command = lines[first + 2].split("python benchmarks/fault_sim.py ")[1].split()
+    assert "--hybrid" in command and "--plant" in command, lines[first + 2]
+    assert main(command) == 1
+    replayed = capsys.readouterr().out.splitlines()
+    assert replayed[:3] == lines[first : first + 3]
+    steps = command[command.index("--steps") + 1]
+    assert replayed[-1] == f"fault sim (hybrid): {steps} steps, 1 violations"

@@ -92,8 +92,8 @@ def test_tp_episodes_that_diverged_now_agree(ep_seed, steps):
     )  # as drawn then
     failure = tp_sim.run_episode(ep_seed, setup, steps, ranks=2)
     assert failure is None, (
-        f"rank {failure[0]}, step {failure[1]}: {failure[2]}\n"
-        + "\n".join(failure[3][-20:])
+        f"{failure.who}, step {failure.step}: {failure.exc}\n"
+        + "\n".join(failure.log[-20:])
     )
 
 

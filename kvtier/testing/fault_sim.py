@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
-import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +31,8 @@ import torch
 from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.errors import TransferError
+from kvtier.testing.episodes import Failure, Player, play, run_episodes, schedule
+from kvtier.testing.episodes import write_actions as write_actions  # linker_sim.py's
 from kvtier.testing.misuse import Violation, misuse
 from kvtier.testing.parts import SimStore, SimStreams, watch_copies
 
@@ -157,6 +157,7 @@ class FaultSim:
         faults: random.Random | None = None,
         agreement=None,
     ) -> None:
+        self.seed = seed
         self.rng = random.Random(
             seed
         )  # the engine's choices (the same on every rank: tp_sim.py)
@@ -296,8 +297,7 @@ class FaultSim:
         if len(self.waiting) + len(self.running) >= 3:
             return
         ps = self.setup.page_size
-        base = self.rng.choice(self.bases)
-        keep = self.rng.randrange(0, self.max_len // ps + 1) * ps
+        base, keep = self._base()
         extra = [
             self.rng.randrange(self.vocab)
             for _ in range(self.rng.randrange(1, 2 * ps + 2))
@@ -307,9 +307,19 @@ class FaultSim:
         ]
         rid = f"r{self.next_id}"
         self.next_id += 1
-        req = Req(rid, tokens, reference_kv(tokens))
+        req = self._request(rid, tokens)
         self.note(f"arrive {rid} len={len(tokens)} shared={keep}")
         self._acquire(req)
+
+    def _base(self) -> tuple[np.ndarray, int]:
+        """The tokens a new request starts from, and how many of them it keeps."""
+        ps = self.setup.page_size
+        base = self.rng.choice(self.bases)
+        return base, self.rng.randrange(0, self.max_len // ps + 1) * ps
+
+    def _request(self, rid: str, tokens: np.ndarray) -> Req:
+        """A request of `tokens`, with their reference KV."""
+        return Req(rid, tokens, reference_kv(tokens))
 
     def _acquire(self, req: Req) -> None:
         got = self.cache.acquire(req.tokens, req.rid)
@@ -323,11 +333,16 @@ class FaultSim:
             raise Violation(
                 f"{req.rid}: hits {got.device_hit}+{got.host_hit}+{got.storage_hit} != {req.pos}"
             )
+        more = self._take(req, got)
         self.running[req.rid] = req
         self.note(
             f"  {req.rid} acquired {req.pos} (device {got.device_hit}, host {got.host_hit}, "
-            f"store {got.storage_hit})"
+            f"store {got.storage_hit}{more})"
         )
+
+    def _take(self, req: Req, got) -> str:
+        """What `req` takes from `got` besides its row, checked; the acquire note's tail."""
+        return ""
 
     def poll(self) -> None:
         ready = self.cache.poll()
@@ -343,32 +358,10 @@ class FaultSim:
     def forward(self) -> None:
         """One forward over one to three running requests, a chunk of each, as an engine's
         batch: one `begin_forward`, every layer waited for, read and written for each."""
-        if not self.running:
-            return
-        batch = []  # (request, tokens this forward, its new slots)
-        for rid in self.rng.sample(
-            sorted(self.running), self.rng.randint(1, min(3, len(self.running)))
-        ):
-            req = self.running[rid]
-            n = min(
-                len(req.tokens) - req.pos,
-                self.rng.randrange(1, 3 * self.setup.page_size + 1),
-            )
-            own = self._slots(req, n)
-            if own is None:
-                self.note(f"forward {req.rid}: pool exhausted, abort")
-                self._abort(req)
-            else:
-                batch.append((req, n, own))
+        batch = self._batch("pool")  # (request, tokens this forward, its new slots)
         if not batch:
             return
-        waiter = self.cache.begin_forward([req.rid for req, _, _ in batch])
-        waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
-        self.note(
-            "forward "
-            + ", ".join(f"{req.rid} [{req.pos}, {req.pos + n})" for req, n, _ in batch)
-            + f" loads={len(waiter.loads)}"
-        )
+        waiter = self._begin(batch)
         for layer in range(
             LAYERS
         ):  # a failed load never stops the forward: failed() names it after
@@ -383,11 +376,7 @@ class FaultSim:
                 self.cache.pool.set_kv(
                     layer, own, k[req.pos : req.pos + n], v[req.pos : req.pos + n]
                 )
-            if (
-                self.rng.random() < 0.15
-            ):  # an overlap scheduler: the next step runs during this forward
-                self.note(f"  mid-forward after layer {layer}:")
-                self.poll() if self.rng.random() < 0.6 else self.arrive()
+            self._overlap(layer)
         failed = waiter.failed()
         for req, n, own in batch:
             row = torch.cat([req.row, own])
@@ -413,14 +402,61 @@ class FaultSim:
                 except TransferError as exc:
                     self.note(f"  {req.rid} finish refused: {exc}")
 
+    def _batch(self, pools: str) -> list[tuple]:
+        """A forward's batch: one to three running requests, each with a chunk, as
+        (request, tokens, `_slots`' new slots); a request its `pools` have no room for is
+        aborted instead. Empty when none runs."""
+        if not self.running:
+            return []
+        batch = []
+        for rid in self.rng.sample(
+            sorted(self.running), self.rng.randint(1, min(3, len(self.running)))
+        ):
+            req = self.running[rid]
+            n = min(
+                len(req.tokens) - req.pos,
+                self.rng.randrange(1, 3 * self.setup.page_size + 1),
+            )
+            got = self._slots(req, n)
+            if got is None:
+                self.note(f"forward {req.rid}: {pools} exhausted, abort")
+                self._abort(req)
+            else:
+                batch.append((req, n, got))
+        return batch
+
+    def _begin(self, batch: list[tuple]):
+        """The batch's forward begun: its waiter, whose loads the simulator lands."""
+        waiter = self.cache.begin_forward([b[0].rid for b in batch])
+        waiter.timeout_s = 0.0  # the simulator decides whether a copy lands in time
+        self.note(
+            "forward "
+            + ", ".join(f"{r.rid} [{r.pos}, {r.pos + n})" for r, n, *_ in batch)
+            + f" loads={len(waiter.loads)}"
+        )
+        return waiter
+
+    def _overlap(self, layer: int) -> None:
+        """An overlap scheduler: the next step may run during this forward."""
+        if self.rng.random() < 0.15:
+            self.note(f"  mid-forward after layer {layer}:")
+            self.poll() if self.rng.random() < 0.6 else self.arrive()
+
     def _slots(self, req: Req, n: int) -> torch.Tensor | None:
+        """New slots for tokens [pos, pos + n) of `req`, or None when the pool is short."""
+        grown = self._grow(req.pos, req.row, n, self.cache.alloc)
+        return None if grown is None else grown[:n]
+
+    def _grow(self, pos: int, row: torch.Tensor, n: int, alloc) -> torch.Tensor | None:
+        """Slots for `n` tokens after the `pos` of `row`: the rest of its last page, then
+        `alloc`'s pages (with their tail), or None when `alloc` is short."""
         ps = self.setup.page_size
-        room = (ps - req.pos % ps) % ps if req.pos else 0
-        last = int(req.row[-1]) if req.pos else 0
+        room = (ps - pos % ps) % ps if row.numel() else 0
+        last = int(row[-1]) if row.numel() else 0
         first = torch.arange(last + 1, last + 1 + min(room, n), dtype=torch.int64)
         rest = n - first.numel()
-        more = self.cache.alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
-        return None if more is None else torch.cat([first, more[:rest]])
+        more = alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
+        return None if more is None else torch.cat([first, more])
 
     def _land_or_not(self, handles) -> None:
         """Before a layer is read, each of its loads still pending lands, fails, or not."""
@@ -467,7 +503,7 @@ class FaultSim:
             again = (
                 self._changed(req)
                 if self.rng.random() < 0.3
-                else Req(rid, req.tokens, req.ref)
+                else self._request(rid, req.tokens)
             )
             self.note(f"retry {rid} len={len(again.tokens)}")
             self._acquire(again)
@@ -485,7 +521,7 @@ class FaultSim:
             tokens[:-ps],
             np.concatenate([tokens[:-ps], page]),
         ][how]
-        return Req(req.rid, tokens, reference_kv(tokens))
+        return self._request(req.rid, tokens)
 
     def _abort(self, req: Req) -> None:
         self.running.pop(req.rid, None)
@@ -607,6 +643,14 @@ class FaultSim:
 
         self._auto(named)
 
+    def stop(self) -> None:
+        """After a violation: the cache's threads stopped, every copy and store call
+        answered, whatever state the cache is in (nothing is checked)."""
+        try:
+            self._auto(self.cache.controller.close)
+        except Exception:
+            pass
+
     def close(self) -> None:
         self.note("close")
         self._check_live()
@@ -625,6 +669,22 @@ class FaultSim:
             )
 
 
+def player(
+    allow_kernel: bool = False, setups: list[Setup] | None = None, actions=None
+) -> Player:
+    """The own cache's episodes: episode k takes the k-th of `setups` (round robin), or
+    draws its setup from its seed."""
+
+    def one(k: int, ep_seed: int, n: int) -> tuple[Setup, Failure | None]:
+        if setups:
+            setup = setups[k % len(setups)]
+        else:
+            setup = Setup.draw(random.Random(ep_seed), allow_kernel)
+        return setup, play(FaultSim(ep_seed, setup), n, actions)
+
+    return Player(one)
+
+
 def run(
     steps: int,
     seed: int,
@@ -637,70 +697,5 @@ def run(
     """Run `steps` steps in episodes of `episode` steps; returns the number of violations.
     Each episode draws its setup from its seed, or takes the next of `setups`. `actions`,
     a text file or None, receives every episode's action log (`write_actions`)."""
-    # the stdout of the call, not of the import
-    out = sys.stdout if out is None else out
-    master = random.Random(seed)
-    done = violations = 0
-    while done < steps:
-        ep_seed = master.randrange(1 << 30)
-        if setups:
-            setup = setups[(done // episode) % len(setups)]
-        else:
-            setup = Setup.draw(random.Random(ep_seed), allow_kernel)
-        n = min(episode, steps - done)
-        sim = FaultSim(ep_seed, setup)
-        i = 0
-        try:
-            for i in range(n):  # noqa: B007 (i is reported on a failure)
-                sim.step()
-            sim.close()
-        except Exception as exc:
-            violations += 1
-            report(out, exc, ep_seed, setup, i, sim.log)
-            try:
-                sim._auto(sim.cache.controller.close)
-            except Exception:
-                pass
-        write_actions(actions, f"episode {ep_seed}", sim.log)
-        done += n
-    print(f"fault sim: {steps} steps, {violations} violations", file=out)
-    return violations
-
-
-def write_actions(actions, who: str, log: list[str]) -> None:
-    """One line per action of an episode, `<who>: <action>`, to `actions` (None: nothing):
-    the record two versions of the code are compared by, seed for seed."""
-    if actions is not None:
-        actions.writelines(f"{who}: {line}\n" for line in log)
-
-
-def report(
-    out,
-    exc: Exception,
-    ep_seed: int,
-    setup: Setup,
-    step: int,
-    log: list[str],
-    who: str = "",
-    flags: str = "",
-) -> None:
-    print(
-        f"VIOLATION at step {step} of episode seed {ep_seed} ({setup}){' on ' + who if who else ''}",
-        file=out,
-    )
-    print(
-        f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-        file=out,
-    )
-    if not isinstance(exc, Violation):
-        print(
-            "  " + "".join(traceback.format_exception(exc)[-3:]).replace("\n", "\n  "),
-            file=out,
-        )
-    print(
-        f"  reproduce: python benchmarks/fault_sim.py --episode-seed {ep_seed} --steps {step + 1}{flags}",
-        file=out,
-    )
-    print("  the last actions:", file=out)
-    for line in log[-25:]:
-        print(f"    {line}", file=out)
+    own = player(allow_kernel, setups, actions)
+    return run_episodes(schedule(steps, seed, episode), own, out)

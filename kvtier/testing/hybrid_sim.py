@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from kvtier.errors import TransferError
-from kvtier.testing.fault_sim import HASH_MODULUS, FaultSim, Setup, reference_kv
+from kvtier.testing.episodes import Failure, Player, play, run_episodes, schedule
+from kvtier.testing.fault_sim import HASH_MODULUS, FaultSim, Req, Setup, reference_kv
 from kvtier.testing.misuse import Violation
 from kvtier.tiers.components import Component, ComponentSpec
 from kvtier.tiers.pool import PoolConfig, StatePoolConfig
@@ -73,12 +74,9 @@ class HybridSetup(Setup):
 
 
 @dataclass(eq=False)
-class HReq:
-    rid: str
-    tokens: np.ndarray
-    ref: list  # [(K, V) FULL, (K, V) SWA] per token
-    row: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    pos: int = 0
+class HReq(Req):
+    """A request of the hybrid model (its `ref`: [(K, V) FULL, (K, V) SWA] per token)."""
+
     hit: int = 0
     swa_start: int = 0
     swa_row: torch.Tensor = field(
@@ -86,10 +84,6 @@ class HReq:
     )  # SWA slots of [swa_start, pos)
     state_slot: int | None = None
     snap: int | None = None
-
-
-def hreq(rid: str, tokens: np.ndarray) -> HReq:
-    return HReq(rid, tokens, reference_kv(tokens))
 
 
 class HybridFaultSim(FaultSim):
@@ -141,40 +135,21 @@ class HybridFaultSim(FaultSim):
         """None: misuse.py's calls are a full-attention caller's (no SWA row)."""
         return None
 
-    def arrive(self) -> None:
-        if len(self.waiting) + len(self.running) >= 3:
-            return
-        ps = self.setup.page_size
-        base = self.rng.choice(self.bases)
-        keep = self.rng.randrange(0, self.max_len // ps + 1) * ps
+    def _base(self) -> tuple[np.ndarray, int]:
+        base, keep = super()._base()
         if self.turns and self.rng.random() < 0.5:  # a next turn: states are at ends
             base = self.rng.choice(self.turns)
             keep = len(base)
-        extra = [
-            self.rng.randrange(self.vocab)
-            for _ in range(self.rng.randrange(1, 2 * ps + 2))
-        ]
-        tokens = np.concatenate([base[:keep], np.array(extra, dtype=np.int64)])
-        req = hreq(f"r{self.next_id}", tokens[: self.max_len])
-        self.next_id += 1
-        self.note(f"arrive {req.rid} len={len(req.tokens)} shared={keep}")
-        self._acquire(req)
+        return base, keep
 
-    def _acquire(self, req: HReq) -> None:
-        got = self.cache.acquire(req.tokens, req.rid)
-        if not got.ready:
-            self.waiting[req.rid] = req
-            self.note(f"  {req.rid} waits for its prefetch")
-            return
-        self.waiting.pop(req.rid, None)
-        req.row, req.pos = got.indices, got.indices.numel()
+    def _request(self, rid: str, tokens: np.ndarray) -> HReq:
+        return HReq(rid, tokens, reference_kv(tokens))
+
+    def _take(self, req: HReq, got) -> str:
+        """The SWA window and the state slot a hit hands, checked."""
         req.hit, req.swa_start = req.pos, got.swa_start
         req.swa_row, req.state_slot, req.snap = got.swa_indices, got.state_slot, None
         want = max(0, req.pos - self._window_tokens())
-        if got.device_hit + got.host_hit + got.storage_hit != req.pos:
-            raise Violation(
-                f"{req.rid}: hits {got.device_hit}+{got.host_hit}+{got.storage_hit} != {req.pos}"
-            )
         if req.swa_start != want or req.swa_row.numel() != req.pos - want:
             raise Violation(
                 f"{req.rid}: a hit of {req.pos} handed SWA tokens from {req.swa_start} "
@@ -182,47 +157,18 @@ class HybridFaultSim(FaultSim):
             )
         if req.state_slot is None:
             raise Violation(f"{req.rid}: acquired without a state slot")
-        self.running[req.rid] = req
-        self.note(
-            f"  {req.rid} acquired {req.pos} (device {got.device_hit}, host {got.host_hit}, "
-            f"store {got.storage_hit}; swa {req.swa_row.numel()}, tree's {got.swa_tree_len})"
-        )
+        return f"; swa {req.swa_row.numel()}, tree's {got.swa_tree_len}"
 
     def _window_tokens(self) -> int:
         ps = self.setup.page_size
         return -(-self.setup.window // ps) * ps
 
-    def _changed(self, req: HReq) -> HReq:
-        other = super()._changed(req)
-        return hreq(req.rid, other.tokens)
-
     def forward(self) -> None:
-        if not self.running:
-            return
-        batch = []  # (request, tokens this forward, FULL slots, SWA slots, snapshot length)
-        for rid in self.rng.sample(
-            sorted(self.running), self.rng.randint(1, min(3, len(self.running)))
-        ):
-            req = self.running[rid]
-            n = min(
-                len(req.tokens) - req.pos,
-                self.rng.randrange(1, 3 * self.setup.page_size + 1),
-            )
-            got = self._slots_for(req, n)
-            if got is None:
-                self.note(f"forward {req.rid}: pools exhausted, abort")
-                self._abort(req)
-            else:
-                batch.append((req, n, *got))
+        # (request, tokens this forward, FULL slots, SWA slots, snapshot length)
+        batch = [(r, n, *got) for r, n, got in self._batch("pools")]
         if not batch:
             return
-        waiter = self.cache.begin_forward([b[0].rid for b in batch])
-        waiter.timeout_s = 0.0
-        self.note(
-            "forward "
-            + ", ".join(f"{r.rid} [{r.pos}, {r.pos + n})" for r, n, *_ in batch)
-            + f" loads={len(waiter.loads)}"
-        )
+        waiter = self._begin(batch)
         for layer, component in enumerate(LAYERS):
             self._land_or_not(list(waiter.loads.values()))
             waiter.wait_layer(layer)
@@ -230,9 +176,7 @@ class HybridFaultSim(FaultSim):
                 if req.rid not in waiter.bad:
                     self._check_component(req, component)
                 self._write_component(req, component, n, own, swa, snap_at)
-            if self.rng.random() < 0.15:
-                self.note(f"  mid-forward after layer {layer}:")
-                self.poll() if self.rng.random() < 0.6 else self.arrive()
+            self._overlap(layer)
         failed = waiter.failed()
         for req, n, own, swa, _ in batch:
             req.row = torch.cat([req.row, own])
@@ -245,7 +189,7 @@ class HybridFaultSim(FaultSim):
             if req.pos == len(req.tokens):
                 self._finish(req)
 
-    def _slots_for(self, req: HReq, n: int):
+    def _slots(self, req: HReq, n: int):
         """(FULL slots, SWA slots, snapshot length or None) for tokens [pos, pos + n), or
         None when a pool is short."""
         full = self._grow(req.pos, req.row, n, self.cache.alloc)
@@ -263,15 +207,6 @@ class HybridFaultSim(FaultSim):
                 req.snap = self.cache.alloc_state(req.rid)
                 snap_at = aligned if req.snap is not None else None
         return full[:n], swa[:n], snap_at
-
-    def _grow(self, pos: int, row: torch.Tensor, n: int, alloc):
-        ps = self.setup.page_size
-        room = (ps - pos % ps) % ps if row.numel() else 0
-        last = int(row[-1]) if row.numel() else 0
-        first = torch.arange(last + 1, last + 1 + min(room, n), dtype=torch.int64)
-        rest = n - first.numel()
-        more = alloc(rest) if rest else torch.empty(0, dtype=torch.int64)
-        return None if more is None else torch.cat([first, more])
 
     def _free_new(self, pos: int, row: torch.Tensor, slots: torch.Tensor, free) -> None:
         ps = self.setup.page_size
@@ -356,21 +291,6 @@ class HybridFaultSim(FaultSim):
             swa_indices=req.swa_row if req.row.numel() else None,
         )
 
-    def abort(self) -> None:
-        pool = sorted(self.running) + sorted(self.waiting)
-        if not pool:
-            return
-        rid = self.rng.choice(pool)
-        req = self.running.get(rid) or self.waiting.get(rid)
-        self.note(f"abort {rid}")
-        self._abort(req)
-        if self.rng.random() < 0.3:
-            again = (
-                self._changed(req) if self.rng.random() < 0.3 else hreq(rid, req.tokens)
-            )
-            self.note(f"retry {rid} len={len(again.tokens)}")
-            self._acquire(again)
-
 
 def plant(cache, what: str) -> None:
     """Put the bug `what` (PLANTED) into `cache`, a `HybridTieredCache`."""
@@ -397,6 +317,17 @@ def plant(cache, what: str) -> None:
         cache._window_pieces = lambda node, length: pieces(node, length)[::-1]
 
 
+def hybrid_player(plant: str | None = None, actions=None) -> Player:
+    """The hybrid cache's episodes: each draws its setup from its seed, with `plant`."""
+
+    def one(k: int, ep_seed: int, n: int) -> tuple[HybridSetup, Failure | None]:
+        setup = HybridSetup.draw_hybrid(random.Random(ep_seed), plant)
+        return setup, play(HybridFaultSim(ep_seed, setup), n, actions)
+
+    flags = " --hybrid" + (f" --plant {plant}" if plant else "")
+    return Player(one, "fault sim (hybrid)", flags=flags)
+
+
 def run_hybrid(
     steps: int,
     seed: int,
@@ -406,32 +337,5 @@ def run_hybrid(
     actions=None,
 ) -> int:
     """`fault_sim.run` over the hybrid cache; returns the number of violations."""
-    import sys
-
-    from kvtier.testing.fault_sim import report, write_actions
-
-    out = out or sys.stdout
-    master = random.Random(seed)
-    done = violations = 0
-    while done < steps:
-        ep_seed = master.randrange(1 << 30)
-        setup = HybridSetup.draw_hybrid(random.Random(ep_seed), plant)
-        n = min(episode, steps - done)
-        sim = HybridFaultSim(ep_seed, setup)
-        i = 0
-        try:
-            for i in range(n):  # noqa: B007 (i is reported on a failure)
-                sim.step()
-            sim.close()
-        except Exception as exc:
-            violations += 1
-            flags = " --hybrid" + (f" --plant {plant}" if plant else "")
-            report(out, exc, ep_seed, setup, i, sim.log, flags=flags)
-            try:
-                sim._auto(sim.cache.controller.close)
-            except Exception:
-                pass
-        write_actions(actions, f"episode {ep_seed}", sim.log)
-        done += n
-    print(f"fault sim (hybrid): {steps} steps, {violations} violations", file=out)
-    return violations
+    hybrid = hybrid_player(plant, actions)
+    return run_episodes(schedule(steps, seed, episode), hybrid, out)

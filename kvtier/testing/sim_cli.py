@@ -6,13 +6,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import random
 import sys
 
 import torch
 
-from kvtier.testing import fault_sim, hybrid_sim, linker_hybrid_sim, linker_sim, tp_sim
-from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
+from kvtier.testing import (
+    episodes,
+    fault_sim,
+    hybrid_sim,
+    linker_hybrid_sim,
+    linker_sim,
+    tp_sim,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,86 +119,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, actions) -> int:
+    """The run the arguments name: every episode of `--steps` from `--seed`, or the one
+    episode `--episode-seed` of `--steps` steps; 1 if it found a violation."""
     if args.linker:
         return _linker(args, actions)
+    if args.episode_seed is None:
+        run = episodes.schedule(args.steps, args.seed, args.episode)
+    else:
+        run = [(args.episode_seed, args.steps)]
     if args.hybrid:
-        return _hybrid(args, actions)
-        return _linker(args, actions)
-    allow_kernel = os.environ.get("TRITON_INTERPRET") == "1" and args.ranks == 1
-    if args.episode_seed is None:
-        if args.ranks > 1:
-            return (
-                1
-                if tp_sim.run(
-                    args.steps, args.seed, args.ranks, args.episode, actions=actions
-                )
-                else 0
-            )
-        return (
-            1
-            if fault_sim.run(
-                args.steps, args.seed, args.episode, allow_kernel, actions=actions
-            )
-            else 0
-        )
-    setup = Setup.draw(random.Random(args.episode_seed), allow_kernel)
-    on = f" on {args.ranks} ranks" if args.ranks > 1 else ""
-    failure = (
-        tp_sim.run_episode(
-            args.episode_seed, setup, args.steps, args.ranks, actions=actions
-        )
-        if args.ranks > 1
-        else _one_rank(args.episode_seed, setup, args.steps, actions)
-    )
-    if failure is not None:
-        rank, step, exc, log = failure
-        who, flags = (
-            (f"rank {rank} of {args.ranks}", f" --ranks {args.ranks}")
-            if args.ranks > 1
-            else ("", "")
-        )
-        report(sys.stdout, exc, args.episode_seed, setup, step, log, who, flags)
-    print(f"fault sim: {args.steps} steps{on}, {int(failure is not None)} violations")
-    return int(failure is not None)
-
-
-def _one_rank(ep_seed: int, setup: Setup, steps: int, actions) -> tuple | None:
-    sim, step = FaultSim(ep_seed, setup), 0
-    try:
-        for step in range(steps):  # noqa: B007 (reported on a failure)
-            sim.step()
-        sim.close()
-    except Exception as exc:
-        return 0, step, exc, sim.log
-    finally:
-        write_actions(actions, f"episode {ep_seed}", sim.log)
-    return None
-
-
-def _hybrid(args, actions) -> int:
-    if args.episode_seed is None:
-        bad = hybrid_sim.run_hybrid(
-            args.steps, args.seed, args.episode, plant=args.plant, actions=actions
-        )
-        return 1 if bad else 0
-    setup = hybrid_sim.HybridSetup.draw_hybrid(
-        random.Random(args.episode_seed), args.plant
-    )
-    sim, step, failure = hybrid_sim.HybridFaultSim(args.episode_seed, setup), 0, None
-    try:
-        for step in range(args.steps):  # noqa: B007 (reported on a failure)
-            sim.step()
-        sim.close()
-    except Exception as exc:
-        failure = exc
-        flags = " --hybrid" + (f" --plant {args.plant}" if args.plant else "")
-        report(sys.stdout, exc, args.episode_seed, setup, step, sim.log, flags=flags)
-    finally:
-        write_actions(actions, f"episode {args.episode_seed}", sim.log)
-    print(
-        f"fault sim (hybrid): {args.steps} steps, {int(failure is not None)} violations"
-    )
-    return int(failure is not None)
+        player = hybrid_sim.hybrid_player(args.plant, actions)
+    elif args.ranks > 1:
+        player = tp_sim.tp_player(args.ranks, actions)
+    else:
+        allow_kernel = os.environ.get("TRITON_INTERPRET") == "1"
+        player = fault_sim.player(allow_kernel, actions=actions)
+    return 1 if episodes.run_episodes(run, player) else 0
 
 
 def _linker(args, actions) -> int:

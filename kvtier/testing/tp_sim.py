@@ -27,7 +27,14 @@ import threading
 import xxhash
 
 from kvtier.controller.tp import Agreement
-from kvtier.testing.fault_sim import FaultSim, Setup, report, write_actions
+from kvtier.testing.episodes import (
+    Failure,
+    Player,
+    run_episodes,
+    schedule,
+    write_actions,
+)
+from kvtier.testing.fault_sim import FaultSim, Setup
 from kvtier.testing.misuse import Violation
 
 
@@ -188,9 +195,8 @@ def run_episode(
     ranks: int,
     timeout_s: float = 60.0,
     actions=None,
-) -> tuple | None:
-    """One episode on `ranks` ranks; None, or (rank, step, exception, that rank's log) of
-    the first failure."""
+) -> Failure | None:
+    """One episode on `ranks` ranks: None, or the first failure (`who` names its rank)."""
     rendezvous = Rendezvous(ranks, timeout_s)
     sims = [
         FaultSim(
@@ -201,7 +207,7 @@ def run_episode(
         )
         for r in range(ranks)
     ]
-    failures: list[tuple] = []
+    failures: list[Failure] = []
 
     def rank_main(r: int) -> None:
         sim, step = sims[r], 0
@@ -223,7 +229,7 @@ def run_episode(
                     )
             sim.close()
         except Exception as exc:
-            failures.append((r, step, exc, sim.log))
+            failures.append(Failure(step, exc, sim.log, f"rank {r} of {ranks}"))
             rendezvous.abort()
 
     on_ranks(rank_main, ranks)
@@ -232,14 +238,21 @@ def run_episode(
     if not failures:
         return None
     for sim in sims:  # stop every rank's threads (the episode is over either way)
-        try:
-            sim._auto(sim.cache.controller.close)
-        except Exception:
-            pass
+        sim.stop()
     first = [
-        f for f in failures if "ranks diverged: rank" not in str(f[2])
+        f for f in failures if "ranks diverged: rank" not in str(f.exc)
     ] or failures  # not a broken barrier
     return first[0]
+
+
+def tp_player(ranks: int, actions=None) -> Player:
+    """Episodes on `ranks` ranks: each draws its setup from its seed."""
+
+    def one(k: int, ep_seed: int, n: int) -> tuple[Setup, Failure | None]:
+        setup = Setup.draw(random.Random(ep_seed), allow_kernel=False)
+        return setup, run_episode(ep_seed, setup, n, ranks, actions=actions)
+
+    return Player(one, where=f" on {ranks} ranks", flags=f" --ranks {ranks}")
 
 
 def run(
@@ -251,30 +264,5 @@ def run(
     actions=None,
 ) -> int:
     """`steps` steps in episodes of `episode`, on `ranks` ranks; the number of violations."""
-    # the stdout of the call, not of the import
-    out = sys.stdout if out is None else out
-    master = random.Random(seed)
-    done = violations = 0
-    while done < steps:
-        ep_seed = master.randrange(1 << 30)
-        setup = Setup.draw(random.Random(ep_seed), allow_kernel=False)
-        n = min(episode, steps - done)
-        failure = run_episode(ep_seed, setup, n, ranks, actions=actions)
-        if failure is not None:
-            violations += 1
-            rank, step, exc, log = failure
-            report(
-                out,
-                exc,
-                ep_seed,
-                setup,
-                step,
-                log,
-                f"rank {rank} of {ranks}",
-                f" --ranks {ranks}",
-            )
-        done += n
-    print(
-        f"fault sim: {steps} steps on {ranks} ranks, {violations} violations", file=out
-    )
-    return violations
+    tp = tp_player(ranks, actions)
+    return run_episodes(schedule(steps, seed, episode), tp, out)
