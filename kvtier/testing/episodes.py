@@ -8,12 +8,9 @@ import random
 import sys
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from kvtier.testing.misuse import Violation
-
-if TYPE_CHECKING:
-    from kvtier.testing.fault_sim import FaultSim
 
 
 class Failure(NamedTuple):
@@ -26,10 +23,10 @@ class Failure(NamedTuple):
     who: str = ""
 
 
-def play(sim: FaultSim, steps: int, actions=None) -> Failure | None:
-    """`steps` steps of `sim`, then its close: the first violation, or None. After a
-    violation the cache's threads are stopped. The episode's action log goes to `actions`
-    (`write_actions`) either way."""
+def play(sim, steps: int, actions=None) -> Failure | None:
+    """`steps` steps of `sim` (a `FaultSim`), then its close: the first violation, or
+    None. After a violation the cache's threads are stopped. The episode's action log goes
+    to `actions` (`write_actions`) either way."""
     i = 0
     try:
         for i in range(steps):  # noqa: B007 (i is reported on a failure)
