@@ -79,6 +79,10 @@ class SidePrefetch:
     discarded: bool = False  # its request was aborted: nobody takes it
     awaited: bool = False  # and a new request with its id waits: name it at the end
     span: tuple[int, int] = (0, 0)
+    # the node it ended at, protected on host from the apply until its request acquires
+    # (or aborts): the request may wait for device room meanwhile, and what the prefetch
+    # brought must not be evicted for other writes then
+    held: object = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -298,14 +302,21 @@ class HybridTieredCache(TieredCache):
             del self._prefetches[request_id]
             m = self.tree.match_prefix(key, touch=False)
             self._storage_span = p.span
-        if self.config.controller.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE:
-            self.writes.write_hot_path(m.last_device_node)
-        got = self._restore(request_id, key, m.last_host_node, m.device_slots.size)
-        if got is None:  # short of room for the host part: the device part alone
-            m = self.tree.match_prefix(key, touch=False)  # the try may have evicted
-            got = self._restore(
-                request_id, key, m.last_device_node, m.device_slots.size
-            )
+        try:
+            if (
+                self.config.controller.write_policy
+                == WritePolicy.WRITE_THROUGH_SELECTIVE
+            ):
+                self.writes.write_hot_path(m.last_device_node)
+            got = self._restore(request_id, key, m.last_host_node, m.device_slots.size)
+            if got is None:  # short of room for the host part: the device part alone
+                m = self.tree.match_prefix(key, touch=False)  # the try may have evicted
+                got = self._restore(
+                    request_id, key, m.last_device_node, m.device_slots.size
+                )
+        finally:
+            if p is not None:
+                self._release_held(p)
         if got is None:
             raise RuntimeError(
                 f"acquire: request_id={request_id!r}: no free state slot "
@@ -607,11 +618,11 @@ class HybridTieredCache(TieredCache):
         self.controller.free_host(full[: r.prefix_len])
         node = r.last_node
         assert node.end == hi, f"a prefetch of [{lo}, {hi}) ended at {node}"
-        self.tree.protect_host(node)  # its window stays live while it is filled in
-        try:
-            self._set_prefetched(node, got, hi)
-        finally:
-            self.tree.release_host(node)
+        # its window stays live while it is filled in, and all of it stays on host until
+        # the request acquires it (`SidePrefetch.held`)
+        self.tree.protect_host(node)
+        p.held = node
+        self._set_prefetched(node, got, hi)
         c = self.stats_obj.counters
         c.l3_read_pages += n
         # the verified bytes it read, every component's (the FULL pages, the window, the state)
@@ -641,6 +652,11 @@ class HybridTieredCache(TieredCache):
         if not kept.all():
             self.side.free_host(Component.SWA, swa[~kept])
 
+    def _release_held(self, p: SidePrefetch) -> None:
+        if p.held is not None:
+            self.tree.release_host(p.held)
+            p.held = None
+
     def _end_prefetches(self) -> None:
         """Stop every store prefetch, wait for them and apply them (a drain, a flush, a
         close): requests waiting on one are named ready by the next poll."""
@@ -660,11 +676,15 @@ class HybridTieredCache(TieredCache):
 
     def flush(self) -> None:
         self._end_prefetches()
+        for p in self._prefetches.values():  # flushed too: their requests miss
+            self._release_held(p)
         super().flush()
 
     def close(self) -> None:
         if not self.closed:
             self._end_prefetches()
+            for p in self._prefetches.values():
+                self._release_held(p)
         super().close()
 
     # -- finishing a request ------------------------------------------------------------------
@@ -808,6 +828,7 @@ class HybridTieredCache(TieredCache):
         p = self._prefetches.get(request_id)
         if p is not None:  # what it landed stays on host for others
             if p.applied:
+                self._release_held(p)
                 del self._prefetches[request_id]
             else:
                 p.discarded = p.op.stop = True

@@ -72,7 +72,8 @@ class _Active:
 
 class HybridEngine:
     """Requests wait in a queue, in order (a session's next turn waits for its previous
-    one); one waiting for a store prefetch waits aside while others run. Up to `max_batch`
+    one); one waiting for a store prefetch waits aside while others run, and once it
+    landed, until the device has room to load what it brought to host. Up to `max_batch`
     requests share each forward. A request that cannot get slots sits a step out; when
     none can move, the youngest is preempted (aborted, queued again first), or fails alone."""
 
@@ -105,13 +106,20 @@ class HybridEngine:
         self._parked: dict[str, tuple[Turn, list[int]]] = {}
         self._ready: deque[str] = deque()
 
+    def submit(self, turn: Turn) -> None:
+        """Queue `turn` (served in order by `step`; a session's turns one after another)."""
+        self._waiting.append(turn)
+
+    def pending(self) -> bool:
+        return bool(self._waiting or self._active or self._parked)
+
     def run(
         self, turns: list[Turn], keep_logits: bool = False, progress=None
     ) -> list[HybridResult]:
         """Serve `turns`; a request that fails is released and returned with `error` set."""
         self._waiting.extend(turns)
         done: list[HybridResult] = []
-        while self._waiting or self._active or self._parked:
+        while self.pending():
             done += self.step(keep_logits)
             if progress:
                 progress(len(done), len(turns))
@@ -120,8 +128,11 @@ class HybridEngine:
     def step(self, keep_logits: bool = False) -> list[HybridResult]:
         done: list[HybridResult] = []
         while self._ready and len(self._active) < self.max_batch:
+            turn, prompt = self._parked[self._ready[0]]
+            if self._load_must_wait(prompt):
+                break  # what its prefetch brought waits on host for device room
             rid = self._ready.popleft()
-            turn, prompt = self._parked.pop(rid)
+            del self._parked[rid]
             self._acquire(rid, turn, prompt, done)
         self._admit(done)
         if self._active:

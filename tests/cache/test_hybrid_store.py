@@ -288,3 +288,58 @@ def test_a_prefetch_short_of_a_side_components_host_room_is_a_miss_without_leaks
     check(cache)
     cache.close()
     all_free(cache)
+
+
+def named(cache, rid: str) -> None:
+    for _ in range(10_000):
+        if rid in cache.poll():
+            return
+        cache.wait_progress(0.01)
+    raise AssertionError(f"{rid} was never named ready")
+
+
+def test_what_a_prefetch_landed_stays_protected_on_host_until_its_request_acquires(
+    model, tmp_path
+):
+    """Between the poll that names a request ready and its acquire (an engine waits
+    there for device room), what its prefetch brought is protected on host: another
+    write's eviction could take it, and the request then recomputed everything. Its
+    acquire or its abort releases it; a flush releases it too (the request then misses)."""
+    cache = make_hybrid(model, tmp_path, store="file")
+    a = seq(16, 71)
+    stored(cache, model, tmp_path, a)
+    cache.flush()
+    b = torch.cat([a, seq(3, 72)])
+    assert not cache.acquire(b.tolist(), "r1").ready
+    named(cache, "r1")
+    assert cache.tree.protected_size(H) == 16  # it was 0: evictable while r1 waited
+    got = cache.acquire(b.tolist(), "r1")
+    assert got.ready and got.storage_hit == 16
+    waiter = cache.begin_forward(["r1"])
+    for layer in range(len(cache._plan)):
+        waiter.wait_layer(layer)
+    cache.drain()  # its load (which protects what it reads) applied
+    assert cache.tree.protected_size(H) == 0
+    cache.abort("r1", got.indices, swa_indices=got.swa_indices)
+    check(cache)
+    # an abort after the landing releases it
+    cache.flush()
+    assert not cache.acquire(b.tolist(), "r2").ready
+    named(cache, "r2")
+    assert cache.tree.protected_size(H) == 16
+    cache.abort("r2")
+    assert cache.tree.protected_size(H) == 0
+    check(cache)
+    # a flush drops it (it refused to, with the host protected)
+    cache.flush()
+    assert not cache.acquire(b.tolist(), "r3").ready
+    named(cache, "r3")
+    cache.flush()
+    assert cache.tree.total_size(H) == 0
+    got = cache.acquire(b.tolist(), "r3")
+    assert got.ready and len(got.indices) == 0
+    cache.abort("r3", got.indices, swa_indices=got.swa_indices)
+    check(cache)
+    cache.close()
+    check(cache)
+    all_free(cache)

@@ -150,3 +150,111 @@ def test_a_turn_whose_prefix_is_on_host_waits_for_device_room_to_load_it():
     cache.tree.sanity_check()
     cache.check_accounting()
     cache.close()
+
+
+def test_a_turn_whose_store_prefetch_lands_while_the_batch_holds_the_device_waits_to_load_it(
+    tmp_path,
+):
+    """A store prefetch brings a turn's restorable prefix (FULL pages, window, state) to
+    host while the batch holds the device: the turn waits for room (the request that holds
+    it ends), then loads it. Started as soon as its prefetch landed, its load found no
+    room and it recomputed everything (the default replay at 0.77-0.86x of its bound,
+    every miss one of these)."""
+    from kvtier.cli.replay import with_weights
+    from kvtier.config import load_config
+    from kvtier.engine.hybrid import HybridConfig, HybridModel
+    from kvtier.engine.hybrid_engine import HybridEngine, hybrid_cache
+    from kvtier.engine.sessions import Histories
+    from kvtier.engine.workloads import Turn
+
+    model = HybridModel(HybridConfig(seed=3, window=6))
+    overrides = {
+        "pool": {"size": 64, "page_size": 4, "num_layers": 1},
+        "store": {"backend": "file", "root": str(tmp_path / "store")},
+        # x's 32 matchable tokens start no prefetch, a1's 40 do
+        "controller": {"prefetch_min_tokens": 36},
+    }
+    config = with_weights(load_config(None, overrides, env={}), model)
+    cache = hybrid_cache(config, model)
+    histories = Histories()
+    (a0,) = HybridEngine(cache, model, max_batch=2, histories=histories).run(
+        [
+            Turn("a", 0, tuple(range(1, 41)), 1)
+        ]  # its state at 40, backed up to the store
+    )
+    assert a0.error is None
+    cache.drain()
+    cache.flush()  # the store alone holds it now
+    a1_prompt = a0.prompt + a0.output + [200, 201, 202]
+    assert cache.match_prefix(a1_prompt[:-1], count=False).host_hit_length == 0
+    engine = HybridEngine(cache, model, max_batch=2, histories=histories)
+    engine.submit(
+        Turn("x", 0, tuple(range(100, 136)), 20)
+    )  # 36 of the 64 slots, then more
+    engine.submit(Turn("a", 1, (200, 201, 202), 1))
+    done = engine.step()  # x runs; a1 waits aside for its store prefetch
+    cache.controller.storage.drain(
+        30.0
+    )  # which lands while x still has 19 tokens to go
+    while engine.pending():
+        done += engine.step()
+    assert [r.error for r in done] == [None, None]
+    (a1,) = [r for r in done if r.session == "a"]
+    assert a1.prompt == a1_prompt
+    assert (a1.cached, a1.storage_hit, a1.state_hit) == (40, 40, 1)
+    # what it computed over the loaded prefix is the uncached run's token
+    dense = model.forward_dense(torch.tensor(a1.prompt))
+    assert a1.output == [int(dense[-1].argmax())]
+    cache.drain()
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
+
+
+def test_what_a_store_prefetch_brought_stays_on_host_while_its_turn_waits_for_device_room(
+    tmp_path,
+):
+    """A host mirror of 64 tokens: a1's store prefetch lands 40 tokens on host (FULL pages,
+    window, state) while x holds the device; x ends and its write needs host room. What the
+    prefetch brought stays protected until a1 acquires it: x's write evicted it before,
+    and a1 recomputed everything (the default replay with mirror ratio 1.0 at 0.80x of its
+    bound, 8 such misses)."""
+    from kvtier.cli.replay import with_weights
+    from kvtier.config import load_config
+    from kvtier.engine.hybrid import HybridConfig, HybridModel
+    from kvtier.engine.hybrid_engine import HybridEngine, hybrid_cache
+    from kvtier.engine.sessions import Histories
+    from kvtier.engine.workloads import Turn
+
+    model = HybridModel(HybridConfig(seed=3, window=6))
+    overrides = {
+        "pool": {"size": 64, "page_size": 4, "num_layers": 1},
+        "mirror": {"ratio": 1.0},
+        "store": {"backend": "file", "root": str(tmp_path / "store")},
+        "controller": {"prefetch_min_tokens": 36},
+    }
+    config = with_weights(load_config(None, overrides, env={}), model)
+    cache = hybrid_cache(config, model)
+    histories = Histories()
+    (a0,) = HybridEngine(cache, model, max_batch=2, histories=histories).run(
+        [Turn("a", 0, tuple(range(1, 41)), 1)]
+    )
+    assert a0.error is None
+    cache.drain()
+    cache.flush()
+    engine = HybridEngine(cache, model, max_batch=2, histories=histories)
+    engine.submit(Turn("x", 0, tuple(range(100, 136)), 20))
+    engine.submit(Turn("a", 1, (200, 201, 202), 1))
+    done = engine.step()
+    cache.controller.storage.drain(30.0)  # a1's prefix lands on host; x has 19 to go
+    while engine.pending():
+        done += engine.step()
+    assert [r.error for r in done] == [None, None]
+    (a1,) = [r for r in done if r.session == "a"]
+    assert (a1.cached, a1.storage_hit, a1.state_hit) == (40, 40, 1)
+    dense = model.forward_dense(torch.tensor(a1.prompt))
+    assert a1.output == [int(dense[-1].argmax())]
+    cache.drain()
+    cache.tree.sanity_check()
+    cache.check_accounting()
+    cache.close()
