@@ -12,6 +12,8 @@ offloaded (P+Z: nothing, P was split off P+X and has no state of its own).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvtier.testing import sglang_loader
@@ -247,3 +249,30 @@ def test_full_swa_and_mamba_together(sg, tmp_path, request, store):
         assert second.linker.core.cores[name].stats()["counters"]["l3_read_pages"] > 0
     second.check()
     second.close()
+
+
+def _kvtier_threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.name.startswith("kvtier-")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", ["side core", "after the cores"])
+def test_a_start_up_failure_closes_every_core_built_so_far(
+    sg, tmp_path, monkeypatch, kind, where
+):
+    """The side pool's core fails to build (its host tier cannot be allocated), or start-up
+    fails after every core was built: the error reaches SGLang, and every core built
+    before it is closed, its copy threads joined (the KV core's were left running)."""
+    from kvtier.integrations.sglang.linker import hybrid, shell
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no host memory for the pool's host tier")
+
+    if where == "side core":
+        monkeypatch.setattr(hybrid, "LinkerCore", fail)
+    else:
+        monkeypatch.setattr(shell, "sglang_export", fail)
+    before = _kvtier_threads()
+    with pytest.raises(MemoryError, match="no host memory"):
+        HybridServer(sg, write_yaml(tmp_path, {"backend": "none"}), kind)
+    assert not _kvtier_threads() - before  # none left running
