@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from kvtier.testing import sglang_loader
 from tests.integrations.sglang_hybrid_server import PS, HybridServer
@@ -276,3 +277,87 @@ def test_a_start_up_failure_closes_every_core_built_so_far(
     with pytest.raises(MemoryError, match="no host memory"):
         HybridServer(sg, write_yaml(tmp_path, {"backend": "none"}), kind)
     assert not _kvtier_threads() - before  # none left running
+
+
+def unified_mamba_params(sg):
+    """SGLang's --enable-unified-memory pools of a (FULL, MAMBA) model, as its
+    `init_unified_mamba_pools` builds them (on CPU), in the cache's init params."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_memory_pool import init_unified_mamba_pools
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1
+    )
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=64,
+            n_groups=1,
+            num_heads=2,
+            head_dim=16,
+            state_size=16,
+            conv_kernel=4,
+        )
+    pools = init_unified_mamba_pools(
+        device="cpu",
+        kv_cache_dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        page_size=PS,
+        start_layer=0,
+        end_layer=3,
+        is_draft_worker=False,
+        use_mla_backend=False,
+        mamba_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        mamba2_cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+        model_context_len=256,
+        extra_max_context_len=0,
+        max_total_num_tokens=512,
+        max_mamba_cache_size=60,
+        max_num_reqs=16,
+        enable_memory_saver=False,
+        enable_mamba_extra_buffer=True,
+        enable_mamba_extra_buffer_lazy=False,
+        speculative_num_draft_tokens=None,
+        disable_overlap_schedule=True,
+        need_sort=False,
+    )
+    CT = sg.component_type.ComponentType
+    return CacheInitParams(
+        req_to_token_pool=pools.req_to_token_pool,
+        token_to_kv_pool_allocator=pools.token_to_kv_pool_allocator,
+        page_size=PS,
+        disable=False,
+        tree_components=(CT.FULL, CT.MAMBA),
+        enable_mamba_extra_buffer=True,
+    )
+
+
+def test_a_unified_memory_mamba_pool_is_refused_naming_the_flag(sg, tmp_path):
+    """SGLang's --enable-unified-memory Mamba pool (UnifiedHybridReqToTokenPool: virtual
+    state slots, strided views of one shared buffer) is refused at start-up naming the
+    flag, its value and what is allowed; it failed on a strided view's shape, naming no
+    flag."""
+    params = unified_mamba_params(sg)
+    CT = sg.component_type.ComponentType
+    with pytest.raises(ValueError) as err:
+        sg.factory.create_unified_cache_linker(
+            sg.server_args.ServerArgs(model_path="kvtier-test/hybrid", page_size=PS),
+            params,
+            backend="dynamic",
+            components={CT.FULL, CT.MAMBA},
+            config={
+                "linker": "KvtierLinker",
+                "linker_module_path": "kvtier.integrations.sglang.linker",
+                "linker_extra_config": {
+                    "kvtier_config": write_yaml(tmp_path, {"backend": "none"})
+                },
+            },
+        )
+    message = str(err.value)
+    assert "--enable-unified-memory is on" in message
+    assert "run without --enable-unified-memory" in message

@@ -105,7 +105,17 @@ def _refuse_unmoved_states(req_to_token_pool) -> None:
     slots name: with SGLang's int8 checkpoints a node's state is a slot of the checkpoint
     pool, so reading the active pool at that number would store another request's state;
     PLE side states (short conv, n-gram context) ride on the slot and would not be
-    restored with it."""
+    restored with it. Under SGLang's unified memory pool the tree's Mamba values are
+    virtual slot ids (the pool's `mamba_v2p_table` maps them to physical rows) and the
+    states strided views of one shared buffer, which the linker cannot read as rows."""
+    if getattr(req_to_token_pool, "mamba_v2p_table", None) is not None:
+        raise ValueError(
+            "kvtier linker: the Mamba pool is SGLang's unified memory pool "
+            "(--enable-unified-memory is on): the tree's Mamba values are virtual "
+            "slot ids into one shared buffer, and the linker moves the rows of a "
+            "plain Mamba pool only; run without --enable-unified-memory (off is the "
+            "only setting allowed)"
+        )
     if getattr(req_to_token_pool, "mamba_ckpt_pool", None) is not None:
         raise ValueError(
             "kvtier linker: mamba_ckpt_pool is set (SGLang's "
