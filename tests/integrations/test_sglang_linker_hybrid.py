@@ -361,3 +361,64 @@ def test_a_unified_memory_mamba_pool_is_refused_naming_the_flag(sg, tmp_path):
     message = str(err.value)
     assert "--enable-unified-memory is on" in message
     assert "run without --enable-unified-memory" in message
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def press(server: HybridServer, first: int) -> None:
+    """24 fresh 3-page prompts computed and offloaded: every pool's host tier (16 pages,
+    15 Mamba states at a host ratio of 0.25) fills and evicts over and over."""
+    for i in range(24):
+        if i % 4 == 0:
+            server.evict_all()
+        base = 1000 * (first + i)
+        server.compute(list(range(base, base + 3 * PS)), seed=first + i)
+    server.evict_all()
+
+
+@pytest.mark.parametrize("end", ["release", "expiry"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hinted_hybrid_prefix_keeps_every_pools_pages_through_host_pressure(
+    sg, tmp_path, kind, end
+):
+    """A host lease on P+X pins, in every pool, what its restore at full length needs: the
+    KV pages, the SWA window ending there, the Mamba state at its end. Offloads that fill
+    every pool's host tier many times over leave them, and P+X restores all 20 tokens
+    (with the KV pool's pins alone the window or the state was evicted: nothing
+    restored). When the lease is released or expires, every pool's pins go (none leaked),
+    and the same pressure evicts the pages."""
+    path = write_yaml(tmp_path, {"backend": "none"}, mirror={"ratio": 0.25})
+    server = HybridServer(sg, path, kind)
+    cores = server.linker.core.cores
+    clock = Clock()
+    for core in cores.values():  # the leases' clock
+        core.hints.clock = clock
+    server.compute(P + X, seed=1)
+    keys = engine_keys(sg, server, P + X)
+    server.linker.core.hints.pin(keys, ttl_s=60)
+    assert {n: c.stats()["host"]["pages_pinned"] for n, c in cores.items()} == {
+        "kv": 5,
+        kind: 2 if kind == "swa" else 1,
+    }
+    press(server, 10)
+    assert server.match_load(P + X + [7]) == 20
+    server.check()
+    server.evict_all()
+    if end == "release":
+        assert server.linker.core.hints.release(keys) == 1
+    else:
+        clock.now += 61
+        server.cache.check_hicache_events()  # each pool's core reaps its leases
+    for core in cores.values():
+        assert core.stats()["host"]["pages_pinned"] == 0
+        assert core.hints.stats()["leases"] == 0
+    press(server, 40)
+    assert server.match_load(P + X + [7]) == 0
+    server.check()
+    server.close()
