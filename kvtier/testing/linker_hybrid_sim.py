@@ -108,6 +108,7 @@ class HybridSetup:
     host_ratio: float
     window: int  # SWA window in pages
     store: bool
+    group: int = 1  # the KV pool's engine pages in a store page (side pools store one)
 
     @classmethod
     def draw(cls, rng: random.Random) -> HybridSetup:
@@ -118,6 +119,7 @@ class HybridSetup:
             rng.choice([0.25, 0.5, 1.0]),
             rng.choice([1, 2, 3]),
             rng.random() < 0.85,
+            rng.choice([1, 2, 4]),
         )
 
 
@@ -180,6 +182,7 @@ class HybridSim:
             mirror=MirrorConfig(ratio=self.setup.host_ratio, layout=self.setup.layout),
             read_wait_s=0.0,
             breaker=BreakerConfig(failures=3, backoff_s=0.0),
+            store_group=self.setup.group if name == KV else 1,  # as hybrid.py's
         )
         return LinkerCore(pool, settings, store, streams=streams.factory)
 
@@ -569,7 +572,7 @@ PLANT_SIDE = {
     "swa-window-shifted": "swa",
     "side-window-of-the-longest-only": "mamba",
 }
-_REST = ("page_size", "layout", "host_ratio", "window", "store")
+_REST = ("page_size", "layout", "host_ratio", "window", "store", "group")
 
 
 def run(

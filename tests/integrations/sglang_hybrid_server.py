@@ -152,7 +152,25 @@ class HybridServer:
             self.states[tuple(tokens)] = self.fill("mamba", slot, g)
             ip.mamba_value = slot
         self.cache.insert(ip)
+        if self.has_mamba:
+            self.end(req)
         self.settle_offloads()
+
+    def end(self, req) -> None:
+        """A computed request's row and its ping-pong track slots go back (its state slot
+        is the tree's now), so a test can compute many prompts."""
+        held = [
+            slot
+            for slot, empty in zip(
+                req.kv.mamba_ping_pong_track_buffer.tolist(),
+                req.kv.mamba_ping_pong_empty,
+            )
+            if not empty
+        ]
+        if held:
+            self.r2t.mamba_allocator.free(torch.tensor(held, dtype=torch.int64))
+        req.kv.mamba_ping_pong_track_buffer = req.kv.mamba_ping_pong_empty = None
+        self.r2t.free(req)
 
     def settle_offloads(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

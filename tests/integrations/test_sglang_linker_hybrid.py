@@ -12,7 +12,10 @@ offloaded (P+Z: nothing, P was split off P+X and has no state of its own).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
 
 from kvtier.testing import sglang_loader
 from tests.integrations.sglang_hybrid_server import PS, HybridServer
@@ -247,3 +250,175 @@ def test_full_swa_and_mamba_together(sg, tmp_path, request, store):
         assert second.linker.core.cores[name].stats()["counters"]["l3_read_pages"] > 0
     second.check()
     second.close()
+
+
+def _kvtier_threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.name.startswith("kvtier-")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", ["side core", "after the cores"])
+def test_a_start_up_failure_closes_every_core_built_so_far(
+    sg, tmp_path, monkeypatch, kind, where
+):
+    """The side pool's core fails to build (its host tier cannot be allocated), or start-up
+    fails after every core was built: the error reaches SGLang, and every core built
+    before it is closed, its copy threads joined (the KV core's were left running)."""
+    from kvtier.integrations.sglang.linker import hybrid, shell
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no host memory for the pool's host tier")
+
+    if where == "side core":
+        monkeypatch.setattr(hybrid, "LinkerCore", fail)
+    else:
+        monkeypatch.setattr(shell, "sglang_export", fail)
+    before = _kvtier_threads()
+    with pytest.raises(MemoryError, match="no host memory"):
+        HybridServer(sg, write_yaml(tmp_path, {"backend": "none"}), kind)
+    assert not _kvtier_threads() - before  # none left running
+
+
+def unified_mamba_params(sg):
+    """SGLang's --enable-unified-memory pools of a (FULL, MAMBA) model, as its
+    `init_unified_mamba_pools` builds them (on CPU), in the cache's init params."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_memory_pool import init_unified_mamba_pools
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1
+    )
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=64,
+            n_groups=1,
+            num_heads=2,
+            head_dim=16,
+            state_size=16,
+            conv_kernel=4,
+        )
+    pools = init_unified_mamba_pools(
+        device="cpu",
+        kv_cache_dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=8,
+        page_size=PS,
+        start_layer=0,
+        end_layer=3,
+        is_draft_worker=False,
+        use_mla_backend=False,
+        mamba_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        mamba2_cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+        model_context_len=256,
+        extra_max_context_len=0,
+        max_total_num_tokens=512,
+        max_mamba_cache_size=60,
+        max_num_reqs=16,
+        enable_memory_saver=False,
+        enable_mamba_extra_buffer=True,
+        enable_mamba_extra_buffer_lazy=False,
+        speculative_num_draft_tokens=None,
+        disable_overlap_schedule=True,
+        need_sort=False,
+    )
+    CT = sg.component_type.ComponentType
+    return CacheInitParams(
+        req_to_token_pool=pools.req_to_token_pool,
+        token_to_kv_pool_allocator=pools.token_to_kv_pool_allocator,
+        page_size=PS,
+        disable=False,
+        tree_components=(CT.FULL, CT.MAMBA),
+        enable_mamba_extra_buffer=True,
+    )
+
+
+def test_a_unified_memory_mamba_pool_is_refused_naming_the_flag(sg, tmp_path):
+    """SGLang's --enable-unified-memory Mamba pool (UnifiedHybridReqToTokenPool: virtual
+    state slots, strided views of one shared buffer) is refused at start-up naming the
+    flag, its value and what is allowed; it failed on a strided view's shape, naming no
+    flag."""
+    params = unified_mamba_params(sg)
+    CT = sg.component_type.ComponentType
+    with pytest.raises(ValueError) as err:
+        sg.factory.create_unified_cache_linker(
+            sg.server_args.ServerArgs(model_path="kvtier-test/hybrid", page_size=PS),
+            params,
+            backend="dynamic",
+            components={CT.FULL, CT.MAMBA},
+            config={
+                "linker": "KvtierLinker",
+                "linker_module_path": "kvtier.integrations.sglang.linker",
+                "linker_extra_config": {
+                    "kvtier_config": write_yaml(tmp_path, {"backend": "none"})
+                },
+            },
+        )
+    message = str(err.value)
+    assert "--enable-unified-memory is on" in message
+    assert "run without --enable-unified-memory" in message
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def press(server: HybridServer, first: int) -> None:
+    """24 fresh 3-page prompts computed and offloaded: every pool's host tier (16 pages,
+    15 Mamba states at a host ratio of 0.25) fills and evicts over and over."""
+    for i in range(24):
+        if i % 4 == 0:
+            server.evict_all()
+        base = 1000 * (first + i)
+        server.compute(list(range(base, base + 3 * PS)), seed=first + i)
+    server.evict_all()
+
+
+@pytest.mark.parametrize("end", ["release", "expiry"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hinted_hybrid_prefix_keeps_every_pools_pages_through_host_pressure(
+    sg, tmp_path, kind, end
+):
+    """A host lease on P+X pins, in every pool, what its restore at full length needs: the
+    KV pages, the SWA window ending there, the Mamba state at its end. Offloads that fill
+    every pool's host tier many times over leave them, and P+X restores all 20 tokens
+    (with the KV pool's pins alone the window or the state was evicted: nothing
+    restored). When the lease is released or expires, every pool's pins go (none leaked),
+    and the same pressure evicts the pages."""
+    path = write_yaml(tmp_path, {"backend": "none"}, mirror={"ratio": 0.25})
+    server = HybridServer(sg, path, kind)
+    cores = server.linker.core.cores
+    clock = Clock()
+    for core in cores.values():  # the leases' clock
+        core.hints.clock = clock
+    server.compute(P + X, seed=1)
+    keys = engine_keys(sg, server, P + X)
+    server.linker.core.hints.pin(keys, ttl_s=60)
+    assert {n: c.stats()["host"]["pages_pinned"] for n, c in cores.items()} == {
+        "kv": 5,
+        kind: 2 if kind == "swa" else 1,
+    }
+    press(server, 10)
+    assert server.match_load(P + X + [7]) == 20
+    server.check()
+    server.evict_all()
+    if end == "release":
+        assert server.linker.core.hints.release(keys) == 1
+    else:
+        clock.now += 61
+        server.cache.check_hicache_events()  # each pool's core reaps its leases
+    for core in cores.values():
+        assert core.stats()["host"]["pages_pinned"] == 0
+        assert core.hints.stats()["leases"] == 0
+    press(server, 40)
+    assert server.match_load(P + X + [7]) == 0
+    server.check()
+    server.close()

@@ -90,24 +90,9 @@ class LinkerHints:
         tiers=("host",),
         tenant: str = "default",
     ) -> LinkerLease:
-        tenant, ttl, named = check_tenant(tenant), check_ttl(ttl_s), parse_tiers(tiers)
-        keys = tuple(_keys("pin", keys))
-        asked = len(set(keys)) * self.page_bytes if HintTier.HOST in named else 0
+        ttl = check_ttl(ttl_s)
+        tenant, keys, named, asked = self.admit(keys, tiers, tenant)
         have = self.held.get(tenant, 0)
-        if HintTier.HOST in named and have + asked > self.bound:
-            self.counters.pins_refused += 1
-            raise LeaseBoundError(
-                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
-                f"holding {have}; its bound is {self.bound} bytes"
-            )
-        total = sum(self.held.values())
-        if HintTier.HOST in named and total + asked > self.bound:
-            self.counters.pins_refused += 1
-            raise LeaseBoundError(
-                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
-                f"while all tenants' leases hold {total}; their bound together is "
-                f"{self.bound} bytes"
-            )
         honoured = {HintTier.HOST} | ({HintTier.STORE} if self.store else set())
         self.counters.unhonoured += bool(named - honoured)
         lease = LinkerLease(self._next, tenant, keys, asked, self.clock() + ttl)
@@ -125,6 +110,29 @@ class LinkerHints:
         if lease.store:
             self._tell_store(keys, None)
         return lease
+
+    def admit(self, keys: Sequence[str], tiers, tenant: str):
+        """A pin's checked arguments and the host bytes it asks: `LeaseBoundError` where
+        they pass its tenant's bound or all tenants' (nothing changes)."""
+        tenant, named = check_tenant(tenant), parse_tiers(tiers)
+        keys = tuple(_keys("pin", keys))
+        asked = len(set(keys)) * self.page_bytes if HintTier.HOST in named else 0
+        have = self.held.get(tenant, 0)
+        if HintTier.HOST in named and have + asked > self.bound:
+            self.counters.pins_refused += 1
+            raise LeaseBoundError(
+                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
+                f"holding {have}; its bound is {self.bound} bytes"
+            )
+        total = sum(self.held.values())
+        if HintTier.HOST in named and total + asked > self.bound:
+            self.counters.pins_refused += 1
+            raise LeaseBoundError(
+                f"pin: tenant {tenant!r} asks {asked} bytes of host ({len(keys)} pages) "
+                f"while all tenants' leases hold {total}; their bound together is "
+                f"{self.bound} bytes"
+            )
+        return tenant, keys, named, asked
 
     def release(
         self, keys: Sequence[str] | None, tenant: str | None = "default"
@@ -233,6 +241,75 @@ class LinkerHints:
                 self.store.hint(keys[a:b], left[keys[a]], priority)
                 self.counters.store_hints += 1
                 a = b
+
+
+class PoolHints:
+    """A hybrid model's hints (pools.py): one lease pins, in every pool, the pages a
+    restore of the prefix at its full length needs: the KV pool's every page, and each side
+    pool's `windows[name]` pages ending there (SWA: the window; Mamba: the state at the
+    last page; None: every page). Each pool's lease is its own `LinkerHints`' (its host
+    index, bound and store), all of them made, released and retained together; a pin that
+    one pool's bound refuses pins in none. They end on the same clock with the same TTL,
+    each as its core reaps (the scheduler's every step)."""
+
+    def __init__(self, pools: dict[str, LinkerHints], windows: dict[str, int | None]):
+        self.pools = pools  # the KV pool's first
+        self.windows = windows
+        self.kv = next(iter(pools.values()))
+
+    def _parts(self, what: str, keys: Sequence[str]) -> list[tuple[LinkerHints, list]]:
+        keys = _keys(what, keys)
+        parts = [(self.kv, keys)]
+        for name, hints in list(self.pools.items())[1:]:
+            window = self.windows.get(name)
+            parts.append((hints, keys[-window:] if window else keys))
+        return parts
+
+    def pin(
+        self,
+        keys: Sequence[str],
+        ttl_s: float,
+        tiers=("host",),
+        tenant: str = "default",
+    ) -> LinkerLease:
+        """Every pool's lease (the KV pool's is returned), or none of them."""
+        check_ttl(ttl_s)
+        tiers = tiers if isinstance(tiers, str) else tuple(tiers)  # read once a pool
+        parts = self._parts("pin", keys)
+        for hints, part in parts:
+            hints.admit(part, tiers, tenant)
+        return [hints.pin(part, ttl_s, tiers, tenant) for hints, part in parts][0]
+
+    def release(
+        self, keys: Sequence[str] | None, tenant: str | None = "default"
+    ) -> int:
+        """Every pool's leases of the prefix `keys` (None: all); the KV pool's count."""
+        if keys is None:
+            return [h.release(None, tenant) for h in self.pools.values()][0]
+        return [h.release(part, tenant) for h, part in self._parts("release", keys)][0]
+
+    def release_all(self) -> int:
+        return self.release(None, None)
+
+    def retain(self, keys: Sequence[str], priority: int) -> None:
+        for hints, part in self._parts("retain", keys):
+            hints.retain(part, priority)
+
+    def prefetch(self, keys: Sequence[str]) -> bool:
+        return self.kv.prefetch(keys)
+
+    def demote(self, keys: Sequence[str]) -> int:
+        return self.kv.demote(keys)
+
+    def poll(self) -> None:
+        for hints in self.pools.values():
+            hints.poll()
+
+    def stats(self) -> dict:
+        """The KV pool's, and every pool's under `pools`."""
+        out = self.kv.stats()
+        out["pools"] = {name: h.stats() for name, h in self.pools.items()}
+        return out
 
 
 def _keys(what: str, keys) -> list[str]:

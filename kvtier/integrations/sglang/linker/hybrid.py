@@ -37,6 +37,7 @@ class SidePool:
         torch.Tensor
     ]  # SGLang's buffers of one layer (what a slot's bytes are)
     page_size: int
+    restore_pages: int | None  # the pages ending at a length a restore there needs
 
 
 @dataclass(slots=True)
@@ -72,7 +73,13 @@ def plan_of(kvcache, req_to_token_pool, components: set[str], page_size: int, wi
             swa.k_buffer, swa.v_buffer, page_size=page_size
         )
         plan.sides.append(
-            SidePool("swa", pool, [swa.k_buffer[0], swa.v_buffer[0]], page_size)
+            SidePool(
+                "swa",
+                pool,
+                [swa.k_buffer[0], swa.v_buffer[0]],
+                page_size,
+                -(-window // page_size) if window else None,  # SGLang's window pages
+            )
         )
     else:
         for g, local in kvcache.full_attention_layer_id_mapping.items():
@@ -86,7 +93,7 @@ def plan_of(kvcache, req_to_token_pool, components: set[str], page_size: int, wi
         ]
         for g, local in req_to_token_pool.mamba_map.items():
             plan.owner[g - start] = ("mamba", local)
-        plan.sides.append(SidePool("mamba", StateRows(layers), layers[0], 1))
+        plan.sides.append(SidePool("mamba", StateRows(layers), layers[0], 1, 1))
     buffers = getattr(plan.full, "k_buffer", None) or plan.full.kv_buffer  # MHA, MLA
     full = [buffers[0]]
     sig = ";".join(
@@ -105,7 +112,17 @@ def _refuse_unmoved_states(req_to_token_pool) -> None:
     slots name: with SGLang's int8 checkpoints a node's state is a slot of the checkpoint
     pool, so reading the active pool at that number would store another request's state;
     PLE side states (short conv, n-gram context) ride on the slot and would not be
-    restored with it."""
+    restored with it. Under SGLang's unified memory pool the tree's Mamba values are
+    virtual slot ids (the pool's `mamba_v2p_table` maps them to physical rows) and the
+    states strided views of one shared buffer, which the linker cannot read as rows."""
+    if getattr(req_to_token_pool, "mamba_v2p_table", None) is not None:
+        raise ValueError(
+            "kvtier linker: the Mamba pool is SGLang's unified memory pool "
+            "(--enable-unified-memory is on): the tree's Mamba values are virtual "
+            "slot ids into one shared buffer, and the linker moves the rows of a "
+            "plain Mamba pool only; run without --enable-unified-memory (off is the "
+            "only setting allowed)"
+        )
     if getattr(req_to_token_pool, "mamba_ckpt_pool", None) is not None:
         raise ValueError(
             "kvtier linker: mamba_ckpt_pool is set (SGLang's "
@@ -182,4 +199,4 @@ def side_cores(
             if name != KV:
                 core.close()
         raise
-    return PoolCores(cores, plan.owner)
+    return PoolCores(cores, plan.owner, {s.name: s.restore_pages for s in plan.sides})

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kvtier.integrations.sglang.linker.core import LinkerCore
+from kvtier.integrations.sglang.linker.hints import PoolHints
 from kvtier.tiers.indices import slots_of
 from kvtier.tiers.pool import DeviceKVPool
 
@@ -144,16 +145,22 @@ class PoolCores:
     """SGLang's calls for a hybrid model, each handed to every pool's LinkerCore
     (`cores[name]`, `kv` first); `offloads` names the pools of each offload in flight,
     oldest first. A lookup's `windows[name]` is a side pool's window in pages (SGLang's
-    `len(transfer.keys)`: SWA the model's window at most, Mamba 1)."""
+    `len(transfer.keys)`: SWA the model's window at most, Mamba 1); `restores[name]` is
+    the model's (the pages ending at a length that a restore there needs; None: all)."""
 
     def __init__(
         self,
         cores: dict[str, LinkerCore],
         owner: dict[int, tuple[str, int]],
+        restores: dict[str, int | None] | None = None,
     ) -> None:
         assert next(iter(cores)) == KV, "the KV pool's core comes first"
         self.cores = cores
         self.counter = PoolsCounter(cores, owner)
+        # an agent's lease pins, in every pool, what a restore of its prefix needs
+        self.hints = PoolHints(
+            {name: core.hints for name, core in cores.items()}, restores or {}
+        )
         self.offloads: deque[tuple[str, ...]] = deque()  # the pools of each offload
         self.closed = False
 
@@ -164,11 +171,6 @@ class PoolCores:
     @property
     def l3(self):
         return self.kv.l3
-
-    @property
-    def hints(self):
-        """An agent's hints act on the KV pool's pages (`hints.py`)."""
-        return self.kv.hints
 
     def _core(self, name: str) -> LinkerCore:
         core = self.cores.get(name)

@@ -187,50 +187,56 @@ class KvtierLinker(UnifiedCacheLinker):
         )
         kv_core = LinkerCore(pool, settings, store, forward_stream=forward_stream)
         self.core = kv_core
-        self.pools = {PoolName.KV: pool}
-        self.hybrid = plan is not None
-        if plan is not None:  # a core per side pool beside the KV's (pools.py)
-            shard = f"pp={params.pp_rank}/{params.pp_size}:cp={params.attn_cp_rank}/{params.attn_cp_size}"
-            self.core = side_cores(
-                kv_core,
-                plan,
-                config,
-                geometry,
-                settings,
-                (rank, size),
-                shard,
-                forward_stream,
+        try:  # a failure from here closes every core built so far (their threads joined)
+            self.pools = {PoolName.KV: pool}
+            self.hybrid = plan is not None
+            if plan is not None:  # a core per side pool beside the KV's (pools.py)
+                shard = f"pp={params.pp_rank}/{params.pp_size}:cp={params.attn_cp_rank}/{params.attn_cp_size}"
+                self.core = side_cores(
+                    kv_core,
+                    plan,
+                    config,
+                    geometry,
+                    settings,
+                    (rank, size),
+                    shard,
+                    forward_stream,
+                )
+                self.pools.update({PoolName(s.name): s.pool for s in plan.sides})
+            self.layer_done_counter = self.core.counter
+            if PoolName.MAMBA in self.pools:  # Mamba layers wait on the request pool
+                params.req_to_token_pool.register_layer_transfer_counter(
+                    self.core.counter
+                )
+            self.forward_stream = forward_stream
+            host = f"{kv_core.mirror.allocator.num_pages} pages x {kv_core.mirror.page_bytes} B"
+            tiers = f"SGLang device -> kvtier host ({host}, {config.mirror.layout})"
+            if plan is not None:
+                tiers += "; " + ", ".join(
+                    f"{n} pool: {c.mirror.allocator.num_pages} pages x {c.mirror.page_bytes} B"
+                    for n, c in self.core.cores.items()
+                    if n != KV
+                )
+            if store is not None:
+                tiers += f" -> kvtier store {store.name}"
+                if group > 1:
+                    tiers += f" (store pages of {group} engine pages on average)"
+            log.info(
+                startup_line(
+                    "SGLang linker",
+                    config,
+                    ns.id,
+                    stack.tenant.key_id,
+                    f"{tiers}; tp {rank}/{size}",
+                )
             )
-            self.pools.update({PoolName(s.name): s.pool for s in plan.sides})
-        self.layer_done_counter = self.core.counter
-        if PoolName.MAMBA in self.pools:  # Mamba layers wait on the request pool
-            params.req_to_token_pool.register_layer_transfer_counter(self.core.counter)
-        self.forward_stream = forward_stream
-        host = f"{kv_core.mirror.allocator.num_pages} pages x {kv_core.mirror.page_bytes} B"
-        tiers = f"SGLang device -> kvtier host ({host}, {config.mirror.layout})"
-        if plan is not None:
-            tiers += "; " + ", ".join(
-                f"{n} pool: {c.mirror.allocator.num_pages} pages x {c.mirror.page_bytes} B"
-                for n, c in self.core.cores.items()
-                if n != KV
+            self._export = sglang_export(  # kvtier's counters in SGLang's /metrics
+                lambda: linker_series(self.stats()),
+                {"tp_rank": str(rank), "namespace": ns.id},
             )
-        if store is not None:
-            tiers += f" -> kvtier store {store.name}"
-            if group > 1:
-                tiers += f" (store pages of {group} engine pages on average)"
-        log.info(
-            startup_line(
-                "SGLang linker",
-                config,
-                ns.id,
-                stack.tenant.key_id,
-                f"{tiers}; tp {rank}/{size}",
-            )
-        )
-        self._export = sglang_export(  # kvtier's counters in SGLang's /metrics
-            lambda: linker_series(self.stats()),
-            {"tp_rank": str(rank), "namespace": ns.id},
-        )
+        except BaseException:
+            self.core.close()  # the KV core, or every pool's once side_cores returned
+            raise
 
     @override
     def record_offload_ready(self) -> list:
