@@ -138,7 +138,7 @@ class StoreOps:
         """A load stopped with its store read of `keys` into reserved `pages`: verified,
         they become host pages; else they go back once the read has settled."""
         if read.finished and read.landed == len(read.keys):  # verified: host pages now
-            self.index.publish(keys, pages.tolist())
+            self.index.publish(keys, pages)
             return
         if (
             read.finished and read.answered
