@@ -230,13 +230,31 @@ class HostIndex:
         self._evictable_count -= len(fresh)
         return got
 
-    def unpin(self, keys: Sequence[str]) -> None:
-        """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
+    def pin_fresh(self, keys: Sequence[str], pages: np.ndarray) -> list[str]:
+        """`pin` for `keys` just published at `pages` (an offload's store write): their
+        pages are known, so no dict op looks them up again."""
+        pins = self.pins
+        once = dict.fromkeys(keys, 1)
+        if len(once) != len(keys) or not pins.keys().isdisjoint(once.keys()):
+            return self.pin(keys)
+        pins.update(once)
+        self._evictable[pages] = False  # out of the LRU while pinned
+        self._evictable_count -= len(keys)
+        return list(keys)
+
+    def unpin(self, keys: Sequence[str], pages: np.ndarray | None = None) -> None:
+        """Drop one pin of each; a page whose last pin goes is the newest in the LRU.
+        `pages`: those of `keys`, in order, when the caller knows them."""
         pins = self.pins
         if len(set(keys)) == len(keys):  # the usual case, in C loops
             held = list(map(pins.pop, keys))
             if held.count(1) == len(held):  # each loses its last pin
-                self._unpinned(keys)
+                if pages is not None and len(pages) == len(keys):
+                    self._evictable[pages] = True
+                    self._evictable_count += len(pages)
+                    self._touch(pages)
+                else:
+                    self._unpinned(keys)
                 return
             pins.update(zip(keys, map(operator.sub, held, ONES)))
         else:
