@@ -230,6 +230,28 @@ class HostIndex:
         self._evictable_count -= len(fresh)
         return got
 
+    def pin_found(self, keys: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        """`pin`, and each key's host page (0: not published), from one dict op per key
+        (a load pins its host pages and needs them)."""
+        host = np.fromiter(
+            map(self.pages.get, keys, repeat(0)), dtype=np.int64, count=len(keys)
+        )
+        found = host != 0
+        got = list(keys) if found.all() else list(compress(keys, found.tolist()))
+        pins = self.pins
+        once = dict.fromkeys(got, 1)
+        if len(once) == len(got) and pins.keys().isdisjoint(once.keys()):
+            pins.update(once)  # the usual case: none pinned yet, each once
+            self._evictable[host[found]] = False  # out of the LRU while pinned
+            self._evictable_count -= len(got)
+            return got, host
+        fresh = list(dict.fromkeys(filterfalse(pins.__contains__, got)))
+        pins.update(dict.fromkeys(fresh, 0))
+        _count(pins, got)
+        self._evictable[self._pages_of(fresh)] = False
+        self._evictable_count -= len(fresh)
+        return got, host
+
     def pin_fresh(self, keys: Sequence[str], pages: np.ndarray) -> list[str]:
         """`pin` for `keys` just published at `pages` (an offload's store write): their
         pages are known, so no dict op looks them up again."""

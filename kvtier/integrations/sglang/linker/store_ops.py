@@ -116,6 +116,8 @@ class StoreOps:
         """The store's leading run of `keys` (at most `limit`), stopped before a page known
         not to verify."""
         stored = self.l3.leading_run(keys, limit)
+        if not self.unreadable:
+            return stored
         return next(
             (i for i, k in enumerate(keys[:stored]) if k in self.unreadable), stored
         )
