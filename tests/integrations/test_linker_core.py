@@ -223,6 +223,30 @@ def test_a_reservation_hands_its_victims_over_without_freeing_them():
     assert index.free_pages() == 3 and sorted(index.pages) == sorted(keys[3:])
 
 
+def test_pin_found_pins_as_pin_does_and_names_each_keys_page():
+    """A load's pin (`pin_found`): the published keys pinned, each key's host page (0 for
+    one not on host), pins counted on a page pinned already and a key named twice, and
+    the LRU left exactly the unpinned pages."""
+    from kvtier.integrations.sglang.linker.host_index import HostIndex
+    from kvtier.tiers.allocator import PagedAllocator
+
+    index = HostIndex(PagedAllocator(6 * PS, PS))
+    keys = page_keys([1, 2, 3, 4, 5, 6])
+    index.publish(keys[:4], index.reserve(4))  # e, f not on host
+    pages = [index.pages[k] for k in keys[:4]]
+    got, host = index.pin_found(keys[:2])  # the usual case: none pinned yet
+    assert got == keys[:2] and host.tolist() == pages[:2]
+    assert index.room() == 2 + 2 and index.check() == []
+    asked = [keys[1], keys[2], keys[4], keys[2]]  # b pinned already, c twice, e absent
+    got, host = index.pin_found(asked)
+    assert got == [keys[1], keys[2], keys[2]]
+    assert host.tolist() == [pages[1], pages[2], 0, pages[2]]
+    assert index.pins == {keys[0]: 1, keys[1]: 2, keys[2]: 2}
+    assert list(index.lru) == [keys[3]] and index.room() == 2 + 1
+    index.unpin([keys[0], keys[1], keys[1], keys[2], keys[2]])
+    assert index.pins == {} and index.room() == 6 and index.check() == []
+
+
 def test_a_load_naming_a_store_page_twice_loses_no_host_page(tmp_path):
     """A load whose keys name one store page twice reads it into two reserved host pages;
     when it ends, one becomes the key's host page and the other goes back free. Publishing
