@@ -9,6 +9,9 @@ request, on CPU, with
 5. kvtier's linker, host tier + kvtier's file store,
 6. kvtier's own `TieredCache` (its own tree), host tier + file store (`kvtier/bench/cache.py`'s
    scheduler loop),
+7. the linker floor: SGLang's linker seam with the smallest correct linker (`FloorLinker`:
+   every offload accepted and complete at once, nothing copied or kept, every lookup a
+   miss), so its figure is what SGLang's own side of the seam costs with kvtier free,
 
 on the same trace (the first `--requests` of `benchmarks/cache.py`'s, seed 3), the same device
 pool (10% of the working set), host tier 2x the device pool, write-through, store directories
@@ -70,7 +73,15 @@ from kvtier.bench.hicache_cpu import Shims
 from kvtier.bench.trace import multiturn
 from kvtier.testing import sglang_loader
 
-ARMS = ("sglang", "hicache", "hicache_file", "linker", "linker_file", "tieredcache")
+ARMS = (
+    "sglang",
+    "hicache",
+    "hicache_file",
+    "linker",
+    "linker_file",
+    "tieredcache",
+    "linker_floor",
+)
 LABELS = {
     "sglang": "SGLang, no tiers",
     "hicache": "SGLang HiCache, host",
@@ -78,7 +89,73 @@ LABELS = {
     "linker": "kvtier linker, host",
     "linker_file": "kvtier linker, host + kvtier file store",
     "tieredcache": "kvtier TieredCache (own tree), host + file store",
+    "linker_floor": "linker floor: SGLang's seam, kvtier free",
 }
+
+
+def floor_linker(sg):
+    """The smallest correct `UnifiedCacheLinker`: every offload accepted and complete at
+    once (nothing copied or kept), every lookup a miss, so no load is ever queued. Under
+    SGLang's tree its cost is SGLang's own side of the linker seam (the offload
+    transfers it builds, the nodes it locks and publishes), the floor under any linker."""
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        UnifiedCacheLinker,
+    )
+
+    class FloorLinker(UnifiedCacheLinker):
+        def __init__(self, kv) -> None:
+            self.pools = {sg.hicache_storage.PoolName.KV: kv}
+            self.layer_done_counter = _NoLoads()
+            self.forward_stream = None
+            self.done = 0  # offloads accepted, not yet popped
+
+        def record_offload_ready(self) -> list:
+            return []
+
+        def lookup(self, rid, transfers) -> list[int]:
+            return []
+
+        def load(self, rid, transfers) -> bool:
+            raise AssertionError("the floor linker restores nothing: no load")
+
+        def start_layer_wise_loading(self) -> int:
+            return -1
+
+        def finish_layer_wise_loading(self, counter_index: int) -> bool:
+            return True
+
+        def cancel_queued_load(self, rid: str) -> bool:
+            return False
+
+        def offload(self, transfers, session_id=None) -> bool:
+            self.done += 1
+            return True
+
+        def num_completed_offloads(self) -> int:
+            return self.done
+
+        def pop_completed_offload(self) -> bool:
+            assert self.done > 0, "pop_completed_offload with none completed"
+            self.done -= 1
+            return True
+
+        def reset(self) -> None:
+            self.done = 0
+
+        def close(self) -> None:
+            self.done = 0
+
+    return FloorLinker
+
+
+class _NoLoads:
+    """The floor linker's layer counter: no load ever runs, so no layer waits."""
+
+    def set_consumer(self, index: int) -> None:
+        pass
+
+    def wait_until(self, layer: int) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -117,6 +194,11 @@ class UrcArm:
         self.exits: list = []
         if kind.startswith("hicache"):
             self._hicache(root if kind == "hicache_file" else None)
+        elif kind == "linker_floor":
+            linker = floor_linker(sg)(self.kv)
+            self.cache.init_cache_linker(linker)
+            self.kv.register_layer_transfer_counter(linker.layer_done_counter)
+            self.linker = linker
         elif kind.startswith("linker"):
             self._linker(root if kind == "linker_file" else None)
         sa = sg.server_args
@@ -549,7 +631,7 @@ def tiered_arm(trace, size: int, page: int, in_flight: int) -> ArmRun:
 
 
 # a hybrid run: the arms on SGLang's tree (TieredCache has no hybrid pools)
-HYBRID_ARMS = ARMS[:-1]
+HYBRID_ARMS = tuple(a for a in ARMS if a not in ("tieredcache", "linker_floor"))
 HYBRID = {
     "swa": "full-attention layers 1, 3; sliding-window layers 0, 2",
     "mamba": "full-attention layers 1, 3; Mamba2 layers 0, 2",
@@ -659,7 +741,14 @@ def run(
         "Z": runs["linker_file"][-1].restored
         / max(1, runs["hicache_file"][-1].restored),
         "W": med["tieredcache"] / med["hicache_file"],
+        "F": med["linker_floor"] / med["hicache_file"],
+        "G": med["linker_floor"] / med["hicache"],
     }
+    print(
+        f"  kvtier's own share above the floor: linker host "
+        f"{med['linker'] - med['linker_floor']:.0f} µs/request, linker host + file store "
+        f"{med['linker_file'] - med['linker_floor']:.0f} µs/request"
+    )
     return {"page": page, "us": med, "process_us": proc, **ratios}
 
 
@@ -726,6 +815,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
         print(
             f"tieredcache: page {r['page']} scheduler {r['W']:.2f}x HiCache (host+file)"
+        )
+        print(
+            f"linker floor: page {r['page']} scheduler {r['F']:.2f}x HiCache (host+file), "
+            f"{r['G']:.2f}x HiCache (host)"
         )
     return 0
 

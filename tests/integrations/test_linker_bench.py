@@ -52,13 +52,21 @@ def test_a_short_run_prints_every_arm_and_the_ratio_lines():
     assert re.fullmatch(
         r"linker: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\), \d+\.\d\dx HiCache "
         r"\(host\), restored \d+\.\d\dx HiCache's tokens",
-        lines[-2],
+        lines[-3],
     )
     assert re.fullmatch(
-        r"tieredcache: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\)", lines[-1]
+        r"tieredcache: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\)", lines[-2]
     )
+    # SGLang's linker seam with a linker that keeps nothing: the floor under any linker
+    assert re.fullmatch(
+        r"linker floor: page 16 scheduler \d+\.\d\dx HiCache \(host\+file\), "
+        r"\d+\.\d\dx HiCache \(host\)",
+        lines[-1],
+    )
+    floor = [ln for ln in lines if ln.startswith("  linker floor: SGLang's seam")]
+    assert len(floor) == 1 and "restored 0 tokens" in floor[0], out.stdout
     assert (
-        out.stdout.count("failed loads 0 ") + out.stdout.count("failed loads 0\n") == 6
+        out.stdout.count("failed loads 0 ") + out.stdout.count("failed loads 0\n") == 7
     )
 
 
@@ -98,6 +106,7 @@ def test_a_short_hybrid_run_prints_every_arm_and_its_line(hybrid):
         assert len(found) == 1, (label, out.stdout)
         rows[label] = found[0]
     assert "TieredCache" not in out.stdout
+    assert "linker floor" not in out.stdout
     for (
         row
     ) in rows.values():  # how much is restored, and whether a load failed, depends

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import torch
 
 from kvtier.backends.file import FileStore, FileStoreConfig
@@ -182,6 +183,68 @@ def test_host_index_evicts_the_coldest_unpinned_pages_in_order():
     assert list(index.lru) == [keys[1], keys[2], keys[0], keys[3]]
     index.release(got)
     assert index.check() == [] and index.evicted_pages == 2
+
+
+def test_a_reservation_hands_its_victims_over_without_freeing_them():
+    """A reservation that evicts gives the op the victims themselves (still handed out by
+    the allocator): no allocator call once the tier is full, one (for the free pages) when
+    part is free; the pages are those the LRU's cold end named, and the counts add up."""
+    from kvtier.integrations.sglang.linker.host_index import HostIndex
+    from kvtier.tiers.allocator import PagedAllocator
+
+    class Counted(PagedAllocator):
+        calls = 0
+
+        def alloc_pages(self, n):
+            Counted.calls += 1
+            return super().alloc_pages(n)
+
+        def free_pages(self, pages):
+            Counted.calls += 1
+            return super().free_pages(pages)
+
+    index = HostIndex(Counted(6 * PS, PS))
+    keys = page_keys([1, 2, 3, 4, 5, 6])
+    first = index.reserve(6)
+    index.publish(keys, first)
+    coldest = [index.pages[k] for k in keys[:2]]
+    Counted.calls = 0
+    got = index.reserve(2)  # the tier is full: a and b, the coldest, are the op's now
+    assert Counted.calls == 0 and got.tolist() == coldest
+    assert sorted(index.pages) == sorted(keys[2:]) and index.check() == []
+    index.release(got[:1])  # one page free again
+    Counted.calls = 0
+    more = index.reserve(2)  # the free page and c, the coldest: one allocator call
+    assert Counted.calls == 1 and sorted(more.tolist()) == sorted(
+        [coldest[0], first[2]]
+    )
+    index.release(np.concatenate([got[1:], more]))
+    assert index.check() == [] and index.evicted_pages == 3
+    assert index.free_pages() == 3 and sorted(index.pages) == sorted(keys[3:])
+
+
+def test_pin_found_pins_as_pin_does_and_names_each_keys_page():
+    """A load's pin (`pin_found`): the published keys pinned, each key's host page (0 for
+    one not on host), pins counted on a page pinned already and a key named twice, and
+    the LRU left exactly the unpinned pages."""
+    from kvtier.integrations.sglang.linker.host_index import HostIndex
+    from kvtier.tiers.allocator import PagedAllocator
+
+    index = HostIndex(PagedAllocator(6 * PS, PS))
+    keys = page_keys([1, 2, 3, 4, 5, 6])
+    index.publish(keys[:4], index.reserve(4))  # e, f not on host
+    pages = [index.pages[k] for k in keys[:4]]
+    got, host = index.pin_found(keys[:2])  # the usual case: none pinned yet
+    assert got == keys[:2] and host.tolist() == pages[:2]
+    assert index.room() == 2 + 2 and index.check() == []
+    asked = [keys[1], keys[2], keys[4], keys[2]]  # b pinned already, c twice, e absent
+    got, host = index.pin_found(asked)
+    assert got == [keys[1], keys[2], keys[2]]
+    assert host.tolist() == [pages[1], pages[2], 0, pages[2]]
+    assert index.pins == {keys[0]: 1, keys[1]: 2, keys[2]: 2}
+    assert list(index.lru) == [keys[3]] and index.room() == 2 + 1
+    index.unpin([keys[0], keys[1], keys[1], keys[2], keys[2]])
+    assert index.pins == {} and index.room() == 6 and index.check() == []
 
 
 def test_a_load_naming_a_store_page_twice_loses_no_host_page(tmp_path):

@@ -126,9 +126,10 @@ class HostIndex:
         """(end, unpinned): the end of the run of `keys` from `start` published here, and
         how many of them are evictable now (the run stops before the page that would make
         that more than `budget`). Each is touched (made the newest in the LRU)."""
-        # C loops and vector ops, no Python step per page
-        found = list(takewhile(self.pages.__contains__, islice(keys, start, None)))
-        pages = self._pages_of(found)
+        # C loops and vector ops, no Python step per page: one dict op per key (page
+        # numbers start at 1, so the first miss ends the run)
+        found = list(takewhile(bool, map(self.pages.get, islice(keys, start, None))))
+        pages = np.fromiter(found, dtype=np.int64, count=len(found))
         evictable = self._evictable[pages]
         touched = pages[evictable]
         end = len(found)
@@ -140,8 +141,11 @@ class HostIndex:
 
     def reserve(self, n: int) -> np.ndarray | None:
         """`n` pages for an op, evicting unpinned pages (coldest first) when short; None
-        (and nothing evicted) if pins leave too few."""
-        short = n - self.free_pages()
+        (and nothing evicted) if pins leave too few. The victims go to the op as they are
+        (the allocator still counts them handed out): at most one allocator call, for the
+        free pages taken, and none once the tier is full."""
+        free = self.free_pages()
+        short = n - free
         if short > 0:
             if short > self._evictable_count:
                 return None
@@ -150,16 +154,20 @@ class HostIndex:
             self._key[victims] = None
             self._evictable[victims] = False
             self._evictable_count -= short
-            self.allocator.free_pages(victims)
             self.evicted_pages += short
-        pages = self.allocator.alloc_pages(n)
-        assert pages is not None, (
-            "host allocator short after eviction: its count is wrong"
-        )
+            if free:
+                taken = self.allocator.alloc_pages(free)
+                assert taken is not None, "host allocator short: its count is wrong"
+                pages = np.concatenate((taken, victims))
+            else:
+                pages = victims
+        else:
+            pages = self.allocator.alloc_pages(n)
+            assert pages is not None, "host allocator short: its count is wrong"
         self._reserved[pages] = True
         return pages
 
-    def _published(self, keys: list[str], pages: np.ndarray) -> None:
+    def _published(self, keys: Sequence[str], pages: np.ndarray) -> None:
         """`pages`, just published under `keys`, join the LRU as its newest."""
         key = np.empty(len(keys), dtype=object)
         key[:] = keys
@@ -168,21 +176,24 @@ class HostIndex:
         self._evictable_count += len(pages)
         self._touch(pages)
 
-    def publish(self, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+    def publish(
+        self, keys: Sequence[str], pages: Sequence[int] | np.ndarray
+    ) -> list[bool]:
         """Reserved pages whose bytes landed and verified become their keys': True each. A
         key already published keeps its page, and this one goes back: False (the caller
         must not use it any more). One allocator call for all that go back."""
         known = self.pages
+        pages = np.asarray(pages, dtype=np.int64)
         self._reserved[pages] = False
-        fresh = dict(zip(keys, pages))
+        fresh = dict(zip(keys, pages.tolist()))
         # the usual case, in C loops: keys distinct, none published (a key named twice
         # keeps its first page below; the other goes back)
-        if len(fresh) == len(keys) and known.keys().isdisjoint(fresh):
+        if len(fresh) == len(keys) and known.keys().isdisjoint(fresh.keys()):
             known.update(fresh)
-            self._published(list(fresh), np.asarray(pages, dtype=np.int64))
+            self._published(keys, pages)
             return [True] * len(fresh)
         kept, back, new, new_pages = [], [], [], []
-        for key, page in zip(keys, pages):
+        for key, page in zip(keys, pages.tolist()):
             if key in known:
                 back.append(page)
                 kept.append(False)
@@ -219,13 +230,53 @@ class HostIndex:
         self._evictable_count -= len(fresh)
         return got
 
-    def unpin(self, keys: Sequence[str]) -> None:
-        """Drop one pin of each; a page whose last pin goes is the newest in the LRU."""
+    def pin_found(self, keys: Sequence[str]) -> tuple[list[str], np.ndarray]:
+        """`pin`, and each key's host page (0: not published), from one dict op per key
+        (a load pins its host pages and needs them)."""
+        host = np.fromiter(
+            map(self.pages.get, keys, repeat(0)), dtype=np.int64, count=len(keys)
+        )
+        found = host != 0
+        got = list(keys) if found.all() else list(compress(keys, found.tolist()))
+        pins = self.pins
+        once = dict.fromkeys(got, 1)
+        if len(once) == len(got) and pins.keys().isdisjoint(once.keys()):
+            pins.update(once)  # the usual case: none pinned yet, each once
+            self._evictable[host[found]] = False  # out of the LRU while pinned
+            self._evictable_count -= len(got)
+            return got, host
+        fresh = list(dict.fromkeys(filterfalse(pins.__contains__, got)))
+        pins.update(dict.fromkeys(fresh, 0))
+        _count(pins, got)
+        self._evictable[self._pages_of(fresh)] = False
+        self._evictable_count -= len(fresh)
+        return got, host
+
+    def pin_fresh(self, keys: Sequence[str], pages: np.ndarray) -> list[str]:
+        """`pin` for `keys` just published at `pages` (an offload's store write): their
+        pages are known, so no dict op looks them up again."""
+        pins = self.pins
+        once = dict.fromkeys(keys, 1)
+        if len(once) != len(keys) or not pins.keys().isdisjoint(once.keys()):
+            return self.pin(keys)
+        pins.update(once)
+        self._evictable[pages] = False  # out of the LRU while pinned
+        self._evictable_count -= len(keys)
+        return list(keys)
+
+    def unpin(self, keys: Sequence[str], pages: np.ndarray | None = None) -> None:
+        """Drop one pin of each; a page whose last pin goes is the newest in the LRU.
+        `pages`: those of `keys`, in order, when the caller knows them."""
         pins = self.pins
         if len(set(keys)) == len(keys):  # the usual case, in C loops
             held = list(map(pins.pop, keys))
             if held.count(1) == len(held):  # each loses its last pin
-                self._unpinned(keys)
+                if pages is not None and len(pages) == len(keys):
+                    self._evictable[pages] = True
+                    self._evictable_count += len(pages)
+                    self._touch(pages)
+                else:
+                    self._unpinned(keys)
                 return
             pins.update(zip(keys, map(operator.sub, held, ONES)))
         else:

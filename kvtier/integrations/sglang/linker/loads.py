@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
@@ -122,10 +121,7 @@ class Loads:
         """`around`: the keys its lookup was asked about (`keys` their first ones), where
         a store page read may end past `keys`."""
         self.cancel(rid)
-        pinned = self.index.pin(keys)
-        host = np.fromiter(
-            map(self.index.pages.get, keys, repeat(0)), dtype=np.int64, count=len(keys)
-        )
+        pinned, host = self.index.pin_found(keys)
         op = LoadOp(rid, keys, slots, host, pinned, around=around)
         missing = np.flatnonzero(host == 0)
         if missing.size:

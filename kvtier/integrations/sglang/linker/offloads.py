@@ -26,6 +26,9 @@ from kvtier.tiers.mirror import HostMirror
 from kvtier.tiers.pool import DeviceKVPool
 
 
+NO_PAGES = np.zeros(0, np.int64)
+
+
 @dataclass(eq=False)
 class OffloadOp:
     keys: list[str]  # the pages this op copies (the others were on host or in flight)
@@ -67,25 +70,30 @@ class Offloads:
         flight; an op is queued even when there is nothing to copy or no host room."""
         copying = self.copying
         known = self.index.pages
-        # the pages neither on host nor in flight, found by C loops (most offloads are all new)
-        held = list(map(known.__contains__, keys))
-        inflight = copying.keys() & keys if copying else None
-        if inflight:
-            held = list(map(operator.or_, held, map(inflight.__contains__, keys)))
-            ops = map(copying.__getitem__, inflight)
-            depends = list({id(op): op for op in ops}.values())
-        else:
-            depends = []
         self.counters.offloads += 1
-        first = dict.fromkeys(
-            keys
-        )  # a key named twice is copied once, from its first page
-        if not any(held) and len(first) == len(keys):
-            new = keys
-            picked = slots
+        # the usual case, in C loops, a dict op or two per key: keys distinct, none on host
+        # or in flight (most offloads are all new); `mine` becomes their `copying` entries
+        op = OffloadOp(keys, NO_PAGES, None, whole=True)
+        mine = dict.fromkeys(keys, op)
+        distinct = len(mine) == len(keys)
+        if (
+            distinct
+            and known.keys().isdisjoint(mine.keys())
+            and (not copying or copying.keys().isdisjoint(mine.keys()))
+        ):
+            new, picked, depends = keys, slots, []
         else:
-            if len(first) != len(keys):
-                first = {}
+            mine = None
+            held = list(map(known.__contains__, keys))
+            inflight = copying.keys() & keys if copying else None
+            if inflight:
+                held = list(map(operator.or_, held, map(inflight.__contains__, keys)))
+                ops = map(copying.__getitem__, inflight)
+                depends = list({id(o): o for o in ops}.values())
+            else:
+                depends = []
+            if not distinct:  # a key named twice is copied once, from its first page
+                first: dict[str, int] = {}
                 for i, k in enumerate(keys):
                     first.setdefault(k, i)
                 once = set(first.values())
@@ -107,8 +115,12 @@ class Offloads:
         handle = Handle(0)
         ready = self._forward_ready()
         self.write_stream.submit(lambda h: self._copy_out(picked, host, ready), handle)
-        op = OffloadOp(new, pages, handle, depends, whole=new is keys)
-        copying.update(dict.fromkeys(new, op))
+        if mine is None:
+            op = OffloadOp(new, pages, handle, depends)
+            mine = dict.fromkeys(new, op)
+        else:
+            op.host_pages, op.handle = pages, handle
+        copying.update(mine)
         self.ops.append(op)
 
     def _forward_ready(self):
@@ -141,13 +153,16 @@ class Offloads:
         )
         ok = not op.refused and (op.handle is None or op.handle.error is None)
         op.success = ok and all(d.success for d in op.depends)
-        deque(map(self.copying.__delitem__, op.keys), maxlen=0)
+        if len(self.copying) == len(op.keys):  # the only op in flight: its keys are all
+            self.copying.clear()
+        else:
+            deque(map(self.copying.__delitem__, op.keys), maxlen=0)
         if not ok:
             self.counters.offload_failures += 1
             self.index.release(op.host_pages)
             return False
         # a key a store read published meanwhile keeps that page; the offload's went back free
-        kept = self.index.publish(op.keys, op.host_pages.tolist())
+        kept = self.index.publish(op.keys, op.host_pages)
         keys, pages = op.keys, op.host_pages
         if not all(kept):
             keys = list(compress(keys, kept))

@@ -43,8 +43,8 @@ class StoreOps:
         self.l3, self.index, self.counters = l3, index, counters
         self.page_bytes, self.writes_store = page_bytes, writes_store
         self.backups: list[
-            tuple[BackupOp, list[str], list[str]]
-        ] = []  # (op, pinned keys, its keys)
+            tuple[BackupOp, list[str], list[str], np.ndarray]
+        ] = []  # (op, pinned keys, its keys, their host pages)
         # store pages that did not verify when read: a lookup stops before them until a
         # write of the page succeeds (else every request on that prefix would fail its load)
         self.unreadable: OrderedDict[str, None] = OrderedDict()
@@ -73,19 +73,22 @@ class StoreOps:
                 self.unreadable.pop(k, None)
         if self.l3 is None or not self.writes_store or not keys:
             return
-        pinned = self.index.pin(keys)
-        self.backups.append((self.l3.write(keys, pages, contiguous), pinned, keys))
+        pinned = self.index.pin_fresh(keys, pages)
+        self.backups.append(
+            (self.l3.write(keys, pages, contiguous), pinned, keys, pages)
+        )
 
     def reap(self) -> None:
         """Settle what the storage thread finished: store writes unpin their pages, ended
         reads give theirs back."""
         if self.backups:
             still = []
-            for op, pinned, keys in self.backups:
+            for entry in self.backups:
+                op, pinned, keys, pages = entry
                 if not op.finished:
-                    still.append((op, pinned, keys))
+                    still.append(entry)
                     continue
-                self.index.unpin(pinned)
+                self.index.unpin(pinned, pages if pinned == keys else None)
                 if self.unreadable:  # a page stored again verifies again
                     for k in compress(keys, op.ok or []):
                         self.unreadable.pop(k, None)
@@ -113,6 +116,8 @@ class StoreOps:
         """The store's leading run of `keys` (at most `limit`), stopped before a page known
         not to verify."""
         stored = self.l3.leading_run(keys, limit)
+        if not self.unreadable:
+            return stored
         return next(
             (i for i, k in enumerate(keys[:stored]) if k in self.unreadable), stored
         )
@@ -138,7 +143,7 @@ class StoreOps:
         """A load stopped with its store read of `keys` into reserved `pages`: verified,
         they become host pages; else they go back once the read has settled."""
         if read.finished and read.landed == len(read.keys):  # verified: host pages now
-            self.index.publish(keys, pages.tolist())
+            self.index.publish(keys, pages)
             return
         if (
             read.finished and read.answered
@@ -181,7 +186,7 @@ class StoreOps:
 
     def pinned(self) -> list[list[str]]:
         """The keys each store write pinned."""
-        return [p for _, p, _ in self.backups]
+        return [p for _, p, _, _ in self.backups]
 
     def quarantined_pages(self) -> int:
         return sum(p.size for p in self.quarantined)
