@@ -23,7 +23,7 @@ docs/security.md what it protects.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import os
 import struct
 from typing import NamedTuple
@@ -42,6 +42,11 @@ _SEALED = struct.Struct("<4sHH16sB32sQ8s12s3x")
 SEALED_PART = _SEALED.size  # 88
 HEADER_SIZE = 128
 TAG_SIZE = 16
+# the header's unused tail past the sealed part (and mode 1's tag), which must be zero
+_UNUSED = {
+    MODE_MAC: bytes(HEADER_SIZE - SEALED_PART - TAG_SIZE),
+    MODE_AEAD: bytes(HEADER_SIZE - SEALED_PART),
+}
 
 
 _PREFIX = struct.Struct(
@@ -116,41 +121,43 @@ class SealedCodec:
     def frame_size(self, payload_length: int) -> int:
         return HEADER_SIZE + payload_length + (TAG_SIZE if self.encrypt else 0)
 
-    def _cipher(self, key, mode: int, sealed: bytes) -> AESGCM:
-        subkey = key.aead_key if mode == MODE_AEAD else key.mac_key
-        return AESGCM(hashlib.blake2b(sealed, key=subkey, digest_size=32).digest())
-
     def seal(
         self, namespace_id: str, page_hash: bytes, payload: Buffer
     ) -> tuple[bytes, Buffer]:
-        key, length = self.keys.current, len(memoryview(payload).cast("B"))
+        """(header, body) of one page: the body is `payload` itself (its tag is over these
+        very bytes, no copy made) or, encrypted, its ciphertext and tag."""
+        key, length = self.keys.current, memoryview(payload).nbytes
         nonce = os.urandom(12)
-        sealed = _SEALED.pack(
+        sealed = _SEALED.pack(  # "32s" pads the page hash with zeros
             MAGIC,
             SEALED_VERSION,
             self.mode,
-            bytes.fromhex(namespace_id),
+            _namespace_bytes(namespace_id),
             len(page_hash),
-            page_hash.ljust(32, b"\0"),
+            page_hash,
             length,
             key.key_id,
             nonce,
         )
-        cipher = self._cipher(key, self.mode, sealed)
+        cipher = AESGCM(key.frame_key(self.encrypt, sealed))
         if not self.encrypt:
-            return sealed + cipher.encrypt(nonce, b"", payload) + bytes(
-                HEADER_SIZE - SEALED_PART - TAG_SIZE
-            ), payload
+            return sealed + cipher.encrypt(nonce, b"", payload) + _UNUSED[
+                MODE_MAC
+            ], payload
         body = bytearray(length + TAG_SIZE)
         cipher.encrypt_into(nonce, payload, sealed, body)
-        return sealed + bytes(HEADER_SIZE - SEALED_PART), body
+        return sealed + _UNUSED[MODE_AEAD], body
 
     def open_header(
         self, header: Buffer, namespace_id: str, page_hash: bytes
     ) -> Opened:
         """What a sealed header says, checked against the page asked for; FrameError if it
         is not a sealed header for it under a key of the ring (before any tag is checked)."""
-        view = memoryview(header).cast("B")
+        view = (
+            header
+            if isinstance(header, (bytes, bytearray))
+            else memoryview(header).cast("B")
+        )
         if len(view) < HEADER_SIZE:
             raise FrameError(f"truncated header ({len(view)} < {HEADER_SIZE} bytes)")
         magic, version, mode, ns, hlen, h, length, key_id, nonce = _SEALED.unpack_from(
@@ -172,16 +179,16 @@ class SealedCodec:
             raise ForeignKey(
                 f"sealed with key {key_id.hex()}, which is not one of this tenant's keys"
             )
-        if ns != bytes.fromhex(namespace_id):
+        if ns != _namespace_bytes(namespace_id):
             raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
         if h[:hlen] != page_hash or hlen != len(page_hash):
             raise FrameError("page hash in the frame differs from the key's")
-        used = SEALED_PART + (TAG_SIZE if mode == MODE_MAC else 0)
-        if view[used:HEADER_SIZE] != bytes(HEADER_SIZE - used):
+        unused = _UNUSED[mode]
+        if view[HEADER_SIZE - len(unused) : HEADER_SIZE] != unused:
             raise FrameError("nonzero bytes in the header's unused part")
         sealed = bytes(view[:SEALED_PART])
         return Opened(
-            self._cipher(key, mode, sealed),
+            AESGCM(key.frame_key(mode == MODE_AEAD, sealed)),
             mode,
             nonce,
             sealed,
@@ -237,7 +244,7 @@ class SealedCodec:
         else:
             n = read([header, view, tail]) - HEADER_SIZE
         opened = self.open_header(
-            header[: HEADER_SIZE + min(n, 0)], namespace_id, page_hash
+            header if n >= 0 else header[: HEADER_SIZE + n], namespace_id, page_hash
         )
         if opened.length != len(view):
             raise FrameError(f"page is {opened.length} bytes, the buffer {len(view)}")
@@ -256,6 +263,12 @@ class SealedCodec:
                 tail[:TAG_SIZE],
             )
         decrypt(opened, body[: opened.body_size], view)
+
+
+@functools.lru_cache(maxsize=256)
+def _namespace_bytes(namespace_id: str) -> bytes:
+    """The 16 bytes of a namespace id (a store sees a handful: parsed once each)."""
+    return bytes.fromhex(namespace_id)
 
 
 def _body(view: memoryview, opened: Opened) -> memoryview:
