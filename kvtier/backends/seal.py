@@ -104,9 +104,14 @@ def key_id_of(blob: Buffer) -> bytes | None:
     return key_id if magic == MAGIC and version == SEALED_VERSION else None
 
 
+# how many frames' key objects a codec keeps for pages read again (`SealedCodec._opened`;
+# an AES-GCM object holds about 2.4 KB: two cipher contexts)
+OPENED_KEYS = 1024
+
+
 class SealedCodec:
     """Frames sealed with the ring's current key; reads any key of the ring. Thread-safe:
-    it keeps no state per call."""
+    it keeps no state per call, only the key objects of frames it opened (`_cipher`)."""
 
     keyed = True
     header_size = HEADER_SIZE
@@ -114,6 +119,10 @@ class SealedCodec:
     def __init__(self, keys: TenantKeys, encrypt: bool = False) -> None:
         self.keys, self.encrypt = keys, encrypt
         self.mode = MODE_AEAD if encrypt else MODE_MAC
+        # the AES-GCM objects of frames opened lately, by sealed part, which names the key
+        # id and the mode: with this codec's ring (fixed for its life, a rotation makes
+        # another codec) it determines the frame's key. Bounded: emptied when full.
+        self._opened: dict[bytes, AESGCM] = {}
 
     def __repr__(self) -> str:
         return f"SealedCodec({MODES[self.mode]}, keys={self.keys.ids})"
@@ -188,13 +197,25 @@ class SealedCodec:
             raise FrameError("nonzero bytes in the header's unused part")
         sealed = bytes(view[:SEALED_PART])
         return Opened(
-            AESGCM(key.frame_key(mode == MODE_AEAD, sealed)),
+            self._cipher(key, mode, sealed),
             mode,
             nonce,
             sealed,
             bytes(view[SEALED_PART : SEALED_PART + TAG_SIZE]),
             length,
         )
+
+    def _cipher(self, key, mode: int, sealed: bytes) -> AESGCM:
+        """The key object of the frame whose sealed part is `sealed`, under `key` (the
+        ring's key of the id it names): derived once, kept for a page read again (a tag is
+        checked on every read all the same)."""
+        cipher = self._opened.get(sealed)
+        if cipher is None:
+            cipher = AESGCM(key.frame_key(mode == MODE_AEAD, sealed))
+            if len(self._opened) >= OPENED_KEYS:
+                self._opened.clear()
+            self._opened[sealed] = cipher
+        return cipher
 
     def decode(self, blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
         view = memoryview(blob).cast("B")

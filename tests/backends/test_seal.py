@@ -332,3 +332,32 @@ def test_a_retired_key_opens_nothing_once_the_ring_drops_it_though_its_state_was
     with pytest.raises(seal.ForeignKey):
         codec("03" * 32).decode(blob, NS, H)
     assert bytes(ring.decode(blob, NS, H)) == payload
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_page_read_again_reuses_its_frame_key_and_is_still_checked_every_time(
+    encrypt, monkeypatch
+):
+    """A codec keeps the key objects of the frames it opened (a page promoted again skips
+    deriving its key), at most `OPENED_KEYS` of them; a kept key never spares a read its
+    tag check: the same frame altered afterwards in its body or tag fails, and one whose
+    sealed part is altered is another frame, of another key."""
+    monkeypatch.setattr(seal, "OPENED_KEYS", 3)
+    c, payload = codec(encrypt=encrypt), os.urandom(4096)
+    header, body = c.seal(NS, H, payload)
+    blob = header + bytes(body)
+    assert c._opened == {}  # a write's key is never read again: not kept
+    assert bytes(c.decode(blob, NS, H)) == payload
+    kept = dict(c._opened)
+    assert list(kept) == [blob[: seal.SEALED_PART]]
+    assert bytes(c.decode(blob, NS, H)) == payload and c._opened == kept
+    for offset in (60, 90, 100, 128, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[offset] ^= 0x01
+        with pytest.raises(FrameError):
+            c.decode(bytes(bad), NS, H)
+    assert all(v is kept[k] for k, v in c._opened.items() if k in kept)
+    for _ in range(10):
+        header, body = c.seal(NS, H, payload)
+        assert bytes(c.decode(header + bytes(body), NS, H)) == payload
+        assert 1 <= len(c._opened) <= 3
