@@ -55,10 +55,21 @@ class TenantKey:
         self.mac_key = _derive(secret, b"frame-mac", 32)
         self.aead_key = _derive(secret, b"frame-aead", 32)
         self.event_key = _derive(secret, b"event-hash", 32)  # KV events' block hashes
-        # keyed BLAKE2b states of the frame subkeys, keyed once here: a sealed write's key
-        # copies one (`frame_key`) instead of keying a hash per page
+        self._key_frame_states()
+
+    def _key_frame_states(self) -> None:
+        """Keyed BLAKE2b states of the frame subkeys, keyed once: a sealed frame's key
+        copies one (`frame_key`) instead of keying a hash per page."""
         self._frame_mac = hashlib.blake2b(key=self.mac_key, digest_size=32)
         self._frame_aead = hashlib.blake2b(key=self.aead_key, digest_size=32)
+
+    def __getstate__(self) -> dict:  # a copy or pickle holds the subkeys, as before
+        return {s: getattr(self, s) for s in self.__slots__ if not s.startswith("_")}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._key_frame_states()
 
     def frame_key(
         self, encrypted: bool, sealed: bytes | bytearray | memoryview

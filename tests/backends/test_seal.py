@@ -1,7 +1,9 @@
 """Sealed frames and keyed page hashes (docs/formats.md, docs/security.md), byte by byte."""
 
+import copy
 import hashlib
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -313,6 +315,11 @@ def test_a_keys_frame_key_state_is_copied_per_frame_never_advanced(encrypted):
     assert got == want
     assert key.frame_key(encrypted, parts[0]) == want[0]
     assert key.frame_key(not encrypted, parts[0]) != want[0]
+    for copied in (copy.deepcopy(key), pickle.loads(pickle.dumps(key))):
+        assert (
+            copied.key_id == key.key_id
+            and copied.frame_key(encrypted, parts[1]) == want[1]
+        )
 
 
 def test_a_retired_key_opens_nothing_once_the_ring_drops_it_though_its_state_was_used():
