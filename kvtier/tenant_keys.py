@@ -37,7 +37,15 @@ def _derive(secret: bytes, purpose: bytes, size: int) -> bytes:
 class TenantKey:
     """One tenant key's subkeys. Its repr and str name only its id."""
 
-    __slots__ = ("key_id", "hash_key", "mac_key", "aead_key", "event_key")
+    __slots__ = (
+        "key_id",
+        "hash_key",
+        "mac_key",
+        "aead_key",
+        "event_key",
+        "_frame_mac",
+        "_frame_aead",
+    )
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) != KEY_BYTES:
@@ -47,6 +55,31 @@ class TenantKey:
         self.mac_key = _derive(secret, b"frame-mac", 32)
         self.aead_key = _derive(secret, b"frame-aead", 32)
         self.event_key = _derive(secret, b"event-hash", 32)  # KV events' block hashes
+        self._key_frame_states()
+
+    def _key_frame_states(self) -> None:
+        """Keyed BLAKE2b states of the frame subkeys, keyed once: a sealed frame's key
+        copies one (`frame_key`) instead of keying a hash per page."""
+        self._frame_mac = hashlib.blake2b(key=self.mac_key, digest_size=32)
+        self._frame_aead = hashlib.blake2b(key=self.aead_key, digest_size=32)
+
+    def __getstate__(self) -> dict:  # a copy or pickle holds the subkeys, as before
+        return {s: getattr(self, s) for s in self.__slots__ if not s.startswith("_")}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._key_frame_states()
+
+    def frame_key(
+        self, encrypted: bool, sealed: bytes | bytearray | memoryview
+    ) -> bytes:
+        """The AES-256 key of one sealed frame: keyed BLAKE2b-256 of its sealed part under
+        the frame-aead subkey (`encrypted`) or the frame-mac one
+        (kvtier/backends/seal.py, docs/formats.md). Thread-safe."""
+        state = (self._frame_aead if encrypted else self._frame_mac).copy()
+        state.update(sealed)
+        return state.digest()
 
     def page_hash(self, hash_algo: str) -> KeyedHash:
         """The keyed page hash that stands in for `hash_algo` (same digest size)."""

@@ -23,7 +23,7 @@ docs/security.md what it protects.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import os
 import struct
 from typing import NamedTuple
@@ -42,6 +42,11 @@ _SEALED = struct.Struct("<4sHH16sB32sQ8s12s3x")
 SEALED_PART = _SEALED.size  # 88
 HEADER_SIZE = 128
 TAG_SIZE = 16
+# the header's unused tail past the sealed part (and mode 1's tag), which must be zero
+_UNUSED = {
+    MODE_MAC: bytes(HEADER_SIZE - SEALED_PART - TAG_SIZE),
+    MODE_AEAD: bytes(HEADER_SIZE - SEALED_PART),
+}
 
 
 _PREFIX = struct.Struct(
@@ -99,9 +104,14 @@ def key_id_of(blob: Buffer) -> bytes | None:
     return key_id if magic == MAGIC and version == SEALED_VERSION else None
 
 
+# how many frames' key objects a codec keeps for pages read again (`SealedCodec._opened`;
+# an AES-GCM object holds about 2.4 KB: two cipher contexts)
+OPENED_KEYS = 1024
+
+
 class SealedCodec:
     """Frames sealed with the ring's current key; reads any key of the ring. Thread-safe:
-    it keeps no state per call."""
+    it keeps no state per call, only the key objects of frames it opened (`_cipher`)."""
 
     keyed = True
     header_size = HEADER_SIZE
@@ -109,6 +119,10 @@ class SealedCodec:
     def __init__(self, keys: TenantKeys, encrypt: bool = False) -> None:
         self.keys, self.encrypt = keys, encrypt
         self.mode = MODE_AEAD if encrypt else MODE_MAC
+        # the AES-GCM objects of frames opened lately, by sealed part, which names the key
+        # id and the mode: with this codec's ring (fixed for its life, a rotation makes
+        # another codec) it determines the frame's key. Bounded: emptied when full.
+        self._opened: dict[bytes, AESGCM] = {}
 
     def __repr__(self) -> str:
         return f"SealedCodec({MODES[self.mode]}, keys={self.keys.ids})"
@@ -116,41 +130,43 @@ class SealedCodec:
     def frame_size(self, payload_length: int) -> int:
         return HEADER_SIZE + payload_length + (TAG_SIZE if self.encrypt else 0)
 
-    def _cipher(self, key, mode: int, sealed: bytes) -> AESGCM:
-        subkey = key.aead_key if mode == MODE_AEAD else key.mac_key
-        return AESGCM(hashlib.blake2b(sealed, key=subkey, digest_size=32).digest())
-
     def seal(
         self, namespace_id: str, page_hash: bytes, payload: Buffer
     ) -> tuple[bytes, Buffer]:
-        key, length = self.keys.current, len(memoryview(payload).cast("B"))
+        """(header, body) of one page: the body is `payload` itself (its tag is over these
+        very bytes, no copy made) or, encrypted, its ciphertext and tag."""
+        key, length = self.keys.current, memoryview(payload).nbytes
         nonce = os.urandom(12)
-        sealed = _SEALED.pack(
+        sealed = _SEALED.pack(  # "32s" pads the page hash with zeros
             MAGIC,
             SEALED_VERSION,
             self.mode,
-            bytes.fromhex(namespace_id),
+            _namespace_bytes(namespace_id),
             len(page_hash),
-            page_hash.ljust(32, b"\0"),
+            page_hash,
             length,
             key.key_id,
             nonce,
         )
-        cipher = self._cipher(key, self.mode, sealed)
+        cipher = AESGCM(key.frame_key(self.encrypt, sealed))
         if not self.encrypt:
-            return sealed + cipher.encrypt(nonce, b"", payload) + bytes(
-                HEADER_SIZE - SEALED_PART - TAG_SIZE
-            ), payload
+            return sealed + cipher.encrypt(nonce, b"", payload) + _UNUSED[
+                MODE_MAC
+            ], payload
         body = bytearray(length + TAG_SIZE)
         cipher.encrypt_into(nonce, payload, sealed, body)
-        return sealed + bytes(HEADER_SIZE - SEALED_PART), body
+        return sealed + _UNUSED[MODE_AEAD], body
 
     def open_header(
         self, header: Buffer, namespace_id: str, page_hash: bytes
     ) -> Opened:
         """What a sealed header says, checked against the page asked for; FrameError if it
         is not a sealed header for it under a key of the ring (before any tag is checked)."""
-        view = memoryview(header).cast("B")
+        view = (
+            header
+            if isinstance(header, (bytes, bytearray))
+            else memoryview(header).cast("B")
+        )
         if len(view) < HEADER_SIZE:
             raise FrameError(f"truncated header ({len(view)} < {HEADER_SIZE} bytes)")
         magic, version, mode, ns, hlen, h, length, key_id, nonce = _SEALED.unpack_from(
@@ -172,12 +188,12 @@ class SealedCodec:
             raise ForeignKey(
                 f"sealed with key {key_id.hex()}, which is not one of this tenant's keys"
             )
-        if ns != bytes.fromhex(namespace_id):
+        if ns != _namespace_bytes(namespace_id):
             raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
         if h[:hlen] != page_hash or hlen != len(page_hash):
             raise FrameError("page hash in the frame differs from the key's")
-        used = SEALED_PART + (TAG_SIZE if mode == MODE_MAC else 0)
-        if view[used:HEADER_SIZE] != bytes(HEADER_SIZE - used):
+        unused = _UNUSED[mode]
+        if view[HEADER_SIZE - len(unused) : HEADER_SIZE] != unused:
             raise FrameError("nonzero bytes in the header's unused part")
         sealed = bytes(view[:SEALED_PART])
         return Opened(
@@ -188,6 +204,18 @@ class SealedCodec:
             bytes(view[SEALED_PART : SEALED_PART + TAG_SIZE]),
             length,
         )
+
+    def _cipher(self, key, mode: int, sealed: bytes) -> AESGCM:
+        """The key object of the frame whose sealed part is `sealed`, under `key` (the
+        ring's key of the id it names): derived once, kept for a page read again (a tag is
+        checked on every read all the same)."""
+        cipher = self._opened.get(sealed)
+        if cipher is None:
+            cipher = AESGCM(key.frame_key(mode == MODE_AEAD, sealed))
+            if len(self._opened) >= OPENED_KEYS:
+                self._opened.clear()
+            self._opened[sealed] = cipher
+        return cipher
 
     def decode(self, blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
         view = memoryview(blob).cast("B")
@@ -237,7 +265,7 @@ class SealedCodec:
         else:
             n = read([header, view, tail]) - HEADER_SIZE
         opened = self.open_header(
-            header[: HEADER_SIZE + min(n, 0)], namespace_id, page_hash
+            header if n >= 0 else header[: HEADER_SIZE + n], namespace_id, page_hash
         )
         if opened.length != len(view):
             raise FrameError(f"page is {opened.length} bytes, the buffer {len(view)}")
@@ -256,6 +284,12 @@ class SealedCodec:
                 tail[:TAG_SIZE],
             )
         decrypt(opened, body[: opened.body_size], view)
+
+
+@functools.lru_cache(maxsize=256)
+def _namespace_bytes(namespace_id: str) -> bytes:
+    """The 16 bytes of a namespace id (a store sees a handful: parsed once each)."""
+    return bytes.fromhex(namespace_id)
 
 
 def _body(view: memoryview, opened: Opened) -> memoryview:

@@ -1,7 +1,9 @@
 """Sealed frames and keyed page hashes (docs/formats.md, docs/security.md), byte by byte."""
 
+import copy
 import hashlib
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -241,3 +243,128 @@ async def test_the_file_store_reads_pages_of_the_other_mode(
     assert await reader.batch_get_into(keys[:1], [bytearray(4096)]) == [False]
     for s in (writer, reader):
         await s.close()
+
+
+# Frames sealed by the build before the frame subkeys' keyed states were kept per key:
+# key "02" * 32, namespace NS, page hash H, payload bytes(range(48)); mode 1, then mode 2.
+EARLIER_FRAMES = {
+    False: (
+        "4b565450020001000123456789abcdef0123456789abcdef20000102030405060708090a0b0c"
+        "0d0e0f101112131415161718191a1b1c1d1e1f3000000000000000e65d2680f7db1c3ca5c2df"
+        "5be805f63cd63e886c0000003404451f99284491b377af6c907ce4d700000000000000000000"
+        "0000000000000000000000000000000102030405060708090a0b0c0d0e0f1011121314151617"
+        "18191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f"
+    ),
+    True: (
+        "4b565450020002000123456789abcdef0123456789abcdef20000102030405060708090a0b0c"
+        "0d0e0f101112131415161718191a1b1c1d1e1f3000000000000000e65d2680f7db1c3c5d22d8"
+        "87e4fd063e33fab4570000000000000000000000000000000000000000000000000000000000"
+        "00000000000000000000000000008fddcd77a79175aecb8d5754c780fd46854968676a30df15"
+        "5cffdcc42260a2a681246568b8e12d6147a01958745a39468e830034acf896f441444657d29c"
+        "5b83"
+    ),
+}
+
+
+@pytest.mark.parametrize("written_encrypted", [False, True])
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_frames_sealed_by_an_earlier_build_still_open_and_still_fail_when_altered(
+    written_encrypted, encrypt
+):
+    blob = bytes.fromhex(EARLIER_FRAMES[written_encrypted])
+    c, payload = codec(encrypt=encrypt), bytes(range(48))
+    assert bytes(c.decode(blob, NS, H)) == payload
+    out = memoryview(bytearray(48))
+    c.decode_into(blob, NS, H, out)
+    assert bytes(out) == payload
+
+    def read(bufs):  # what the file store's readv does: the frame into the buffers
+        got = 0
+        for b in bufs:
+            b = memoryview(b).cast("B")
+            n = min(len(b), len(blob) - got)
+            b[:n] = blob[got : got + n]
+            got += n
+        return got
+
+    out = memoryview(bytearray(48))
+    c.read_into(read, NS, H, out, lambda n: memoryview(bytearray(n)))
+    assert bytes(out) == payload
+    for offset in (8, 30, 80, 90, 110, 128, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[offset] ^= 0x01
+        with pytest.raises(FrameError):
+            c.decode(bytes(bad), NS, H)
+    with pytest.raises(seal.ForeignKey):
+        codec(OLD, encrypt).decode(blob, NS, H)
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_a_keys_frame_key_state_is_copied_per_frame_never_advanced(encrypted):
+    """The keyed BLAKE2b state a tenant key keeps for its frame subkeys is copied for each
+    frame: every frame key is the spec's keyed hash of its own sealed part alone, however
+    many frames came before it, from any number of threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = parse_keys(NEW, "t").current
+    subkey = key.aead_key if encrypted else key.mac_key
+    parts = [os.urandom(seal.SEALED_PART) for _ in range(400)]
+    want = [hashlib.blake2b(p, key=subkey, digest_size=32).digest() for p in parts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: key.frame_key(encrypted, p), parts))
+    assert got == want
+    assert key.frame_key(encrypted, parts[0]) == want[0]
+    assert key.frame_key(not encrypted, parts[0]) != want[0]
+    for copied in (copy.deepcopy(key), pickle.loads(pickle.dumps(key))):
+        assert (
+            copied.key_id == key.key_id
+            and copied.frame_key(encrypted, parts[1]) == want[1]
+        )
+
+
+def test_a_retired_key_opens_nothing_once_the_ring_drops_it_though_its_state_was_used():
+    """A key's frame state lives on the key itself, found only through a ring that holds
+    it: the ring a cache reads with after a rotation (`current_only`, the same key objects)
+    refuses what the retired key sealed at once, though that key opened frames in this
+    process a moment before; and another tenant's ring opens none of it."""
+    payload = os.urandom(4096)
+    header, body = codec(OLD).seal(NS, H, payload)
+    blob = header + bytes(body)
+    ring = codec(f"{NEW},{OLD}")
+    assert bytes(ring.decode(blob, NS, H)) == payload
+    rotated = seal.SealedCodec(ring.keys.current_only())
+    assert rotated.keys.current is ring.keys.current
+    with pytest.raises(seal.ForeignKey):
+        rotated.decode(blob, NS, H)
+    with pytest.raises(seal.ForeignKey):
+        codec("03" * 32).decode(blob, NS, H)
+    assert bytes(ring.decode(blob, NS, H)) == payload
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_page_read_again_reuses_its_frame_key_and_is_still_checked_every_time(
+    encrypt, monkeypatch
+):
+    """A codec keeps the key objects of the frames it opened (a page promoted again skips
+    deriving its key), at most `OPENED_KEYS` of them; a kept key never spares a read its
+    tag check: the same frame altered afterwards in its body or tag fails, and one whose
+    sealed part is altered is another frame, of another key."""
+    monkeypatch.setattr(seal, "OPENED_KEYS", 3)
+    c, payload = codec(encrypt=encrypt), os.urandom(4096)
+    header, body = c.seal(NS, H, payload)
+    blob = header + bytes(body)
+    assert c._opened == {}  # a write's key is never read again: not kept
+    assert bytes(c.decode(blob, NS, H)) == payload
+    kept = dict(c._opened)
+    assert list(kept) == [blob[: seal.SEALED_PART]]
+    assert bytes(c.decode(blob, NS, H)) == payload and c._opened == kept
+    for offset in (60, 90, 100, 128, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[offset] ^= 0x01
+        with pytest.raises(FrameError):
+            c.decode(bytes(bad), NS, H)
+    assert all(v is kept[k] for k, v in c._opened.items() if k in kept)
+    for _ in range(10):
+        header, body = c.seal(NS, H, payload)
+        assert bytes(c.decode(header + bytes(body), NS, H)) == payload
+        assert 1 <= len(c._opened) <= 3
