@@ -599,13 +599,18 @@ class FileStore(Store):
             else read_pages_into
         )
         job = partial(read_dropping_bad, read) if drop_bad else read
-        items, index = [], []
-        hung = self._hung
+        items, index, sizes = [], [], call.sizes
+        hung, root = self._hung, self._root_str
         for i, (k, (_, ns, h), v) in enumerate(zip(keys, parsed, views)):
-            view = memoryview(v).cast("B")
-            call.sizes.append(len(view))
+            view = (
+                v
+                if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1
+                else memoryview(v).cast("B")
+            )
+            sizes.append(len(view))
             if k not in hung:
-                items.append((self._file(k), ns, h, view))
+                head, _, hx = k.rpartition("/")  # `_file`, the key checked above
+                items.append((f"{root}/{head}/{hx[:2]}/{hx[2:4]}/{hx}", ns, h, view))
                 index.append(i)
         self._begin(call, job, items, index, on_done)
         return call

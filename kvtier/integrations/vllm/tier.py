@@ -576,10 +576,9 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             self._ended(fut)
 
     def _settle_now(self) -> None:
-        """Index the direct writes and hold the capacity for them now (shutdown)."""
-        if self._direct is not None and (
-            self._direct.direct_unsettled or self._settling
-        ):
+        """Apply the direct calls' effects on the store (the shared byte count of the
+        pages they wrote or deleted included) and hold its capacity, now (shutdown)."""
+        if self._direct is not None:
             self._direct.direct_unsettled = 0
             self._settling = True
             settled: Future = Future()
