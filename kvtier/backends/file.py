@@ -23,15 +23,16 @@ import fcntl
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from kvtier.backends import seal
+from kvtier.backends import frame, seal
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
+from kvtier.backends.file_direct import DirectCall, read_dropping_bad
 from kvtier.backends.file_leases import SharedLeases, eviction_order
 from kvtier.backends.leases import Leases
 from kvtier.backends.file_io import (
@@ -47,7 +48,7 @@ from kvtier.backends.file_io import (
     write_small,
 )
 from kvtier.backends.io_threads import IoThreads, StopFlag, settle_jobs
-from kvtier.errors import StoreError, StoreUnavailable
+from kvtier.errors import StoreAbandoned, StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 from kvtier.validate import check_positive, io_threads
 
@@ -81,6 +82,7 @@ class FileStore(Store):
     config_class = FileStoreConfig
     name = "file"
     reads_end_with_call = True  # file_io.copy_out: an abandoned read writes no buffer
+    direct_io = True  # begin_get_into / begin_set from any thread (file_direct.py)
     announces_sets = True  # as they are indexed, before an eviction may take them
 
     def __init__(
@@ -128,6 +130,16 @@ class FileStore(Store):
             ) from None
         # daemon threads: a call stuck in the kernel (a hung mount) is abandoned, not waited on
         self._pool = IoThreads(config.max_concurrency, "kvtier-file")
+        # direct calls (file_direct.py): their effects on the index, for the loop thread
+        self._handoff: deque = deque()
+        self._direct_calls = 0  # direct calls begun and not ended (the caller's thread)
+        self._direct_added = (
+            0  # bytes direct writes added since the last capacity check
+        )
+        self._direct_need = 0  # bytes direct writes found no room for (the disk full)
+        self.direct_unsettled = (
+            0  # bytes written since the caller last posted settle_direct
+        )
 
     @contextlib.contextmanager
     def _shared(self):
@@ -557,11 +569,269 @@ class FileStore(Store):
                 self._shared_leases.save()
         return len(present)
 
+    # -- direct calls (file_direct.py): from the caller's thread, no store loop between ----
+
+    async def _call(self, op, coro):
+        self._take_handoff()  # what direct calls did, before this call reads the index
+        return await super()._call(op, coro)
+
+    def _take_handoff(self) -> None:
+        """Apply the direct calls' effects on the index (the loop thread, which owns it)."""
+        while self._handoff:
+            fn, arg = self._handoff.popleft()
+            fn(arg)
+
+    def begin_get_into(self, keys, views, on_done=None, drop_bad=False) -> DirectCall:
+        """Start reading each page of `keys` into its view of `views`, verified, in the I/O
+        threads, from the caller's thread (`batch_get_into`'s work, no loop). With
+        `drop_bad` a page that does not verify is deleted in the same thread job. A key
+        abandoned stuck before is not read (a miss). `on_done(call)` runs on an I/O
+        thread once every job ended; then `end_get_into`, or `give_up` past the deadline."""
+        parsed = self._check(keys)
+        if len(views) != len(keys):
+            raise ValueError(
+                f"begin_get_into: {len(keys)} keys but {len(views)} buffers"
+            )
+        call = DirectCall(False, list(keys), time.monotonic() + self.timeout_s)
+        read = (
+            partial(read_sealed_into, self.codec)
+            if self.codec.keyed
+            else read_pages_into
+        )
+        job = partial(read_dropping_bad, read) if drop_bad else read
+        items, index, sizes = [], [], call.sizes
+        hung, root = self._hung, self._root_str
+        for i, (k, (_, ns, h), v) in enumerate(zip(keys, parsed, views)):
+            view = (
+                v
+                if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1
+                else memoryview(v).cast("B")
+            )
+            sizes.append(len(view))
+            if k not in hung:
+                head, _, hx = k.rpartition("/")  # `_file`, the key checked above
+                items.append((f"{root}/{head}/{hx[:2]}/{hx[2:4]}/{hx}", ns, h, view))
+                index.append(i)
+        self._begin(call, job, items, index, on_done)
+        return call
+
+    def begin_set(self, keys, pages, on_done=None) -> DirectCall:
+        """Start writing each page of `keys` (framed, atomically: `write_pages`) in the I/O
+        threads, from the caller's thread; then `end_set`, or `give_up` (`begin_get_into`)."""
+        parsed = self._check(keys)
+        if len(pages) != len(keys):
+            raise ValueError(f"begin_set: {len(keys)} keys but {len(pages)} pages")
+        call = DirectCall(True, list(keys), time.monotonic() + self.timeout_s)
+        items, index = [], []
+        fsync, inside, room = (
+            self.config.fsync,
+            self._inside,
+            self.config.capacity_bytes,
+        )
+        for i, (k, (_, ns, h), p) in enumerate(zip(keys, parsed, pages)):
+            view = memoryview(p).cast("B")
+            f = frame.Frame(ns, h, view, self.codec)
+            call.sizes.append(len(view))
+            call.frames.append(f.size)
+            if f.size <= room:
+                items.append((self._file(k), f, fsync, inside))
+                index.append(i)
+        self._begin(call, write_pages, items, index, on_done)
+        return call
+
+    def _begin(self, call: DirectCall, job, items, index, on_done) -> None:
+        """`items` as one thread job: a thread for each call, as vLLM's own fs tier gives
+        each job one, bounded by the pool (calls past it queue). A call split over the
+        threads when it came first in a step's burst took them all, and the calls behind
+        it waited for their share: on 4 jobs of 64 pages the last thread read 80 pages
+        where each could have read 64; and every thread job is one more wake-up."""
+        self._direct_calls += 1
+        groups = min(1, len(items))
+        call.on_done = on_done
+        for g in range(groups):
+            stop = StopFlag()
+            call.groups.append(index[g::groups])
+            call.stops.append(stop)
+            call.futures.append(self._pool.submit(partial(job, items[g::groups]), stop))
+        for fut in call.futures:  # all submitted first: the last to end is known
+            fut.add_done_callback(call._job_ended)
+        if not call.futures and on_done is not None:
+            on_done(call)
+
+    def _results(self, call: DirectCall) -> dict[int, object]:
+        self._direct_calls -= 1
+        call.ended = True
+        out: dict[int, object] = {}
+        for idx, fut in zip(call.groups, call.futures):
+            out.update(zip(idx, fut.result()))
+        return out
+
+    def end_get_into(self, call: DirectCall, errors: set | None = None) -> list[bool]:
+        """A direct read's outcome (the caller's thread, once every job ended): True where
+        the view holds the verified page (`batch_get_into`); `errors` gets the keys whose
+        read failed on an I/O error (the page may be good). Index effects are handed off."""
+        results = self._results(call)
+        out, touched, forgotten, dropped = [], [], [], []
+        for i, (k, n) in enumerate(zip(call.keys, call.sizes)):
+            r = results.get(i)
+            if isinstance(r, tuple):  # did not verify, and was deleted (`drop_bad`)
+                r, size = r
+                dropped.append((k, size))
+            if r is True:
+                touched.append(k)
+            elif isinstance(r, OSError):
+                forgotten.append(k)
+                if isinstance(r, FileNotFoundError):
+                    r = None
+                else:
+                    self.counters.errors += 1
+                    self.complain(
+                        "error", f"reading {k}: {r}; dropped from the index, a miss"
+                    )
+                    if errors is not None:
+                        errors.add(k)
+            out.append(self._count_read(k, r, n) is not None)
+        if touched:
+            self._handoff.append((self._touch_all, touched))
+        if forgotten:
+            self._handoff.append((self._forget_all, forgotten))
+        if dropped:
+            self._handoff.append((self._dropped, dropped))
+        return out
+
+    def end_set(self, call: DirectCall) -> list[bool]:
+        """A direct write's outcome (`batch_set`'s); StoreError where no page could be
+        written. The pages written are indexed on the loop thread (handed off), their
+        bytes counted in `direct_unsettled` until the caller posts `settle_direct`."""
+        outcomes = self._results(call)
+        n = len(call.keys)
+        failed = {i: e for i, e in outcomes.items() if isinstance(e, OSError)}
+        ok = [i in outcomes and i not in failed for i in range(n)]
+        self.counters.sets += n
+        self.counters.set_failures += n - sum(ok)
+        self.counters.set_bytes += sum(s for s, good in zip(call.sizes, ok) if good)
+        full = sum(call.frames[i] for i, e in failed.items() if e.errno in _DISK_FULL)
+        if full:  # room is made by the next settle_direct; these pages are not stored
+            self._handoff.append((self._note_disk_full, full))
+            self.direct_unsettled += self.config.capacity_bytes
+        if failed and len(failed) == n:
+            i, err = next(iter(failed.items()))
+            self.counters.errors += 1
+            message = f"file.batch_set: writing {call.keys[i]}: {err}"
+            self.complain("error", message)
+            raise StoreError(message) from err
+        for i, err in failed.items():
+            self.counters.errors += 1
+            self.complain("error", f"writing {call.keys[i]}: {err}")
+        written = [
+            (call.keys[i], call.frames[i], outcomes[i]) for i in range(n) if ok[i]
+        ]
+        if written:
+            self._handoff.append((self._index_written, written))
+            self.direct_unsettled += sum(w[1] for w in written)
+        return ok
+
+    def timed_out(self, call: DirectCall) -> str:
+        """`call` ran past its deadline: counted and said, as a loop call's timeout."""
+        call.timed_out = True
+        self.counters.timeouts += 1
+        message = f"{self.name}.{'batch_set' if call.write else 'batch_get_into'}: no answer within timeout_s={self.timeout_s}"
+        self.complain("timeout", message)
+        return message
+
+    def give_up(self, call: DirectCall) -> StoreAbandoned:
+        """Abandon a direct call still running `timeout_s` past its deadline (a hung mount):
+        its stop flags set (once this returned no job writes a buffer of the caller's),
+        the keys of its pages never asked again by this process, the stuck threads
+        replaced. The StoreAbandoned to tell the breaker."""
+        for stop in call.stops:
+            stop.set()
+        keys = [call.keys[i] for idx in call.groups for i in idx]
+        self._hung.update(keys)  # read by the next begin_get_into, on this thread
+        self._handoff.append((self._forget_all, keys))
+        call.given_up = call.ended = True
+        self._direct_calls -= 1
+        n = self._pool.abandon(call.futures)
+        return StoreAbandoned(
+            f"{n} I/O thread(s) stuck for {self.timeout_s:.1f}s after the call's timeout: "
+            "abandoned (their buffers stay out of use)"
+        )
+
+    def start_threads(self) -> None:
+        """Start the I/O threads from this thread (the store loop's: they keep to its
+        CPUs), before direct calls submit to them from another."""
+        self._pool.start_all()
+
+    def touch_later(self, keys) -> None:
+        """`touch` from any thread: applied on the loop thread before its next call."""
+        self._handoff.append((self._touch_all, list(keys)))
+
+    async def settle_direct(self) -> None:
+        """The loop thread: apply what direct calls did, then hold the capacity for the
+        bytes their writes added (and make room where the disk was full for them)."""
+        await self._call("settle", self._settle_direct())
+
+    async def _settle_direct(self) -> None:
+        added, self._direct_added = self._direct_added, 0
+        need, self._direct_need = self._direct_need, 0
+        if need:
+            with self._shared() as usage:
+                victims = self._choose_victims(
+                    usage, max(0, usage[0] - need), break_leases=False
+                )
+            if victims:
+                await self._unlink_victims(victims)
+                self.disk_full_evictions += len(victims)
+                self.complain(
+                    "disk_full",
+                    f"disk full under {self._root_str}: evicted {len(victims)} pages "
+                    f"({sum(n for _, n in victims)} bytes) for the next writes",
+                )
+        await self._enforce_capacity(added)
+
+    # handed off: run by _take_handoff on the loop thread
+
+    def _touch_all(self, keys: list[str]) -> None:
+        for key in keys:
+            self._touch(key)
+
+    def _forget_all(self, keys: list[str]) -> None:
+        for key in keys:
+            self._forget(key)
+
+    def _index_written(self, written: list[tuple[str, int, int]]) -> None:
+        added = 0
+        for key, size, replaced in written:  # `_set`'s indexing, in batch order
+            self._forget(key)
+            self._sizes[key] = size
+            self.used_bytes += size
+            added += size - replaced
+        self._direct_added += added
+        self._changed(True, [k for k, _, _ in written])
+
+    def _dropped(self, removed: list[tuple[str, int]]) -> None:
+        """Pages a direct read deleted (they did not verify): `_delete`'s bookkeeping."""
+        keys = [k for k, _ in removed]
+        for key in keys:
+            self._forget(key)
+        with self._shared() as usage:
+            usage[0] -= sum(n for _, n in removed)
+            self._shared_leases.sync()
+            if any(k in self._leases for k in keys):
+                self._leases.forget(keys)
+                self._shared_leases.save()
+        self.counters.deletes += len(keys)
+        self._removed(keys)
+
+    def _note_disk_full(self, need: int) -> None:
+        self._direct_need += need
+
     async def _close(self) -> None:
         """Threads not stuck are joined (within `timeout_s` in all); stuck ones are left."""
         self._pool.shutdown(wait=True, timeout=self.timeout_s)
 
     def touch(self, keys) -> None:
+        self._take_handoff()
         for key in keys:
             self._touch(key)
 

@@ -65,6 +65,13 @@ class IoThreads(Executor):
         self._threads.append(t)
         t.start()
 
+    def start_all(self) -> None:
+        """Start every thread now, from this thread (their CPUs: `_spawn`), for a pool
+        that other threads submit to later (the file store's direct calls)."""
+        with self._lock:
+            while len(self._threads) - len(self._given_up) < self.size:
+                self._spawn()
+
     def submit(self, fn, /, *args, **kwargs) -> Future:
         if self._closed:
             raise RuntimeError(f"{self.name}: shut down")

@@ -45,6 +45,23 @@ async def store_call(
     return result
 
 
+def direct_admitted(breaker: Breaker) -> bool:
+    """`store_call`'s admission for a store call made off the loop, from the caller's own
+    thread (the file store's direct calls, backends/file_direct.py: the breaker holds a
+    lock for them); a skip is counted by the breaker."""
+    return breaker.admit()
+
+
+def direct_ended(breaker: Breaker, failure: BaseException | None) -> None:
+    """What a direct call ended with, for the breaker, as `store_call` and `settle` tell
+    it of a loop call's: None (answered), a StoreAbandoned (its threads were given up on
+    stuck: the store is down now), or another store failure (a timeout, no page written)."""
+    if failure is None:
+        breaker.succeeded()
+    elif not breaker.abandoned(failure):
+        breaker.failed(str(failure))
+
+
 async def settle(breaker: Breaker, failure: BaseException | None) -> bool:
     """Wait until the call that raised `failure` stopped touching its buffers; True if it
     was abandoned stuck (a hung mount: the breaker puts the store down at once)."""

@@ -143,6 +143,131 @@ def test_a_steps_jobs_and_probes_reach_the_store_loop_keeping_the_gil(
     assert threading.main_thread() not in woken_by
 
 
+def test_the_file_stores_jobs_go_from_vllms_thread_to_its_io_threads_in_one_hop(
+    tmp_path, rigs, monkeypatch
+):
+    """The file store's jobs skipped the store loop: vLLM's thread submitted each job's
+    pages to the store's I/O threads as one thread job, and collected the result in
+    `get_finished_jobs`; the loop ran none of it (no post, no store call on the loop).
+    Once, the path was vLLM thread -> loop -> I/O thread -> loop -> vLLM thread. The
+    first write goes on the loop (the namespace's manifest first)."""
+    cfg = conf({"backend": "file", "root": str(tmp_path / "l3")})
+    rig = rigs(cfg)
+    tier = rig.tier
+    keys = new_keys(4)
+    rig.store(keys[:2], "first")  # the manifest, on the loop
+    posts, loop_calls = [], []
+    real_post = tier._loop.post
+
+    def post(fn):
+        posts.append(fn)
+        real_post(fn)
+
+    monkeypatch.setattr(tier._loop, "post", post)
+    for name in ("batch_set", "batch_get_into", "delete"):
+        real = getattr(tier.store, name)
+
+        def on_loop(*a, real=real, name=name, **kw):
+            loop_calls.append(name)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(tier.store, name, on_loop)
+    written = rig.store(keys[2:], "second")
+    rig.mgr.reset_cache()
+    rig.mgr.on_reset_flushed()
+    seen, got = rig.load(keys, "again")
+    assert names(seen) == [["HIT_PENDING", "HIT"]] * 4
+    assert {k: got[k] for k in keys[2:]} == written
+    monkeypatch.undo()
+    assert posts == [] and loop_calls == []
+    c = tier.counters
+    assert (
+        c["loop_jobs"] == 1 and c["direct_jobs"] == c["store_jobs"] + c["load_jobs"] - 1
+    )
+    assert c["thread_jobs"] == c["direct_jobs"]  # one hop each
+    assert tier._loop.run(tier.store.batch_exists(tier.store_keys(keys))) == 4
+
+
+def test_other_stores_jobs_run_on_the_store_loop(rigs):
+    """A store without the file store's direct calls (here the memory store; Redis, S3
+    and plugins alike) keeps the loop path."""
+    rig = rigs({"store": {"backend": "memory"}})
+    keys = new_keys(3)
+    written = rig.store(keys)
+    rig.mgr.reset_cache()
+    rig.mgr.on_reset_flushed()
+    seen, got = rig.load(keys, "again")
+    assert got == written
+    c = rig.tier.counters
+    assert c["direct_jobs"] == 0 and c["loop_jobs"] == c["store_jobs"] + c["load_jobs"]
+
+
+def test_the_file_stores_direct_writes_are_indexed_and_hold_its_capacity(
+    tmp_path, rigs
+):
+    """The direct writes' effects on the file store's index are handed to its loop: a
+    loop call sees them, and the capacity holds once the loop settled them (here after
+    every job: the capacity is small)."""
+    section = {"backend": "file", "root": str(tmp_path / "l3")}
+    row = rigs(conf(section), chunks=8).rows.shape[1]
+    section["capacity_bytes"] = 4 * (row + 200)  # four frames and some
+    rig = rigs(conf(section), chunks=8)
+    tier = rig.tier
+    for i in range(4):
+        rig.store(new_keys(2), f"w{i}")
+    tier._settle_now()
+    store = tier.store
+    assert tier.counters["direct_jobs"] == 3
+    assert store.used_bytes <= section["capacity_bytes"]
+    files = [
+        f
+        for _, _, fs in os.walk(store.root)
+        for f in fs
+        if not f.startswith(".") and not f.endswith(".json")
+    ]
+    assert 0 < len(files) <= 4
+    assert store.stats()["pages"] == len(files)
+
+
+def test_a_hung_direct_read_trips_the_breaker_which_recovers(
+    tmp_path, rigs, monkeypatch
+):
+    """The direct path keeps the loop's breaker: a read stuck on a hung mount is given
+    up on and puts the store down (loads skipped: MISS, nothing announced gone); once
+    the probe interval passed and the mount is back, the next job is the probe, it
+    succeeds and the store is used again."""
+    from tests.hung import HungMount
+
+    rig = rigs(
+        conf(
+            {"backend": "file", "root": str(tmp_path / "l3"), "timeout_s": 0.3},
+            store_probe_backoff_s=60.0,
+        ),
+        chunks=4,
+    )
+    tier = rig.tier
+    hung, k2 = new_keys(2)
+    written = rig.store([hung, k2])
+    mount = HungMount(monkeypatch)
+    mount.hang(tier.store.path(tier.store_keys([hung])[0]))
+    try:
+        rig.mgr.reset_cache()
+        rig.mgr.on_reset_flushed()
+        rig.load([hung], "r1")
+        assert tier.breaker.down and tier.store.stats()["io_threads_abandoned"] == 1
+        skipped = tier.breaker.skipped
+        seen, _ = rig.load([k2], "r2")
+        assert names(seen)[0][0] == "HIT_PENDING" and names(seen)[0][-1] == "MISS"
+        assert tier.breaker.skipped > skipped
+        mount.come_back()
+        monkeypatch.setattr(tier.breaker, "clock", lambda: tier.breaker.next_probe)
+        seen, got = rig.load([k2], "r3")  # k2 unknown since: probed, then promoted
+        assert names(seen)[0][-1] == "HIT" and got == {k2: written[k2]}
+        assert not tier.breaker.down
+    finally:
+        mount.release()
+
+
 def test_drain_jobs_on_reset_ends_every_job_first(tmp_path, rigs):
     """reset_cache drains the tier and asserts no job is left (vLLM's own check)."""
     rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3")}))

@@ -80,12 +80,14 @@ def test_the_breaker_guarded_store_call_is_written_once():
     """The breaker learns a call's outcome in `store_call` alone, and an abandoned call in
     `settle` alone; the breaker admits whole ops only where a prefetch or a backup starts."""
     call = "storeio/call.py:store_call"
-    assert breaker_calls("failed") == [call]
-    assert breaker_calls("succeeded") == [call]
-    assert breaker_calls("abandoned") == ["storeio/call.py:settle"]
+    direct = "storeio/call.py:direct_ended"  # a call made off the loop (file_direct.py)
+    assert sorted(breaker_calls("failed")) == [direct, call]
+    assert sorted(breaker_calls("succeeded")) == [direct, call]
+    assert sorted(breaker_calls("abandoned")) == [direct, "storeio/call.py:settle"]
     assert sorted(breaker_calls("admit")) == [
         "controller/side_prefetch.py:_calls",  # a hybrid model's prefetch starts
         "controller/storage.py:StorageWorker._prefetch_pages",
+        "storeio/call.py:direct_admitted",
         call,
         "storeio/writes.py:backup_calls",
     ]

@@ -12,7 +12,13 @@ row is sealed; the KV events keep vLLM's own keys.
 
 Threads: vLLM calls the tier under its manager lock, from the scheduler thread or its
 tier-poll thread. Those calls own the lookup index and the job table; the loop thread owns
-the store and the breaker and hands outcomes back through one queue.
+the store and hands outcomes back through one queue. The file store's jobs skip the loop
+(one hop, backends/file_direct.py): vLLM's thread submits their thread jobs straight to
+the store's I/O threads, the last to end queues the call on that same queue, and
+`get_finished_jobs` collects it; the caller checks their deadlines itself and gives a
+stuck one up (its stop flags: no row written after). The breaker, shared by both threads,
+holds a lock; the store's index takes the direct calls' effects on the loop thread
+(handed off: FileStore._handoff). Other stores' jobs run on the loop.
 """
 
 from __future__ import annotations
@@ -41,12 +47,20 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvtier.backends.file_direct import DirectCall
+from kvtier.errors import StoreError, StoreTimeout
 from kvtier.integrations.stack import build_stack
 from kvtier.integrations.observe import startup_line
 from kvtier.integrations.vllm.index import LookupIndex, Probe
 from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_geometry
 from kvtier.integrations.vllm.metrics import TierMetrics
-from kvtier.storeio.call import StagingPool, guarded, read_staged
+from kvtier.storeio.call import (
+    StagingPool,
+    direct_admitted,
+    direct_ended,
+    guarded,
+    read_staged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +147,13 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             stack.key,
         )
         self._loop, self.store, self.breaker = stack.loop, stack.store, stack.breaker
+        # the file store: jobs go straight to its I/O threads (file_direct.py)
+        self._direct = self.store if getattr(self.store, "direct_io", False) else None
+        self._calls: list[DirectCall] = []  # direct calls not collected yet
+        self._settling = False  # a settle_direct posted to the loop and not ended
+        if self._direct is not None:
+            self._loop.run(self._start_threads())  # on the loop: its CPUs
+            self._settle_bytes = max(1, self._direct.config.capacity_bytes // 64)
         self.index = LookupIndex(
             s.index_keys, LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
         )
@@ -158,6 +179,9 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             "load_jobs": 0,
             "load_keys": 0,
             "load_ok": 0,
+            "direct_jobs": 0,  # jobs that went straight to the file store's threads
+            "loop_jobs": 0,  # jobs that ran on the store loop
+            "thread_jobs": 0,  # the direct jobs' thread jobs: their hops
         }
         log.info(
             startup_line(
@@ -206,14 +230,141 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         self._jobs += 1
         self.counters["store_jobs"] += 1
         self.counters["store_keys"] += len(job.keys)
-        self._start(self._store(job), job)
+        if self._direct is not None and self._manifest_written:
+            self._begin_direct(job, write=True)
+        else:  # the first write goes on the loop: a namespace's manifest first
+            self.counters["loop_jobs"] += 1
+            self._start(self._store(job), job)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._jobs += 1
         self.counters["load_jobs"] += 1
         self.counters["load_keys"] += len(job_metadata.keys)
-        self._start(self._load(job_metadata), job_metadata)
+        if self._direct is not None:
+            self._begin_direct(job_metadata, write=False)
+        else:
+            self.counters["loop_jobs"] += 1
+            self._start(self._load(job_metadata), job_metadata)
+
+    # -- the file store's jobs: one hop from vLLM's thread (file_direct.py) -------------------
+
+    async def _start_threads(self) -> None:
+        self._direct.start_threads()
+
+    def _begin_direct(self, job: TransferJob, write: bool) -> None:
+        """Submit `job`'s pages to the file store's I/O threads from this thread. A load
+        reads straight into the rows (a job given up on writes none: the stop flags) and
+        deletes a row that does not verify in the same thread job."""
+        if self._closed:
+            raise RuntimeError("kvtier vLLM tier: shut down")
+        keys = list(job.keys)
+        if not direct_admitted(self.breaker):  # skipped: counted by the breaker
+            self._finish(_Done(job, [False] * len(keys), 0.0, 0, answered=False))
+            return
+        start = time.perf_counter()
+        full, rows = self.store_keys(keys), self._rows(job.chunk_ids)
+        try:
+            if write:
+                call = self._direct.begin_set(full, rows, self._landed_direct)
+            else:
+                call = self._direct.begin_get_into(
+                    full, rows, self._landed_direct, drop_bad=True
+                )
+        except (
+            Exception
+        ) as exc:  # a bug, not a store failure: fail the job, never hang vLLM
+            log.error("kvtier vLLM tier: a store job failed to start: %r", exc)
+            self._finish(_Done(job, [False] * len(keys), 0.0, 0, answered=False))
+            return
+        call.tag = (job, start, full)
+        self._calls.append(call)
+        self.counters["direct_jobs"] += 1
+        self.counters["thread_jobs"] += call.thread_jobs
+
+    def _landed_direct(self, call: DirectCall) -> None:
+        """A direct call's last thread job ended (on that I/O thread): queued, no wake-up."""
+        self._outcomes.put(("direct", call))
+        self._landed = True
+
+    def _end_direct(self, call: DirectCall) -> None:
+        """Collect a direct call that ended (this thread); a second time does nothing."""
+        if call.ended:
+            return
+        self._calls.remove(call)
+        job, start, full = call.tag
+        keys = list(job.keys)
+        errors: set[str] = set()
+        try:
+            if call.write:
+                ok = self._direct.end_set(call)
+            else:
+                ok = self._direct.end_get_into(call, errors)
+        except StoreError as exc:  # no page could be written
+            if not call.timed_out:
+                direct_ended(self.breaker, exc)
+            ok = None
+        except Exception as exc:  # a bug: say it, fail its keys, never hang vLLM
+            log.error("kvtier vLLM tier: a store job failed: %r", exc)
+            call.ended = True
+            ok = None
+        if call.timed_out:  # failed as a whole at its deadline (the breaker was told)
+            ok = None
+        elif ok is not None:
+            direct_ended(self.breaker, None)
+        answered, ok = ok is not None, ok or [False] * len(keys)
+        seconds, bs = time.perf_counter() - start, self.block_size_bytes
+        if call.write:
+            self._finish(_Done(job, ok, seconds, len(keys) * bs))
+            self._settle_soon()
+        else:
+            unknown = frozenset(k for k, f in zip(keys, full) if f in errors)
+            self._finish(_Done(job, ok, seconds, sum(ok) * bs, answered, unknown))
+
+    def _check_deadlines(self) -> None:
+        """Direct calls past their deadline fail as a whole (the breaker told, as for a
+        loop call's timeout); past it by the store's `timeout_s` again (a hung mount),
+        they are given up on (`FileStore.give_up`: no row written from then on) and
+        their jobs reported failed."""
+        now = time.monotonic()
+        grace = self._direct.timeout_s
+        for call in list(self._calls):
+            if now < call.deadline or call.ended:
+                continue
+            if call.done():
+                self._end_direct(call)
+                continue
+            if not call.timed_out:
+                direct_ended(self.breaker, StoreTimeout(self._direct.timed_out(call)))
+            if now >= call.deadline + grace:
+                direct_ended(self.breaker, self._direct.give_up(call))
+                self._calls.remove(call)
+                job, start, _ = call.tag
+                self._finish(
+                    _Done(
+                        job,
+                        [False] * len(job.keys),
+                        time.perf_counter() - start,
+                        0,
+                        answered=False,
+                    )
+                )
+
+    def _settle_soon(self) -> None:
+        """Once the direct writes added a 64th of the capacity since the last time, the
+        loop indexes them and holds the capacity (`FileStore.settle_direct`), in the
+        background: one wake-up of the loop for many jobs."""
+        if self._settling or self._direct.direct_unsettled < self._settle_bytes:
+            return
+        self._settling = True
+        self._direct.direct_unsettled = 0
+        self._loop.post(lambda: self._loop.loop.create_task(self._settle()))
+
+    async def _settle(self) -> None:
+        try:
+            await guarded(self.breaker, self._direct.settle_direct, None)
+        finally:
+            self._settling = False
 
     def _rows(self, chunk_ids) -> list[memoryview]:
         bs = self.block_size_bytes
@@ -319,6 +470,8 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                 break
             if item[0] == "probe":
                 self.index.apply(item[1], item[2])
+            elif item[0] == "direct":
+                self._end_direct(item[1])
             elif item[0] == "job":
                 self._finish(item[1])
             else:
@@ -397,6 +550,8 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._take_outcomes()
+        if self._calls:
+            self._check_deadlines()
         done, self._results = self._results, []
         return done
 
@@ -404,15 +559,41 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     def drain_jobs(self) -> None:
         """Wait for every job and probe to end (each store call ends within its timeout,
         plus, after a timeout, until the store stopped touching the rows); results stay
-        queued for the next `get_finished_jobs`."""
+        queued for the next `get_finished_jobs`. The file store's direct calls: each
+        waited for up to its deadline and the grace after it, then given up on."""
+        while self._calls:
+            call = self._calls[0]
+            if not call.done():
+                left = call.deadline + self._direct.timeout_s - time.monotonic()
+                wait(call.futures, timeout=max(0.0, left))
+            self._take_outcomes()
+            if call.done():
+                self._end_direct(call)
+            self._check_deadlines()
         wait(list(self._futures))
         self._take_outcomes()
         for fut in list(self._futures):  # ended, and its callback may not have run yet
             self._ended(fut)
 
+    def _settle_now(self) -> None:
+        """Apply the direct calls' effects on the store (the shared byte count of the
+        pages they wrote or deleted included) and hold its capacity, now (shutdown)."""
+        if self._direct is not None:
+            self._direct.direct_unsettled = 0
+            self._settling = True
+            settled: Future = Future()
+            self._loop.post(  # keeping the GIL (StoreLoop.post), as every hand-over
+                lambda: self._loop.loop.create_task(self._settle()).add_done_callback(
+                    lambda _: settled.set_result(None)
+                )
+            )
+            settled.result()
+
     @override
     def has_pending_work(self) -> bool:
         self._take_outcomes()
+        if self._calls:
+            self._check_deadlines()
         return bool(self._jobs or self.index.in_flight or self._results)
 
     # -- requests, events, hints -------------------------------------------------------------
@@ -438,7 +619,10 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         """Known-stored rows just used: the store's eviction order hears it (no I/O waits)."""
         full = self.store_keys(k for k in keys if k in self.index.present)
         if full and not self.breaker.down:
-            self._loop.post(lambda: self._touch_now(full))
+            if self._direct is not None:  # applied before the loop's next call
+                self._direct.touch_later(full)
+            else:
+                self._loop.post(lambda: self._touch_now(full))
 
     def _touch_now(self, full: list[str]) -> None:
         try:
@@ -461,6 +645,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         if self._closed:
             return
         self.drain_jobs()
+        self._settle_now()
         self._closed = True
         try:
             self._loop.run(self.store.close())
