@@ -676,6 +676,13 @@ class HybridTieredCache(TieredCache):
 
     def flush(self) -> None:
         self._end_prefetches()
+        locked = self.requests.locked_tokens()
+        if (
+            locked
+        ):  # refused (`TieredCache.flush`): what waiting requests hold stays held
+            raise ValueError(
+                f"flush: {locked} device tokens are locked by requests; finish them first"
+            )
         for p in self._prefetches.values():  # flushed too: their requests miss
             self._release_held(p)
         super().flush()
