@@ -676,10 +676,9 @@ class HybridTieredCache(TieredCache):
 
     def flush(self) -> None:
         self._end_prefetches()
+        # refused as `TieredCache.flush` is, before what waiting requests hold is released
         locked = self.requests.locked_tokens()
-        if (
-            locked
-        ):  # refused (`TieredCache.flush`): what waiting requests hold stays held
+        if locked:
             raise ValueError(
                 f"flush: {locked} device tokens are locked by requests; finish them first"
             )
