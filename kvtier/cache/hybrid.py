@@ -676,6 +676,12 @@ class HybridTieredCache(TieredCache):
 
     def flush(self) -> None:
         self._end_prefetches()
+        # refused as `TieredCache.flush` is, before what waiting requests hold is released
+        locked = self.requests.locked_tokens()
+        if locked:
+            raise ValueError(
+                f"flush: {locked} device tokens are locked by requests; finish them first"
+            )
         for p in self._prefetches.values():  # flushed too: their requests miss
             self._release_held(p)
         super().flush()

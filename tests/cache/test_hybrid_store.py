@@ -343,3 +343,35 @@ def test_what_a_prefetch_landed_stays_protected_on_host_until_its_request_acquir
     cache.close()
     check(cache)
     all_free(cache)
+
+
+def test_a_refused_flush_keeps_what_a_landed_prefetch_brought_protected(
+    model, tmp_path
+):
+    """A flush refused while a request holds a device prefix changes nothing: the prefix
+    a waiting request's prefetch landed stays protected on host until it acquires it (it
+    was released before the refusal, and evictable while the request waited)."""
+    cache = make_hybrid(model, tmp_path, store="file")
+    a = seq(16, 71)
+    stored(cache, model, tmp_path, a)
+    cache.flush()
+    b = torch.cat([a, seq(3, 72)])
+    assert not cache.acquire(b.tolist(), "r1").ready
+    named(cache, "r1")
+    x = seq(8, 5)
+    serve(cache, model, x, "x")
+    busy = Served(cache, model, torch.cat([x, seq(4, 6)]), "busy")
+    assert busy.length == 8  # it holds x's device prefix
+    with pytest.raises(ValueError, match="device tokens are locked by requests"):
+        cache.flush()
+    assert cache.tree.protected_size(H) == 16  # it was 0 after the refusal
+    check(cache)
+    got = cache.acquire(b.tolist(), "r1")
+    assert got.ready and got.storage_hit == 16
+    cache.abort("r1", got.indices, swa_indices=got.swa_indices)
+    busy.abort()
+    cache.drain()
+    assert cache.tree.protected_size(H) == 0
+    check(cache)
+    cache.close()
+    all_free(cache)
