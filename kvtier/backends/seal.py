@@ -124,6 +124,13 @@ class SealedCodec:
         # another codec) it determines the frame's key. Bounded: emptied when full.
         self._opened: dict[bytes, AESGCM] = {}
 
+    def __getstate__(self) -> dict:  # a copy or pickle leaves the kept key objects out
+        return {k: v for k, v in self.__dict__.items() if k != "_opened"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._opened = {}
+
     def __repr__(self) -> str:
         return f"SealedCodec({MODES[self.mode]}, keys={self.keys.ids})"
 

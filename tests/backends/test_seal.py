@@ -368,3 +368,45 @@ def test_a_page_read_again_reuses_its_frame_key_and_is_still_checked_every_time(
         header, body = c.seal(NS, H, payload)
         assert bytes(c.decode(header + bytes(body), NS, H)) == payload
         assert 1 <= len(c._opened) <= 3
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_kept_frame_key_opens_nothing_once_its_codecs_ring_no_longer_holds_the_key(
+    encrypt,
+):
+    """The ring is asked before the kept key objects: a frame this very codec opened a
+    moment ago (its key object kept) is refused as soon as the ring stops holding its key
+    id, and opens again once the ring holds it again."""
+    c, payload = codec(f"{NEW},{OLD}", encrypt), os.urandom(4096)
+    header, body = codec(OLD, encrypt).seal(NS, H, payload)
+    blob = header + bytes(body)
+    assert bytes(c.decode(blob, NS, H)) == payload
+    assert blob[: seal.SEALED_PART] in c._opened
+    old = c.keys.keys[1]
+    del c.keys.by_id[old.key_id]
+    for read in (
+        lambda: c.decode(blob, NS, H),
+        lambda: c.decode_into(blob, NS, H, memoryview(bytearray(len(payload)))),
+    ):
+        with pytest.raises(seal.ForeignKey):
+            read()
+    c.keys.by_id[old.key_id] = old
+    assert bytes(c.decode(blob, NS, H)) == payload
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_codec_that_opened_frames_still_copies_and_pickles(encrypt):
+    """A codec's kept key objects (AES-GCM objects, which cannot be pickled) stay out of a
+    copy or pickle of it, as a codec copied and pickled before it kept any: the copy
+    starts with none kept and opens the same frames."""
+    c, payload = codec(encrypt=encrypt), os.urandom(4096)
+    header, body = c.seal(NS, H, payload)
+    blob = header + bytes(body)
+    assert bytes(c.decode(blob, NS, H)) == payload and c._opened
+    for copied in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+        assert copied._opened == {} and copied.mode == c.mode
+        assert bytes(copied.decode(blob, NS, H)) == payload
+        bad = bytearray(blob)
+        bad[-1] ^= 1
+        with pytest.raises(FrameError):
+            copied.decode(bytes(bad), NS, H)
