@@ -762,6 +762,11 @@ class FileStore(Store):
         CPUs), before direct calls submit to them from another."""
         self._pool.start_all()
 
+    @property
+    def handoff_backlog(self) -> int:
+        """How many direct calls' effects wait for the loop thread (`_take_handoff`)."""
+        return len(self._handoff)
+
     def touch_later(self, keys) -> None:
         """`touch` from any thread: applied on the loop thread before its next call."""
         self._handoff.append((self._touch_all, list(keys)))

@@ -229,6 +229,32 @@ def test_the_file_stores_direct_writes_are_indexed_and_hold_its_capacity(
     assert store.stats()["pages"] == len(files)
 
 
+def test_reads_alone_keep_the_direct_calls_hand_off_bounded(tmp_path, rigs):
+    """Only writes posted the loop its settle_direct: a server promoting cached blocks,
+    storing nothing new, queued each load's effects (and each touch) for the loop
+    without end, memory that grew with every request. Past a bound the tier posts it."""
+    import time
+
+    from kvtier.integrations.vllm.tier import HANDOFF_BOUND
+
+    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3")}))
+    tier = rig.tier
+    keys = new_keys(2)
+    written = rig.store(keys)
+    tier._settle_now()
+    for i in range(HANDOFF_BOUND + 20):
+        rig.mgr.reset_cache()
+        rig.mgr.on_reset_flushed()
+        _, got = rig.load(keys, f"r{i}")
+        assert got == written
+    deadline = time.monotonic() + 30  # the settle posted: ended (not a timing check)
+    while tier._settling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not tier._settling
+    assert len(tier.store._handoff) < HANDOFF_BOUND
+    assert tier.store.stats()["pages"] == 2
+
+
 def test_a_hung_direct_read_trips_the_breaker_which_recovers(
     tmp_path, rigs, monkeypatch
 ):
