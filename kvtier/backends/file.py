@@ -579,7 +579,11 @@ class FileStore(Store):
         """Apply the direct calls' effects on the index (the loop thread, which owns it)."""
         while self._handoff:
             fn, arg = self._handoff.popleft()
-            fn(arg)
+            try:
+                fn(arg)
+            except OSError as exc:  # the shared byte count's file: this call goes on
+                self.counters.errors += 1
+                self.complain("error", f"applying a direct call's effects: {exc}")
 
     def begin_get_into(self, keys, views, on_done=None, drop_bad=False) -> DirectCall:
         """Start reading each page of `keys` into its view of `views`, verified, in the I/O
@@ -761,6 +765,11 @@ class FileStore(Store):
         """Start the I/O threads from this thread (the store loop's: they keep to its
         CPUs), before direct calls submit to them from another."""
         self._pool.start_all()
+
+    @property
+    def handoff_backlog(self) -> int:
+        """How many direct calls' effects wait for the loop thread (`_take_handoff`)."""
+        return len(self._handoff)
 
     def touch_later(self, keys) -> None:
         """`touch` from any thread: applied on the loop thread before its next call."""

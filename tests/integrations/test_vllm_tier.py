@@ -229,6 +229,73 @@ def test_the_file_stores_direct_writes_are_indexed_and_hold_its_capacity(
     assert store.stats()["pages"] == len(files)
 
 
+def test_reads_alone_keep_the_direct_calls_hand_off_bounded(tmp_path, rigs):
+    """Only writes posted the loop its settle_direct: a server promoting cached blocks,
+    storing nothing new, queued each load's effects (and each touch) for the loop
+    without end, memory that grew with every request. Past a bound the tier posts it."""
+    import time
+
+    from kvtier.integrations.vllm.tier import HANDOFF_BOUND
+
+    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3")}))
+    tier = rig.tier
+    keys = new_keys(2)
+    written = rig.store(keys)
+    tier._settle_now()
+    for i in range(HANDOFF_BOUND + 20):
+        rig.mgr.reset_cache()
+        rig.mgr.on_reset_flushed()
+        _, got = rig.load(keys, f"r{i}")
+        assert got == written
+    deadline = time.monotonic() + 30  # the settle posted: ended (not a timing check)
+    while tier._settling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not tier._settling
+    assert len(tier.store._handoff) < HANDOFF_BOUND
+    assert tier.store.stats()["pages"] == 2
+
+
+def test_a_direct_calls_effect_that_fails_on_the_loop_fails_no_store_call(
+    tmp_path, rigs, monkeypatch
+):
+    """A corrupt page a direct read deleted leaves the shared byte count on the loop
+    thread (handed off). Where that failed on an I/O error (the lock file on a failing
+    disk), the raw OSError came out of the loop's next store call, whatever it was, in
+    front of its own work and past the store's error mapping. It is said and counted;
+    the call goes on."""
+    import errno
+
+    from kvtier.backends import file as file_mod
+
+    rig = rigs(conf({"backend": "file", "root": str(tmp_path / "l3")}))
+    tier = rig.tier
+    bad, good = new_keys(2)
+    rig.store([bad, good])
+    full = tier.store_keys([bad, good])
+    corrupt("file", None, tier, full[0], {})
+    rig.mgr.reset_cache()
+    rig.mgr.on_reset_flushed()
+    _, got = rig.load([bad, good], "r1")
+    assert bad not in got and good in got
+    assert tier.store.handoff_backlog > 0  # the deleted page's bookkeeping: not applied
+    real = file_mod.fcntl.flock
+    failing = [True]
+
+    def flock(fd, op):
+        if failing:
+            failing.clear()
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, op)
+
+    monkeypatch.setattr(file_mod.fcntl, "flock", flock)
+    errors = tier.store.counters.errors
+    assert tier._loop.run(tier.store.batch_exists(full)) == 0  # the bad page: gone
+    assert not failing and tier.store.counters.errors == errors + 1
+    monkeypatch.setattr(file_mod.fcntl, "flock", real)
+    assert tier._loop.run(tier.store.batch_exists(full[1:])) == 1
+    assert tier.store.handoff_backlog == 0
+
+
 def test_a_hung_direct_read_trips_the_breaker_which_recovers(
     tmp_path, rigs, monkeypatch
 ):

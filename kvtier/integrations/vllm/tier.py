@@ -71,6 +71,10 @@ log = logging.getLogger(__name__)
 # 256 KiB rows' throughput against 4.
 JOB_THREADS = 4
 
+# the direct calls' effects (FileStore.handoff_backlog) that may wait for the store loop
+# before the tier posts it a settle_direct to apply them
+HANDOFF_BOUND = 256
+
 
 def with_job_threads(options):
     """A store's options with `max_concurrency` (the file store's I/O threads) raised to
@@ -316,10 +320,10 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         seconds, bs = time.perf_counter() - start, self.block_size_bytes
         if call.write:
             self._finish(_Done(job, ok, seconds, len(keys) * bs))
-            self._settle_soon()
         else:
             unknown = frozenset(k for k, f in zip(keys, full) if f in errors)
             self._finish(_Done(job, ok, seconds, sum(ok) * bs, answered, unknown))
+        self._settle_soon()
 
     def _check_deadlines(self) -> None:
         """Direct calls past their deadline fail as a whole (the breaker told, as for a
@@ -351,10 +355,19 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                 )
 
     def _settle_soon(self) -> None:
-        """Once the direct writes added a 64th of the capacity since the last time, the
-        loop indexes them and holds the capacity (`FileStore.settle_direct`), in the
-        background: one wake-up of the loop for many jobs."""
-        if self._settling or self._direct.direct_unsettled < self._settle_bytes:
+        """Once the direct writes added a 64th of the capacity since the last time, or
+        `HANDOFF_BOUND` effects wait for the loop (reads and touches alone, which post
+        nothing to it, would queue them without end), the loop applies them and holds
+        the capacity (`FileStore.settle_direct`), in the background: one wake-up of the
+        loop for many jobs."""
+        if (
+            self._settling
+            or self._closed
+            or (
+                self._direct.direct_unsettled < self._settle_bytes
+                and self._direct.handoff_backlog < HANDOFF_BOUND
+            )
+        ):
             return
         self._settling = True
         self._direct.direct_unsettled = 0
@@ -621,6 +634,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         if full and not self.breaker.down:
             if self._direct is not None:  # applied before the loop's next call
                 self._direct.touch_later(full)
+                self._settle_soon()
             else:
                 self._loop.post(lambda: self._touch_now(full))
 
