@@ -366,8 +366,8 @@ def _hybrid_lines(s: dict) -> list[str]:
         f"({w['device']} held on device, {w['loaded']} loaded or copied; {tiers('swa')})",
         f"             mamba       {hy['mamba_states']} states restored "
         f"({hy['requests_with_hit']} requests hit; {tiers('mamba')})",
-        f"hybrid bound             {hy['restorable_bound']:.1%}   (restorable lengths only: "
-        f"a state and its window); hit rate {'n/a' if ratio is None else f'{ratio:.2f}x'} of it",
+        f"hybrid bound             {hy['restorable_bound']:.1%}   (restorable lengths only, from an "
+        f"empty start: a warm store can beat it); hit rate {'n/a' if ratio is None else f'{ratio:.2f}x'} of it",
     ]
 
 

@@ -32,7 +32,6 @@ from kvtier.cache import TieredCache
 from kvtier.config import load_config
 from kvtier.errors import TransferError
 from kvtier.testing.episodes import Failure, Player, play, run_episodes, schedule
-from kvtier.testing.episodes import write_actions as write_actions  # linker_sim.py's
 from kvtier.testing.misuse import Violation, misuse
 from kvtier.testing.parts import SimStore, SimStreams, watch_copies
 

@@ -32,7 +32,7 @@ from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
 from kvtier.integrations.sglang.linker.pools import KV, PoolCores, Side, StateRows
 from kvtier.storeio.breaker import BreakerConfig
-from kvtier.testing.fault_sim import write_actions
+from kvtier.testing.episodes import write_actions
 from kvtier.testing.linker_sim import LookupStore, page_keys, run_episodes
 from kvtier.testing.misuse import Violation
 from kvtier.testing.parts import SimStreams

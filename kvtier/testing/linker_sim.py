@@ -34,7 +34,7 @@ from kvtier.cache.hints import LeaseBoundError
 from kvtier.storeio.breaker import BreakerConfig
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.linker.core import LinkerCore, LinkerSettings
-from kvtier.testing.fault_sim import write_actions
+from kvtier.testing.episodes import write_actions
 from kvtier.integrations.sglang.linker.loads import Loads
 from kvtier.testing.misuse import Violation
 from kvtier.testing.parts import SimStore, SimStreams
