@@ -438,19 +438,8 @@ class FileStore(Store):
             key
         ) in keys:  # a page this batch rewrote must not be what makes room for the rest
             self._touch(key)
-        with self._shared() as usage:
-            victims = self._choose_victims(
-                usage, max(0, usage[0] - need), break_leases=False
-            )
-        if not victims:
+        if not await self._evict_for_disk_full(need, f"to write {len(full)}"):
             return
-        await self._unlink_victims(victims)
-        self.disk_full_evictions += len(victims)
-        self.complain(
-            "disk_full",
-            f"disk full under {self._root_str}: evicted {len(victims)} pages "
-            f"({sum(n for _, n in victims)} bytes) to write {len(full)}",
-        )
         for i, r in zip(full, await self._jobs(write_pages, [items[i] for i in full])):
             outcomes[i] = r
 
@@ -784,19 +773,25 @@ class FileStore(Store):
         added, self._direct_added = self._direct_added, 0
         need, self._direct_need = self._direct_need, 0
         if need:
-            with self._shared() as usage:
-                victims = self._choose_victims(
-                    usage, max(0, usage[0] - need), break_leases=False
-                )
-            if victims:
-                await self._unlink_victims(victims)
-                self.disk_full_evictions += len(victims)
-                self.complain(
-                    "disk_full",
-                    f"disk full under {self._root_str}: evicted {len(victims)} pages "
-                    f"({sum(n for _, n in victims)} bytes) for the next writes",
-                )
+            await self._evict_for_disk_full(need, "for the next writes")
         await self._enforce_capacity(added)
+
+    async def _evict_for_disk_full(self, need: int, what: str) -> bool:
+        """Evict unleased LRU pages worth `need` bytes from a full disk; whether any went."""
+        with self._shared() as usage:
+            victims = self._choose_victims(
+                usage, max(0, usage[0] - need), break_leases=False
+            )
+        if not victims:
+            return False
+        await self._unlink_victims(victims)
+        self.disk_full_evictions += len(victims)
+        self.complain(
+            "disk_full",
+            f"disk full under {self._root_str}: evicted {len(victims)} pages "
+            f"({sum(n for _, n in victims)} bytes) {what}",
+        )
+        return True
 
     # handed off: run by _take_handoff on the loop thread
 
