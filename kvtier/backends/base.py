@@ -49,7 +49,7 @@ class StoreCounters:
     deletes: int = 0
 
 
-# bytes a frame adds to its payload, at most (plain: an 80-byte header; sealed: 128 and a
+# bytes a frame adds to its payload, at most (plain: a 128-byte header; sealed: 128 and a
 # 16-byte tag): a read of a page's frame needs no more than its payload and this
 FRAME_SLACK = 256
 MANIFEST_LIMIT = 1 << 20  # a manifest is a small JSON object: a longer one is none

@@ -1,24 +1,32 @@
 """The L3 page frame: every stored page is `header ‖ payload`.
 
-    magic 'KVTP' | version u16 | reserved u16 | namespace id 16 B | hash len u8 |
-    page hash 32 B (zero padded) | payload length u64 | xxh3-64 of payload u64 | pad 7 B
+    magic 'KVTP' | version u16 (3) | reserved u16 | namespace id 16 B | hash len u8 |
+    page hash 32 B (zero padded) | payload length u64 | xxh3-64 of payload u64 | zero 55 B
 
-A frame that does not verify (magic, version, namespace, page hash, length, checksum)
-is a miss, never data. That is the frame of a store without a tenant key (`PLAIN`); with
-one, pages are sealed instead (`kvtier/backends/seal.py`, docs/formats.md). A store frames
-and reads through its codec: `PLAIN` here, or a `SealedCodec`.
+128 bytes, as the sealed header: the payload starts on a cache line, where the kernel
+copies it out of the page cache fastest. A frame that does not verify (magic, version,
+namespace, page hash, length, checksum, zero reserved and padding) is a miss, never data;
+so is an older kvtier's version-1 frame (an 80-byte header). That is the frame of a store
+without a tenant key (`PLAIN`); with one, pages are sealed instead (`kvtier/backends/seal.py`,
+docs/formats.md). A store frames and reads through its codec: `PLAIN` here, or a
+`SealedCodec`.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import xxhash
 
 MAGIC = b"KVTP"
-VERSION = 1
-_HEADER = struct.Struct("<4sHH16sB32sQQ7x")
-HEADER_SIZE = _HEADER.size  # 80
+VERSION = 3
+OLD_VERSION = 1  # an older kvtier's plain frame (an 80-byte header): a miss
+_FIELDS = "<4sHH16sB32sQQ"
+_FIELDS_SIZE = struct.calcsize(_FIELDS)  # 73; zero up to HEADER_SIZE
+HEADER_SIZE = 128
+_HEADER = struct.Struct(f"{_FIELDS}{HEADER_SIZE - _FIELDS_SIZE}x")
+_ZERO = bytes(HEADER_SIZE - _FIELDS_SIZE)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -69,7 +77,7 @@ def encode_header(namespace_id: str, page_hash: bytes, payload: Buffer) -> bytes
         MAGIC,
         VERSION,
         0,
-        bytes.fromhex(namespace_id),
+        namespace_bytes(namespace_id),
         len(page_hash),
         page_hash.ljust(32, b"\0"),
         len(memoryview(payload).cast("B")),
@@ -84,7 +92,7 @@ def header_with(
         MAGIC,
         VERSION,
         0,
-        bytes.fromhex(namespace_id),
+        namespace_bytes(namespace_id),
         len(page_hash),
         page_hash.ljust(32, b"\0"),
         length,
@@ -156,21 +164,46 @@ def check_header(
 ) -> tuple[int, int]:
     """(payload length, checksum) of a header that names this namespace and page; else FrameError."""
     if len(header) < HEADER_SIZE:
-        raise FrameError(f"truncated header ({len(header)} < {HEADER_SIZE} bytes)")
-    magic, version, _, ns, hlen, h, length, checksum = _HEADER.unpack_from(header)
+        raise FrameError(_short_header(header))
+    magic, version, reserved, ns, hlen, h, length, checksum = _HEADER.unpack_from(
+        header
+    )
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}")
-    if version == SEALED_VERSION:
-        raise FrameError(
-            "frame sealed with a tenant key, and this store has no key for it"
-        )
     if version != VERSION:
-        raise FrameError(f"frame version {version}, this build reads {VERSION}")
-    if ns != bytes.fromhex(namespace_id):
+        raise FrameError(_other_version(version))
+    if ns != namespace_bytes(namespace_id):
         raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
     if h[:hlen] != page_hash or hlen != len(page_hash):
         raise FrameError("page hash in the frame differs from the key's")
+    if reserved or header[_FIELDS_SIZE:HEADER_SIZE] != _ZERO:
+        raise FrameError("nonzero bytes in the header's reserved part or padding")
     return length, checksum
+
+
+def _other_version(version: int) -> str:
+    if version == SEALED_VERSION:
+        return "frame sealed with a tenant key, and this store has no key for it"
+    if version == OLD_VERSION:
+        return f"frame version {version} (an older kvtier), this build reads {VERSION}"
+    return f"frame version {version}, this build reads {VERSION}"
+
+
+def _short_header(header: Buffer) -> str:
+    """Why a header shorter than HEADER_SIZE is none: an older kvtier's frame of a tiny
+    page says so, anything else is truncated."""
+    prefix = bytes(memoryview(header).cast("B")[:6])
+    if len(prefix) == 6 and prefix[:4] == MAGIC:
+        version = int.from_bytes(prefix[4:], "little")
+        if version != VERSION:
+            return _other_version(version)
+    return f"truncated header ({len(header)} < {HEADER_SIZE} bytes)"
+
+
+@functools.lru_cache(maxsize=256)
+def namespace_bytes(namespace_id: str) -> bytes:
+    """The 16 bytes of a namespace id (a store sees a handful: parsed once each)."""
+    return bytes.fromhex(namespace_id)
 
 
 def check_payload(payload: Buffer, length: int, checksum: int) -> None:

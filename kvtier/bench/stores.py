@@ -12,7 +12,7 @@ after the memory store's run than before it, the store's not: a ratio that measu
 memory lay). The buffers start on page boundaries, as host mirror pages do: a bytearray's
 bytes start 16 bytes into a page, and on AMD Zen 3 the kernel's copy from the page cache
 runs 3x slower when the destination lies exactly 16 bytes past the source within a page
-(the raw file, payload at offset 0: 2.6 GB/s; the store's, past an 80-byte header:
+(the raw file, payload at offset 0: 2.6 GB/s; the store's, past a header of 80 bytes then:
 7.5 GB/s), so bytearrays made the raw side look slow. The file store's get verifies a
 checksum over every page (xxh3): hashing a 1 MiB page just read takes 0.2x the read's time,
 so in the reading thread that pass alone held the store to about 0.83x a plain read; pages

@@ -50,6 +50,27 @@ def sealed_harness(h: Harness, sealing: str | None = None) -> Harness:
     return h
 
 
+def version_1_frame(ns: str, h: bytes, payload: bytes) -> bytes:
+    """A page as an older kvtier framed it (version 1): an 80-byte header, the payload at
+    offset 80, its xxh3 good."""
+    import struct
+
+    import xxhash
+
+    header = struct.pack(
+        "<4sHH16sB32sQQ7x",
+        b"KVTP",
+        1,
+        0,
+        bytes.fromhex(ns),
+        len(h),
+        h.ljust(32, b"\0"),
+        len(payload),
+        xxhash.xxh3_64_intdigest(payload),
+    )
+    return header + payload
+
+
 def new_key(ns: str = NS) -> str:
     return make_key("kvtier/test", ns, os.urandom(32))
 
@@ -99,6 +120,7 @@ def file_harness(tmp_path) -> Harness:
     first = FileStore(cfg)
 
     def raw_put(k: str, b: bytes) -> None:
+        first.path(k).parent.mkdir(parents=True, exist_ok=True)
         first.path(k).write_bytes(b)
 
     return Harness(

@@ -73,19 +73,16 @@ def test_verify_reads_no_more_than_the_stores_page_limit_whatever_a_header_decla
     made `check` (tierctl store verify, batch_get) read and join all of it, >2 GiB of memory
     whatever `max_page_bytes` said; tens of GiB would kill the process. A header declaring
     more than the store's page limit is read alone, and its frame fails to decode."""
-    import struct
     import subprocess
     import sys
 
-    from kvtier.backends.frame import MAGIC
+    from kvtier.backends.frame import header_with
 
     root = tmp_path / "l3"
     h = bytes([7]) * 32
     page = root / "kvtier" / NS / h.hex()[:2] / h.hex()[2:4] / h.hex()
     page.parent.mkdir(parents=True)
-    header = struct.pack(
-        "<4sHH16sB32sQQ7x", MAGIC, 1, 0, bytes.fromhex(NS), 32, h, 1 << 30, 0
-    )
+    header = header_with(NS, h, 1 << 30, 0)
     with open(page, "wb") as f:
         f.write(header)
         f.truncate(len(header) + (1 << 30))

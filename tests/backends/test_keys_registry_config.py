@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.backends.frame import HEADER_SIZE
 from kvtier.backends.registry import build_store, known_names, resolve
 from kvtier.config import explain, load_config
 from kvtier.errors import KvtierConfigError, StoreKeyError
@@ -519,7 +520,9 @@ async def test_file_store_root_count_survives_a_lost_or_damaged_usage_file(tmp_p
         "7"
     )  # a short count, as another version may write it: read, then widened
     await store.batch_set([new_key()], [bytes(10)])
-    assert int(usage.read_text()) == 7 + 10 + 80 and len(usage.read_text()) == 20
+    assert (
+        int(usage.read_text()) == 7 + 10 + HEADER_SIZE and len(usage.read_text()) == 20
+    )
     await store.close()
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from kvtier.backends.file import FileStore, FileStoreConfig
+from kvtier.backends.frame import HEADER_SIZE
 from kvtier.backends.memory import MemoryStore
 from tests.backends.stores import new_key
 
@@ -49,7 +50,7 @@ class Watched:
 
 
 def file_store(root, pages: int, clock) -> FileStore:
-    size = PAGE + 80  # the plain frame's header
+    size = PAGE + HEADER_SIZE  # the plain frame's header
     return FileStore(
         FileStoreConfig(root=str(root), capacity_bytes=pages * size), clock=clock
     )
@@ -217,7 +218,7 @@ async def test_another_process_sharing_the_root_keeps_the_lease(tmp_path):
 async def test_memory_store_tells_its_watcher_of_its_evictions():
     from kvtier.backends.memory import MemoryStoreConfig
 
-    store = MemoryStore(MemoryStoreConfig(capacity_bytes=3 * (PAGE + 80)))
+    store = MemoryStore(MemoryStoreConfig(capacity_bytes=3 * (PAGE + HEADER_SIZE)))
     watched = Watched()
     store.watch(watched)
     keys = await fill(store, 10)

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from kvtier.backends.frame import HEADER_SIZE
 from kvtier.errors import KvtierConfigError, StoreUnavailable
 from tests.integrations import vllm_runtime as rt
 from tests.integrations.tenant_store import (
@@ -361,7 +362,8 @@ def test_a_block_the_store_evicted_is_stored_again_when_vllm_cascades_it(rigs):
     from vllm.v1.kv_offload.base import Medium
 
     rig = rigs(
-        {"store": {"backend": "memory", "capacity_bytes": 2 * (80 + 4096)}}, chunks=8
+        {"store": {"backend": "memory", "capacity_bytes": 2 * (HEADER_SIZE + 4096)}},
+        chunks=8,
     )
     tier = rig.tier
     k1, k2, k3 = new_keys(3)
