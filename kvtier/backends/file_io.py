@@ -278,49 +278,59 @@ def read_pages_into(items: list[tuple], stop=None) -> list:
     place. Once `stop` is set (the job was given up on) it writes no further buffer of
     the caller's (`copy_out`)."""
     out: list = []
+    # the job's own header and spare byte: a job given up on keeps them (a read it
+    # resumes lands there, never in another job's)
+    spare = (bytearray(frame.HEADER_SIZE), bytearray(1))
     with _MemoryDevices() as memory:
         for path, ns, h, view in items:
             if stop is not None and stop.is_set():
                 break
             try:
-                out.append(_read_page(path, ns, h, view, stop, memory))
+                out.append(_read_page(path, ns, h, view, stop, memory, spare))
             except (FrameError, OSError) as exc:
                 out.append(exc)
     return out
 
 
-def _read_page(path: str, ns: str, h: bytes, view: memoryview, stop, memory) -> bool:
+def _read_page(
+    path: str, ns: str, h: bytes, view: memoryview, stop, memory, spare
+) -> bool:
     """A file in memory (`memory`: the job's `_MemoryDevices`) of up to `_WHOLE_READ`
     bytes is read whole, straight into `view` (`_read_in_memory`); any other in chunks
     through this thread's buffer, each hashed while it is in cache and copied in
     (`copy_out`), so a read that blocks (a hung mount) blocks into that buffer (the
-    header read with the first chunk, a byte more with the last: none may follow). FrameError where it is not the page asked for
+    header read with the first chunk, a byte more with the last: none may follow), both
+    into the job's `spare` (header, byte). FrameError where it is not the page asked for
     (`view` may then hold part of it, which the caller must not use)."""
     fd, device = _open_page(path)
     try:
         if len(view) <= _WHOLE_READ and memory(fd, device):
-            return _read_in_memory(fd, ns, h, view, stop)
-        return _read_chunks(fd, ns, h, view, stop)
+            return _read_in_memory(fd, ns, h, view, stop, spare)
+        return _read_chunks(fd, ns, h, view, stop, spare)
     finally:
         os.close(fd)
 
 
-def _read_in_memory(fd: int, ns: str, h: bytes, view: memoryview, stop) -> bool:
-    """Header, payload and a byte more in one preadv into `view` under the call's stop
-    flag (`_writing`: a read from memory cannot block), then checked there. Per page, not
-    per chunk: what a page costs in Python is what 256 KiB rows are slow by."""
-    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
-    bufs = [header, view, extra]
+def _read_in_memory(fd: int, ns: str, h: bytes, view: memoryview, stop, spare) -> bool:
+    """Header, payload and a byte more in one preadv into `view` (the header and byte into
+    the job's `spare`) under the call's stop flag (`_writing`: a read from memory cannot
+    block), then checked there. Per page, not per chunk: what a page costs in Python is
+    what 256 KiB rows are slow by."""
+    header, extra = spare
+    size, whole = len(view), frame.HEADER_SIZE + len(view)
+    bufs = (header, view, extra)
     with _writing(stop):
         n = os.preadv(fd, bufs, 0)
-        if n < frame.HEADER_SIZE + size:  # a short read before the end, or a short file
+        if n < whole:  # a short read before the end, or a short file
             n = _preadv_all(fd, bufs, 0)
-    length, checksum = frame.check_header(header[: min(n, frame.HEADER_SIZE)], ns, h)
+    length, checksum = frame.check_header(
+        header if n >= frame.HEADER_SIZE else header[:n], ns, h
+    )
     if length != size:
         raise FrameError(f"page is {length} bytes, the buffer {size}")
-    if n > frame.HEADER_SIZE + size:
+    if n > whole:
         raise FrameError("trailing bytes after the payload")
-    if n < frame.HEADER_SIZE + size:
+    if n < whole:
         raise FrameError(
             f"payload is {max(0, n - frame.HEADER_SIZE)} bytes, the frame says {length}"
         )
@@ -333,9 +343,9 @@ def _read_in_memory(fd: int, ns: str, h: bytes, view: memoryview, stop) -> bool:
     return True
 
 
-def _read_chunks(fd: int, ns: str, h: bytes, view: memoryview, stop) -> bool:
+def _read_chunks(fd: int, ns: str, h: bytes, view: memoryview, stop, spare) -> bool:
     """`_read_page` of a file not in memory: chunks through this thread's buffer."""
-    size, header, extra = len(view), bytearray(frame.HEADER_SIZE), bytearray(1)
+    size, (header, extra) = len(view), spare
     buf = _staging(min(_READ_CHUNK, size))
     hasher, done, at = xxhash.xxh3_64(), 0, 0
     while True:
@@ -347,7 +357,7 @@ def _read_chunks(fd: int, ns: str, h: bytes, view: memoryview, stop) -> bool:
         at += n
         if done == 0:
             length, checksum = frame.check_header(
-                header[: min(n, frame.HEADER_SIZE)], ns, h
+                header if n >= frame.HEADER_SIZE else header[:n], ns, h
             )
             if length != size:
                 raise FrameError(f"page is {length} bytes, the buffer {size}")
