@@ -49,6 +49,11 @@ _UNUSED = {
 }
 
 
+# a header's sealed part, its tag slot and the rest, as bytes
+_PARTS = struct.Struct(
+    f"{SEALED_PART}s{TAG_SIZE}s{HEADER_SIZE - SEALED_PART - TAG_SIZE}s"
+)
+
 _PREFIX = struct.Struct(
     "<4sHH16sB32sQ"
 )  # what plain and sealed headers share: up to the payload length
@@ -199,18 +204,10 @@ class SealedCodec:
             raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
         if h[:hlen] != page_hash or hlen != len(page_hash):
             raise FrameError("page hash in the frame differs from the key's")
-        unused = _UNUSED[mode]
-        if view[HEADER_SIZE - len(unused) : HEADER_SIZE] != unused:
+        sealed, tag, rest = _PARTS.unpack_from(view)
+        if (rest if mode == MODE_MAC else tag + rest) != _UNUSED[mode]:
             raise FrameError("nonzero bytes in the header's unused part")
-        sealed = bytes(view[:SEALED_PART])
-        return Opened(
-            self._cipher(key, mode, sealed),
-            mode,
-            nonce,
-            sealed,
-            bytes(view[SEALED_PART : SEALED_PART + TAG_SIZE]),
-            length,
-        )
+        return Opened(self._cipher(key, mode, sealed), mode, nonce, sealed, tag, length)
 
     def _cipher(self, key, mode: int, sealed: bytes) -> AESGCM:
         """The key object of the frame whose sealed part is `sealed`, under `key` (the
