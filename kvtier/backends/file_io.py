@@ -171,7 +171,7 @@ def _read_sealed_page(
     the read nor the check can block."""
     fd, device = _open_page(path)
     try:
-        read = lambda bufs: _preadv_all(fd, bufs, 0)
+        read = partial(_read_frame, fd)
         if memory(fd, device):
             with _writing(stop):
                 codec.read_into(read, ns, h, view, _scratch)
@@ -181,6 +181,14 @@ def _read_sealed_page(
     finally:
         os.close(fd)
     copy_out(stop, view, staged)
+
+
+def _read_frame(fd: int, bufs: list, want: int) -> int:
+    """Fill `bufs` from the file's start, at least `want` bytes unless it ends first; bytes
+    read. One preadv reads a whole frame (a page file in memory always, any other nearly
+    always): the buffers are gone over again only when it came back short of `want`."""
+    n = os.preadv(fd, bufs, 0)
+    return n if n >= want else _preadv_all(fd, bufs, 0)
 
 
 def _preadv_all(fd: int, bufs: list, offset: int) -> int:

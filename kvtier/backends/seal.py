@@ -49,6 +49,11 @@ _UNUSED = {
 }
 
 
+# a header's sealed part, its tag slot and the rest, as bytes
+_PARTS = struct.Struct(
+    f"{SEALED_PART}s{TAG_SIZE}s{HEADER_SIZE - SEALED_PART - TAG_SIZE}s"
+)
+
 _PREFIX = struct.Struct(
     "<4sHH16sB32sQ"
 )  # what plain and sealed headers share: up to the payload length
@@ -199,18 +204,10 @@ class SealedCodec:
             raise FrameError(f"namespace {ns.hex()} is not {namespace_id}")
         if h[:hlen] != page_hash or hlen != len(page_hash):
             raise FrameError("page hash in the frame differs from the key's")
-        unused = _UNUSED[mode]
-        if view[HEADER_SIZE - len(unused) : HEADER_SIZE] != unused:
+        sealed, tag, rest = _PARTS.unpack_from(view)
+        if (rest if mode == MODE_MAC else tag + rest) != _UNUSED[mode]:
             raise FrameError("nonzero bytes in the header's unused part")
-        sealed = bytes(view[:SEALED_PART])
-        return Opened(
-            self._cipher(key, mode, sealed),
-            mode,
-            nonce,
-            sealed,
-            bytes(view[SEALED_PART : SEALED_PART + TAG_SIZE]),
-            length,
-        )
+        return Opened(self._cipher(key, mode, sealed), mode, nonce, sealed, tag, length)
 
     def _cipher(self, key, mode: int, sealed: bytes) -> AESGCM:
         """The key object of the frame whose sealed part is `sealed`, under `key` (the
@@ -253,43 +250,42 @@ class SealedCodec:
 
     def read_into(
         self,
-        read: Callable[[list], int],
+        read: Callable[[list, int], int],
         namespace_id: str,
         page_hash: bytes,
         view: memoryview,
         scratch: Callable[[int], memoryview],
     ) -> None:
-        """A frame read in one go (the file store): `read(buffers)` fills the header, the
-        body and a byte more into buffers and says how many bytes it read. The body goes
-        where this codec's own mode wants it: an authenticated one straight into `view`,
-        checked there; an encrypted one into `scratch(n)` (a buffer of at least n bytes),
-        decrypted into `view`; a frame of the other mode is moved over first. FrameError
-        if it does not authenticate (`view` may then hold garbage)."""
+        """A frame read in one go (the file store): `read(buffers, want)` fills the header,
+        the body and a byte more into buffers from the frame's start, at least `want` bytes
+        unless the file ends first, and says how many bytes it read. The body goes where
+        this codec's own mode wants it: an authenticated one straight into `view`, checked
+        there; an encrypted one into `scratch(n)` (a buffer of at least n bytes), decrypted
+        into `view`; a frame of the other mode is moved over first. FrameError if it does
+        not authenticate (`view` may then hold garbage)."""
+        size = len(view)
         header, tail, body = bytearray(HEADER_SIZE), bytearray(TAG_SIZE + 1), None
         if self.encrypt:
-            body = scratch(len(view) + TAG_SIZE + 1)[: len(view) + TAG_SIZE + 1]
-            n = read([header, body]) - HEADER_SIZE
+            body = scratch(size + TAG_SIZE + 1)[: size + TAG_SIZE + 1]
+            n = read([header, body], HEADER_SIZE + size + TAG_SIZE) - HEADER_SIZE
         else:
-            n = read([header, view, tail]) - HEADER_SIZE
+            n = read([header, view, tail], HEADER_SIZE + size) - HEADER_SIZE
         opened = self.open_header(
             header if n >= 0 else header[: HEADER_SIZE + n], namespace_id, page_hash
         )
-        if opened.length != len(view):
-            raise FrameError(f"page is {opened.length} bytes, the buffer {len(view)}")
+        if opened.length != size:
+            raise FrameError(f"page is {opened.length} bytes, the buffer {size}")
         _check_length(n, opened)
         if opened.mode == MODE_MAC:
             if body is not None:
-                view[:] = body[: len(view)]
+                view[:] = body[:size]
             check_tag(opened, view)
             return
         if (
             body is None
         ):  # ciphertext in `view`, its tag in `tail`: together, as AES-GCM takes them
             body = scratch(opened.body_size)
-            body[: len(view)], body[len(view) : opened.body_size] = (
-                view,
-                tail[:TAG_SIZE],
-            )
+            body[:size], body[size : opened.body_size] = view, tail[:TAG_SIZE]
         decrypt(opened, body[: opened.body_size], view)
 
 

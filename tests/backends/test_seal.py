@@ -278,7 +278,8 @@ def test_frames_sealed_by_an_earlier_build_still_open_and_still_fail_when_altere
     c.decode_into(blob, NS, H, out)
     assert bytes(out) == payload
 
-    def read(bufs):  # what the file store's readv does: the frame into the buffers
+    # what the file store's readv does: the frame into the buffers
+    def read(bufs, want):
         got = 0
         for b in bufs:
             b = memoryview(b).cast("B")
