@@ -5,9 +5,12 @@ checked twice)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
+
+from kvtier.backends.file_calls import dir_status
 
 
 class InsideRoot:
@@ -37,6 +40,17 @@ class InsideRoot:
                 f"{directory}: not under the store root {root or '/'}; its pages are refused",
             )
             return False
+        status = dir_status(directory)  # the same walk in one system call
+        if status == 0:
+            self.dirs.add(directory)
+            return True
+        if status == errno.ENOENT:
+            return True
+        return self._walk(directory)
+
+    def _walk(self, directory: str) -> bool:
+        """`__call__`'s walk, one `lstat` per component: where the system call cannot be
+        asked, and to tell what refuses a directory."""
         path = ""
         try:  # from "/": a root (or a directory above it) swapped for a symlink since the open is caught
             for part in directory[1:].split("/"):  # strings, not os.path: ~1 us a part

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from kvtier.backends import frame, seal
+from kvtier.backends.file_calls import rename_new
 from kvtier.backends.frame import FrameError
 
 TMP = ".tmp-"
@@ -480,7 +481,7 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         except FileNotFoundError:  # the page's fan-out directories do not exist yet
-            os.makedirs(_parent(final), mode=0o700, exist_ok=True)
+            _make_dir(_parent(final))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _check_not_abandoned(stop, final)
@@ -493,15 +494,37 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
         finally:
             os.close(fd)
         _check_not_abandoned(stop, final)  # its buffer may have changed while it wrote
-        try:
-            replaced = os.stat(final).st_size
-        except FileNotFoundError:
-            replaced = 0
-        os.replace(tmp, final)
-        return replaced
+        return _publish(tmp, final)
     except OSError:
         unlink_quietly(tmp)
         raise
+
+
+def _publish(tmp: str, final: str) -> int:
+    """Rename `tmp` over `final`; the bytes of the file it replaced. A new page's rename
+    is one that fails where `final` exists (`rename_new`): it replaced nothing, with no
+    stat asked first. Where a file is there (or that rename cannot be asked), its size is
+    read just before it is replaced (another process writing the same key may replace
+    it in between: a race the stat-then-rename had on every page, and a new page's
+    rename no longer has)."""
+    if rename_new(tmp, final):
+        return 0
+    try:
+        replaced = os.stat(final).st_size
+    except FileNotFoundError:
+        replaced = 0
+    os.replace(tmp, final)
+    return replaced
+
+
+def _make_dir(directory: str) -> None:
+    """A page's directory (0700), and its parents where they are missing too."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:  # another thread or process made it first
+        pass
+    except FileNotFoundError:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
 
 
 def _check_not_abandoned(stop, final: str) -> None:
