@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvtier.backends import file_calls, file_dirs, file_io
-from kvtier.backends.file_dirs import InsideRoot
+from kvtier.backends.file_dirs import Dir, InsideRoot
 
 linux_calls = pytest.mark.skipif(
     file_calls.dir_status("/") is None, reason="openat2 cannot be asked here"
@@ -63,7 +63,11 @@ def test_inside_root_refuses_a_symlink_on_the_way_and_says_which(
     said = []
     inside = InsideRoot(str(root), lambda kind, message: said.append(message))
     assert inside(str(root / "ns" / "aa"))
-    assert inside(str(root / "ns" / "cc" / "01"))  # not there yet: a write makes it
+    assert inside.state(str(root / "ns" / "aa")) is Dir.WHOLE
+    assert (
+        inside.state(str(root / "ns" / "cc" / "01")) is Dir.ABSENT
+    )  # a write makes it
+    assert inside(str(root / "ns" / "cc" / "01"))
     assert str(root / "ns" / "cc" / "01") not in inside.dirs  # walked again next time
     assert not inside(str(root / "ns" / "bb" / "01"))
     assert said == [
