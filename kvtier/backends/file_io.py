@@ -24,6 +24,8 @@ import numpy as np
 import xxhash
 
 from kvtier.backends import frame, seal
+from kvtier.backends.file_calls import rename_new
+from kvtier.backends.file_dirs import Dir
 from kvtier.backends.frame import FrameError
 
 TMP = ".tmp-"
@@ -481,13 +483,16 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
     """Write `data` (a page's Frame, or plain bytes) to an owner-named temp file (mode
     0600), then rename it over `final`: readers see the whole file or none. Returns the
     bytes of the file it replaced (0 if new); raises OSError (collected by `run_all`).
-    `inside(dir)`: False where the directory leads out of the store (a symlink): refused.
+    `inside`: the store's `InsideRoot`; a directory it refuses (one leading out of the
+    store: a symlink) is refused here.
     `stop` set (the job was abandoned, stuck, and its caller owns `data` again): nothing is
     read from `data` or renamed from then on. A write stuck in `open` on a hung mount would
     otherwise frame what the reused buffer holds when the mount returns, with a valid
     checksum, and publish it under this key."""
     final = str(final)  # a Path for the store's own metadata files
-    if inside is not None and not inside(_parent(final)):
+    parent = _parent(final)
+    found = Dir.WHOLE if inside is None else inside.state(parent)
+    if found is Dir.REFUSED:
         raise OSError(
             errno.EPERM,
             "a directory on the way is no real directory under the store root; refused",
@@ -495,10 +500,12 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
         )
     tmp = _temp_name(final)
     try:
+        if found is Dir.ABSENT:  # the page's fan-out directories, made before its file
+            _make_dir(parent)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        except FileNotFoundError:  # the page's fan-out directories do not exist yet
-            os.makedirs(_parent(final), mode=0o700, exist_ok=True)
+        except FileNotFoundError:  # not there yet (no `inside` asked), or removed since
+            _make_dir(parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _check_not_abandoned(stop, final)
@@ -511,15 +518,37 @@ def write_atomically(final: str, data, fsync: bool, inside=None, stop=None) -> i
         finally:
             os.close(fd)
         _check_not_abandoned(stop, final)  # its buffer may have changed while it wrote
-        try:
-            replaced = os.stat(final).st_size
-        except FileNotFoundError:
-            replaced = 0
-        os.replace(tmp, final)
-        return replaced
+        return _publish(tmp, final)
     except OSError:
         unlink_quietly(tmp)
         raise
+
+
+def _publish(tmp: str, final: str) -> int:
+    """Rename `tmp` over `final`; the bytes of the file it replaced. A new page's rename
+    is one that fails where `final` exists (`rename_new`): it replaced nothing, with no
+    stat asked first. Where a file is there (or that rename cannot be asked), its size is
+    read just before it is replaced (another process writing the same key may replace
+    it in between: a race the stat-then-rename had on every page, and a new page's
+    rename no longer has)."""
+    if rename_new(tmp, final):
+        return 0
+    try:
+        replaced = os.stat(final).st_size
+    except FileNotFoundError:
+        replaced = 0
+    os.replace(tmp, final)
+    return replaced
+
+
+def _make_dir(directory: str) -> None:
+    """A page's directory (0700), and its parents where they are missing too."""
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:  # another thread or process made it first
+        pass
+    except FileNotFoundError:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
 
 
 def _check_not_abandoned(stop, final: str) -> None:

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from kvtier.backends import file_dirs
 from kvtier.backends.file import USAGE, FileStore, FileStoreConfig
 from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import make_key
@@ -19,6 +20,14 @@ PAGE = bytes(range(256)) * 4  # 1 KiB
 def _key(i: int, first: int | None = None) -> str:
     h = bytes([i]) * 32 if first is None else bytes([first]) + bytes([i]) * 31
     return make_key("kvtier", NS, h)
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def dir_check(request, monkeypatch):
+    """The directory check two ways: one openat2, and the lstat walk alone (where that
+    call cannot be asked)."""
+    if request.param == "walk":
+        monkeypatch.setattr(file_dirs, "dir_status", lambda path: None)
 
 
 def store_at(tmp_path, **cfg) -> FileStore:
@@ -134,6 +143,7 @@ async def test_a_wrong_usage_count_is_recounted_before_anything_is_evicted(tmp_p
     await store.close()
 
 
+@pytest.mark.usefixtures("dir_check")
 async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root(
     tmp_path,
 ):
@@ -151,6 +161,7 @@ async def test_a_symlinked_fanout_directory_never_takes_a_write_outside_the_root
     await store.close()
 
 
+@pytest.mark.usefixtures("dir_check")
 async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_path):
     """Its siblings were found whole and remembered; a new leaf directory that is a
     symlink still takes no write and serves no page."""
@@ -179,6 +190,7 @@ async def test_a_symlinked_leaf_directory_under_a_checked_parent_is_refused(tmp_
     await store.close()
 
 
+@pytest.mark.usefixtures("dir_check")
 async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_no_page(
     tmp_path,
 ):
@@ -206,6 +218,7 @@ async def test_a_checked_parent_swapped_for_a_symlink_takes_no_write_and_serves_
     await store.close()
 
 
+@pytest.mark.usefixtures("dir_check")
 async def test_an_ancestor_swapped_for_a_symlink_to_the_same_directory_takes_no_write(
     tmp_path,
 ):
@@ -230,6 +243,7 @@ async def test_an_ancestor_swapped_for_a_symlink_to_the_same_directory_takes_no_
     await store.close()
 
 
+@pytest.mark.usefixtures("dir_check")
 async def test_an_ancestor_swapped_for_a_symlink_to_an_empty_directory_takes_no_write(
     tmp_path,
 ):

@@ -1,0 +1,77 @@
+"""The file store's two Linux calls (file_calls.py) and what the write path and the
+directory check make of them: the same answers as the portable way they stand in for."""
+
+import errno
+import os
+
+import pytest
+
+from kvtier.backends import file_calls, file_dirs, file_io
+from kvtier.backends.file_dirs import Dir, InsideRoot
+
+linux_calls = pytest.mark.skipif(
+    file_calls.dir_status("/") is None, reason="openat2 cannot be asked here"
+)
+
+
+@linux_calls
+def test_dir_status_names_what_stops_a_path_from_being_real_directories(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "file").write_bytes(b"x")
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    assert file_calls.dir_status(str(tmp_path / "a" / "b")) == 0
+    assert file_calls.dir_status(str(tmp_path / "a" / "b" / "c" / "d")) == errno.ENOENT
+    assert file_calls.dir_status(str(tmp_path / "link" / "b")) == errno.ELOOP
+    assert file_calls.dir_status(str(tmp_path / "link" / "gone")) == errno.ELOOP
+    assert file_calls.dir_status(str(tmp_path / "link")) == errno.ELOOP
+    assert file_calls.dir_status(str(tmp_path / "file" / "b")) == errno.ENOTDIR
+
+
+@linux_calls
+def test_rename_new_renames_only_where_nothing_is_there(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(b"new")
+    assert file_calls.rename_new(str(src), str(dst)) is True
+    assert dst.read_bytes() == b"new" and not src.exists()
+    src.write_bytes(b"newer")
+    assert file_calls.rename_new(str(src), str(dst)) is False
+    assert dst.read_bytes() == b"new" and src.read_bytes() == b"newer"
+
+
+@pytest.mark.parametrize("noreplace", [True, False], ids=["renameat2", "stat"])
+def test_write_atomically_returns_the_bytes_of_the_file_it_replaced(
+    tmp_path, monkeypatch, noreplace
+):
+    if not noreplace:  # where renameat2 cannot be asked: stat, then rename
+        monkeypatch.setattr(file_io, "rename_new", lambda src, dst: False)
+    final = str(tmp_path / "ab" / "cd" / "page")
+    assert file_io.write_atomically(final, b"x" * 100, False) == 0
+    assert file_io.write_atomically(final, b"y" * 30, False) == 100
+    assert open(final, "rb").read() == b"y" * 30
+    assert os.listdir(tmp_path / "ab" / "cd") == ["page"]  # no temp file left
+
+
+@pytest.mark.parametrize("walk_only", [False, True], ids=["openat2", "walk"])
+def test_inside_root_refuses_a_symlink_on_the_way_and_says_which(
+    tmp_path, monkeypatch, walk_only
+):
+    if walk_only:
+        monkeypatch.setattr(file_dirs, "dir_status", lambda path: None)
+    root = tmp_path / "root"
+    (root / "ns" / "aa").mkdir(parents=True)
+    os.symlink(tmp_path, root / "ns" / "bb")
+    said = []
+    inside = InsideRoot(str(root), lambda kind, message: said.append(message))
+    assert inside(str(root / "ns" / "aa"))
+    assert inside.state(str(root / "ns" / "aa")) is Dir.WHOLE
+    assert (
+        inside.state(str(root / "ns" / "cc" / "01")) is Dir.ABSENT
+    )  # a write makes it
+    assert inside(str(root / "ns" / "cc" / "01"))
+    assert str(root / "ns" / "cc" / "01") not in inside.dirs  # walked again next time
+    assert not inside(str(root / "ns" / "bb" / "01"))
+    assert said == [
+        f"{root}/ns/bb: a symlink (a store's directories are real ones); "
+        "the pages under it are refused"
+    ]
+    assert inside.dirs == {str(root / "ns" / "aa")}
