@@ -153,6 +153,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         self._direct = self.store if getattr(self.store, "direct_io", False) else None
         self._calls: list[DirectCall] = []  # direct calls not collected yet
         self._settling = False  # a settle_direct posted to the loop and not ended
+        self._settled: Future | None = None  # the last settle_direct posted: its end
         if self._direct is not None:
             self._loop.run(self._start_threads())  # on the loop: its CPUs
             self._settle_bytes = max(1, self._direct.config.capacity_bytes // 64)
@@ -371,9 +372,21 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             )
         ):
             return
+        self._post_settle()
+
+    def _post_settle(self) -> Future:
+        """Post the loop a settle_direct, keeping the GIL (StoreLoop.post), as every
+        hand-over; the future ends with it (`_settled`, the last one posted)."""
         self._settling = True
         self._direct.direct_unsettled = 0
-        self._loop.post(lambda: self._loop.loop.create_task(self._settle()))
+        settled: Future = Future()
+        self._settled = settled
+        self._loop.post(
+            lambda: self._loop.loop.create_task(self._settle()).add_done_callback(
+                lambda _: settled.set_result(None)
+            )
+        )
+        return settled
 
     async def _settle(self) -> None:
         try:
@@ -614,17 +627,14 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
 
     def _settle_now(self) -> None:
         """Apply the direct calls' effects on the store (the shared byte count of the
-        pages they wrote or deleted included) and hold its capacity, now (shutdown)."""
+        pages they wrote or deleted included) and hold its capacity, now (shutdown). One
+        still running in the background is waited for first: the files of the pages it
+        evicts are unlinked after it chose them, past the end of a settle that finds the
+        capacity held already."""
         if self._direct is not None:
-            self._direct.direct_unsettled = 0
-            self._settling = True
-            settled: Future = Future()
-            self._loop.post(  # keeping the GIL (StoreLoop.post), as every hand-over
-                lambda: self._loop.loop.create_task(self._settle()).add_done_callback(
-                    lambda _: settled.set_result(None)
-                )
-            )
-            settled.result()
+            if self._settled is not None:
+                self._settled.result()
+            self._post_settle().result()
 
     @override
     def has_pending_work(self) -> bool:
