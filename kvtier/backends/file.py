@@ -620,12 +620,18 @@ class FileStore(Store):
             self._inside,
             self.config.capacity_bytes,
         )
+        codec, sizes, frames = self.codec, call.sizes, call.frames
         for i, ((path, ns, h), p) in enumerate(zip(where, pages)):
-            view = memoryview(p).cast("B")
-            f = frame.Frame(ns, h, view, self.codec)
-            call.sizes.append(len(view))
-            call.frames.append(f.size)
-            if f.size <= room:
+            view = (
+                p
+                if type(p) is memoryview and p.ndim == 1 and p.format == "B"
+                else memoryview(p).cast("B")
+            )
+            f = frame.Frame(ns, h, view, codec)
+            size = f.size
+            sizes.append(len(view))
+            frames.append(size)
+            if size <= room:
                 items.append((path, f, fsync, inside))
                 index.append(i)
         self._begin(call, write_pages, items, index, on_done)
@@ -713,8 +719,11 @@ class FileStore(Store):
         failed = {i: e for i, e in enumerate(outcomes) if isinstance(e, OSError)}
         ok = [e is not None and not isinstance(e, OSError) for e in outcomes]
         self.counters.sets += n
-        self.counters.set_failures += n - sum(ok)
-        self.counters.set_bytes += sum(s for s, good in zip(call.sizes, ok) if good)
+        if failed or None in outcomes:
+            self.counters.set_failures += n - sum(ok)
+            self.counters.set_bytes += sum(s for s, good in zip(call.sizes, ok) if good)
+        else:  # every page written
+            self.counters.set_bytes += sum(call.sizes)
         full = sum(call.frames[i] for i, e in failed.items() if e.errno in _DISK_FULL)
         if full:  # room is made by the next settle_direct; these pages are not stored
             self._handoff.append((self._note_disk_full, full))
@@ -728,12 +737,17 @@ class FileStore(Store):
         for i, err in failed.items():
             self.counters.errors += 1
             self.complain("error", f"writing {call.keys[i]}: {err}")
-        written = [
-            (call.keys[i], call.frames[i], outcomes[i]) for i in range(n) if ok[i]
-        ]
-        if written:
+        if all(ok):
+            written = (call.keys, call.frames, outcomes)
+        else:
+            kept = [i for i in range(n) if ok[i]]
+            written = tuple(
+                [column[i] for i in kept]
+                for column in (call.keys, call.frames, outcomes)
+            )
+        if written[0]:
             self._handoff.append((self._index_written, written))
-            self.direct_unsettled += sum(w[1] for w in written)
+            self.direct_unsettled += sum(written[1])
         return ok
 
     def timed_out(self, call: DirectCall) -> str:
@@ -815,15 +829,17 @@ class FileStore(Store):
         for key in keys:
             self._forget(key)
 
-    def _index_written(self, written: list[tuple[str, int, int]]) -> None:
+    def _index_written(self, written: tuple[list[str], list[int], list[int]]) -> None:
+        """(keys, frame sizes, bytes each replaced) of the pages a direct write wrote."""
+        keys, sizes, replaced = written
         added = 0
-        for key, size, replaced in written:  # `_set`'s indexing, in batch order
+        for key, size, old in zip(keys, sizes, replaced):  # `_set`'s, in batch order
             self._forget(key)
             self._sizes[key] = size
             self.used_bytes += size
-            added += size - replaced
+            added += size - old
         self._direct_added += added
-        self._changed(True, [k for k, _, _ in written])
+        self._changed(True, list(keys))
 
     def _dropped(self, removed: list[tuple[str, int]]) -> None:
         """Pages a direct read deleted (they did not verify): `_delete`'s bookkeeping."""
