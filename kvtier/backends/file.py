@@ -32,7 +32,7 @@ from kvtier.backends import frame, seal
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
-from kvtier.backends.file_direct import DirectCall, read_dropping_bad
+from kvtier.backends.file_direct import DirectCall, PageLocations, read_dropping_bad
 from kvtier.backends.file_leases import SharedLeases, eviction_order
 from kvtier.backends.leases import Leases
 from kvtier.backends.file_io import (
@@ -133,6 +133,7 @@ class FileStore(Store):
         # direct calls (file_direct.py): their effects on the index, for the loop thread
         self._handoff: deque = deque()
         self._direct_calls = 0  # direct calls begun and not ended (the caller's thread)
+        self._locations = PageLocations(self._root_str)  # the direct calls' keys
         self._direct_added = (
             0  # bytes direct writes added since the last capacity check
         )
@@ -580,7 +581,7 @@ class FileStore(Store):
         `drop_bad` a page that does not verify is deleted in the same thread job. A key
         abandoned stuck before is not read (a miss). `on_done(call)` runs on an I/O
         thread once every job ended; then `end_get_into`, or `give_up` past the deadline."""
-        parsed = self._check(keys)
+        where = self._locations(keys)
         if len(views) != len(keys):
             raise ValueError(
                 f"begin_get_into: {len(keys)} keys but {len(views)} buffers"
@@ -592,18 +593,16 @@ class FileStore(Store):
             else read_pages_into
         )
         job = partial(read_dropping_bad, read) if drop_bad else read
-        items, index, sizes = [], [], call.sizes
-        hung, root = self._hung, self._root_str
-        for i, (k, (_, ns, h), v) in enumerate(zip(keys, parsed, views)):
+        items, index, sizes, hung = [], [], call.sizes, self._hung
+        for i, ((path, ns, h), v) in enumerate(zip(where, views)):
             view = (
                 v
-                if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1
+                if type(v) is memoryview and v.ndim == 1 and v.format == "B"
                 else memoryview(v).cast("B")
             )
             sizes.append(len(view))
-            if k not in hung:
-                head, _, hx = k.rpartition("/")  # `_file`, the key checked above
-                items.append((f"{root}/{head}/{hx[:2]}/{hx[2:4]}/{hx}", ns, h, view))
+            if not hung or call.keys[i] not in hung:
+                items.append((path, ns, h, view))
                 index.append(i)
         self._begin(call, job, items, index, on_done)
         return call
@@ -611,7 +610,7 @@ class FileStore(Store):
     def begin_set(self, keys, pages, on_done=None) -> DirectCall:
         """Start writing each page of `keys` (framed, atomically: `write_pages`) in the I/O
         threads, from the caller's thread; then `end_set`, or `give_up` (`begin_get_into`)."""
-        parsed = self._check(keys)
+        where = self._locations(keys)
         if len(pages) != len(keys):
             raise ValueError(f"begin_set: {len(keys)} keys but {len(pages)} pages")
         call = DirectCall(True, list(keys), time.monotonic() + self.timeout_s)
@@ -621,13 +620,19 @@ class FileStore(Store):
             self._inside,
             self.config.capacity_bytes,
         )
-        for i, (k, (_, ns, h), p) in enumerate(zip(keys, parsed, pages)):
-            view = memoryview(p).cast("B")
-            f = frame.Frame(ns, h, view, self.codec)
-            call.sizes.append(len(view))
-            call.frames.append(f.size)
-            if f.size <= room:
-                items.append((self._file(k), f, fsync, inside))
+        codec, sizes, frames = self.codec, call.sizes, call.frames
+        for i, ((path, ns, h), p) in enumerate(zip(where, pages)):
+            view = (
+                p
+                if type(p) is memoryview and p.ndim == 1 and p.format == "B"
+                else memoryview(p).cast("B")
+            )
+            f = frame.Frame(ns, h, view, codec)
+            size = f.size
+            sizes.append(len(view))
+            frames.append(size)
+            if size <= room:
+                items.append((path, f, fsync, inside))
                 index.append(i)
         self._begin(call, write_pages, items, index, on_done)
         return call
@@ -639,24 +644,30 @@ class FileStore(Store):
         it waited for their share: on 4 jobs of 64 pages the last thread read 80 pages
         where each could have read 64; and every thread job is one more wake-up."""
         self._direct_calls += 1
-        groups = min(1, len(items))
         call.on_done = on_done
-        for g in range(groups):
+        if items:
             stop = StopFlag()
-            call.groups.append(index[g::groups])
+            call.groups.append(index)
             call.stops.append(stop)
-            call.futures.append(self._pool.submit(partial(job, items[g::groups]), stop))
-        for fut in call.futures:  # all submitted first: the last to end is known
-            fut.add_done_callback(call._job_ended)
-        if not call.futures and on_done is not None:
+            call.futures.append(self._pool.submit(partial(job, items), stop))
+            call.futures[0].add_done_callback(call._job_ended)
+        elif on_done is not None:
             on_done(call)
 
-    def _results(self, call: DirectCall) -> dict[int, object]:
+    def _results(self, call: DirectCall) -> list:
+        """Each key's thread job result, by key index (None: not read or written, as a job
+        stopped before it)."""
         self._direct_calls -= 1
         call.ended = True
-        out: dict[int, object] = {}
+        n = len(call.keys)
+        if len(call.futures) == 1 and len(call.groups[0]) == n:  # every key went
+            got = call.futures[0].result()
+            if len(got) == n:
+                return got
+        out: list = [None] * n
         for idx, fut in zip(call.groups, call.futures):
-            out.update(zip(idx, fut.result()))
+            for i, r in zip(idx, fut.result()):
+                out[i] = r
         return out
 
     def end_get_into(self, call: DirectCall, errors: set | None = None) -> list[bool]:
@@ -665,13 +676,17 @@ class FileStore(Store):
         read failed on an I/O error (the page may be good). Index effects are handed off."""
         results = self._results(call)
         out, touched, forgotten, dropped = [], [], [], []
-        for i, (k, n) in enumerate(zip(call.keys, call.sizes)):
-            r = results.get(i)
+        hits = hit_bytes = 0
+        for k, n, r in zip(call.keys, call.sizes, results):
+            if r is True:  # the common case, counted once for all below
+                touched.append(k)
+                hits += 1
+                hit_bytes += n
+                out.append(True)
+                continue
             if isinstance(r, tuple):  # did not verify, and was deleted (`drop_bad`)
                 r, size = r
                 dropped.append((k, size))
-            if r is True:
-                touched.append(k)
             elif isinstance(r, OSError):
                 forgotten.append(k)
                 if isinstance(r, FileNotFoundError):
@@ -684,7 +699,10 @@ class FileStore(Store):
                     if errors is not None:
                         errors.add(k)
             out.append(self._count_read(k, r, n) is not None)
-        if touched:
+        if hits:  # `_count_read`'s for each page read whole
+            self.counters.gets += hits
+            self.counters.hits += hits
+            self.counters.get_bytes += hit_bytes
             self._handoff.append((self._touch_all, touched))
         if forgotten:
             self._handoff.append((self._forget_all, forgotten))
@@ -698,11 +716,14 @@ class FileStore(Store):
         bytes counted in `direct_unsettled` until the caller posts `settle_direct`."""
         outcomes = self._results(call)
         n = len(call.keys)
-        failed = {i: e for i, e in outcomes.items() if isinstance(e, OSError)}
-        ok = [i in outcomes and i not in failed for i in range(n)]
+        failed = {i: e for i, e in enumerate(outcomes) if isinstance(e, OSError)}
+        ok = [e is not None and not isinstance(e, OSError) for e in outcomes]
         self.counters.sets += n
-        self.counters.set_failures += n - sum(ok)
-        self.counters.set_bytes += sum(s for s, good in zip(call.sizes, ok) if good)
+        if failed or None in outcomes:
+            self.counters.set_failures += n - sum(ok)
+            self.counters.set_bytes += sum(s for s, good in zip(call.sizes, ok) if good)
+        else:  # every page written
+            self.counters.set_bytes += sum(call.sizes)
         full = sum(call.frames[i] for i, e in failed.items() if e.errno in _DISK_FULL)
         if full:  # room is made by the next settle_direct; these pages are not stored
             self._handoff.append((self._note_disk_full, full))
@@ -716,12 +737,17 @@ class FileStore(Store):
         for i, err in failed.items():
             self.counters.errors += 1
             self.complain("error", f"writing {call.keys[i]}: {err}")
-        written = [
-            (call.keys[i], call.frames[i], outcomes[i]) for i in range(n) if ok[i]
-        ]
-        if written:
+        if all(ok):
+            written = (call.keys, call.frames, outcomes)
+        else:
+            kept = [i for i in range(n) if ok[i]]
+            written = tuple(
+                [column[i] for i in kept]
+                for column in (call.keys, call.frames, outcomes)
+            )
+        if written[0]:
             self._handoff.append((self._index_written, written))
-            self.direct_unsettled += sum(w[1] for w in written)
+            self.direct_unsettled += sum(written[1])
         return ok
 
     def timed_out(self, call: DirectCall) -> str:
@@ -803,15 +829,17 @@ class FileStore(Store):
         for key in keys:
             self._forget(key)
 
-    def _index_written(self, written: list[tuple[str, int, int]]) -> None:
+    def _index_written(self, written: tuple[list[str], list[int], list[int]]) -> None:
+        """(keys, frame sizes, bytes each replaced) of the pages a direct write wrote."""
+        keys, sizes, replaced = written
         added = 0
-        for key, size, replaced in written:  # `_set`'s indexing, in batch order
+        for key, size, old in zip(keys, sizes, replaced):  # `_set`'s, in batch order
             self._forget(key)
             self._sizes[key] = size
             self.used_bytes += size
-            added += size - replaced
+            added += size - old
         self._direct_added += added
-        self._changed(True, [k for k, _, _ in written])
+        self._changed(True, list(keys))
 
     def _dropped(self, removed: list[tuple[str, int]]) -> None:
         """Pages a direct read deleted (they did not verify): `_delete`'s bookkeeping."""

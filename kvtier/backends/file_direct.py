@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable
 
 from kvtier.backends.frame import FrameError
+from kvtier.hashing import split_key
 
 
 class DirectCall:
@@ -81,6 +82,47 @@ class DirectCall:
     def _job_ended(self, _future) -> None:
         if next(self._ends) == len(self.futures) - 1 and self.on_done is not None:
             self.on_done(self)
+
+
+class PageLocations:
+    """Store keys -> (page file path, namespace id, page hash), each key checked: what a
+    direct call needs of every key. An engine moves the same keys again and again, and
+    each check and path made afresh is a parse and a string build (`FileStore._file`); the
+    recent ones are remembered. The root is fixed for the store's lifetime. Bounded: past
+    `bound` keys the older half goes. Dict gets, sets, pops and `list()` are atomic under
+    the GIL: any thread may call it."""
+
+    __slots__ = ("_root", "_known", "_bound")
+
+    def __init__(self, root: str, bound: int = 1 << 15) -> None:
+        self._root, self._known, self._bound = root, {}, bound
+
+    def __call__(self, keys) -> list[tuple[str, str, bytes]]:
+        if isinstance(keys, str):
+            raise ValueError("keys: expected a sequence of keys, got one string")
+        known = self._known
+        out = []
+        try:
+            for k in keys:
+                where = known.get(k)
+                if where is None:
+                    where = self._new(k)
+                out.append(where)
+        except TypeError:  # unhashable: not a key, which split_key says
+            split_key(k)
+            raise
+        return out
+
+    def _new(self, key: str) -> tuple[str, str, bytes]:
+        _, ns, h = split_key(key)  # raises StoreKeyError, naming it
+        head, _, hx = key.rpartition("/")
+        where = (f"{self._root}/{head}/{hx[:2]}/{hx[2:4]}/{hx}", ns, h)
+        known = self._known
+        if len(known) >= self._bound:
+            for old in list(known)[: self._bound // 2]:
+                known.pop(old, None)
+        known[key] = where
+        return where
 
 
 def read_dropping_bad(read, items: list[tuple], stop=None) -> list:

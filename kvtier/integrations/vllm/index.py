@@ -154,10 +154,22 @@ class LookupIndex:
         while len(self.present) > self.capacity:
             self.present.popitem(last=False)
 
-    def stored(self, key: bytes) -> None:
-        """A store job of this tier wrote `key`: readable again if a load had found it bad."""
-        self.unreadable.pop(key, None)
-        self.remember(key)
+    def remember_all(self, keys: list[bytes]) -> None:
+        """`remember` each of `keys`, in order (a job's: one bound check for them all)."""
+        present = self.present
+        for key in keys:
+            present[key] = None
+            present.move_to_end(key)
+        while len(present) > self.capacity:
+            present.popitem(last=False)
+
+    def stored_all(self, keys: list[bytes]) -> None:
+        """A store job of this tier wrote `keys`: readable again if a load had found one
+        bad."""
+        if self.unreadable:
+            for key in keys:
+                self.unreadable.pop(key, None)
+        self.remember_all(keys)
 
     def forget(self, key: bytes, unreadable: bool = False) -> None:
         """A load could not give `key`: MISS for the requests that hold a verdict on it

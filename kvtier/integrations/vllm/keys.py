@@ -6,7 +6,7 @@ field names only: this module imports without vLLM.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,3 +127,43 @@ def page_hash_of(key: bytes, keyed: KeyedHash | None = None) -> bytes:
     if group == b"\0\0\0\0" and len(block) in (16, 32):
         return block
     return hashlib.sha256(b"kvtier/vllm-key\x00" + key).digest()
+
+
+class StoreKeys:
+    """vLLM's keys -> their store keys (`page_hash_of`, then the namespace's `key`), the
+    recent ones remembered: vLLM stores and loads a block's key again and again, and each
+    one made afresh is a hash, a hex string and a parse to check it (~0.6 us a key, most
+    of a job's cost on vLLM's thread). One tier's keys all go through one namespace and one
+    tenant's keyed hash, so an `OffloadKey` names one store key for the tier's lifetime.
+    Bounded: past `bound` keys the older half goes. Called from vLLM's thread and the
+    store loop's: a dict's get, set, pop and `list()` are atomic under the GIL."""
+
+    __slots__ = ("_make", "_keyed", "_known", "_bound")
+
+    def __init__(
+        self, key: Callable[[bytes], str], keyed: KeyedHash | None, bound: int = 1 << 15
+    ) -> None:
+        self._make, self._keyed, self._known, self._bound = key, keyed, {}, bound
+
+    def __call__(self, keys: Iterable[bytes]) -> list[str]:
+        known = self._known
+        out = []
+        try:
+            for k in keys:
+                full = known.get(k)
+                if full is None:
+                    full = self._new(k)
+                out.append(full)
+        except TypeError:  # unhashable: not an OffloadKey, which page_hash_of says
+            page_hash_of(k)
+            raise
+        return out
+
+    def _new(self, key: bytes) -> str:
+        full = self._make(page_hash_of(key, self._keyed))
+        known = self._known
+        if len(known) >= self._bound:
+            for old in list(known)[: self._bound // 2]:
+                known.pop(old, None)
+        known[key] = full
+        return full

@@ -52,7 +52,7 @@ from kvtier.errors import StoreError, StoreTimeout
 from kvtier.integrations.stack import build_stack
 from kvtier.integrations.observe import startup_line
 from kvtier.integrations.vllm.index import LookupIndex, Probe
-from kvtier.integrations.vllm.keys import page_hash_of, tier_settings, vllm_geometry
+from kvtier.integrations.vllm.keys import StoreKeys, tier_settings, vllm_geometry
 from kvtier.integrations.vllm.metrics import TierMetrics
 from kvtier.storeio.call import (
     StagingPool,
@@ -133,6 +133,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         self._flat = primary_kv_view.cast(
             "B"
         )  # rows addressed by byte offset (2-D views cannot be indexed)
+        self._row_views: dict[int, memoryview] = {}  # chunk id -> its row (`_rows`)
         # on any error nothing is left running: vLLM shuts down only the tiers it got
         stack = build_stack(
             config=s.config,
@@ -145,16 +146,14 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         self.tenant = (
             stack.tenant
         )  # docs/security.md: key id, keyed store keys, sealed store
-        self.namespace, self.key_prefix, self._key = (
-            stack.namespace,
-            stack.key_prefix,
-            stack.key,
-        )
+        self.namespace, self.key_prefix = stack.namespace, stack.key_prefix
+        self._store_keys = StoreKeys(stack.key, self.tenant.keyed)
         self._loop, self.store, self.breaker = stack.loop, stack.store, stack.breaker
         # the file store: jobs go straight to its I/O threads (file_direct.py)
         self._direct = self.store if getattr(self.store, "direct_io", False) else None
         self._calls: list[DirectCall] = []  # direct calls not collected yet
         self._settling = False  # a settle_direct posted to the loop and not ended
+        self._settled: Future | None = None  # the last settle_direct posted: its end
         if self._direct is not None:
             self._loop.run(self._start_threads())  # on the loop: its CPUs
             self._settle_bytes = max(1, self._direct.config.capacity_bytes // 64)
@@ -201,7 +200,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     def store_keys(self, keys: Iterable[OffloadKey]) -> list[str]:
         """The store keys of vLLM's keys (through the tenant's keyed hash, with a key); the
         KV events keep vLLM's own keys."""
-        return [self._key(page_hash_of(k, self.tenant.keyed)) for k in keys]
+        return self._store_keys(keys)
 
     # -- lookups: never wait on the network (index.py) -------------------------------------
 
@@ -297,7 +296,7 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             return
         self._calls.remove(call)
         job, start, full = call.tag
-        keys = list(job.keys)
+        keys = job.keys
         errors: set[str] = set()
         try:
             if call.write:
@@ -321,7 +320,11 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         if call.write:
             self._finish(_Done(job, ok, seconds, len(keys) * bs))
         else:
-            unknown = frozenset(k for k, f in zip(keys, full) if f in errors)
+            unknown = (
+                frozenset(k for k, f in zip(keys, full) if f in errors)
+                if errors
+                else frozenset()
+            )
             self._finish(_Done(job, ok, seconds, sum(ok) * bs, answered, unknown))
         self._settle_soon()
 
@@ -369,9 +372,21 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             )
         ):
             return
+        self._post_settle()
+
+    def _post_settle(self) -> Future:
+        """Post the loop a settle_direct, keeping the GIL (StoreLoop.post), as every
+        hand-over; the future ends with it (`_settled`, the last one posted)."""
         self._settling = True
         self._direct.direct_unsettled = 0
-        self._loop.post(lambda: self._loop.loop.create_task(self._settle()))
+        settled: Future = Future()
+        self._settled = settled
+        self._loop.post(
+            lambda: self._loop.loop.create_task(self._settle()).add_done_callback(
+                lambda _: settled.set_result(None)
+            )
+        )
+        return settled
 
     async def _settle(self) -> None:
         try:
@@ -380,8 +395,24 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             self._settling = False
 
     def _rows(self, chunk_ids) -> list[memoryview]:
+        """The primary rows of `chunk_ids`: views of the shared region, each made once (the
+        region and its rows are fixed for the tier's lifetime)."""
+        views = self._row_views
+        ids = chunk_ids.tolist() if hasattr(chunk_ids, "tolist") else chunk_ids
+        out = []
+        for c in ids:
+            view = views.get(c)
+            if view is None:
+                view = self._row(int(c))
+            out.append(view)
+        return out
+
+    def _row(self, c: int) -> memoryview:
         bs = self.block_size_bytes
-        return [self._flat[int(c) * bs : (int(c) + 1) * bs] for c in chunk_ids]
+        view = self._flat[c * bs : (c + 1) * bs]
+        if 0 <= c and len(view) == bs:  # a row of the region: kept
+            self._row_views[c] = view
+        return view
 
     async def _store(self, job: TransferJob) -> None:
         start = time.perf_counter()
@@ -481,14 +512,17 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
                 item = self._outcomes.get_nowait()
             except queue.Empty:
                 break
-            if item[0] == "probe":
-                self.index.apply(item[1], item[2])
-            elif item[0] == "direct":
-                self._end_direct(item[1])
-            elif item[0] == "job":
-                self._finish(item[1])
-            else:
-                self._ended(item[1])
+            self._apply(item)
+
+    def _apply(self, item: tuple) -> None:
+        if item[0] == "direct":
+            self._end_direct(item[1])
+        elif item[0] == "probe":
+            self.index.apply(item[1], item[2])
+        elif item[0] == "job":
+            self._finish(item[1])
+        else:
+            self._ended(item[1])
 
     def _ended(self, fut: Future) -> None:
         """A job's or probe's coroutine ended (after it posted its outcome, if it did);
@@ -508,21 +542,23 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
     def _finish(self, done: _Done) -> None:
         job, ok = done.job, done.ok
         keys = list(job.keys)
-        good = [k for k, g in zip(keys, ok) if g]
+        every = all(ok)
+        good = keys if every else [k for k, g in zip(keys, ok) if g]
         if job.is_promotion:
             self.counters["load_ok"] += len(good)
-            for k, g in zip(keys, ok):
-                if g:
-                    self.index.remember(k)
-                elif done.answered and k not in done.unknown:
-                    self._lost(k)
-                else:  # the call failed as a whole, or this row on an error: recomputed, not promoted again, not announced gone
-                    self.index.forget(k)
-            partial = None if all(ok) else good
+            self.index.remember_all(good)
+            if not every:
+                for k, g in zip(keys, ok):
+                    if g:
+                        continue
+                    if done.answered and k not in done.unknown:
+                        self._lost(k)
+                    else:  # the call failed as a whole, or this row on an error: recomputed, not promoted again, not announced gone
+                        self.index.forget(k)
+            partial = None if every else good
         else:
             self.counters["store_ok"] += len(good)
-            for k in good:
-                self.index.stored(k)
+            self.index.stored_all(good)
             if good and self._events is not None:
                 self._events.append(
                     OffloadingEvent(
@@ -573,34 +609,32 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         """Wait for every job and probe to end (each store call ends within its timeout,
         plus, after a timeout, until the store stopped touching the rows); results stay
         queued for the next `get_finished_jobs`. The file store's direct calls: each
-        waited for up to its deadline and the grace after it, then given up on."""
+        waited for up to its deadline and the grace after it, then given up on; the wait
+        is on the outcome queue, where each call's last thread job queues it."""
         while self._calls:
             call = self._calls[0]
-            if not call.done():
-                left = call.deadline + self._direct.timeout_s - time.monotonic()
-                wait(call.futures, timeout=max(0.0, left))
-            self._take_outcomes()
-            if call.done():
-                self._end_direct(call)
+            left = call.deadline + self._direct.timeout_s - time.monotonic()
+            try:
+                self._apply(self._outcomes.get(timeout=max(0.0, left)))
+            except queue.Empty:
+                pass
             self._check_deadlines()
-        wait(list(self._futures))
+        if self._futures:
+            wait(list(self._futures))
         self._take_outcomes()
         for fut in list(self._futures):  # ended, and its callback may not have run yet
             self._ended(fut)
 
     def _settle_now(self) -> None:
         """Apply the direct calls' effects on the store (the shared byte count of the
-        pages they wrote or deleted included) and hold its capacity, now (shutdown)."""
+        pages they wrote or deleted included) and hold its capacity, now (shutdown). One
+        still running in the background is waited for first: the files of the pages it
+        evicts are unlinked after it chose them, past the end of a settle that finds the
+        capacity held already."""
         if self._direct is not None:
-            self._direct.direct_unsettled = 0
-            self._settling = True
-            settled: Future = Future()
-            self._loop.post(  # keeping the GIL (StoreLoop.post), as every hand-over
-                lambda: self._loop.loop.create_task(self._settle()).add_done_callback(
-                    lambda _: settled.set_result(None)
-                )
-            )
-            settled.result()
+            if self._settled is not None:
+                self._settled.result()
+            self._post_settle().result()
 
     @override
     def has_pending_work(self) -> bool:
