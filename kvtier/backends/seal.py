@@ -33,7 +33,14 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.backends.frame import HEADER_SIZE as PLAIN_HEADER_SIZE
-from kvtier.backends.frame import MAGIC, SEALED_VERSION, VERSION, Buffer, FrameError
+from kvtier.backends.frame import (
+    MAGIC,
+    OLD_VERSION,
+    SEALED_VERSION,
+    VERSION,
+    Buffer,
+    FrameError,
+)
 from kvtier.tenant_keys import TenantKeys
 
 MODE_MAC, MODE_AEAD = 1, 2
@@ -186,7 +193,7 @@ class SealedCodec:
         )
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic!r}")
-        if version == VERSION:
+        if version in (VERSION, OLD_VERSION):
             raise NotSealed(
                 "frame not sealed (a plain xxh3 frame): this tenant reads only frames sealed with its key"
             )

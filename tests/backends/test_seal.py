@@ -16,7 +16,7 @@ from kvtier.backends.frame import FrameError
 from kvtier.backends.memory import MemoryStore
 from kvtier.hashing import KeyedHash, Namespace, page_hashes
 from kvtier.tenant_keys import parse_keys
-from tests.backends.stores import NS
+from tests.backends.stores import NS, version_1_frame
 
 OLD, NEW = "01" * 32, "02" * 32
 H = bytes(range(32))
@@ -81,6 +81,8 @@ def test_plain_frames_other_keys_and_truncation_are_misses_not_errors():
         c.decode(
             frame.encode(NS, H, payload), NS, H
         )  # the downgrade: a plain frame with a good xxh3
+    with pytest.raises(seal.NotSealed):  # an older kvtier's plain frame, too
+        c.decode(version_1_frame(NS, H, payload), NS, H)
     header, body = codec(OLD).seal(NS, H, payload)
     with pytest.raises(seal.ForeignKey, match="sealed with key"):
         c.decode(header + bytes(body), NS, H)
