@@ -64,7 +64,7 @@ def run_all(fn, items: list[tuple], stop=None) -> list:
         try:
             out.append(fn(*item))
         except OSError as exc:
-            out.append(exc)
+            out.append(exc.with_traceback(None))  # no frame (nor a row view) kept
     return out
 
 
@@ -142,7 +142,7 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
                 _read_sealed_page(codec, path, ns, h, view, stop, memory)
                 out.append(True)
             except (FrameError, OSError) as exc:
-                out.append(exc)
+                out.append(exc.with_traceback(None))  # no frame (nor a row view) kept
     return out
 
 
@@ -298,7 +298,7 @@ def read_pages_into(items: list[tuple], stop=None) -> list:
             try:
                 out.append(_read_page(path, ns, h, view, stop, memory, spare))
             except (FrameError, OSError) as exc:
-                out.append(exc)
+                out.append(exc.with_traceback(None))  # no frame (nor a row view) kept
     return out
 
 

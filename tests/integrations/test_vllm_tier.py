@@ -512,6 +512,33 @@ def corrupt(kind: str, request, tier, key_full: str, section: dict) -> None:
         client.put_object(Bucket=section["bucket"], Key=key_full, Body=bytes(blob))
 
 
+def test_no_view_of_a_row_outlives_the_tier(tmp_path):
+    """vLLM unmaps its primary region at shutdown only if nothing holds a view of it
+    (else it logs "Keeping ... mapped" and the mapping lives on). The tier keeps each
+    row's view for its jobs, and a page that fails verification is an exception whose
+    traceback held the frame that read into the row, in a cycle only the GC frees: after
+    stores, a load with a corrupt page and shutdown, the region is unmapped."""
+    import gc
+
+    rig = rt.Rig(conf({"backend": "file", "root": str(tmp_path / "l3")}))
+    region = rig.mgr.primary_tier._mmap_region
+    gc.disable()  # a collection between the load and the check would hide a cycle
+    try:
+        keys = new_keys(3)
+        rig.store(keys)
+        tier = rig.tier
+        corrupt("file", None, tier, tier.store_keys(keys[1:2])[0], {})
+        rig.mgr.reset_cache()
+        rig.mgr.on_reset_flushed()
+        _, got = rig.load(keys, "r1")
+        assert keys[1] not in got and len(got) == 2
+        rig.close()
+        assert region.mmap_obj is None, "the primary region is still mapped"
+    finally:
+        gc.enable()
+        rig.close()
+
+
 @pytest.mark.parametrize("kind", STORES)
 def test_a_corrupted_stored_block_is_a_miss(kind, request, tmp_path, rigs):
     from kvtier.integrations.vllm.keys import page_hash_of

@@ -181,6 +181,7 @@ class Rig:
     def close(self) -> None:
         """Shut the manager down (its primary tier removes the region); whatever a failed
         shutdown left in /dev/shm goes too."""
+        self.rows = None  # its view of the region: vLLM unmaps it once none is held
         try:
             self.mgr.shutdown()
         finally:

@@ -700,4 +700,5 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
         except Exception as exc:
             log.warning("kvtier: closing the %s store: %s", self.store.name, exc)
         self._loop.close()
+        self._row_views.clear()  # the region's rows: vLLM unmaps it once none is held
         self._flat.release()
