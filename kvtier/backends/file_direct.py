@@ -102,6 +102,7 @@ class PageLocations:
             raise ValueError("keys: expected a sequence of keys, got one string")
         known = self._known
         out = []
+        k = keys
         try:
             for k in keys:
                 where = known.get(k)
@@ -109,6 +110,10 @@ class PageLocations:
                     where = self._new(k)
                 out.append(where)
         except TypeError:  # unhashable: not a key, which split_key says
+            if k is keys:  # no sequence at all
+                raise ValueError(
+                    f"keys={keys!r}: expected a sequence of store keys"
+                ) from None
             split_key(k)
             raise
         return out

@@ -68,3 +68,12 @@ def test_page_locations_refuse_a_bad_key_by_name(tmp_path):
             where([good, bad])
     with pytest.raises(ValueError, match="one string"):
         where(good)
+
+
+def test_keys_that_are_no_collection_are_refused_by_name(tmp_path):
+    """Not a collection at all: the `keys` argument named, not a crash on a variable
+    the loop never bound."""
+    for resolve in (PageLocations(str(tmp_path)), StoreKeys(key_maker("k", NS), None)):
+        for bad in (None, 5):
+            with pytest.raises(ValueError, match=f"keys={bad!r}: expected"):
+                resolve(bad)

@@ -148,6 +148,7 @@ class StoreKeys:
     def __call__(self, keys: Iterable[bytes]) -> list[str]:
         known = self._known
         out = []
+        k = keys
         try:
             for k in keys:
                 full = known.get(k)
@@ -155,6 +156,10 @@ class StoreKeys:
                     full = self._new(k)
                 out.append(full)
         except TypeError:  # unhashable: not an OffloadKey, which page_hash_of says
+            if k is keys:  # no collection at all
+                raise ValueError(
+                    f"keys={keys!r}: expected a collection of vLLM's OffloadKeys"
+                ) from None
             page_hash_of(k)
             raise
         return out
