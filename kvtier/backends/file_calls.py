@@ -15,12 +15,19 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import sys
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 _RESOLVE_NO_SYMLINKS = 0x04
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture (a new-style call)
+# openat2's number in the system call table that these machines share (alpha, ia64 and
+# mips number it otherwise: there it is not asked)
+_SYS_OPENAT2 = 437
+_OPENAT2_MACHINES = frozenset(
+    {"x86_64", "i386", "i686", "aarch64", "arm64", "armv7l", "armv8l", "riscv64"}
+    | {"ppc64", "ppc64le", "s390x", "loongarch64"}
+)
 
 
 class _OpenHow(ctypes.Structure):
@@ -49,11 +56,16 @@ def _libc():
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
-    return getattr(libc, "syscall", None), getattr(libc, "renameat2", None)
+    syscall = getattr(libc, "syscall", None)
+    if platform.machine() not in _OPENAT2_MACHINES:
+        syscall = None
+    return syscall, getattr(libc, "renameat2", None)
 
 
 _CALLS = _libc()
 _SYSCALL, _RENAMEAT2 = _CALLS if _CALLS is not None else (None, None)
+# a call this kernel lacks (ENOSYS) is not asked again: every page would pay a failed one
+_MISSING: set[str] = set()
 
 
 def dir_status(path: str) -> int | None:
@@ -61,11 +73,13 @@ def dir_status(path: str) -> int | None:
     component a symlink), else the errno of the first component that is not one (ELOOP
     a symlink, ENOENT not there, ENOTDIR, EACCES ...); None where this cannot be asked
     (the caller walks the path itself)."""
-    if _SYSCALL is None:
+    if _SYSCALL is None or "openat2" in _MISSING:
         return None
     fd = _SYSCALL(_SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), _DIR_HOW_REF, _HOW_SIZE)
     if fd < 0:
         err = ctypes.get_errno()
+        if err == errno.ENOSYS:
+            _MISSING.add("openat2")
         return None if err in _UNANSWERED else err
     os.close(fd)
     return 0
@@ -76,15 +90,11 @@ def rename_new(src: str, dst: str) -> bool:
     nothing). False where `dst` exists, and where this cannot be asked or failed
     otherwise: nothing was renamed, and the caller renames the portable way (which
     raises the error, if any, itself)."""
-    if _RENAMEAT2 is None:
+    if _RENAMEAT2 is None or "renameat2" in _MISSING:
         return False
-    return (
-        _RENAMEAT2(
-            _AT_FDCWD,
-            os.fsencode(src),
-            _AT_FDCWD,
-            os.fsencode(dst),
-            _RENAME_NOREPLACE,
-        )
-        == 0
+    done = _RENAMEAT2(
+        _AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE
     )
+    if done != 0 and ctypes.get_errno() == errno.ENOSYS:
+        _MISSING.add("renameat2")
+    return done == 0

@@ -97,3 +97,26 @@ def test_inside_root_refuses_a_symlink_on_the_way_and_says_which(
         "the pages under it are refused"
     ]
     assert inside.dirs == {str(root / "ns" / "aa")}
+
+
+def test_a_call_the_kernel_lacks_is_asked_once(tmp_path, monkeypatch):
+    """On a kernel without openat2 or renameat2 (ENOSYS) each page paid a failed call
+    before the portable way; the first ENOSYS ends the asking for the process."""
+    asked = []
+
+    def lacking(*args):
+        asked.append(args)
+        ctypes.set_errno(errno.ENOSYS)
+        return -1
+
+    monkeypatch.setattr(file_calls, "_MISSING", set())
+    monkeypatch.setattr(file_calls, "_SYSCALL", lacking)
+    monkeypatch.setattr(file_calls, "_RENAMEAT2", lacking)
+    assert file_calls.dir_status(str(tmp_path)) is None
+    assert file_calls.dir_status(str(tmp_path)) is None
+    (tmp_path / "a").write_bytes(b"x")
+    assert not file_calls.rename_new(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert not file_calls.rename_new(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert len(asked) == 2  # one of each
+    assert file_io.write_atomically(str(tmp_path / "b"), b"page", False) == 0
+    assert (tmp_path / "b").read_bytes() == b"page"
