@@ -13,6 +13,7 @@ import hashlib
 import re
 import struct
 from dataclasses import dataclass, fields
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -295,19 +296,51 @@ def split_key(key: str) -> tuple[str, str, bytes]:
     return parts
 
 
-# Recently parsed or made keys -> their parts, oldest first (~300 bytes each). Threads
-# share it: a dict's get, set and pop are atomic under the GIL, and so is `list(_RECENT)`,
-# one C call over str keys. An iterator kept across bytecodes is not: another thread's
-# set in between ends it with "dictionary changed size during iteration". When full, the
-# older half goes. A prefetch's keys are made, then read again after its grant: kept this
-# long, they are not parsed again.
-_RECENT: dict[str, tuple[str, str, bytes]] = {}
-_RECENT_MAX = 1 << 15
+class Recent(dict):
+    """What was made of the keys seen lately, oldest first: an engine moves the same keys
+    again and again, and each one made afresh (a parse, a hash, a string) costs more than
+    a dict lookup. Bounded: past `bound` entries the older half goes (`keep`). Threads
+    share one: a dict's get, set and pop are atomic under the GIL, and so is `list(d)`,
+    one C call. An iterator kept across bytecodes is not: another thread's set in between
+    ends it with "dictionary changed size during iteration"."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self, bound: int = 1 << 15) -> None:
+        super().__init__()
+        self.bound = bound
+
+    def keep(self, key, value):
+        """`value`, kept for `key`."""
+        if len(self) >= self.bound:
+            for old in list(self)[: self.bound // 2]:
+                self.pop(old, None)
+        self[key] = value
+        return value
+
+    def each(self, keys, make: Callable, what: str) -> list:
+        """What is kept for each of `keys`, or `make(key)` (which checks it and `keep`s
+        what it makes). `keys` no collection: a ValueError naming it and `what` it must be
+        a collection of; an unhashable key: `make`'s error for it."""
+        out, k = [], keys
+        try:
+            for k in keys:
+                made = self.get(k)
+                out.append(made if made is not None else make(k))
+        except TypeError:
+            if k is keys:  # no collection at all
+                raise ValueError(
+                    f"keys={keys!r}: expected a collection of {what}"
+                ) from None
+            make(k)  # raises, naming it
+            raise
+        return out
+
+
+# Recently parsed or made store keys -> their parts (~300 bytes each). A prefetch's keys
+# are made, then read again after its grant: kept this long, they are not parsed again.
+_RECENT: Recent = Recent(1 << 15)
 
 
 def _remember(key: str, parts: tuple[str, str, bytes]) -> tuple[str, str, bytes]:
-    if len(_RECENT) >= _RECENT_MAX:
-        for old in list(_RECENT)[: _RECENT_MAX // 2]:
-            _RECENT.pop(old, None)
-    _RECENT[key] = parts
-    return parts
+    return _RECENT.keep(key, parts)

@@ -28,7 +28,7 @@ import os
 from collections.abc import Callable
 
 from kvtier.backends.frame import FrameError
-from kvtier.hashing import split_key
+from kvtier.hashing import Recent, split_key
 
 
 class DirectCall:
@@ -88,46 +88,25 @@ class PageLocations:
     """Store keys -> (page file path, namespace id, page hash), each key checked: what a
     direct call needs of every key. An engine moves the same keys again and again, and
     each check and path made afresh is a parse and a string build (`FileStore._file`); the
-    recent ones are remembered. The root is fixed for the store's lifetime. Bounded: past
-    `bound` keys the older half goes. Dict gets, sets, pops and `list()` are atomic under
-    the GIL: any thread may call it."""
+    recent ones are remembered (`Recent`: bounded, any thread may call it). The root is
+    fixed for the store's lifetime."""
 
-    __slots__ = ("_root", "_known", "_bound")
+    __slots__ = ("_root", "_known")
 
     def __init__(self, root: str, bound: int = 1 << 15) -> None:
-        self._root, self._known, self._bound = root, {}, bound
+        self._root, self._known = root, Recent(bound)
 
     def __call__(self, keys) -> list[tuple[str, str, bytes]]:
         if isinstance(keys, str):
             raise ValueError("keys: expected a sequence of keys, got one string")
-        known = self._known
-        out = []
-        k = keys
-        try:
-            for k in keys:
-                where = known.get(k)
-                if where is None:
-                    where = self._new(k)
-                out.append(where)
-        except TypeError:  # unhashable: not a key, which split_key says
-            if k is keys:  # no sequence at all
-                raise ValueError(
-                    f"keys={keys!r}: expected a sequence of store keys"
-                ) from None
-            split_key(k)
-            raise
-        return out
+        return self._known.each(keys, self._new, "store keys")
 
     def _new(self, key: str) -> tuple[str, str, bytes]:
         _, ns, h = split_key(key)  # raises StoreKeyError, naming it
         head, _, hx = key.rpartition("/")
-        where = (f"{self._root}/{head}/{hx[:2]}/{hx[2:4]}/{hx}", ns, h)
-        known = self._known
-        if len(known) >= self._bound:
-            for old in list(known)[: self._bound // 2]:
-                known.pop(old, None)
-        known[key] = where
-        return where
+        return self._known.keep(
+            key, (f"{self._root}/{head}/{hx[:2]}/{hx[2:4]}/{hx}", ns, h)
+        )
 
 
 def read_dropping_bad(read, items: list[tuple], stop=None) -> list:

@@ -187,8 +187,7 @@ def test_a_key_the_maker_made_is_split_without_parsing_it_again(monkeypatch):
 def test_remembered_keys_are_bounded(monkeypatch):
     import kvtier.hashing as hashing
 
-    monkeypatch.setattr(hashing, "_RECENT", {})
-    monkeypatch.setattr(hashing, "_RECENT_MAX", 4)
+    monkeypatch.setattr(hashing, "_RECENT", hashing.Recent(4))
     keys = [make_key("p", NS, bytes([i]) * 16) for i in range(10)]
     for k in keys:
         assert split_key(k)[2] == bytes.fromhex(k.rpartition("/")[2])
@@ -208,8 +207,7 @@ def test_remembered_keys_survive_threads_that_make_and_split_keys_at_once(monkey
 
     import kvtier.hashing as hashing
 
-    monkeypatch.setattr(hashing, "_RECENT", {})
-    monkeypatch.setattr(hashing, "_RECENT_MAX", 64)
+    monkeypatch.setattr(hashing, "_RECENT", hashing.Recent(64))
     key_of, errors = key_maker("p", NS), []
 
     def make_and_split(seed: int) -> None:

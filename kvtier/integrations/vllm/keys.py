@@ -12,7 +12,7 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.errors import KvtierConfigError
-from kvtier.hashing import KeyedHash
+from kvtier.hashing import KeyedHash, Recent
 from kvtier.integrations.stack import Geometry, check_config
 
 # the tier's own keys in vLLM's `secondary_tiers` entry; vLLM pops type, module_path, backpressure
@@ -131,44 +131,21 @@ def page_hash_of(key: bytes, keyed: KeyedHash | None = None) -> bytes:
 
 class StoreKeys:
     """vLLM's keys -> their store keys (`page_hash_of`, then the namespace's `key`), the
-    recent ones remembered: vLLM stores and loads a block's key again and again, and each
-    one made afresh is a hash, a hex string and a parse to check it (~0.6 us a key, most
-    of a job's cost on vLLM's thread). One tier's keys all go through one namespace and one
-    tenant's keyed hash, so an `OffloadKey` names one store key for the tier's lifetime.
-    Bounded: past `bound` keys the older half goes. Called from vLLM's thread and the
-    store loop's: a dict's get, set, pop and `list()` are atomic under the GIL."""
+    recent ones remembered (`Recent`: bounded, any thread may call it): vLLM stores and
+    loads a block's key again and again, and each one made afresh is a hash, a hex string
+    and a parse to check it (~0.6 us a key, most of a job's cost on vLLM's thread). One
+    tier's keys all go through one namespace and one tenant's keyed hash, so an
+    `OffloadKey` names one store key for the tier's lifetime."""
 
-    __slots__ = ("_make", "_keyed", "_known", "_bound")
+    __slots__ = ("_make", "_keyed", "_known")
 
     def __init__(
         self, key: Callable[[bytes], str], keyed: KeyedHash | None, bound: int = 1 << 15
     ) -> None:
-        self._make, self._keyed, self._known, self._bound = key, keyed, {}, bound
+        self._make, self._keyed, self._known = key, keyed, Recent(bound)
 
     def __call__(self, keys: Iterable[bytes]) -> list[str]:
-        known = self._known
-        out = []
-        k = keys
-        try:
-            for k in keys:
-                full = known.get(k)
-                if full is None:
-                    full = self._new(k)
-                out.append(full)
-        except TypeError:  # unhashable: not an OffloadKey, which page_hash_of says
-            if k is keys:  # no collection at all
-                raise ValueError(
-                    f"keys={keys!r}: expected a collection of vLLM's OffloadKeys"
-                ) from None
-            page_hash_of(k)
-            raise
-        return out
+        return self._known.each(keys, self._new, "vLLM's OffloadKeys")
 
     def _new(self, key: bytes) -> str:
-        full = self._make(page_hash_of(key, self._keyed))
-        known = self._known
-        if len(known) >= self._bound:
-            for old in list(known)[: self._bound // 2]:
-                known.pop(old, None)
-        known[key] = full
-        return full
+        return self._known.keep(key, self._make(page_hash_of(key, self._keyed)))
