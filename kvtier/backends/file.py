@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import os
 import socket
@@ -28,14 +27,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from kvtier.backends import frame, seal
+from kvtier.backends import seal
 from kvtier.backends.base import Store, StoredPage
 from kvtier.backends.frame import HEADER_SIZE, FrameError
 from kvtier.backends.file_dirs import InsideRoot
-from kvtier.backends.file_direct import DirectCall, PageLocations, read_dropping_bad
+from kvtier.backends.file_direct import DirectCalls, PageLocations
 from kvtier.backends.file_leases import SharedLeases, eviction_order
 from kvtier.backends.leases import Leases
 from kvtier.backends.file_io import (
+    DISK_FULL,
     TMP,
     mtime,
     read_file,
@@ -48,7 +48,7 @@ from kvtier.backends.file_io import (
     write_small,
 )
 from kvtier.backends.io_threads import IoThreads, StopFlag, settle_jobs
-from kvtier.errors import StoreAbandoned, StoreError, StoreUnavailable
+from kvtier.errors import StoreError, StoreUnavailable
 from kvtier.hashing import split_key, validate_key
 from kvtier.validate import check_positive, io_threads
 
@@ -78,7 +78,7 @@ class FileStoreConfig:
         )
 
 
-class FileStore(Store):
+class FileStore(DirectCalls, Store):
     config_class = FileStoreConfig
     name = "file"
     reads_end_with_call = True  # file_io.copy_out: an abandoned read writes no buffer
@@ -430,7 +430,7 @@ class FileStore(Store):
         full = [
             i
             for i, r in enumerate(outcomes)
-            if isinstance(r, OSError) and r.errno in _DISK_FULL
+            if isinstance(r, OSError) and r.errno in DISK_FULL
         ]
         if not full:
             return
@@ -558,249 +558,6 @@ class FileStore(Store):
                 self._leases.forget(present)
                 self._shared_leases.save()
         return len(present)
-
-    # -- direct calls (file_direct.py): from the caller's thread, no store loop between ----
-
-    async def _call(self, op, coro):
-        self._take_handoff()  # what direct calls did, before this call reads the index
-        return await super()._call(op, coro)
-
-    def _take_handoff(self) -> None:
-        """Apply the direct calls' effects on the index (the loop thread, which owns it)."""
-        while self._handoff:
-            fn, arg = self._handoff.popleft()
-            try:
-                fn(arg)
-            except OSError as exc:  # the shared byte count's file: this call goes on
-                self.counters.errors += 1
-                self.complain("error", f"applying a direct call's effects: {exc}")
-
-    def begin_get_into(self, keys, views, on_done=None, drop_bad=False) -> DirectCall:
-        """Start reading each page of `keys` into its view of `views`, verified, in the I/O
-        threads, from the caller's thread (`batch_get_into`'s work, no loop). With
-        `drop_bad` a page that does not verify is deleted in the same thread job. A key
-        abandoned stuck before is not read (a miss). `on_done(call)` runs on an I/O
-        thread once every job ended; then `end_get_into`, or `give_up` past the deadline."""
-        where = self._locations(keys)
-        if len(views) != len(keys):
-            raise ValueError(
-                f"begin_get_into: {len(keys)} keys but {len(views)} buffers"
-            )
-        call = DirectCall(False, list(keys), time.monotonic() + self.timeout_s)
-        read = (
-            partial(read_sealed_into, self.codec)
-            if self.codec.keyed
-            else read_pages_into
-        )
-        job = partial(read_dropping_bad, read) if drop_bad else read
-        items, index, sizes, hung = [], [], call.sizes, self._hung
-        for i, ((path, ns, h), v) in enumerate(zip(where, views)):
-            view = (
-                v
-                if type(v) is memoryview and v.ndim == 1 and v.format == "B"
-                else memoryview(v).cast("B")
-            )
-            sizes.append(len(view))
-            if not hung or call.keys[i] not in hung:
-                items.append((path, ns, h, view))
-                index.append(i)
-        self._begin(call, job, items, index, on_done)
-        return call
-
-    def begin_set(self, keys, pages, on_done=None) -> DirectCall:
-        """Start writing each page of `keys` (framed, atomically: `write_pages`) in the I/O
-        threads, from the caller's thread; then `end_set`, or `give_up` (`begin_get_into`)."""
-        where = self._locations(keys)
-        if len(pages) != len(keys):
-            raise ValueError(f"begin_set: {len(keys)} keys but {len(pages)} pages")
-        call = DirectCall(True, list(keys), time.monotonic() + self.timeout_s)
-        items, index = [], []
-        fsync, inside, room = (
-            self.config.fsync,
-            self._inside,
-            self.config.capacity_bytes,
-        )
-        codec, sizes, frames = self.codec, call.sizes, call.frames
-        for i, ((path, ns, h), p) in enumerate(zip(where, pages)):
-            view = (
-                p
-                if type(p) is memoryview and p.ndim == 1 and p.format == "B"
-                else memoryview(p).cast("B")
-            )
-            f = frame.Frame(ns, h, view, codec)
-            size = f.size
-            sizes.append(len(view))
-            frames.append(size)
-            if size <= room:
-                items.append((path, f, fsync, inside))
-                index.append(i)
-        self._begin(call, write_pages, items, index, on_done)
-        return call
-
-    def _begin(self, call: DirectCall, job, items, index, on_done) -> None:
-        """`items` as one thread job: a thread for each call, as vLLM's own fs tier gives
-        each job one, bounded by the pool (calls past it queue). A call split over the
-        threads when it came first in a step's burst took them all, and the calls behind
-        it waited for their share: on 4 jobs of 64 pages the last thread read 80 pages
-        where each could have read 64; and every thread job is one more wake-up."""
-        self._direct_calls += 1
-        call.on_done = on_done
-        if items:
-            stop = StopFlag()
-            call.groups.append(index)
-            call.stops.append(stop)
-            call.futures.append(self._pool.submit(partial(job, items), stop))
-            call.futures[0].add_done_callback(call._job_ended)
-        elif on_done is not None:
-            on_done(call)
-
-    def _results(self, call: DirectCall) -> list:
-        """Each key's thread job result, by key index (None: not read or written, as a job
-        stopped before it)."""
-        self._direct_calls -= 1
-        call.ended = True
-        n = len(call.keys)
-        if len(call.futures) == 1 and len(call.groups[0]) == n:  # every key went
-            got = call.futures[0].result()
-            if len(got) == n:
-                return got
-        out: list = [None] * n
-        for idx, fut in zip(call.groups, call.futures):
-            for i, r in zip(idx, fut.result()):
-                out[i] = r
-        return out
-
-    def end_get_into(self, call: DirectCall, errors: set | None = None) -> list[bool]:
-        """A direct read's outcome (the caller's thread, once every job ended): True where
-        the view holds the verified page (`batch_get_into`); `errors` gets the keys whose
-        read failed on an I/O error (the page may be good). Index effects are handed off."""
-        results = self._results(call)
-        out, touched, forgotten, dropped = [], [], [], []
-        hits = hit_bytes = 0
-        for k, n, r in zip(call.keys, call.sizes, results):
-            if r is True:  # the common case, counted once for all below
-                touched.append(k)
-                hits += 1
-                hit_bytes += n
-                out.append(True)
-                continue
-            if isinstance(r, tuple):  # did not verify, and was deleted (`drop_bad`)
-                r, size = r
-                dropped.append((k, size))
-            elif isinstance(r, OSError):
-                forgotten.append(k)
-                if isinstance(r, FileNotFoundError):
-                    r = None
-                else:
-                    self.counters.errors += 1
-                    self.complain(
-                        "error", f"reading {k}: {r}; dropped from the index, a miss"
-                    )
-                    if errors is not None:
-                        errors.add(k)
-            out.append(self._count_read(k, r, n) is not None)
-        if hits:  # `_count_read`'s for each page read whole
-            self.counters.gets += hits
-            self.counters.hits += hits
-            self.counters.get_bytes += hit_bytes
-            self._handoff.append((self._touch_all, touched))
-        if forgotten:
-            self._handoff.append((self._forget_all, forgotten))
-        if dropped:
-            self._handoff.append((self._dropped, dropped))
-        return out
-
-    def end_set(self, call: DirectCall) -> list[bool]:
-        """A direct write's outcome (`batch_set`'s); StoreError where no page could be
-        written. The pages written are indexed on the loop thread (handed off), their
-        bytes counted in `direct_unsettled` until the caller posts `settle_direct`."""
-        outcomes = self._results(call)
-        n = len(call.keys)
-        failed = {i: e for i, e in enumerate(outcomes) if isinstance(e, OSError)}
-        ok = [e is not None and not isinstance(e, OSError) for e in outcomes]
-        self.counters.sets += n
-        if failed or None in outcomes:
-            self.counters.set_failures += n - sum(ok)
-            self.counters.set_bytes += sum(s for s, good in zip(call.sizes, ok) if good)
-        else:  # every page written
-            self.counters.set_bytes += sum(call.sizes)
-        full = sum(call.frames[i] for i, e in failed.items() if e.errno in _DISK_FULL)
-        if full:  # room is made by the next settle_direct; these pages are not stored
-            self._handoff.append((self._note_disk_full, full))
-            self.direct_unsettled += self.config.capacity_bytes
-        if failed and len(failed) == n:
-            i, err = next(iter(failed.items()))
-            self.counters.errors += 1
-            message = f"file.batch_set: writing {call.keys[i]}: {err}"
-            self.complain("error", message)
-            raise StoreError(message) from err
-        for i, err in failed.items():
-            self.counters.errors += 1
-            self.complain("error", f"writing {call.keys[i]}: {err}")
-        if all(ok):
-            written = (call.keys, call.frames, outcomes)
-        else:
-            kept = [i for i in range(n) if ok[i]]
-            written = tuple(
-                [column[i] for i in kept]
-                for column in (call.keys, call.frames, outcomes)
-            )
-        if written[0]:
-            self._handoff.append((self._index_written, written))
-            self.direct_unsettled += sum(written[1])
-        return ok
-
-    def timed_out(self, call: DirectCall) -> str:
-        """`call` ran past its deadline: counted and said, as a loop call's timeout."""
-        call.timed_out = True
-        self.counters.timeouts += 1
-        message = f"{self.name}.{'batch_set' if call.write else 'batch_get_into'}: no answer within timeout_s={self.timeout_s}"
-        self.complain("timeout", message)
-        return message
-
-    def give_up(self, call: DirectCall) -> StoreAbandoned:
-        """Abandon a direct call still running `timeout_s` past its deadline (a hung mount):
-        its stop flags set (once this returned no job writes a buffer of the caller's),
-        the keys of its pages never asked again by this process, the stuck threads
-        replaced. The StoreAbandoned to tell the breaker."""
-        for stop in call.stops:
-            stop.set()
-        keys = [call.keys[i] for idx in call.groups for i in idx]
-        self._hung.update(keys)  # read by the next begin_get_into, on this thread
-        self._handoff.append((self._forget_all, keys))
-        call.given_up = call.ended = True
-        self._direct_calls -= 1
-        n = self._pool.abandon(call.futures)
-        return StoreAbandoned(
-            f"{n} I/O thread(s) stuck for {self.timeout_s:.1f}s after the call's timeout: "
-            "abandoned (their buffers stay out of use)"
-        )
-
-    def start_threads(self) -> None:
-        """Start the I/O threads from this thread (the store loop's: they keep to its
-        CPUs), before direct calls submit to them from another."""
-        self._pool.start_all()
-
-    @property
-    def handoff_backlog(self) -> int:
-        """How many direct calls' effects wait for the loop thread (`_take_handoff`)."""
-        return len(self._handoff)
-
-    def touch_later(self, keys) -> None:
-        """`touch` from any thread: applied on the loop thread before its next call."""
-        self._handoff.append((self._touch_all, list(keys)))
-
-    async def settle_direct(self) -> None:
-        """The loop thread: apply what direct calls did, then hold the capacity for the
-        bytes their writes added (and make room where the disk was full for them)."""
-        await self._call("settle", self._settle_direct())
-
-    async def _settle_direct(self) -> None:
-        added, self._direct_added = self._direct_added, 0
-        need, self._direct_need = self._direct_need, 0
-        if need:
-            await self._evict_for_disk_full(need, "for the next writes")
-        await self._enforce_capacity(added)
 
     async def _evict_for_disk_full(self, need: int, what: str) -> bool:
         """Evict unleased LRU pages worth `need` bytes from a full disk; whether any went."""
@@ -933,7 +690,6 @@ class FileStore(Store):
 
 
 MARKER, LOCK, USAGE = ".kvtier-store", ".kvtier-lock", ".kvtier-usage"
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 STALE_TEMP_S = 3600.0
 
 

@@ -29,6 +29,7 @@ from kvtier.backends.file_dirs import Dir
 from kvtier.backends.frame import FrameError
 
 TMP = ".tmp-"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that found no room
 _OWNER = f"{socket.gethostname()}.{os.getpid()}."
 _RUN = uuid.uuid4().hex[:12] + "-"
 _TEMP_IDS = (
