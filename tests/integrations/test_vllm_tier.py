@@ -892,11 +892,22 @@ def test_a_malformed_tenant_key_is_refused_without_showing_it():
 def test_the_file_store_gets_a_thread_for_each_job_in_flight(tmp_path, rigs):
     """The file store's default keeps half the cores for an engine's scheduler: one I/O
     thread on two cores for every job vLLM keeps in flight, where vLLM's own fs tier gives
-    each job a thread. The tier raises it to JOB_THREADS; a larger setting is kept."""
-    from kvtier.integrations.vllm.tier import JOB_THREADS
+    each job a thread. The tier raises it to JOB_THREADS, or to the cores where there are
+    fewer (threads past them only take turns); a larger setting is kept."""
+    from kvtier.integrations.vllm.tier import JOB_THREADS, job_threads
+
+    assert job_threads(range(64)) == JOB_THREADS == 4
+    assert job_threads({0, 1}) == 2 and job_threads({5}) == 1
+    cores = len(os.sched_getaffinity(0))
+    assert job_threads(None) == min(JOB_THREADS, cores)
 
     section = {"backend": "file", "root": str(tmp_path / "l3")}
-    assert rigs(conf(section)).tier.store.config.max_concurrency == JOB_THREADS
+    assert rigs(conf(section)).tier.store.config.max_concurrency == min(
+        JOB_THREADS, cores
+    )
+    one = min(os.sched_getaffinity(0))  # confined to one core: one thread
+    confined = conf(section, cpus=str(one))
+    assert rigs(confined).tier.store.config.max_concurrency == 1
     more = {**section, "max_concurrency": JOB_THREADS + 4}
     assert rigs(conf(more)).tier.store.config.max_concurrency == JOB_THREADS + 4
 

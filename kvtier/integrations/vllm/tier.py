@@ -28,6 +28,7 @@ from typing_extensions import override
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import time
 from collections.abc import Collection, Iterable
@@ -61,14 +62,18 @@ from kvtier.storeio.call import (
     guarded,
     read_staged,
 )
+from kvtier.storeio.cpus import allowed_cpus, check_cpus
 
 log = logging.getLogger(__name__)
 
 
 # the file store's I/O threads at least: a thread for each of the jobs vLLM keeps in flight
-# (4 in benchmarks/vllm_tier.py). On a page cache or tmpfs a read is a memory copy under
-# the GIL, so threads past the jobs only take turns: 8 on two cores cost a quarter of the
-# 256 KiB rows' throughput against 4.
+# (4 in benchmarks/vllm_tier.py), as vLLM's own fs tier gives each job one, but no more
+# than the cores they may run on (`job_threads`). On a page cache or tmpfs a read is a
+# memory copy and a check, each holding the GIL for part of the page, so threads past the
+# cores only take turns, and every turn is a wake-up: on two cores, 4 threads loaded
+# 64 x 256 KiB rows at 0.83-0.91x vLLM's tier where 2 load them at 0.94-1.09x
+# (benchmarks/vllm_tier.py, docs/vllm.md).
 JOB_THREADS = 4
 
 # the direct calls' effects (FileStore.handoff_backlog) that may wait for the store loop
@@ -76,15 +81,25 @@ JOB_THREADS = 4
 HANDOFF_BOUND = 256
 
 
-def with_job_threads(options):
+def job_threads(cpus: Collection[int] | None) -> int:
+    """`JOB_THREADS`, or fewer on a machine with fewer cores: those of `cpus`
+    (`controller.cpus`, where the store's threads are confined), else those this process
+    may run on."""
+    if cpus is None:
+        cpus = allowed_cpus()
+    cores = len(cpus) if cpus else (os.cpu_count() or 1)
+    return max(1, min(JOB_THREADS, cores))
+
+
+def with_job_threads(options, threads: int):
     """A store's options with `max_concurrency` (the file store's I/O threads) raised to
-    `JOB_THREADS`: the store's default keeps half the cores for an engine's scheduler,
-    which on two cores is one thread for every job vLLM has in flight, where vLLM's own
-    fs tier gives each job a thread. A larger setting is kept."""
-    threads = getattr(options, "max_concurrency", None)
-    if not isinstance(threads, int) or threads >= JOB_THREADS:
+    `threads` (`job_threads`): the store's default keeps half the cores for an engine's
+    scheduler, which on two cores is one thread for every job vLLM has in flight, where
+    vLLM's own fs tier gives each job a thread. A larger setting is kept."""
+    current = getattr(options, "max_concurrency", None)
+    if not isinstance(current, int) or current >= threads:
         return options
-    return dataclasses.replace(options, max_concurrency=JOB_THREADS)
+    return dataclasses.replace(options, max_concurrency=threads)
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,7 +154,10 @@ class KvtierTier(TierMetrics, SecondaryTierManager):  # TierMetrics: vLLM's stat
             config=s.config,
             geometry=vllm_geometry(offloading_spec, self.block_size_bytes, s),
             who=f"secondary tier {tier_type!r}",
-            store_options=with_job_threads(s.config.store.options),
+            store_options=with_job_threads(
+                s.config.store.options,
+                job_threads(check_cpus(s.config.controller.cpus)),
+            ),
             thread="kvtier-vllm-store",
         )
         self.stack = stack
