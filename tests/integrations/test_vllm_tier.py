@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -647,6 +648,50 @@ def test_a_row_a_transient_error_kept_from_being_read_is_not_deleted(
     reader.mgr.on_reset_flushed()
     seen, got = reader.load(keys, "next")
     assert got == written
+
+
+def test_a_direct_store_job_that_cannot_write_one_row_stores_the_rest(tmp_path, rigs):
+    """One row of a direct store job cannot be published (a directory stands at its
+    page's path): that key alone fails. The job's other rows are stored and announced,
+    the failed key is neither announced nor stored, no temp file is left behind, and the
+    tier has nothing in flight. A later job writes it once the path is free."""
+    from vllm.v1.kv_offload.base import Medium
+
+    from kvtier.hashing import make_key
+    from kvtier.integrations.vllm.keys import page_hash_of
+
+    cfg = conf({"backend": "file", "root": str(tmp_path / "l3")})
+    writer = rigs(cfg)
+    t = writer.tier
+    writer.store(new_keys(1), "manifest")  # the namespace's first write, on the loop
+    keys = new_keys(3)
+    blocked = t.store.path(
+        make_key(t.key_prefix, t.namespace.id, page_hash_of(keys[1]))
+    )
+    (blocked / "in-the-way").mkdir(parents=True)
+    direct = t.counters["direct_jobs"]
+    written = writer.store(keys, "partly")
+    assert t.counters["direct_jobs"] == direct + 1  # the direct path, not the loop's
+    announced = [
+        k
+        for e in writer.events
+        if e.medium is Medium.STORAGE and not e.removed
+        for k in e.keys
+    ]
+    assert announced == [keys[0], keys[2]]
+    assert not writer.mgr.has_pending_work()
+    temps = [f for _, _, fs in os.walk(t.store.root) for f in fs if ".tmp" in f]
+    assert temps == []
+    exists = [t._loop.run(t.store.batch_exists(t.store_keys([k]))) for k in keys]
+    assert exists == [1, 0, 1]
+    seen, got = rigs(cfg).load([keys[0], keys[2]])  # a leading run stops at a MISS
+    assert names(seen) == [["RETRY", "HIT_PENDING", "HIT"]] * 2
+    assert got == {keys[0]: written[keys[0]], keys[2]: written[keys[2]]}
+
+    shutil.rmtree(blocked)
+    again = rigs(cfg).store([keys[1]], "freed")  # another engine computed it again
+    seen, got = rigs(cfg).load([keys[1]])
+    assert names(seen)[0][-1] == "HIT" and got == again
 
 
 def test_a_black_hole_store_does_not_stall_lookup(rigs):
