@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 # than the cores they may run on (`job_threads`). On a page cache or tmpfs a read is a
 # memory copy and a check, each holding the GIL for part of the page, so threads past the
 # cores only take turns, and every turn is a wake-up: on two cores, 4 threads loaded
-# 64 x 256 KiB rows at 0.83-0.91x vLLM's tier where 2 load them at 0.94-1.09x
+# 64 x 256 KiB rows at 0.83-0.91x vLLM's tier where 2 load them at 0.93-1.10x
 # (benchmarks/vllm_tier.py, docs/vllm.md).
 JOB_THREADS = 4
 
