@@ -844,3 +844,21 @@ def test_a_trailing_newline_makes_no_key_valid():
     assert page_hash_of(h + "\n") != page_hash_of(
         h
     )  # another string: hashed with a tag, not read as hex
+
+
+def test_the_default_io_threads_count_the_cores_this_process_may_run_on(monkeypatch):
+    """A process confined to a few cores of a large machine (a container's cpuset,
+    `taskset`) got I/O threads for the machine's cores: half of 64 capped at 4, where two
+    cores should give one. The store defaults count the affinity mask."""
+    import os
+
+    from kvtier.validate import io_threads, usable_cores
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 7}, raising=False)
+    assert usable_cores() == 2 and io_threads() == 1
+    assert FileStoreConfig().max_concurrency == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert usable_cores() == 16 and io_threads() == 4 and io_threads(2) == 2
+    monkeypatch.delattr(os, "sched_getaffinity")  # a platform without masks
+    assert usable_cores() == 64 and io_threads() == 4

@@ -28,7 +28,6 @@ from typing_extensions import override
 import asyncio
 import dataclasses
 import logging
-import os
 import queue
 import time
 from collections.abc import Collection, Iterable
@@ -62,7 +61,8 @@ from kvtier.storeio.call import (
     guarded,
     read_staged,
 )
-from kvtier.storeio.cpus import allowed_cpus, check_cpus
+from kvtier.storeio.cpus import check_cpus
+from kvtier.validate import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +85,7 @@ def job_threads(cpus: Collection[int] | None) -> int:
     """`JOB_THREADS`, or fewer on a machine with fewer cores: those of `cpus`
     (`controller.cpus`, where the store's threads are confined), else those this process
     may run on."""
-    if cpus is None:
-        cpus = allowed_cpus()
-    cores = len(cpus) if cpus else (os.cpu_count() or 1)
+    cores = len(cpus) if cpus else usable_cores()
     return max(1, min(JOB_THREADS, cores))
 
 
