@@ -135,12 +135,15 @@ def read_sealed_into(codec, items: list[tuple], stop=None) -> list:
     FrameError or OSError in its place. Once `stop` is set (the job was given up on) it
     writes no further buffer of the caller's (`copy_out`)."""
     out: list = []
+    # the job's own header and spare bytes: a job given up on keeps them (a read it
+    # resumes lands there, never in another job's)
+    spare = (bytearray(seal.HEADER_SIZE), bytearray(seal.TAG_SIZE + 1))
     with _MemoryDevices() as memory:
         for path, ns, h, view in items:
             if stop is not None and stop.is_set():
                 break
             try:
-                _read_sealed_page(codec, path, ns, h, view, stop, memory)
+                _read_sealed_page(codec, path, ns, h, view, stop, memory, spare)
                 out.append(True)
             except (FrameError, OSError) as exc:
                 out.append(exc.with_traceback(None))  # no frame (nor a row view) kept
@@ -165,7 +168,7 @@ def _open_page(path: str) -> tuple[int, int]:
 
 
 def _read_sealed_page(
-    codec, path: str, ns: str, h: bytes, view: memoryview, stop, memory
+    codec, path: str, ns: str, h: bytes, view: memoryview, stop, memory, spare
 ) -> None:
     """Header, body and a byte more in one readv into this thread's buffers, the page
     authenticated (an encrypted one decrypted) there (`SealedCodec.read_into`), then
@@ -177,10 +180,10 @@ def _read_sealed_page(
         read = partial(_read_frame, fd)
         if memory(fd, device):
             with _writing(stop):
-                codec.read_into(read, ns, h, view, _scratch)
+                codec.read_into(read, ns, h, view, _scratch, spare)
             return
         staged = _staging(len(view))
-        codec.read_into(read, ns, h, staged, _scratch)
+        codec.read_into(read, ns, h, staged, _scratch, spare)
     finally:
         os.close(fd)
     copy_out(stop, view, staged)

@@ -66,6 +66,12 @@ _PREFIX = struct.Struct(
 )  # what plain and sealed headers share: up to the payload length
 
 
+# where the key id and the nonce lie in the sealed part
+_KEY_ID = slice(SEALED_PART - 23, SEALED_PART - 15)
+_NONCE = slice(SEALED_PART - 15, SEALED_PART - 3)
+_MAC_MISMATCH = "MAC mismatch: not sealed with this tenant's key, or altered since"
+
+
 def frame_bound(header: Buffer) -> int | None:
     """At most how many bytes follow the first `frame.HEADER_SIZE` bytes of a plain or
     sealed frame that starts with `header`, as its header claims (unverified: a bound for a
@@ -228,6 +234,40 @@ class SealedCodec:
             self._opened[sealed] = cipher
         return cipher
 
+    def _checked_as_written(
+        self, header: bytearray, namespace_id: str, page_hash: bytes, view: memoryview
+    ) -> bool:
+        """A page read again, checked in few Python steps (what a page costs in Python is
+        what sealed loads of small pages are slow by): True if `header` is byte for byte
+        what `seal` writes for this page (mode 1, this length, a zero tail) of a frame
+        `open_header` opened before (its key object kept, its key still in the ring) and
+        the tag verifies `view`; FrameError if the tag does not; False for anything else,
+        which `open_header` then checks and names. (A header `open_header` refuses, a
+        page hash longer than its room among them, is never kept: never taken here.)"""
+        expected = _PREFIX.pack(
+            MAGIC,
+            SEALED_VERSION,
+            MODE_MAC,
+            _namespace_bytes(namespace_id),
+            len(page_hash),
+            page_hash,
+            len(view),
+        )
+        if not (header.startswith(expected) and header.endswith(_UNUSED[MODE_MAC])):
+            return False
+        sealed = bytes(header[:SEALED_PART])
+        cipher = self._opened.get(sealed)
+        if cipher is None or sealed[_KEY_ID] not in self.keys.by_id:
+            # not opened lately (`open_header` derives and keeps it), or the ring no
+            # longer holds its key (asked before the kept key, as there)
+            return False
+        tag = bytes(header[SEALED_PART : SEALED_PART + TAG_SIZE])
+        try:
+            cipher.decrypt(sealed[_NONCE], tag, view)
+        except InvalidTag:
+            raise FrameError(_MAC_MISMATCH) from None
+        return True
+
     def decode(self, blob: Buffer, namespace_id: str, page_hash: bytes) -> memoryview:
         view = memoryview(blob).cast("B")
         opened = self.open_header(view[:HEADER_SIZE], namespace_id, page_hash)
@@ -262,21 +302,28 @@ class SealedCodec:
         page_hash: bytes,
         view: memoryview,
         scratch: Callable[[int], memoryview],
+        spare: tuple[bytearray, bytearray] | None = None,
     ) -> None:
         """A frame read in one go (the file store): `read(buffers, want)` fills the header,
         the body and a byte more into buffers from the frame's start, at least `want` bytes
         unless the file ends first, and says how many bytes it read. The body goes where
         this codec's own mode wants it: an authenticated one straight into `view`, checked
         there; an encrypted one into `scratch(n)` (a buffer of at least n bytes), decrypted
-        into `view`; a frame of the other mode is moved over first. FrameError if it does
-        not authenticate (`view` may then hold garbage)."""
+        into `view`; a frame of the other mode is moved over first. The header and the byte
+        more go into `spare` (`HEADER_SIZE` and `TAG_SIZE + 1` bytes), a job's own, or into
+        new buffers. FrameError if it does not authenticate (`view` may then hold garbage)."""
         size = len(view)
-        header, tail, body = bytearray(HEADER_SIZE), bytearray(TAG_SIZE + 1), None
+        header, tail = spare or (bytearray(HEADER_SIZE), bytearray(TAG_SIZE + 1))
+        body = None
         if self.encrypt:
             body = scratch(size + TAG_SIZE + 1)[: size + TAG_SIZE + 1]
             n = read([header, body], HEADER_SIZE + size + TAG_SIZE) - HEADER_SIZE
         else:
             n = read([header, view, tail], HEADER_SIZE + size) - HEADER_SIZE
+            if n == size and self._checked_as_written(
+                header, namespace_id, page_hash, view
+            ):
+                return
         opened = self.open_header(
             header if n >= 0 else header[: HEADER_SIZE + n], namespace_id, page_hash
         )
@@ -317,9 +364,7 @@ def check_tag(opened: Opened, payload: Buffer) -> None:
     try:
         opened.cipher.decrypt(opened.nonce, opened.tag, payload)
     except InvalidTag:
-        raise FrameError(
-            "MAC mismatch: not sealed with this tenant's key, or altered since"
-        ) from None
+        raise FrameError(_MAC_MISMATCH) from None
 
 
 def decrypt(opened: Opened, body: Buffer, out) -> None:

@@ -8,6 +8,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -24,6 +26,26 @@ H = bytes(range(32))
 
 def codec(spec: str = NEW, encrypt: bool = False) -> seal.SealedCodec:
     return seal.SealedCodec(parse_keys(spec, "test"), encrypt)
+
+
+def read_into(
+    c: seal.SealedCodec, blob: bytes, out: memoryview, h: bytes = H, spare=None
+) -> None:
+    """`c.read_into` as the file store calls it: one readv of the file `blob` into the
+    buffers it gives, a job's spare header and byte among them (`spare`: one a job
+    reads earlier pages into too)."""
+
+    def read(bufs, want):
+        got = 0
+        for b in bufs:
+            b = memoryview(b).cast("B")
+            n = min(len(b), len(blob) - got)
+            b[:n] = blob[got : got + n]
+            got += n
+        return got
+
+    spare = spare or (bytearray(seal.HEADER_SIZE), bytearray(seal.TAG_SIZE + 1))
+    c.read_into(read, NS, h, out, lambda n: memoryview(bytearray(n)), spare)
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
@@ -280,18 +302,8 @@ def test_frames_sealed_by_an_earlier_build_still_open_and_still_fail_when_altere
     c.decode_into(blob, NS, H, out)
     assert bytes(out) == payload
 
-    # what the file store's readv does: the frame into the buffers
-    def read(bufs, want):
-        got = 0
-        for b in bufs:
-            b = memoryview(b).cast("B")
-            n = min(len(b), len(blob) - got)
-            b[:n] = blob[got : got + n]
-            got += n
-        return got
-
     out = memoryview(bytearray(48))
-    c.read_into(read, NS, H, out, lambda n: memoryview(bytearray(n)))
+    read_into(c, blob, out)
     assert bytes(out) == payload
     for offset in (8, 30, 80, 90, 110, 128, len(blob) - 1):
         bad = bytearray(blob)
@@ -385,11 +397,13 @@ def test_a_kept_frame_key_opens_nothing_once_its_codecs_ring_no_longer_holds_the
     blob = header + bytes(body)
     assert bytes(c.decode(blob, NS, H)) == payload
     assert blob[: seal.SEALED_PART] in c._opened
+    read_into(c, blob, memoryview(bytearray(len(payload))))  # the kept key's read
     old = c.keys.keys[1]
     del c.keys.by_id[old.key_id]
     for read in (
         lambda: c.decode(blob, NS, H),
         lambda: c.decode_into(blob, NS, H, memoryview(bytearray(len(payload)))),
+        lambda: read_into(c, blob, memoryview(bytearray(len(payload)))),
     ):
         with pytest.raises(seal.ForeignKey):
             read()
@@ -413,3 +427,50 @@ def test_a_codec_that_opened_frames_still_copies_and_pickles(encrypt):
         bad[-1] ^= 1
         with pytest.raises(FrameError):
             copied.decode(bytes(bad), NS, H)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    encrypt=st.booleans(),
+    change=st.one_of(
+        st.tuples(st.just("byte"), st.integers(0, 128 + 256 - 1), st.integers(1, 255)),
+        st.tuples(st.just("cut"), st.integers(1, 128 + 256), st.just(0)),
+        st.tuples(st.just("more"), st.integers(1, 17), st.integers(0, 255)),
+        st.tuples(st.just("hash"), st.integers(0, 31), st.integers(1, 255)),
+    ),
+)
+def test_a_page_read_again_through_the_file_stores_read_is_checked_like_the_first(
+    encrypt, change
+):
+    """The file store's read of an authenticated page whose key object is kept (a page
+    read again: `read_into` compares its header with what `seal` writes and checks the
+    tag, with few Python steps) refuses all that the first read refuses: any byte of the
+    header or the body changed, the file cut short or grown, another page asked for. The
+    unchanged frame still reads. The job's header buffer, which holds the first read's
+    header, is the one each read fills."""
+    writer, reader = codec(), codec(encrypt=encrypt)
+    payload = os.urandom(256)
+    header, body = writer.seal(NS, H, payload)
+    blob = header + bytes(body)
+    out = memoryview(bytearray(256))
+    spare = (bytearray(seal.HEADER_SIZE), bytearray(seal.TAG_SIZE + 1))  # the job's
+    read_into(reader, blob, out, spare=spare)  # the first read keeps its key object
+    assert bytes(out) == payload and blob[: seal.SEALED_PART] in reader._opened
+    kind, at, value = change
+    bad, h = bytearray(blob), H
+    if kind == "byte":
+        bad[at] ^= value
+    elif kind == "cut":
+        del bad[-at:]
+    elif kind == "more":
+        bad += bytes([value]) * at
+    else:
+        h = bytearray(H)
+        h[at] ^= value
+        h = bytes(h)
+    with pytest.raises(FrameError):
+        reader.decode(bytes(bad), NS, h)  # what the first read's checks say
+    with pytest.raises(FrameError):
+        read_into(reader, bytes(bad), memoryview(bytearray(256)), h, spare)
+    read_into(reader, blob, out, spare=spare)
+    assert bytes(out) == payload
