@@ -25,6 +25,7 @@ from kvtier.numpy_gil import GIL_CHUNK
 from kvtier.tiers.allocator import PagedAllocator
 from kvtier.tiers.indices import as_numpy, check_slots, page_slots, pages_of, runs
 from kvtier.tiers.pool import DeviceKVPool
+from kvtier.validate import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,10 @@ _helper_lock = threading.Lock()
 
 
 def _copy_helper() -> ThreadPoolExecutor | None:
-    """One shared helper thread for big CPU copies; None on a single core."""
+    """One shared helper thread for big CPU copies; None where this process may run on a
+    single core (`usable_cores`: a container's cpuset, `taskset`)."""
     global _helper
-    if (os.cpu_count() or 1) < 2:
+    if usable_cores() < 2:
         return None
     with _helper_lock:
         if _helper is None:

@@ -471,3 +471,35 @@ def test_gil_watch_counts_hand_offs_not_time():
     with gil_watch() as progress:
         assert progress(busy) == 0
         assert progress(sleeps) > 0
+
+
+@pytest.mark.parametrize("cores, helper", [({5}, False), ({2, 9}, True)])
+def test_a_big_copy_takes_a_helper_thread_only_where_this_process_has_two_cores(
+    monkeypatch, cores, helper
+):
+    """A big CPU copy is split with a helper thread when there is a second core for it:
+    the cores this process may run on (its affinity mask: a container's cpuset,
+    `taskset`), not the machine's. Confined to one core of 64, it made a helper that could
+    only take turns with the copying thread. The round trip is bitwise either way."""
+    import os
+
+    from kvtier.tiers import mirror as mirror_module
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores, raising=False)
+    monkeypatch.setattr(mirror_module, "_SPLIT_BYTES", 1)  # every copy is "big"
+    monkeypatch.setattr(mirror_module, "_helper", None)
+    pool = filled_pool("mha", 16)
+    mirror = HostMirror(pool, MirrorConfig(ratio=2.0, layout="layer_first"))
+    dev = torch.arange(16, 48)
+    host = mirror.allocator.alloc(32)
+    before = [layer_bytes(pool, layer, dev) for layer in range(pool.num_layers)]
+    mirror.backup(pool, dev, host)
+    target = DeviceKVPool(pool.config)
+    for layer in range(pool.num_layers):
+        mirror.load_layer(target, host, dev, layer)
+        for a, b in zip(before[layer], layer_bytes(target, layer, dev)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert (mirror_module._helper is not None) is helper
+    if mirror_module._helper is not None:
+        mirror_module._helper.shutdown()
