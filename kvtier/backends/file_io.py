@@ -174,16 +174,25 @@ def _read_sealed_page(
     authenticated (an encrypted one decrypted) there (`SealedCodec.read_into`), then
     copied into the caller's `view` (`copy_out`); a file in memory (`_in_memory`) is
     read and checked in `view` itself, under the call's stop flag (`_writing`): neither
-    the read nor the check can block."""
+    the read nor the check can block. There an authenticated page is read into `view`
+    and the job's `spare` (header, bytes more) and checked as written
+    (`SealedCodec.check_as_written`) in few Python steps; a page that this does not
+    settle is read again the long way, which names what is wrong."""
     fd, device = _open_page(path)
     try:
-        read = partial(_read_frame, fd)
         if memory(fd, device):
             with _writing(stop):
-                codec.read_into(read, ns, h, view, _scratch, spare)
+                if not codec.encrypt:
+                    header, more = spare
+                    n = os.preadv(fd, (header, view, more), 0)
+                    if n == seal.HEADER_SIZE + len(view) and codec.check_as_written(
+                        header, ns, h, view
+                    ):
+                        return
+                codec.read_into(partial(_read_frame, fd), ns, h, view, _scratch, spare)
             return
         staged = _staging(len(view))
-        codec.read_into(read, ns, h, staged, _scratch, spare)
+        codec.read_into(partial(_read_frame, fd), ns, h, staged, _scratch, spare)
     finally:
         os.close(fd)
     copy_out(stop, view, staged)

@@ -388,3 +388,77 @@ def test_a_read_job_asks_each_device_once_whether_it_is_memory(monkeypatch):
             [(files[0][0], files[0][1], files[0][2], memoryview(bufs[0]))]
         )
         assert len(asked) == 2, "asked again by the next job"
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_sealed_pages_in_memory_are_read_straight_in_and_checked_every_time(
+    encrypt, tmp_path, monkeypatch
+):
+    """A sealed page in memory is read straight into the caller's buffer and checked there
+    (an authenticated one as written: its header compared whole, in few Python steps), on
+    its first read and on every read after (its key object kept): any byte of the header,
+    the tag or the body changed, the file cut or grown, a key the ring no longer holds, each
+    is that page's miss alone, and the others still read. Under the call's stop flag: a
+    call given up on before the read writes no byte."""
+    import os
+    import threading
+
+    from kvtier.backends import file_io
+    from kvtier.backends.frame import FrameError
+    from kvtier.backends.io_threads import StopFlag
+    from kvtier.backends.seal import ForeignKey, SealedCodec
+    from kvtier.tenant_keys import parse_keys
+
+    monkeypatch.setattr(file_io, "_in_memory", lambda fd, device: True)
+    old, new = parse_keys("a1" * 32, "t").current, parse_keys("b2" * 32, "t").current
+    codec = SealedCodec(parse_keys(f"{'b2' * 32},{'a1' * 32}", "t"), encrypt)
+    writers = [SealedCodec(parse_keys(k * 32, "t"), encrypt) for k in ("b2", "a1")]
+    assert [w.keys.current.key_id for w in writers] == [new.key_id, old.key_id]
+    ns, pages = "ab" * 16, []
+    for i in range(4):
+        h, payload = bytes([i]) * 32, os.urandom(4096)
+        header, body = writers[i % 2].seal(ns, h, payload)  # pages 1 and 3: old key
+        path = tmp_path / f"page-{i}"
+        path.write_bytes(bytes(header) + bytes(body))
+        pages.append((str(path), h, payload, bytes(header) + bytes(body)))
+
+    def read_all(stop=None) -> tuple[list, list[bytearray]]:
+        bufs = [bytearray(4096) for _ in pages]
+        items = [(p, ns, h, memoryview(b)) for (p, h, _, _), b in zip(pages, bufs)]
+        return file_io.read_sealed_into(codec, items, stop), bufs
+
+    for _ in range(2):  # the first read derives each page's key, the second reuses it
+        got, bufs = read_all()
+        assert got == [True] * 4 and [bytes(b) for b in bufs] == [p[2] for p in pages]
+    frame = pages[0][3]
+    changes = [frame[:-1], frame + b"\0"]
+    for at in (8, 30, 60, 70, 80, 90, 110, 127, 128, len(frame) - 1):
+        bad = bytearray(frame)
+        bad[at] ^= 0x40
+        changes.append(bytes(bad))
+    for bad in changes:
+        with open(pages[0][0], "wb") as f:
+            f.write(bad)
+        got, bufs = read_all()
+        assert isinstance(got[0], FrameError), got[0]
+        assert got[1:] == [True] * 3
+        assert [bytes(b) for b in bufs[1:]] == [p[2] for p in pages[1:]]
+    with open(pages[0][0], "wb") as f:
+        f.write(frame)
+    assert read_all()[0] == [True] * 4
+    del codec.keys.by_id[old.key_id]  # the ring drops the old key
+    got, _ = read_all()
+    assert got[0] is True and got[2] is True
+    assert isinstance(got[1], ForeignKey) and isinstance(got[3], ForeignKey)
+    codec.keys.by_id[old.key_id] = old
+
+    stop, real_fstat = StopFlag(), os.fstat
+
+    def give_up_before_the_read(fd):
+        threading.Event.set(stop)  # the call gives up once the file is open
+        return real_fstat(fd)
+
+    monkeypatch.setattr(os, "fstat", give_up_before_the_read)
+    got, bufs = read_all(stop)
+    assert isinstance(got[0], OSError) and "given up on" in str(got[0])
+    assert bufs[0] == bytes(4096)
