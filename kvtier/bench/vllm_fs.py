@@ -12,7 +12,7 @@ stores write fresh keys every round (each side deletes its round's rows untimed)
 vLLM's tier writes and reads raw rows; kvtier frames, checksums (or, with a tenant key,
 seals) and verifies every one.
 
-Run: python benchmarks/vllm_tier.py [--rounds 9] [--dir /dev/shm]
+Run: python benchmarks/vllm_tier.py [--rounds 25] [--dir /dev/shm]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 SHAPES = [(16, 1 << 20), (64, 256 << 10)]  # (rows per job, bytes per row)
 JOBS = 4  # jobs in flight at once
 LOOKUP_PASSES = 200  # lookups of every key per timed lookup round
+ROUNDS = 25  # alternating rounds, each figure their median (`--rounds`)
 
 
 def human_size(nbytes: int) -> str:
@@ -268,7 +269,7 @@ def report(rows: Rounds, n: int, size: int, label: str) -> str:
     return f"{label} {n:3d} x {human_size(size)}: " + " | ".join(parts)
 
 
-def run(rounds: int = 9, base: str = "/dev/shm") -> list[str]:
+def run(rounds: int = ROUNDS, base: str = "/dev/shm") -> list[str]:
     """Every shape, plain frames and with a tenant key; the summary lines."""
     print(
         f"kvtier / vLLM fs tier, {JOBS} jobs in flight, {rounds} alternating rounds, "
